@@ -1,0 +1,53 @@
+# The README's commands. Each creates and reuses .venv and installs what it needs; without an
+# NVIDIA GPU it installs the CPU build of torch, so no multi-GB CUDA build is downloaded.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# tp=2 pp=2 dp=2 on 8 CPU processes, or the GPUs when present (tp=1 pp=1 on fewer than 4)
+ifeq ($(GPUS),0)
+  NPROC ?= 8
+  LAYOUT ?= --tp 2 --pp 2
+else ifeq ($(shell test $(GPUS) -ge 4 && echo big),big)
+  NPROC ?= $(shell echo $$(( $(GPUS) / 4 * 4 )))
+  LAYOUT ?= --tp 2 --pp 2
+else
+  NPROC ?= 1
+  LAYOUT ?= --tp 1 --pp 1
+endif
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install train test test-fast lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	if [ "$(GPUS)" = "0" ]; then $(PY) -m pip install -q "$(TORCH_CPU)"; fi
+	$(PY) -m pip install -q -e '.[test,lint]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m torch.distributed.run --nproc_per_node $(NPROC) pretrain_gpt.py \
+	  --config configs/tiny.yaml $(LAYOUT) --save checkpoints/tiny \
+	  --metrics-file runs/tiny/metrics.jsonl --generate-tokens 40 $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf checkpoints runs wandb

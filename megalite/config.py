@@ -1,0 +1,418 @@
+"""Typed configuration: nested dataclasses filled from defaults, then YAML, then CLI flags.
+
+Every field carries its documentation (shown by `--help`) and its flag names: the field name
+with dashes (`--micro-batch-size`) plus Megatron-LM's long names and short aliases. `validate()`
+rejects impossible combinations with one clear sentence before any process group exists.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from megalite.errors import MegaliteError
+
+
+def opt(default, doc, *aliases, choices=None):
+    """A config field: its default, its documentation and any extra flag names."""
+    kw = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**kw, metadata={"doc": doc, "aliases": aliases, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    flavour: str = opt(
+        "gpt2",
+        "gpt2: LayerNorm, GELU, learned positions, biases, tied embeddings; "
+        "llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied",
+        choices=("gpt2", "llama"),
+    )
+    num_layers: int = opt(2, "transformer layers")
+    hidden_size: int = opt(64, "model width h")
+    num_attention_heads: int = opt(4, "attention heads")
+    num_query_groups: int | None = opt(None, "key/value heads for grouped-query attention (default: heads)")
+    ffn_hidden_size: int | None = opt(None, "MLP width (default: 4h for gpt2, 8h/3 rounded up to 64 for llama)")
+    seq_length: int = opt(128, "tokens per sample")
+    max_position_embeddings: int | None = opt(None, "learned positions (gpt2; default: seq_length)")
+    vocab_size: int | None = opt(None, "vocabulary size before padding (default: the tokenizer's)")
+    make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this times tp")
+    hidden_dropout: float = opt(0.0, "dropout on the residual branches")
+    attention_dropout: float = opt(0.0, "dropout on attention probabilities")
+    norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm", "--layernorm-epsilon")
+    rotary_base: float = opt(10000.0, "RoPE base (llama)")
+    init_method_std: float = opt(0.02, "std of the normal initialisation")
+    untie_embeddings_and_output_weights: bool | None = opt(
+        None, "separate output layer (default: tied for gpt2, untied for llama)"
+    )
+
+    @property
+    def heads_kv(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.flavour == "llama":
+            return -(-8 * self.hidden_size // 3 // 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def tied(self) -> bool:
+        if self.untie_embeddings_and_output_weights is None:
+            return self.flavour == "gpt2"
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        m = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // m) * m
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = opt(1, "tensor-parallel size", "--tensor-model-parallel-size")
+    pp: int = opt(1, "pipeline-parallel size", "--pipeline-model-parallel-size")
+    vpp: int = opt(
+        1,
+        "virtual pipeline chunks per rank (interleaved 1F1B when >= 2)",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--virtual-pipeline-model-parallel-size",
+    )
+    dp: int | None = opt(None, "data-parallel size (default: world size / (tp*pp))", "--data-parallel-size")
+    order: str = opt("tp-dp-pp", "rank order, fastest-varying first (TP adjacent keeps it in a node)")
+    sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over TP")
+    pp_schedule: str | None = opt(
+        None, "pipeline schedule (default: interleaved when vpp >= 2, else 1f1b)",
+        choices=("gpipe", "1f1b", "interleaved"),
+    )
+    distributed_timeout_minutes: float = opt(10.0, "collectives waiting longer than this fail the run")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(3e-4, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of decay")
+    lr_warmup_iters: int = opt(0, "linear warmup steps")
+    lr_decay_iters: int | None = opt(None, "decay steps (default: train_iters)")
+    lr_decay_style: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and biases)")
+    adam_beta1: float = opt(0.9, "Adam beta1")
+    adam_beta2: float = opt(0.95, "Adam beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon")
+    clip_grad: float = opt(1.0, "clip the global gradient norm to this (0: off)")
+    zero_stage: int = opt(0, "0: replicated optimizer; 1: sharded optimizer state; 2: also sharded gradients", choices=(0, 1, 2))
+    bucket_size_mb: float = opt(25.0, "gradient bucket size for the data-parallel reduction")
+    initial_loss_scale: float = opt(2.0**16, "fp16: starting loss scale")
+    loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale doubles")
+    min_loss_scale: float = opt(1.0, "fp16: the scale never falls below this")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = opt(
+        list, "indexed dataset prefixes, optionally weighted: 0.7 a 0.3 b (default: built-in corpus)"
+    )
+    tokenizer_model: str | None = opt(None, "sentencepiece .model (default: trained on the corpus)")
+    split: str = opt("98,2,0", "train,valid,test proportions")
+    tokenizer_vocab_size: int = opt(2048, "vocabulary of the tokenizer trained for the built-in corpus")
+    data_cache_dir: str = opt("data_cache", "where the built-in corpus and its tokenizer are cached")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = opt(2, "samples per micro-batch per DP rank", "--mbs")
+    global_batch_size: int = opt(8, "samples per optimizer step over all DP ranks", "--gbs")
+    train_iters: int = opt(20, "optimizer steps")
+    eval_interval: int = opt(0, "evaluate every N steps (0: never)")
+    eval_iters: int = opt(2, "batches per evaluation")
+    log_interval: int = opt(1, "console/metrics line every N steps")
+    seed: int = opt(1234, "seed for initialisation, data order and dropout")
+    precision: str = opt("fp32", "parameter/compute precision", choices=("fp32", "bf16", "fp16"))
+    recompute: str = opt("none", "activation recomputation", "--recompute-granularity", choices=("none", "selective", "full"))
+    kernels: str = opt("auto", "auto: Triton on CUDA, torch elsewhere", choices=("auto", "triton", "torch"))
+    max_skipped_steps: int = opt(5, "stop after this many non-finite steps in a row")
+    eval_only: bool = opt(False, "with --load: compute eval_loss on the valid split and exit")
+    dry_run: bool = opt(False, "print the memory/communication plan and exit (no process group)")
+    profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
+    generate_tokens: int = opt(0, "after training, print a sample of this many tokens")
+    debug: bool = opt(False, "show full tracebacks on errors")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = opt(None, "checkpoint directory (resumes from its latest when --load is absent)")
+    load: str | None = opt(None, "checkpoint directory to resume from")
+    save_interval: int = opt(0, "save every N steps (0: only at the end)")
+    keep_checkpoints: int = opt(2, "checkpoints kept in --save (oldest removed)")
+
+
+@dataclass
+class LoggingConfig:
+    metrics_file: str | None = opt(None, "append one JSON object per logged step")
+    wandb_project: str = opt("megalite", "Weights & Biases project")
+    wandb_run_name: str | None = opt(None, "Weights & Biases run name")
+    wandb_mode: str = opt("offline", "offline needs no account; sync later", choices=("offline", "online", "disabled"))
+    wandb_dir: str = opt("runs", "where W&B writes its files")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        cfg = cls()
+        _apply(cfg, d, source="config")
+        return cfg
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config)]
+
+
+def _fields(section_obj):
+    hints = typing.get_type_hints(type(section_obj))
+    for f in dataclasses.fields(section_obj):
+        yield f, hints[f.name]
+
+
+def _base_type(tp):
+    """(scalar type, is_list) of an annotation like int, int | None, list[str]."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is list:
+        return args[0], True
+    if args:
+        return _base_type(args[0])
+    return tp, False
+
+
+def _coerce(value, tp, where):
+    scalar, is_list = _base_type(tp)
+    if value is None:
+        return None
+    if is_list:
+        items = value if isinstance(value, list) else str(value).split()
+        return [str(v) for v in items]
+    try:
+        if scalar is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if scalar is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return scalar(value)
+    except (TypeError, ValueError):
+        raise MegaliteError(f"{where}: {value!r} is not a valid {scalar.__name__}") from None
+
+
+def _apply(cfg: Config, d: dict, source: str):
+    if not isinstance(d, dict):
+        raise MegaliteError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    for sec, values in d.items():
+        if sec not in SECTIONS:
+            hint = difflib.get_close_matches(str(sec), SECTIONS, n=1)
+            raise MegaliteError(
+                f"{source}: unknown section {sec!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else f"; sections are {', '.join(SECTIONS)}")
+            )
+        obj = getattr(cfg, sec)
+        if not isinstance(values, dict):
+            raise MegaliteError(f"{source}: section {sec!r} must be a mapping of field: value")
+        fields = {f.name: (f, t) for f, t in _fields(obj)}
+        for key, value in values.items():
+            if key not in fields:
+                hint = difflib.get_close_matches(str(key), list(fields), n=1)
+                raise MegaliteError(
+                    f"{source}: unknown field {sec}.{key}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                )
+            f, tp = fields[key]
+            v = _coerce(value, tp, f"{source}: {sec}.{key}")
+            choices = f.metadata.get("choices")
+            if choices and v not in choices and v is not None:
+                raise MegaliteError(f"{source}: {sec}.{key}={v!r} must be one of {', '.join(map(str, choices))}")
+            setattr(obj, key, v)
+
+
+def load_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise MegaliteError(f"config file {path} does not exist; pass an existing YAML file to --config")
+    try:
+        with open(path) as fh:
+            d = yaml.safe_load(fh)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise MegaliteError(f"config file {path} is not valid YAML{where}; fix its syntax") from None
+    return d or {}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise MegaliteError(message)
+
+
+def build_parser(prog="pretrain_gpt.py") -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog,
+        usage="torchrun --nproc_per_node N %(prog)s [--config FILE.yaml] [flags]",
+        description="megalite: 3D-parallel GPT pretraining. Flags override the YAML, which overrides defaults.",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", help="YAML preset (sections as in configs/tiny.yaml)")
+    defaults = Config()
+    for sec in SECTIONS:
+        obj = getattr(defaults, sec)
+        g = p.add_argument_group(sec)
+        for f, tp in _fields(obj):
+            names = ["--" + f.name.replace("_", "-"), *f.metadata["aliases"]]
+            doc = f.metadata["doc"]
+            default = getattr(obj, f.name)
+            kw = {"dest": f"{sec}.{f.name}", "help": f"{doc} [{default}]"}
+            scalar, is_list = _base_type(tp)
+            if scalar is bool:
+                g.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+            else:
+                if is_list:
+                    kw["nargs"] = "+"
+                if f.metadata["choices"]:
+                    kw["choices"] = f.metadata["choices"]
+                g.add_argument(*names, type=scalar, metavar=f.name.upper(), **kw)
+    return p
+
+
+def parse_args(argv=None) -> Config:
+    """Defaults, then the YAML of --config, then the flags given."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        bad = next((u for u in unknown if u.startswith("-")), unknown[0])
+        flag = bad.split("=")[0]
+        known = [s for a in parser._actions for s in a.option_strings]
+        hint = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        raise MegaliteError(
+            f"unknown flag {flag}" + (f"; did you mean {hint[0]}?" if hint else "; see --help")
+            if bad.startswith("-")
+            else f"unexpected argument {bad!r}; flags look like --name value"
+        )
+    cfg = Config()
+    args = vars(ns)
+    if "config" in args:
+        path = args.pop("config")
+        _apply(cfg, load_yaml(path), source=f"config file {path}")
+    for dest, value in args.items():
+        sec, name = dest.split(".")
+        setattr(getattr(cfg, sec), name, value)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Fill derived fields and reject impossible layouts; returns cfg (with dp set)."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    positive = {
+        "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "num-layers": m.num_layers, "hidden-size": m.hidden_size,
+        "num-attention-heads": m.num_attention_heads, "seq-length": m.seq_length,
+        "micro-batch-size": t.micro_batch_size, "global-batch-size": t.global_batch_size,
+        "train-iters": t.train_iters, "log-interval": t.log_interval,
+    }
+    if p.dp is not None:
+        positive["dp"] = p.dp
+    for k, v in [("num-query-groups", m.num_query_groups), ("ffn-hidden-size", m.ffn_hidden_size),
+                 ("vocab-size", m.vocab_size)]:
+        if v is not None:
+            positive[k] = v
+    for name, v in positive.items():
+        if v < 1:
+            raise MegaliteError(f"--{name}={v} must be a positive integer")
+    if world_size % (p.tp * p.pp):
+        raise MegaliteError(
+            f"world size {world_size} is not divisible by tp*pp={p.tp}*{p.pp}; "
+            f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp"
+        )
+    dp = world_size // (p.tp * p.pp)
+    if p.dp is not None and p.dp != dp:
+        raise MegaliteError(
+            f"tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.tp * p.pp * p.dp} does not equal the world size {world_size}; "
+            "fix --dp or omit it to infer it"
+        )
+    p.dp = dp
+    if m.hidden_size % m.num_attention_heads:
+        raise MegaliteError(
+            f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}"
+        )
+    if p.tp > m.num_attention_heads:
+        raise MegaliteError(f"tp={p.tp} is larger than num_attention_heads={m.num_attention_heads}; lower --tp")
+    if m.num_attention_heads % p.tp:
+        raise MegaliteError(f"num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}")
+    if m.num_attention_heads % m.heads_kv:
+        raise MegaliteError(
+            f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups={m.heads_kv}"
+        )
+    if m.heads_kv % p.tp and p.tp % m.heads_kv:
+        raise MegaliteError(
+            f"num_query_groups={m.heads_kv} is not divisible by tp={p.tp} (nor tp by it); "
+            "choose query groups that divide or are a multiple of tp"
+        )
+    if m.hidden_size % p.tp:
+        raise MegaliteError(f"hidden_size={m.hidden_size} is not divisible by tp={p.tp}")
+    if m.ffn % p.tp:
+        raise MegaliteError(f"ffn_hidden_size={m.ffn} is not divisible by tp={p.tp}")
+    if m.flavour == "llama" and m.head_dim % 2:
+        raise MegaliteError(f"head dim {m.head_dim} must be even for rotary embeddings")
+    if m.num_layers % (p.pp * p.vpp):
+        raise MegaliteError(
+            f"num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{p.vpp}; "
+            f"use a multiple of {p.pp * p.vpp} layers"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        # Documented choice: sequence parallelism is a TP feature; at tp=1 it is a no-op.
+        p.sequence_parallel = False
+    if p.sequence_parallel and m.seq_length % p.tp:
+        raise MegaliteError(f"seq_length={m.seq_length} is not divisible by tp={p.tp} (needed by --sequence-parallel)")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise MegaliteError(
+            f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size*dp="
+            f"{t.micro_batch_size}*{dp}; make it a multiple of {t.micro_batch_size * dp}"
+        )
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    schedule = p.pp_schedule or ("interleaved" if p.vpp > 1 else "1f1b")
+    if schedule == "interleaved" and p.vpp < 2:
+        raise MegaliteError("--pp-schedule interleaved needs --vpp 2 or more")
+    if schedule != "interleaved" and p.vpp > 1:
+        raise MegaliteError(f"--vpp {p.vpp} needs the interleaved schedule, not {schedule}")
+    if schedule == "interleaved" and microbatches % p.pp:
+        raise MegaliteError(
+            f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a multiple of "
+            f"pp={p.pp}; raise --global-batch-size"
+        )
+    p.pp_schedule = schedule
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        raise MegaliteError(
+            f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings}"
+        )
+    if o.min_lr > o.lr:
+        raise MegaliteError(f"min_lr={o.min_lr} is larger than lr={o.lr}")
+    if p.distributed_timeout_minutes <= 0:
+        raise MegaliteError("--distributed-timeout-minutes must be positive")
+    return cfg

@@ -1,0 +1,244 @@
+"""The small vocabulary of communication: named, autograd-aware collectives, each counted.
+
+Layers never call torch.distributed themselves. Each function here takes the one `Group` it
+needs; a group of one rank makes every function the identity (and costs nothing). Every call
+is recorded in the group's `CommLedger` as bus bytes per rank, the traffic a ring algorithm
+moves: all-reduce 2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n of the full
+tensor, point-to-point the tensor itself.
+"""
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommLedger:
+    """Bytes, calls and seconds per group kind ("tp", "pp", "dp", ...) since the last reset."""
+
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    seconds: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, kind: str, nbytes: float, seconds: float = 0.0):
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+        self.seconds[kind] += seconds
+
+    def reset(self):
+        self.bytes.clear()
+        self.calls.clear()
+        self.seconds.clear()
+
+    def snapshot(self) -> dict:
+        return {k: {"bytes": self.bytes[k], "calls": self.calls[k], "seconds": round(self.seconds[k], 6)}
+                for k in sorted(self.bytes)}
+
+
+@dataclass
+class Group:
+    """One process group and where this rank sits in it."""
+
+    kind: str
+    ranks: list
+    rank: int  # this process's index in `ranks`
+    pg: object = None  # torch ProcessGroup; None when the group is this rank alone
+    ledger: CommLedger = field(default_factory=CommLedger)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def _record(group: Group, nbytes: float, t0: float):
+    group.ledger.add(group.kind, nbytes, time.perf_counter() - t0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---- plain (non-autograd) collectives, counted -------------------------------------------
+
+
+def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=False):
+    """In-place all-reduce of t over the group."""
+    if group.size == 1:
+        return None
+    t0 = time.perf_counter()
+    work = dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+    _record(group, 2 * (group.size - 1) / group.size * _nbytes(t), t0)
+    return work
+
+
+def all_gather(out: torch.Tensor, t: torch.Tensor, group: Group, async_op=False):
+    """Concatenate every rank's t along dim 0 into out."""
+    if group.size == 1:
+        out.copy_(t)
+        return None
+    t0 = time.perf_counter()
+    work = dist.all_gather_into_tensor(out, t.contiguous(), group=group.pg, async_op=async_op)
+    _record(group, (group.size - 1) / group.size * _nbytes(out), t0)
+    return work
+
+
+def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=False):
+    """Sum t over the group and keep this rank's 1/n slice along dim 0 in out."""
+    if group.size == 1:
+        out.copy_(t)
+        return None
+    t0 = time.perf_counter()
+    work = dist.reduce_scatter_tensor(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
+    _record(group, (group.size - 1) / group.size * _nbytes(t), t0)
+    return work
+
+
+def broadcast(t: torch.Tensor, src_index: int, group: Group):
+    """Broadcast t from the group's member at index src_index."""
+    if group.size == 1:
+        return
+    t0 = time.perf_counter()
+    dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
+    _record(group, _nbytes(t), t0)
+
+
+# ---- along a dimension -------------------------------------------------------------------
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+    all_gather(out, x, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    reduce_scatter(out, x, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    x = x.contiguous().clone()
+    all_reduce(x, group)
+    return x
+
+
+# ---- autograd functions: forward op / backward op -----------------------------------------
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce backward (entering a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce forward, identity backward (leaving a row-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Scatter(torch.autograd.Function):
+    """Keep this rank's slice along dim forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along dim forward, keep this rank's slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    """All-gather along dim forward, reduce-scatter backward (sequence parallel entry)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterGather(torch.autograd.Function):
+    """Reduce-scatter along dim forward, all-gather backward (sequence parallel exit)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+def copy_to_group(x, group: Group):
+    return x if group.size == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group: Group):
+    return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def scatter_to_group(x, group: Group, dim: int = -1):
+    return x if group.size == 1 else _Scatter.apply(x, dim % x.dim(), group)
+
+
+def gather_from_group(x, group: Group, dim: int = -1):
+    return x if group.size == 1 else _Gather.apply(x, dim % x.dim(), group)
+
+
+def gather_from_sequence(x, group: Group, dim: int = 1):
+    """(b, s/t, h) -> (b, s, h); its backward reduce-scatters the gradient."""
+    return x if group.size == 1 else _GatherReduceScatter.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence(x, group: Group, dim: int = 1):
+    """(b, s, h) partial sums -> (b, s/t, h) reduced; its backward all-gathers."""
+    return x if group.size == 1 else _ReduceScatterGather.apply(x, dim, group)

@@ -1,0 +1,34 @@
+from setuptools import setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="A compact Megatron-style 3D-parallel GPT pretraining framework",
+    python_requires=">=3.10",
+    packages=[
+        "megalite",
+        "megalite.parallel",
+        "megalite.pipeline",
+        "megalite.model",
+        "megalite.optim",
+        "megalite.data",
+        "megalite.checkpoint",
+        "megalite.training",
+        "megalite.kernels",
+    ],
+    # kernels/ is shipped as megalite.kernels: a top-level `kernels` package already exists on PyPI.
+    package_dir={"megalite.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4",
+        "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
+        "sentencepiece",
+        "safetensors",
+        "wandb",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "matplotlib"],
+        "lint": ["ruff"],
+    },
+)
