@@ -35,12 +35,18 @@ class ModelConfig:
     num_layers: int = opt(2, "transformer layers")
     hidden_size: int = opt(64, "model width h")
     num_attention_heads: int = opt(4, "attention heads")
-    num_query_groups: int | None = opt(None, "key/value heads for grouped-query attention (default: heads)")
-    ffn_hidden_size: int | None = opt(None, "MLP width (default: 4h for gpt2, 8h/3 rounded up to 64 for llama)")
+    num_query_groups: int | None = opt(
+        None, "key/value heads for grouped-query attention (default: heads)"
+    )
+    ffn_hidden_size: int | None = opt(
+        None, "MLP width (default: 4h for gpt2, 8h/3 rounded up to 64 for llama)"
+    )
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: int | None = opt(None, "learned positions (gpt2; default: seq_length)")
     vocab_size: int | None = opt(None, "vocabulary size before padding (default: the tokenizer's)")
-    make_vocab_size_divisible_by: int = opt(128, "pad the vocabulary to a multiple of this times tp")
+    make_vocab_size_divisible_by: int = opt(
+        128, "pad the vocabulary to a multiple of this times tp"
+    )
     hidden_dropout: float = opt(0.0, "dropout on the residual branches")
     attention_dropout: float = opt(0.0, "dropout on attention probabilities")
     norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm", "--layernorm-epsilon")
@@ -87,14 +93,23 @@ class ParallelConfig:
         "--num-virtual-stages-per-pipeline-rank",
         "--virtual-pipeline-model-parallel-size",
     )
-    dp: int | None = opt(None, "data-parallel size (default: world size / (tp*pp))", "--data-parallel-size")
-    order: str = opt("tp-dp-pp", "rank order, fastest-varying first (TP adjacent keeps it in a node)")
-    sequence_parallel: bool = opt(False, "shard norm/dropout activations along the sequence over TP")
+    dp: int | None = opt(
+        None, "data-parallel size (default: world size / (tp*pp))", "--data-parallel-size"
+    )
+    order: str = opt(
+        "tp-dp-pp", "rank order, fastest-varying first (TP adjacent keeps it in a node)"
+    )
+    sequence_parallel: bool = opt(
+        False, "shard norm/dropout activations along the sequence over TP"
+    )
     pp_schedule: str | None = opt(
-        None, "pipeline schedule (default: interleaved when vpp >= 2, else 1f1b)",
+        None,
+        "pipeline schedule (default: interleaved when vpp >= 2, else 1f1b)",
         choices=("gpipe", "1f1b", "interleaved"),
     )
-    distributed_timeout_minutes: float = opt(10.0, "collectives waiting longer than this fail the run")
+    distributed_timeout_minutes: float = opt(
+        10.0, "collectives waiting longer than this fail the run"
+    )
 
 
 @dataclass
@@ -103,13 +118,19 @@ class OptimizerConfig:
     min_lr: float = opt(0.0, "learning rate at the end of decay")
     lr_warmup_iters: int = opt(0, "linear warmup steps")
     lr_decay_iters: int | None = opt(None, "decay steps (default: train_iters)")
-    lr_decay_style: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    lr_decay_style: str = opt(
+        "cosine", "decay after warmup", choices=("cosine", "linear", "constant")
+    )
     weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and biases)")
     adam_beta1: float = opt(0.9, "Adam beta1")
     adam_beta2: float = opt(0.95, "Adam beta2")
     adam_eps: float = opt(1e-8, "Adam epsilon")
     clip_grad: float = opt(1.0, "clip the global gradient norm to this (0: off)")
-    zero_stage: int = opt(0, "0: replicated optimizer; 1: sharded optimizer state; 2: also sharded gradients", choices=(0, 1, 2))
+    zero_stage: int = opt(
+        0,
+        "0: replicated optimizer; 1: sharded optimizer state; 2: also sharded gradients",
+        choices=(0, 1, 2),
+    )
     bucket_size_mb: float = opt(25.0, "gradient bucket size for the data-parallel reduction")
     initial_loss_scale: float = opt(2.0**16, "fp16: starting loss scale")
     loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale doubles")
@@ -119,12 +140,17 @@ class OptimizerConfig:
 @dataclass
 class DataConfig:
     data_path: list[str] = opt(
-        list, "indexed dataset prefixes, optionally weighted: 0.7 a 0.3 b (default: built-in corpus)"
+        list,
+        "indexed dataset prefixes, optionally weighted: 0.7 a 0.3 b (default: built-in corpus)",
     )
     tokenizer_model: str | None = opt(None, "sentencepiece .model (default: trained on the corpus)")
     split: str = opt("98,2,0", "train,valid,test proportions")
-    tokenizer_vocab_size: int = opt(2048, "vocabulary of the tokenizer trained for the built-in corpus")
-    data_cache_dir: str = opt("data_cache", "where the built-in corpus and its tokenizer are cached")
+    tokenizer_vocab_size: int = opt(
+        2048, "vocabulary of the tokenizer trained for the built-in corpus"
+    )
+    data_cache_dir: str = opt(
+        "data_cache", "where the built-in corpus and its tokenizer are cached"
+    )
 
 
 @dataclass
@@ -137,8 +163,15 @@ class TrainingConfig:
     log_interval: int = opt(1, "console/metrics line every N steps")
     seed: int = opt(1234, "seed for initialisation, data order and dropout")
     precision: str = opt("fp32", "parameter/compute precision", choices=("fp32", "bf16", "fp16"))
-    recompute: str = opt("none", "activation recomputation", "--recompute-granularity", choices=("none", "selective", "full"))
-    kernels: str = opt("auto", "auto: Triton on CUDA, torch elsewhere", choices=("auto", "triton", "torch"))
+    recompute: str = opt(
+        "none",
+        "activation recomputation",
+        "--recompute-granularity",
+        choices=("none", "selective", "full"),
+    )
+    kernels: str = opt(
+        "auto", "auto: Triton on CUDA, torch elsewhere", choices=("auto", "triton", "torch")
+    )
     max_skipped_steps: int = opt(5, "stop after this many non-finite steps in a row")
     eval_only: bool = opt(False, "with --load: compute eval_loss on the valid split and exit")
     dry_run: bool = opt(False, "print the memory/communication plan and exit (no process group)")
@@ -149,7 +182,9 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    save: str | None = opt(None, "checkpoint directory (resumes from its latest when --load is absent)")
+    save: str | None = opt(
+        None, "checkpoint directory (resumes from its latest when --load is absent)"
+    )
     load: str | None = opt(None, "checkpoint directory to resume from")
     save_interval: int = opt(0, "save every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "checkpoints kept in --save (oldest removed)")
@@ -160,7 +195,9 @@ class LoggingConfig:
     metrics_file: str | None = opt(None, "append one JSON object per logged step")
     wandb_project: str = opt("megalite", "Weights & Biases project")
     wandb_run_name: str | None = opt(None, "Weights & Biases run name")
-    wandb_mode: str = opt("offline", "offline needs no account; sync later", choices=("offline", "online", "disabled"))
+    wandb_mode: str = opt(
+        "offline", "offline needs no account; sync later", choices=("offline", "online", "disabled")
+    )
     wandb_dir: str = opt("runs", "where W&B writes its files")
 
 
@@ -234,7 +271,11 @@ def _apply(cfg: Config, d: dict, source: str):
             hint = difflib.get_close_matches(str(sec), SECTIONS, n=1)
             raise MegaliteError(
                 f"{source}: unknown section {sec!r}"
-                + (f"; did you mean {hint[0]!r}?" if hint else f"; sections are {', '.join(SECTIONS)}")
+                + (
+                    f"; did you mean {hint[0]!r}?"
+                    if hint
+                    else f"; sections are {', '.join(SECTIONS)}"
+                )
             )
         obj = getattr(cfg, sec)
         if not isinstance(values, dict):
@@ -244,26 +285,33 @@ def _apply(cfg: Config, d: dict, source: str):
             if key not in fields:
                 hint = difflib.get_close_matches(str(key), list(fields), n=1)
                 raise MegaliteError(
-                    f"{source}: unknown field {sec}.{key}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                    f"{source}: unknown field {sec}.{key}"
+                    + (f"; did you mean {hint[0]!r}?" if hint else "")
                 )
             f, tp = fields[key]
             v = _coerce(value, tp, f"{source}: {sec}.{key}")
             choices = f.metadata.get("choices")
             if choices and v not in choices and v is not None:
-                raise MegaliteError(f"{source}: {sec}.{key}={v!r} must be one of {', '.join(map(str, choices))}")
+                raise MegaliteError(
+                    f"{source}: {sec}.{key}={v!r} must be one of {', '.join(map(str, choices))}"
+                )
             setattr(obj, key, v)
 
 
 def load_yaml(path: str) -> dict:
     if not os.path.isfile(path):
-        raise MegaliteError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        raise MegaliteError(
+            f"config file {path} does not exist; pass an existing YAML file to --config"
+        )
     try:
         with open(path) as fh:
             d = yaml.safe_load(fh)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise MegaliteError(f"config file {path} is not valid YAML{where}; fix its syntax") from None
+        raise MegaliteError(
+            f"config file {path} is not valid YAML{where}; fix its syntax"
+        ) from None
     return d or {}
 
 
@@ -331,15 +379,25 @@ def validate(cfg: Config, world_size: int) -> Config:
     """Fill derived fields and reject impossible layouts; returns cfg (with dp set)."""
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
     positive = {
-        "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "num-layers": m.num_layers, "hidden-size": m.hidden_size,
-        "num-attention-heads": m.num_attention_heads, "seq-length": m.seq_length,
-        "micro-batch-size": t.micro_batch_size, "global-batch-size": t.global_batch_size,
-        "train-iters": t.train_iters, "log-interval": t.log_interval,
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": p.vpp,
+        "num-layers": m.num_layers,
+        "hidden-size": m.hidden_size,
+        "num-attention-heads": m.num_attention_heads,
+        "seq-length": m.seq_length,
+        "micro-batch-size": t.micro_batch_size,
+        "global-batch-size": t.global_batch_size,
+        "train-iters": t.train_iters,
+        "log-interval": t.log_interval,
     }
     if p.dp is not None:
         positive["dp"] = p.dp
-    for k, v in [("num-query-groups", m.num_query_groups), ("ffn-hidden-size", m.ffn_hidden_size),
-                 ("vocab-size", m.vocab_size)]:
+    for k, v in [
+        ("num-query-groups", m.num_query_groups),
+        ("ffn-hidden-size", m.ffn_hidden_size),
+        ("vocab-size", m.vocab_size),
+    ]:
         if v is not None:
             positive[k] = v
     for name, v in positive.items():
@@ -362,9 +420,13 @@ def validate(cfg: Config, world_size: int) -> Config:
             f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}"
         )
     if p.tp > m.num_attention_heads:
-        raise MegaliteError(f"tp={p.tp} is larger than num_attention_heads={m.num_attention_heads}; lower --tp")
+        raise MegaliteError(
+            f"tp={p.tp} is larger than num_attention_heads={m.num_attention_heads}; lower --tp"
+        )
     if m.num_attention_heads % p.tp:
-        raise MegaliteError(f"num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}")
+        raise MegaliteError(
+            f"num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}"
+        )
     if m.num_attention_heads % m.heads_kv:
         raise MegaliteError(
             f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups={m.heads_kv}"
@@ -389,7 +451,9 @@ def validate(cfg: Config, world_size: int) -> Config:
         # Documented choice: sequence parallelism is a TP feature; at tp=1 it is a no-op.
         p.sequence_parallel = False
     if p.sequence_parallel and m.seq_length % p.tp:
-        raise MegaliteError(f"seq_length={m.seq_length} is not divisible by tp={p.tp} (needed by --sequence-parallel)")
+        raise MegaliteError(
+            f"seq_length={m.seq_length} is not divisible by tp={p.tp} (needed by --sequence-parallel)"
+        )
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise MegaliteError(
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size*dp="

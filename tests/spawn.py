@@ -40,7 +40,10 @@ def _entry(rank, world_size, tmp, fn, args):
 
 def spawn(fn, world_size, *args, timeout=180):
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [_CTX.Process(target=_entry, args=(r, world_size, tmp, fn, args)) for r in range(world_size)]
+        procs = [
+            _CTX.Process(target=_entry, args=(r, world_size, tmp, fn, args))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -60,12 +63,20 @@ def spawn(fn, world_size, *args, timeout=180):
             if p.is_alive():
                 p.kill()
             p.join()
-        errors = {r: open(f"{tmp}/err.{r}").read() for r in range(world_size) if os.path.exists(f"{tmp}/err.{r}")}
+        errors = {
+            r: open(f"{tmp}/err.{r}").read()
+            for r in range(world_size)
+            if os.path.exists(f"{tmp}/err.{r}")
+        }
         if errors:
-            r = min(errors)
+            # a crashed rank makes its peers fail with "connection closed": show the cause first
+            secondary = ("Connection closed", "Connection reset", "Broken pipe")
+            r = min(errors, key=lambda r: (any(m in errors[r] for m in secondary), r))
             raise AssertionError(f"rank {r} of {world_size} failed:\n{errors[r]}")
         if alive:
-            raise TimeoutError(f"ranks {alive} of {world_size} still running after {timeout}s (hang?)")
+            raise TimeoutError(
+                f"ranks {alive} of {world_size} still running after {timeout}s (hang?)"
+            )
         bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise AssertionError(f"ranks {bad} exited with {[procs[r].exitcode for r in bad]}")

@@ -34,8 +34,14 @@ class CommLedger:
         self.seconds.clear()
 
     def snapshot(self) -> dict:
-        return {k: {"bytes": self.bytes[k], "calls": self.calls[k], "seconds": round(self.seconds[k], 6)}
-                for k in sorted(self.bytes)}
+        return {
+            k: {
+                "bytes": self.bytes[k],
+                "calls": self.calls[k],
+                "seconds": round(self.seconds[k], 6),
+            }
+            for k in sorted(self.bytes)
+        }
 
 
 @dataclass
@@ -80,18 +86,20 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group: Group, async_op=False)
         out.copy_(t)
         return None
     t0 = time.perf_counter()
-    work = dist.all_gather_into_tensor(out, t.contiguous(), group=group.pg, async_op=async_op)
+    work = dist.all_gather_single(out, t.contiguous(), group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(out), t0)
     return work
 
 
-def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=False):
+def reduce_scatter(
+    out: torch.Tensor, t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=False
+):
     """Sum t over the group and keep this rank's 1/n slice along dim 0 in out."""
     if group.size == 1:
         out.copy_(t)
         return None
     t0 = time.perf_counter()
-    work = dist.reduce_scatter_tensor(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
+    work = dist.reduce_scatter_single(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(t), t0)
     return work
 

@@ -54,8 +54,12 @@ def world_from_env() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def init_distributed(timeout_minutes: float = 10.0, init_method: str | None = None,
-                     rank: int | None = None, world_size: int | None = None) -> torch.device:
+def init_distributed(
+    timeout_minutes: float = 10.0,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.device:
     """Start torch.distributed once per process; returns this rank's device."""
     env_rank, env_world, local_rank = world_from_env()
     rank = env_rank if rank is None else rank
@@ -79,7 +83,9 @@ def init_distributed(timeout_minutes: float = 10.0, init_method: str | None = No
     return device
 
 
-def build_groups(topo: Topology, device: torch.device, timeout_minutes: float = 10.0) -> ProcessGroups:
+def build_groups(
+    topo: Topology, device: torch.device, timeout_minutes: float = 10.0
+) -> ProcessGroups:
     """Create every group of the topology (all ranks take part in creating each) and keep ours."""
     rank = dist.get_rank()
     if dist.get_world_size() != topo.world_size:
@@ -98,8 +104,16 @@ def build_groups(topo: Topology, device: torch.device, timeout_minutes: float = 
     groups = {kind: make(kind, topo.groups(kind)) for kind in ("tp", "pp", "dp")}
     groups["mp"] = make("mp", topo.groups("tp+pp"))
     embed = make("embed", topo.embedding_groups())
-    world = Group("world", list(range(topo.world_size)), rank, dist.group.WORLD if topo.world_size > 1 else None, ledger)
-    return ProcessGroups(topo=topo, rank=rank, device=device, embed=embed, world=world, ledger=ledger, **groups)
+    world = Group(
+        "world",
+        list(range(topo.world_size)),
+        rank,
+        dist.group.WORLD if topo.world_size > 1 else None,
+        ledger,
+    )
+    return ProcessGroups(
+        topo=topo, rank=rank, device=device, embed=embed, world=world, ledger=ledger, **groups
+    )
 
 
 def destroy():

@@ -12,13 +12,17 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 def test_precedence_defaults_yaml_cli(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model:\n  num_layers: 6\n  hidden_size: 96\ntraining:\n  seed: 7\n")
-    cfg = parse_args(["--config", str(y), "--hidden-size", "128", "--tensor-model-parallel-size", "2"])
+    cfg = parse_args(
+        ["--config", str(y), "--hidden-size", "128", "--tensor-model-parallel-size", "2"]
+    )
     assert cfg.model.num_layers == 6  # from YAML
     assert cfg.model.hidden_size == 128  # CLI beats YAML
     assert cfg.training.seed == 7
     assert cfg.parallel.tp == 2  # Megatron alias
     assert cfg.training.micro_batch_size == 2  # default
-    cfg = parse_args(["--pp", "2", "--vpp", "2", "--gbs", "16", "--num-layers", "4", "--sequence-parallel"])
+    cfg = parse_args(
+        ["--pp", "2", "--vpp", "2", "--gbs", "16", "--num-layers", "4", "--sequence-parallel"]
+    )
     assert (cfg.parallel.pp, cfg.parallel.vpp, cfg.training.global_batch_size) == (2, 2, 16)
     validate(cfg, world_size=8)
     assert cfg.parallel.dp == 4  # inferred
@@ -32,27 +36,59 @@ BAD = [
     (["--tp", "3"], 8, "world size 8 is not divisible by tp*pp=3*1"),
     (["--tp", "2", "--dp", "2"], 8, "does not equal the world size 8"),
     (["--tp", "8", "--num-attention-heads", "4"], 8, "tp=8 is larger than num_attention_heads=4"),
-    (["--tp", "4", "--num-attention-heads", "6", "--hidden-size", "96"], 4, "num_attention_heads=6 is not divisible by tp=4"),
-    (["--tp", "4", "--num-attention-heads", "12", "--hidden-size", "96", "--num-query-groups", "6"], 4,
-     "num_query_groups=6 is not divisible by tp=4"),
+    (
+        ["--tp", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
+        4,
+        "num_attention_heads=6 is not divisible by tp=4",
+    ),
+    (
+        [
+            "--tp",
+            "4",
+            "--num-attention-heads",
+            "12",
+            "--hidden-size",
+            "96",
+            "--num-query-groups",
+            "6",
+        ],
+        4,
+        "num_query_groups=6 is not divisible by tp=4",
+    ),
     (["--pp", "2", "--num-layers", "3"], 2, "num_layers=3 is not divisible by pp*vpp=2*1"),
-    (["--pp", "2", "--vpp", "2", "--num-layers", "6"], 2, "num_layers=6 is not divisible by pp*vpp=2*2"),
-    (["--gbs", "10", "--mbs", "2"], 2, "global_batch_size=10 is not divisible by micro_batch_size*dp=2*2"),
+    (
+        ["--pp", "2", "--vpp", "2", "--num-layers", "6"],
+        2,
+        "num_layers=6 is not divisible by pp*vpp=2*2",
+    ),
+    (
+        ["--gbs", "10", "--mbs", "2"],
+        2,
+        "global_batch_size=10 is not divisible by micro_batch_size*dp=2*2",
+    ),
     (["--hidden-size", "0"], 1, "--hidden-size=0 must be a positive integer"),
     (["--tp", "-2"], 1, "--tp=-2 must be a positive integer"),
-    (["--pp", "2", "--vpp", "2", "--num-layers", "4", "--gbs", "6", "--mbs", "2"], 2,
-     "needs micro-batches per step (3) to be a multiple of pp=2"),
+    (
+        ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--gbs", "6", "--mbs", "2"],
+        2,
+        "needs micro-batches per step (3) to be a multiple of pp=2",
+    ),
 ]
 
 
 @pytest.mark.parametrize("argv,world,message", BAD)
 def test_validate_rejects(argv, world, message):
-    with pytest.raises(MegaliteError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        MegaliteError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")
+    ):
         validate(parse_args(argv), world)
 
 
 def test_parse_errors(tmp_path):
-    with pytest.raises(MegaliteError, match="unknown flag --tensor-paralel-size; did you mean --tensor-model-parallel-size"):
+    with pytest.raises(
+        MegaliteError,
+        match="unknown flag --tensor-paralel-size; did you mean --tensor-model-parallel-size",
+    ):
         parse_args(["--tensor-paralel-size", "2"])
     with pytest.raises(MegaliteError, match="does not exist"):
         parse_args(["--config", str(tmp_path / "nope.yaml")])
@@ -73,8 +109,13 @@ def test_parse_errors(tmp_path):
 
 
 def test_entry_point_prints_one_line_and_exits_nonzero():
-    r = subprocess.run([sys.executable, "pretrain_gpt.py", "--tp", "3"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--tp", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "megalite: error: world size 1 is not divisible by tp*pp=3*1; launch a multiple of 3 processes "

@@ -1,0 +1,214 @@
+"""One transformer layer (pre-norm) built from the tensor-parallel layers.
+
+Shapes: h hidden, t TP size, s sequence; hidden states enter and leave a layer as (b, s, h),
+or (b, s/t, h) with sequence parallelism. Heads are split over TP: this rank computes nh/t
+query heads and the key/value heads they need.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from megalite.config import ModelConfig
+from megalite.parallel.comm import Group
+from megalite.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    enter_tp_region,
+    mark,
+)
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2) or RMSNorm (llama). Replicated over TP; with sequence parallelism each
+    rank sees only its rows, so the weight gradient is summed over TP."""
+
+    def __init__(self, cfg: ModelConfig, ops, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        self.ops, self.eps, self.rms = ops, cfg.norm_epsilon, cfg.flavour == "llama"
+        kw = {"dtype": dtype, "device": device}
+        self.weight = mark(
+            nn.Parameter(torch.ones(cfg.hidden_size, **kw)),
+            grad_sync_tp=sequence_parallel,
+            no_weight_decay=True,
+        )
+        self.bias = None
+        if not self.rms:
+            self.bias = mark(
+                nn.Parameter(torch.zeros(cfg.hidden_size, **kw)),
+                grad_sync_tp=sequence_parallel,
+                no_weight_decay=True,
+            )
+
+    def forward(self, x):
+        if self.rms:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def rotary_tables(cfg: ModelConfig, device=None):
+    """cos, sin (seq_length, head_dim/2) in fp32, as Hugging Face Llama computes them."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.outer(torch.arange(cfg.seq_length, dtype=torch.int64).float(), inv_freq)
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: Group,
+        ops,
+        sequence_parallel,
+        sharded_rng,
+        recompute_core,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng
+        self.cfg, self.recompute_core = cfg, recompute_core
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.heads_kv, cfg.head_dim
+        self.heads = nh // tp.size
+        # Fewer query groups than TP ranks: every rank keeps all k/v heads and uses its group's.
+        self.split_kv = nkv % tp.size == 0
+        self.kv_heads = nkv // tp.size if self.split_kv else 1
+        self.kv_group = None if self.split_kv else tp.rank * nkv // tp.size
+        bias = cfg.flavour == "gpt2"
+        kw = {
+            "group": tp,
+            "bias": bias,
+            "sequence_parallel": sequence_parallel,
+            "enter": False,
+            "dtype": dtype,
+            "device": device,
+        }
+        self.q = ColumnParallelLinear(h, nh * hd, **kw)
+        self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **kw)
+        self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **kw)
+        self.out = RowParallelLinear(
+            nh * hd,
+            h,
+            tp,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
+        if cfg.flavour == "llama":
+            cos, sin = rotary_tables(cfg, device)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+
+    def _core(self, q, k, v):
+        p = self.cfg.attention_dropout if self.training else 0.0
+        if p > 0:
+            with self.rng.fork():  # heads are sharded: each rank drops its own
+                return self.ops.attention(q, k, v, p)
+        return self.ops.attention(q, k, v)
+
+    def forward(self, x):
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        b, s, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q(x).view(b, s, self.heads, hd)
+        k = self.k(x).view(b, s, -1, hd)
+        v = self.v(x).view(b, s, -1, hd)
+        if self.kv_group is not None:
+            k = k[:, :, self.kv_group : self.kv_group + 1]
+            v = v[:, :, self.kv_group : self.kv_group + 1]
+        if self.cfg.flavour == "llama":
+            q = self.ops.rotary(q, self.cos[:s], self.sin[:s])
+            k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
+        if self.recompute_core and self.training:
+            o = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            o = self._core(q, k, v)
+        o = o.transpose(1, 2).reshape(b, s, self.heads * hd)  # (b, s, nh/t * hd)
+        return self.out(o)
+
+
+class MLP(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, dtype=None, device=None
+    ):
+        super().__init__()
+        self.tp, self.sp, self.ops = tp, sequence_parallel, ops
+        self.llama = cfg.flavour == "llama"
+        h, f = cfg.hidden_size, cfg.ffn
+        kw = {
+            "group": tp,
+            "bias": not self.llama,
+            "sequence_parallel": sequence_parallel,
+            "enter": False,
+            "dtype": dtype,
+            "device": device,
+        }
+        if self.llama:
+            self.gate = ColumnParallelLinear(h, f, **kw)
+        self.up = ColumnParallelLinear(h, f, **kw)
+        self.down = RowParallelLinear(
+            f,
+            h,
+            tp,
+            bias=not self.llama,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
+
+    def forward(self, x):
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        if self.llama:
+            y = self.ops.swiglu(self.gate(x), self.up(x))  # (b, s, f/t)
+        else:
+            y = self.ops.gelu(self.up(x))
+        return self.down(y)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: Group,
+        ops,
+        sequence_parallel,
+        sharded_rng,
+        recompute,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.sp, self.rng, self.dropout, self.recompute = (
+            sequence_parallel,
+            sharded_rng,
+            cfg.hidden_dropout,
+            recompute,
+        )
+        self.input_norm = Norm(cfg, ops, sequence_parallel, **kw)
+        self.attention = Attention(
+            cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw
+        )
+        self.post_attention_norm = Norm(cfg, ops, sequence_parallel, **kw)
+        self.mlp = MLP(cfg, tp, ops, sequence_parallel, **kw)
+
+    def _drop(self, x):
+        if not self.training or self.dropout == 0:
+            return x
+        if self.sp:  # rows sharded over TP: different masks per rank
+            with self.rng.fork():
+                return F.dropout(x, self.dropout)
+        return F.dropout(x, self.dropout)
+
+    def _forward(self, x):
+        x = x + self._drop(self.attention(self.input_norm(x)))
+        return x + self._drop(self.mlp(self.post_attention_norm(x)))
+
+    def forward(self, x):
+        if self.recompute == "full" and self.training:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)

@@ -1,0 +1,50 @@
+"""Random streams for dropout under tensor parallelism.
+
+Where activations are replicated over TP (hidden states without sequence parallelism) every TP
+rank must drop the same elements: they draw from the default generator, seeded the same on all
+ranks of a TP group. Where activations are sharded (attention heads, sequence-parallel hidden
+states) ranks must draw differently: they draw inside `ShardedRNG.fork()`, a stream seeded per
+TP rank.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+
+def seed_replicated(seed: int, pp_rank: int = 0, dp_rank: int = 0):
+    """Seed the default generator: equal across TP ranks, different across stages and replicas."""
+    torch.manual_seed(seed + 100 * pp_rank + 10007 * dp_rank)
+
+
+class ShardedRNG:
+    """A generator state of its own, swapped in for the default one inside `fork()`."""
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+        self.device = device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed + 2718 + tp_rank)
+            self.state = self._get()
+
+    def _get(self):
+        return (
+            torch.cuda.get_rng_state(self.device)
+            if self.device.type == "cuda"
+            else torch.get_rng_state()
+        )
+
+    def _set(self, state):
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextmanager
+    def fork(self):
+        saved = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(saved)

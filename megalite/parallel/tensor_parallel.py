@@ -1,0 +1,155 @@
+"""Megatron's tensor-parallel layers: each holds 1/tp of a logical weight.
+
+A column-parallel linear splits the output features, a row-parallel one the input features, so
+an attention or MLP block needs one all-reduce forward (or, with sequence parallelism, an
+all-gather before and a reduce-scatter after). Layers record how they are split on their
+parameters (`partition_dim`, `grad_sync_tp`; see docs/architecture.md); the model initialises
+every logical tensor whole from the seed and keeps its slice, so any tp starts identical.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite.parallel import comm
+from megalite.parallel.comm import Group
+
+
+def mark(param: nn.Parameter, partition_dim=None, grad_sync_tp=False, no_weight_decay=False):
+    param.partition_dim = partition_dim
+    param.grad_sync_tp = grad_sync_tp
+    param.no_weight_decay = no_weight_decay
+    return param
+
+
+def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Input of column-parallel layers: (b, s/t, h) all-gathered with sequence parallelism,
+    else (b, s, h) as is (its gradient is all-reduced over TP in backward)."""
+    if sequence_parallel:
+        return comm.gather_from_sequence(x, group)
+    return comm.copy_to_group(x, group)
+
+
+def exit_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Output of row-parallel layers: partial sums (b, s, h) reduced, and with sequence
+    parallelism scattered along the sequence to (b, s/t, h)."""
+    if sequence_parallel:
+        return comm.reduce_scatter_to_sequence(x, group)
+    return comm.reduce_from_group(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W (out, in) split along out: this rank computes out/tp features.
+
+    `enter=False` when the caller has already entered the TP region once for several layers
+    sharing one input (q, k, v; gate, up), so the input is gathered/reduced once, not per layer.
+    `split=False` keeps the whole weight on every rank (k/v heads replicated when there are
+    fewer query groups than TP ranks); its gradient is then summed over TP.
+    """
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        group: Group,
+        bias=True,
+        sequence_parallel=False,
+        enter=True,
+        gather_output=False,
+        split=True,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.enter, self.gather_output = enter, gather_output
+        tp = group.size if split else 1
+        if out_features % tp:
+            raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
+        kw = {"dtype": dtype, "device": device}
+        self.weight = mark(
+            nn.Parameter(torch.empty(out_features // tp, in_features, **kw)),
+            partition_dim=0 if split else None,
+            grad_sync_tp=not split and group.size > 1,
+        )
+        self.bias = None
+        if bias:
+            self.bias = mark(
+                nn.Parameter(torch.zeros(out_features // tp, **kw)),
+                partition_dim=0 if split else None,
+                grad_sync_tp=not split and group.size > 1,
+                no_weight_decay=True,
+            )
+
+    def forward(self, x):
+        if self.enter:
+            x = enter_tp_region(x, self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        if self.gather_output:
+            y = comm.gather_from_group(y, self.group, dim=-1)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W (out, in) split along in: x arrives split (b, s, in/tp), the partial
+    products are summed over TP (reduce-scattered along the sequence with sequence parallelism)."""
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        group: Group,
+        bias=True,
+        sequence_parallel=False,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        if in_features % group.size:
+            raise ValueError(f"in_features={in_features} is not divisible by tp={group.size}")
+        kw = {"dtype": dtype, "device": device}
+        self.weight = mark(
+            nn.Parameter(torch.empty(out_features, in_features // group.size, **kw)),
+            partition_dim=1,
+        )
+        self.bias = None
+        if bias:
+            # added after the reduction: replicated; with SP each rank adds it to its own rows only
+            self.bias = mark(
+                nn.Parameter(torch.zeros(out_features, **kw)),
+                grad_sync_tp=sequence_parallel,
+                no_weight_decay=True,
+            )
+
+    def forward(self, x):
+        y = exit_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table (V, h) split by rows: rank r holds tokens [r V/tp, (r+1) V/tp). Tokens
+    outside the slice look up zeros; the sum over TP gives every token its row."""
+
+    def __init__(
+        self, num_embeddings, dim, group: Group, sequence_parallel=False, dtype=None, device=None
+    ):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        if num_embeddings % group.size:
+            raise ValueError(f"num_embeddings={num_embeddings} is not divisible by tp={group.size}")
+        self.per_rank = num_embeddings // group.size
+        self.start = group.rank * self.per_rank
+        self.weight = mark(
+            nn.Parameter(torch.empty(self.per_rank, dim, dtype=dtype, device=device)),
+            partition_dim=0,
+        )
+
+    def forward(self, ids):  # (b, s) -> (b, s, h), or (b, s/tp, h) with sequence parallelism
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return exit_tp_region(out, self.group, self.sequence_parallel)

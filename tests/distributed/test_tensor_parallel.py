@@ -1,0 +1,168 @@
+"""Every tensor-parallel computation against the same computation in one process (fp64)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.config import ModelConfig
+from megalite.model.gpt import GPTChunk
+from megalite.parallel import comm
+from megalite.parallel import groups as pg
+from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.random import ShardedRNG, seed_replicated
+from megalite.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megalite.parallel.topology import Topology
+from tests.spawn import spawn
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-10
+
+
+def tp_group(world):
+    return pg.build_groups(Topology(tp=world), torch.device("cpu")).tp
+
+
+def shard(t, dim, g):
+    return t.chunk(g.size, dim)[g.rank]
+
+
+def close(a, b, what, tol=TOL):
+    err = (a - b).abs().max().item()
+    assert err <= tol, f"{what}: max abs diff {err}"
+
+
+def _layers(rank, world):
+    g = tp_group(world)
+    torch.manual_seed(0)  # same data and reference weights on every rank
+    b, s, h, out, V = 2, 8, 8, 12, 37 * world
+    x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.Linear(h, out, dtype=torch.float64)
+    for sp in (False, True):
+        col = ColumnParallelLinear(
+            h, out, g, sequence_parallel=sp, gather_output=True, dtype=torch.float64
+        )
+        with torch.no_grad():
+            col.weight.copy_(shard(ref.weight, 0, g))
+            col.bias.copy_(shard(ref.bias, 0, g))
+        xin = (
+            shard(x, 1, g).detach().requires_grad_() if sp else x.detach().clone().requires_grad_()
+        )
+        y = col(xin)
+        close(y, ref(x), f"column forward sp={sp}")
+        y.square().sum().backward()
+        x.grad = None
+        ref.zero_grad()
+        ref(x).square().sum().backward()
+        close(col.weight.grad, shard(ref.weight.grad, 0, g), "column weight grad")
+        close(col.bias.grad, shard(ref.bias.grad, 0, g), "column bias grad")
+        close(xin.grad, shard(x.grad, 1, g) if sp else x.grad, "column input grad")
+        # row parallel: input split along features
+        row = RowParallelLinear(out, h, g, sequence_parallel=sp, dtype=torch.float64)
+        ref2 = torch.nn.Linear(out, h, dtype=torch.float64)
+        with torch.no_grad():
+            row.weight.copy_(shard(ref2.weight, 1, g))
+            row.bias.copy_(ref2.bias)
+        z = torch.randn(b, s, out, dtype=torch.float64, requires_grad=True)
+        zin = shard(z, -1, g).detach().requires_grad_()
+        y = row(zin)
+        expected = ref2(z)
+        close(y, shard(expected, 1, g) if sp else expected, f"row forward sp={sp}")
+        (y * 3).sum().backward()
+        (expected * 3).sum().backward()
+        close(row.weight.grad, shard(ref2.weight.grad, 1, g), "row weight grad")
+        bias_grad = row.bias.grad.clone()
+        if sp:
+            comm.all_reduce(bias_grad, g)  # grad_sync_tp
+        close(bias_grad, ref2.bias.grad, "row bias grad")
+        close(zin.grad, shard(z.grad, -1, g), "row input grad")
+    # vocab-parallel embedding (rows split) and cross entropy, vocab not divisible by tp
+    emb_ref = torch.nn.Embedding(V, h, dtype=torch.float64)
+    emb = VocabParallelEmbedding(V, h, g, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(shard(emb_ref.weight, 0, g))
+    ids = torch.randint(0, V, (b, s))
+    close(emb(ids), emb_ref(ids), "embedding forward")
+    emb(ids).pow(3).sum().backward()
+    emb_ref(ids).pow(3).sum().backward()
+    close(emb.weight.grad, shard(emb_ref.weight.grad, 0, g), "embedding grad")
+    real = V - 5  # last columns are padding
+    logits = torch.randn(b, s, V, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, real, (b, s))
+    labels[0, 0] = -100
+    mine = shard(logits, -1, g).detach().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, labels, g, real)
+    expected = F.cross_entropy(
+        logits[..., :real].flatten(0, 1), labels.flatten(), reduction="none"
+    ).view(b, s)
+    close(loss, expected, "cross entropy forward")
+    w = torch.rand(b, s, dtype=torch.float64)
+    (loss * w).sum().backward()
+    (expected * w).sum().backward()
+    close(mine.grad, shard(logits.grad, -1, g), "cross entropy grad")
+    # dropout streams: replicated regions agree over TP, sharded ones differ
+    seed_replicated(7)
+    same = torch.rand(64)
+    with ShardedRNG(7, g.rank, torch.device("cpu")).fork():
+        differ = torch.rand(64)
+    both = torch.stack([same, differ])
+    gathered = comm._gather(both.unsqueeze(0), 0, g)
+    assert all(torch.equal(gathered[0, 0], gathered[r, 0]) for r in range(world))
+    assert not any(torch.equal(gathered[0, 1], gathered[r, 1]) for r in range(1, world))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_match_one_process(world):
+    assert all(spawn(_layers, world))
+
+
+MODEL_CASES = [
+    dict(flavour="gpt2"),
+    dict(flavour="llama", num_query_groups=4),  # query groups split over TP
+    dict(flavour="llama", num_query_groups=1),  # fewer query groups than TP ranks: replicated k/v
+]
+
+
+def _model(rank, world, sp, case):
+    g = tp_group(world)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=8,
+        vocab_size=301,
+        make_vocab_size_divisible_by=8,
+        **case,
+    )
+    ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
+    model = GPTChunk(cfg, g, sequence_parallel=sp, seed=11, dtype=torch.float64)
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1))
+    tokens, labels = ids[:, :-1], ids[:, 1:]
+    close(model(tokens), ref(tokens), "logits")
+    loss, expected = model(tokens, labels), ref(tokens, labels)
+    close(loss, expected, "loss")
+    loss.backward()
+    expected.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad, full = p.grad.clone(), ref_params[name].grad
+        if p.grad_sync_tp:
+            comm.all_reduce(grad, g)
+        if name in ("embedding.word.weight", "output.weight"):  # padded further at tp > 1
+            full = F.pad(full[: cfg.vocab_size], (0, 0, 0, model.vocab - cfg.vocab_size))
+        if p.partition_dim is not None:
+            full = shard(full, p.partition_dim, g)
+        close(grad, full, f"grad of {name}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_model_matches_one_process(world, sp):
+    for case in MODEL_CASES:
+        assert all(spawn(_model, world, sp, case))
