@@ -1,19 +1,26 @@
 """Fused kernels (installed as megalite.kernels), each beside its plain-torch reference.
 
 `select(mode, device)` returns the ops the model calls: the Triton kernels when mode is
-"triton" (or "auto" on CUDA), the torch references otherwise.
+"triton" (or "auto" on CUDA), the torch references otherwise. A Triton op handed inputs it does
+not support (a head dim, a dtype, bf16 under the CPU interpreter) warns once and runs its
+reference instead, so choosing "triton" never turns a working model into a failing one.
 """
 
 from types import SimpleNamespace
 
 import torch
-
-from megalite.kernels.activations import gelu_ref, swiglu_ref
-from megalite.kernels.attention import attention_ref
-from megalite.kernels.cross_entropy import cross_entropy_ref
-from megalite.kernels.layer_norm import layer_norm_ref
-from megalite.kernels.rms_norm import rms_norm_ref
-from megalite.kernels.rotary import rotary_ref
+from megalite.kernels._triton import INTERPRET, TRITON_ERROR, warn_once
+from megalite.kernels.activations import gelu, gelu_ref, swiglu, swiglu_ref
+from megalite.kernels.attention import attention, attention_ref
+from megalite.kernels.cross_entropy import (
+    cross_entropy,
+    cross_entropy_ref,
+    cross_entropy_shard_grad,
+    cross_entropy_shard_stats,
+)
+from megalite.kernels.layer_norm import layer_norm, layer_norm_ref
+from megalite.kernels.rms_norm import rms_norm, rms_norm_ref
+from megalite.kernels.rotary import rotary, rotary_ref
 
 TORCH_OPS = SimpleNamespace(
     rms_norm=rms_norm_ref,
@@ -25,8 +32,36 @@ TORCH_OPS = SimpleNamespace(
     attention=attention_ref,
 )
 
+TRITON_OPS = SimpleNamespace(
+    rms_norm=rms_norm,
+    layer_norm=layer_norm,
+    rotary=rotary,
+    swiglu=swiglu,
+    gelu=gelu,
+    cross_entropy=cross_entropy,
+    attention=attention,
+)
 
-def select(mode: str, device: torch.device) -> SimpleNamespace:
+__all__ = [
+    "TORCH_OPS",
+    "TRITON_OPS",
+    "cross_entropy_shard_grad",
+    "cross_entropy_shard_stats",
+    "select",
+]
+
+
+def select(mode: str, device: torch.device | str) -> SimpleNamespace:
+    """mode "torch" | "triton" | "auto" (Triton on CUDA, torch elsewhere) -> namespace of ops."""
+    if mode not in ("torch", "triton", "auto"):
+        raise ValueError(f"kernels={mode!r}: choose one of torch, triton, auto")
+    device = torch.device(device)
     if mode == "torch" or (mode == "auto" and device.type != "cuda"):
         return TORCH_OPS
-    raise NotImplementedError("Triton kernels are not wired in yet")
+    if TRITON_ERROR is not None:
+        warn_once("select", f"triton is unavailable ({TRITON_ERROR})")
+        return TORCH_OPS
+    if device.type == "cpu" and not INTERPRET:
+        warn_once("select", "Triton on CPU needs TRITON_INTERPRET=1 set before importing triton")
+        return TORCH_OPS
+    return TRITON_OPS

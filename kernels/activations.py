@@ -1,7 +1,144 @@
-"""MLP activations: SwiGLU (llama) and tanh-approximated GELU (gpt2)."""
+"""MLP activations: SwiGLU (llama) and tanh-approximated GELU (gpt2).
+
+Elementwise kernels over (rows, n) views with a runtime row stride, so gate/up halves of a fused
+projection are read in place. The backward passes recompute the activation from the saved
+inputs instead of saving it, trading a few flops for an activation-sized buffer.
+"""
 
 import torch
 import torch.nn.functional as F
+from megalite.kernels._triton import rows, tl, triton, unsupported, warn_once
+
+SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@triton.jit
+def _tanh(z):
+    # tanh from exp(-2|z|) <= 1: no overflow, and portable to the CPU interpreter.
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(z < 0, -t, t)
+
+
+@triton.jit
+def _swiglu_fwd(G, U, Y, sg, su, sy, n, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * sy + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd(G, U, DY, DG, DU, sg, su, sdy, sdg, sdu, n, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    dsilu = sig * (1.0 + g * (1.0 - sig))  # d/dg of g * sigmoid(g)
+    tl.store(DG + row * sdg + cols, (dy * u * dsilu).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + row * sdu + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_fwd(X, Y, sx, sy, n, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+    tl.store(Y + row * sy + cols, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_bwd(X, DY, DX, sx, sdy, sdx, n, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+    dt = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x) * (1.0 - t * t)
+    tl.store(
+        DX + row * sdx + cols, (dy * 0.5 * (1.0 + t + x * dt)).to(DX.dtype.element_ty), mask=mask
+    )
+
+
+def _grid(x2: torch.Tensor) -> tuple[tuple[int, int], int]:
+    n_rows, n = x2.shape
+    block = min(triton.next_power_of_2(n), 1024)
+    return (n_rows, triton.cdiv(n, block)), block
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2, u2 = rows(gate), rows(up)  # (rows, n)
+        y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+        grid, block = _grid(g2)
+        _swiglu_fwd[grid](
+            g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), g2.shape[1], BLOCK=block
+        )
+        ctx.save_for_backward(g2, u2)
+        ctx.shape = gate.shape
+        return y.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g2, u2 = ctx.saved_tensors
+        dy2 = rows(dy)
+        dg = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
+        du = torch.empty(u2.shape, dtype=u2.dtype, device=u2.device)
+        grid, block = _grid(g2)
+        _swiglu_bwd[grid](
+            g2, u2, dy2, dg, du, g2.stride(0), u2.stride(0), dy2.stride(0), dg.stride(0),
+            du.stride(0), g2.shape[1], BLOCK=block,
+        )  # fmt: skip
+        return dg.view(ctx.shape), du.view(ctx.shape)
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x2 = rows(x)  # (rows, n)
+        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        grid, block = _grid(x2)
+        _gelu_fwd[grid](x2, y, x2.stride(0), y.stride(0), x2.shape[1], BLOCK=block)
+        ctx.save_for_backward(x2)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        dy2 = rows(dy)
+        dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+        grid, block = _grid(x2)
+        _gelu_bwd[grid](
+            x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), x2.shape[1], BLOCK=block
+        )
+        return dx.view(ctx.shape)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, both (..., n) of one dtype -> (..., n)."""
+    reason = unsupported(gate, up)
+    if reason is None and (gate.shape != up.shape or gate.dtype != up.dtype):
+        reason = "gate and up differ in shape or dtype"
+    if reason:
+        warn_once("swiglu", reason)
+        return swiglu_ref(gate, up)
+    return _SwiGLU.apply(gate, up)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation, (...) -> (...)."""
+    reason = unsupported(x)
+    if reason:
+        warn_once("gelu", reason)
+        return gelu_ref(x)
+    return _GELU.apply(x)
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,178 @@
-"""Cross entropy of logits against labels, one fp32 loss per token."""
+"""Cross entropy of logits against labels, one fp32 loss per token.
+
+The forward pass streams each row's logits in vocabulary blocks with an online log-sum-exp
+(running max m and sum of exp(x - m)), so no fp32 copy of the (tokens, V) logits ever exists;
+it keeps only the fp32 log-sum-exp per row. The backward pass streams the blocks again and writes
+softmax - onehot, scaled by the incoming per-token gradient, in the logits' dtype.
+
+Vocab-parallel use (the logits' last dim is sharded over a tensor-parallel group, rank r holding
+vocab ids [vocab_start, vocab_start + V/tp)):
+
+    m, s, t = cross_entropy_shard_stats(shard, labels, vocab_start)  # each (...) fp32
+    M = all_reduce(m, MAX)                        # global row max
+    S = all_reduce(s * exp(m - M), SUM)           # rescale each shard's sum to the global max
+    T = all_reduce(t, SUM)                        # exactly one shard holds the target logit
+    lse = M + log(S)
+    loss = where(labels == ignore_index, 0, lse - T)
+    # backward, given d(loss) (...):
+    d_shard = cross_entropy_shard_grad(shard, labels, vocab_start, lse, d_loss, ignore_index)
+
+A single device is the case tp = 1, vocab_start = 0, which is what `cross_entropy` does.
+"""
 
 import torch
 import torch.nn.functional as F
+from megalite.kernels._triton import at_least_fp32, rows, tl, triton, unsupported, warn_once
 
 
-def cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+@triton.jit
+def _ce_stats_kernel(
+    LOGITS, LABELS, MAX, SUMEXP, TARGET, stride, n_cols, vocab_start, BLOCK_V: tl.constexpr
+):
+    row = tl.program_id(0)
+    local = tl.load(LABELS + row) - vocab_start  # target's column in this shard (may be outside)
+    m = float("-inf")
+    s = 0.0
+    t = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        x = tl.load(LOGITS + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite from the first block on
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        t += tl.sum(tl.where((cols == local) & mask, x, 0.0), axis=0)  # padding is -inf
+    tl.store(MAX + row, m)
+    tl.store(SUMEXP + row, s)
+    tl.store(TARGET + row, t)
+
+
+@triton.jit
+def _ce_grad_kernel(
+    LOGITS, LABELS, LSE, DLOSS, DLOGITS, stride, stride_d, n_cols, vocab_start, ignore_index,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    label = tl.load(LABELS + row)
+    local = label - vocab_start
+    scale = tl.where(label == ignore_index, 0.0, tl.load(DLOSS + row))
+    lse = tl.load(LSE + row)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        x = tl.load(LOGITS + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(cols == local, 1.0, 0.0)) * scale
+        tl.store(DLOGITS + row * stride_d + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
+
+
+def _block_v(logits: torch.Tensor) -> tuple[int, int]:
+    # Small blocks under the interpreter so that tests exercise the multi-block online path.
+    cap = 4096 if logits.device.type == "cuda" else 64
+    return min(triton.next_power_of_2(logits.shape[-1]), cap), 8
+
+
+def cross_entropy_shard_stats(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (max, sum of exp(logit - max), target logit or 0 if not in this shard), all fp32.
+
+    logits (..., Vs) is the shard holding vocab ids [vocab_start, vocab_start + Vs); labels (...)
+    are global ids. No autograd: see the module docstring for combining and the backward pass.
+    """
+    x2 = rows(logits)  # (N, Vs)
+    lab = labels.reshape(-1).contiguous()  # (N,)
+    n = x2.shape[0]
+    m, s, t = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
+    if unsupported(logits):
+        # The torch path, for the same building block on any device or dtype.
+        xf = at_least_fp32(x2)
+        m = xf.max(-1).values
+        s = (xf - m[:, None]).exp().sum(-1)
+        local = lab - vocab_start
+        inside = (local >= 0) & (local < x2.shape[1])
+        t = torch.where(inside, xf.gather(1, local.clamp(0, x2.shape[1] - 1)[:, None])[:, 0], 0)
+        return (
+            m.float().view(labels.shape),
+            s.float().view(labels.shape),
+            t.float().view(labels.shape),
+        )
+    block, warps = _block_v(x2)
+    _ce_stats_kernel[(n,)](
+        x2, lab, m, s, t, x2.stride(0), x2.shape[1], vocab_start, BLOCK_V=block, num_warps=warps
+    )
+    return m.view(labels.shape), s.view(labels.shape), t.view(labels.shape)
+
+
+def cross_entropy_shard_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """d loss / d logits for a shard: (softmax - onehot) * grad_loss, in the logits' dtype.
+
+    lse (...) is the global log-sum-exp per row, grad_loss (...) the gradient of the per-token
+    loss; rows whose label is ignore_index get zero gradient.
+    """
+    x2 = rows(logits)  # (N, Vs)
+    lab = labels.reshape(-1).contiguous()
+    lse1, dl = lse.reshape(-1).float().contiguous(), grad_loss.reshape(-1).float().contiguous()
+    if unsupported(logits):
+        local = lab - vocab_start
+        g = (at_least_fp32(x2) - lse1[:, None]).exp()
+        inside = (local >= 0) & (local < x2.shape[1])
+        rows_in = inside.nonzero()[:, 0]
+        g[rows_in, local[rows_in]] -= 1
+        g = g * torch.where(lab == ignore_index, 0, dl)[:, None]
+        return g.to(logits.dtype).view(logits.shape)
+    d = torch.empty(x2.shape, dtype=logits.dtype, device=logits.device)
+    block, warps = _block_v(x2)
+    _ce_grad_kernel[(x2.shape[0],)](
+        x2, lab, lse1, dl, d, x2.stride(0), d.stride(0), x2.shape[1], vocab_start, ignore_index,
+        BLOCK_V=block, num_warps=warps,
+    )  # fmt: skip
+    return d.view(logits.shape)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        m, s, t = cross_entropy_shard_stats(logits, labels, 0)
+        lse = m + torch.log(s)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.ignore_index = ignore_index
+        return torch.where(labels == ignore_index, 0.0, lse - t)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, labels, lse = ctx.saved_tensors
+        d = cross_entropy_shard_grad(logits, labels, 0, lse, grad_loss, ctx.ignore_index)
+        return d, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     """logits (..., V), labels (...) -> per-token loss (...) in fp32 (0 where ignored)."""
-    flat = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="none")
+    reason = unsupported(logits)
+    if reason is None and logits.shape[:-1] != labels.shape:
+        reason = f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}"
+    if reason:
+        warn_once("cross_entropy", reason)
+        return cross_entropy_ref(logits, labels, ignore_index)
+    return _CrossEntropy.apply(logits, labels, ignore_index)
+
+
+def cross_entropy_ref(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """logits (..., V), labels (...) -> per-token loss (...) in fp32 (0 where ignored)."""
+    flat = F.cross_entropy(
+        at_least_fp32(logits).flatten(0, -2),
+        labels.flatten(),
+        ignore_index=ignore_index,
+        reduction="none",
+    )
     return flat.view(labels.shape)

@@ -1,0 +1,264 @@
+"""AdamW over DP-sharded flat buffers (ZeRO 0/1/2), with mixed precision and global clipping.
+
+The optimizer works on the `GradBuffer`'s buckets. Each bucket has this rank's shard (the whole
+bucket at stage 0); the fp32 master weights (only when parameters are bf16/fp16) and the Adam
+moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp bytes of optimizer state
+per parameter. A step:
+
+  1. finalise gradients: wait for the DP reductions, sum `grad_sync_tp` gradients over TP, sum
+     the tied embedding's gradient over `embed` (first and last stage)
+  2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check, in one
+     all-reduce; any non-finite gradient skips the step on every rank
+  3. unscale (fp16) and clip in one multiply, AdamW on the shards, masters -> parameters
+  4. stage >= 1: all-gather the updated parameter shards into the flat parameter buffer
+
+The AdamW arithmetic is torch.optim.AdamW's single-tensor path, element for element.
+"""
+
+import torch
+from torch import nn
+
+from megalite.config import Config
+from megalite.optim.clip_grad import clip_coefficient, counted_in_norm, global_norm
+from megalite.optim.loss_scaler import LossScaler
+from megalite.parallel import comm
+from megalite.parallel.data_parallel import GradBuffer, ParamRange
+from megalite.parallel.groups import ProcessGroups
+
+# The first stage's half of a tied word embedding (its twin on the last stage has `tied_copy`).
+TIED_EMBEDDING = "embedding.word.weight"
+# Elements per slice of the element-wise Adam update.
+ADAM_SLICE = 2**18
+
+
+def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(segments):
+        if out and out[-1][1] == lo:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi])
+    return [tuple(s) for s in out]
+
+
+def _complement(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for lo, hi in segments:
+        if lo > at:
+            out.append((at, lo))
+        at = hi
+    return out + ([(at, n)] if at < n else [])
+
+
+class DistributedOptimizer:
+    def __init__(self, chunks: list[nn.Module], groups: ProcessGroups, cfg: Config):
+        o, t = cfg.optimizer, cfg.training
+        self.groups, self.opt_cfg = groups, o
+        self.default_microbatches = max(
+            1, t.global_batch_size // (t.micro_batch_size * groups.dp.size)
+        )
+        embed = groups.embed
+        self._tie = cfg.model.tied and groups.pp.size > 1 and embed is not None and embed.size > 1
+
+        # Tied halves get a bucket of their own: both stages then shard them identically, so the
+        # sum over `embed` can run on the DP shards.
+        self.buffer = GradBuffer(chunks, groups.dp, o.zero_stage, o.bucket_size_mb, self._is_tied)
+        buf = self.buffer
+        self._bucket_index = {b: i for i, b in enumerate(buf.buckets)}
+        self.scaler = None
+        if t.precision == "fp16":
+            self.scaler = LossScaler(
+                o.initial_loss_scale,
+                o.loss_scale_window,
+                o.min_loss_scale,
+                getattr(o, "hysteresis", 2),
+            )
+
+        # Optimizer state for this rank's shard of each bucket.
+        low = buf.param_dtype in (torch.bfloat16, torch.float16)
+        state_dtype = torch.float32 if low else buf.param_dtype
+        shards = [buf.param_shard(b) for b in buf.buckets]
+        self.masters = [s.to(state_dtype, copy=True) for s in shards] if low else None
+        self.exp_avg = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
+        self.exp_avg_sq = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
+        self.step_count = 0
+
+        # Per bucket shard: where weight decay applies, which elements count in the norm.
+        self._decay = [[] for _ in buf.buckets]
+        self._norm = [[] for _ in buf.buckets]
+        for r in buf.ranges:
+            b, i = r.bucket, self._bucket_index[r.bucket]
+            s = r.shard_slice()
+            if s is not None and not getattr(r.param, "no_weight_decay", False):
+                self._decay[i].append(s[:2])
+            # Each rank counts its 1/dp of every bucket in the norm, also at stage 0 where it
+            # holds all of it: the norm and the inf check can then be summed over the world.
+            n = r.overlap(b.dp_start, b.dp_start + b.numel // groups.dp.size)
+            if n is not None and counted_in_norm(r.param, groups.tp.rank):
+                self._norm[i].append((n[0] - b.shard_start, n[1] - b.shard_start))
+        self._decay = [_merge(s) for s in self._decay]
+        self._norm = [_merge(s) for s in self._norm]
+        # What the norm does not read is still checked for inf/nan, each element once.
+        self._rest = [
+            _complement(segs, b.shard_end - b.shard_start)
+            for segs, b in zip(self._norm, buf.buckets)
+        ]
+        self._tp_sync = [r for r in buf.ranges if getattr(r.param, "grad_sync_tp", False)]
+        self._tied = [r for r in buf.ranges if self._is_tied(r.name, r.param)]
+        self._finalised = False
+
+    def _is_tied(self, name: str, p: nn.Parameter) -> bool:
+        return self._tie and (getattr(p, "tied_copy", False) or name == TIED_EMBEDDING)
+
+    # ---- the trainer's interface ----------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def zero_grad(self, microbatches: int | None = None):
+        """Start a step; `microbatches` backward passes follow (default: from the config)."""
+        self.buffer.zero_grad(microbatches or self.default_microbatches)
+        self._finalised = False
+
+    def step(self, lr: float) -> dict:
+        self.finalise_grads()
+        buf, o = self.buffer, self.opt_cfg
+        grads = [b.shard_grad for b in buf.buckets]
+        counted = [g[lo:hi] for g, segs in zip(grads, self._norm) for lo, hi in segs]
+        rest = [g[lo:hi] for g, segs in zip(grads, self._rest) for lo, hi in segs]
+        norm, found_inf = global_norm(counted, rest, self.groups.world)
+        scale = self.loss_scale
+        norm /= scale
+        if self.scaler:
+            self.scaler.update(found_inf)
+        if found_inf:
+            return {"grad_norm": norm, "skipped": True, "loss_scale": self.loss_scale}
+
+        factor = clip_coefficient(norm, o.clip_grad) / scale
+        if factor != 1.0:
+            for g in grads:
+                g.mul_(factor)
+        self._adamw(lr, grads)
+        buf.all_gather_params()
+        return {"grad_norm": norm, "skipped": False, "loss_scale": self.loss_scale}
+
+    @torch.no_grad()
+    def _adamw(self, lr: float, grads: list[torch.Tensor]):
+        o, buf = self.opt_cfg, self.buffer
+        self.step_count += 1
+        beta1, beta2 = o.adam_beta1, o.adam_beta2
+        bias_correction1 = 1 - beta1**self.step_count
+        bias_correction2_sqrt = (1 - beta2**self.step_count) ** 0.5
+        step_size = lr / bias_correction1
+        for i, b in enumerate(buf.buckets):
+            shard = buf.param_shard(b)
+            w = self.masters[i] if self.masters else shard
+            if o.weight_decay:
+                for lo, hi in self._decay[i]:
+                    w[lo:hi].mul_(1 - lr * o.weight_decay)
+            # In slices: the temporaries (sqrt, denominator) stay small enough for the
+            # allocator to reuse instead of faulting in fresh pages for each bucket.
+            for lo in range(0, w.numel(), ADAM_SLICE):
+                sl = slice(lo, lo + ADAM_SLICE)
+                g, m, v = grads[i][sl], self.exp_avg[i][sl], self.exp_avg_sq[i][sl]
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (v.sqrt() / bias_correction2_sqrt).add_(o.adam_eps)
+                w[sl].addcdiv_(m, denom, value=-step_size)
+            if self.masters:
+                shard.copy_(w)
+
+    def finalise_grads(self):
+        """DP reduction, TP sum of `grad_sync_tp` gradients, embed sum of the tied embedding."""
+        if self._finalised:
+            return
+        self.buffer.finish()
+        self._sum_over(self._tp_sync, self.groups.tp)
+        if self._tied:
+            self._sum_over(self._tied, self.groups.embed)
+        self._finalised = True
+
+    def _sum_over(self, ranges: list[ParamRange], group):
+        """All-reduce the gradient pieces of `ranges` that this rank holds, as one message.
+        Peers hold the same pieces: TP ranks share a layout, tied halves have own buckets."""
+        if group is None or group.size == 1:
+            return
+        views = []
+        for r in ranges:
+            s = r.shard_slice()
+            if s is not None:
+                views.append(r.bucket.shard_grad[s[0] : s[1]])
+        if not views:
+            return
+        flat = torch.cat(views)
+        comm.all_reduce(flat, group)
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset : offset + v.numel()])
+            offset += v.numel()
+
+    # ---- state for checkpoints and reports ------------------------------------------------
+
+    def state_bytes(self) -> int:
+        tensors = self.exp_avg + self.exp_avg_sq + (self.masters or [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _per_param(self, shards: list[torch.Tensor], skip_tied=True) -> dict[str, torch.Tensor]:
+        """Full per-parameter tensors from per-bucket shards (collective over DP)."""
+        full = self.buffer.gather_shards(shards)
+        out = {}
+        for r in self.buffer.ranges:
+            if skip_tied and getattr(r.param, "tied_copy", False):
+                continue
+            o = r.offset - r.bucket.start
+            flat = full[self._bucket_index[r.bucket]]
+            out[r.name] = flat[o : o + r.param.numel()].view_as(r.param).clone()
+        return out
+
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.masters:
+            kinds["master"] = self.masters
+        gathered = {k: self._per_param(v) for k, v in kinds.items()}
+        return {name: {k: gathered[k][name] for k in kinds} for name in gathered["exp_avg"]}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The finalised gradient of every parameter, tied copies included (for tests and
+        debugging; after step() they are unscaled and clipped)."""
+        self.finalise_grads()
+        return self._per_param([b.shard_grad for b in self.buffer.buckets], skip_tied=False)
+
+    @torch.no_grad()
+    def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]):
+        """Take this rank's shard of full per-parameter tensors (the inverse of state_tensors).
+        Without "master" the masters start from the parameters; with it and fp32 parameters,
+        the parameters take the master values."""
+        kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        for r in self.buffer.ranges:
+            name = TIED_EMBEDDING if getattr(r.param, "tied_copy", False) else r.name
+            if name not in d:
+                raise KeyError(f"optimizer state for {name} is missing")
+            entry, s = d[name], r.shard_slice()
+            i = self._bucket_index[r.bucket]
+            if s is not None:
+                lo, hi, plo, phi = s
+                for k, shards in kinds.items():
+                    shards[i][lo:hi].copy_(entry[k].reshape(-1)[plo:phi])
+                if self.masters:
+                    src = entry["master"] if "master" in entry else r.param
+                    self.masters[i][lo:hi].copy_(src.reshape(-1)[plo:phi])
+            if not self.masters and "master" in entry:
+                r.param.copy_(entry["master"].reshape(r.param.shape))
+
+    def scalar_state(self) -> dict:
+        return {"step": self.step_count, **(self.scaler.state_dict() if self.scaler else {})}
+
+    def load_scalar_state(self, d: dict):
+        self.step_count = int(d["step"])
+        if self.scaler and "loss_scale" in d:
+            self.scaler.load_state_dict(d)
+
+
+def build_optimizer(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config):
+    return DistributedOptimizer(chunks, groups, cfg)

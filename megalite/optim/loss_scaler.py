@@ -1,0 +1,51 @@
+"""Dynamic loss scaling for fp16: keep small gradients representable, back off on overflow."""
+
+
+class LossScaler:
+    """Megatron's dynamic grad scaler.
+
+    An overflowing step (inf/nan gradient anywhere) is skipped and uses up one unit of
+    `hysteresis`; when none is left the scale halves (never below `min_scale`). After `window`
+    good steps in a row the scale doubles and the hysteresis is restored. Hysteresis lets a
+    lone spike pass without giving up precision.
+    """
+
+    def __init__(
+        self,
+        initial: float = 2.0**16,
+        window: int = 1000,
+        min_scale: float = 1.0,
+        hysteresis: int = 2,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+    ):
+        self.scale = float(initial)
+        self.window, self.min_scale, self.hysteresis = window, min_scale, hysteresis
+        self.backoff, self.growth = backoff, growth
+        self.good_steps = 0
+        self.hysteresis_left = hysteresis
+
+    def update(self, found_inf: bool):
+        if found_inf:
+            self.good_steps = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale * self.backoff, self.min_scale)
+            return
+        self.good_steps += 1
+        if self.good_steps == self.window:
+            self.good_steps = 0
+            self.hysteresis_left = self.hysteresis
+            self.scale *= self.growth
+
+    def state_dict(self) -> dict:
+        return {
+            "loss_scale": self.scale,
+            "good_steps": self.good_steps,
+            "hysteresis_left": self.hysteresis_left,
+        }
+
+    def load_state_dict(self, d: dict):
+        self.scale = float(d["loss_scale"])
+        self.good_steps = int(d["good_steps"])
+        self.hysteresis_left = int(d["hysteresis_left"])

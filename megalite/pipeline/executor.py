@@ -1,0 +1,193 @@
+"""Runs one rank's schedule (any schedule from schedules.py) over its model chunks.
+
+The actions are interpreted in order. A compute runs chunk `chunks[a.chunk]` on micro-batch
+`a.mb`; each run of consecutive send/recv actions is one `p2p.exchange` batch, waited for as a
+whole before the next compute, exactly what `verify.py` proves deadlock-free. With pp == 1 there
+are no send/recv actions: a chunk's output is handed to the next chunk on this rank directly.
+
+Per (chunk, micro-batch) the executor keeps only what backward needs: the received input
+(a leaf whose .grad becomes the gradient to send back) and the output (the root of backward).
+Once the next stage has an output, its storage is released (Megatron's "deallocate output
+tensor"): the autograd graph keeps whatever it saved itself, and backward is started from the
+empty-shelled output with the received gradient.
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import Variable
+
+from megalite.parallel import comm
+from megalite.pipeline import p2p
+from megalite.pipeline.schedules import COMM, RECV_F, SEND_B, SEND_F, F
+
+
+@dataclass
+class PipelineResult:
+    """What one step of the pipeline gives the trainer. Loss and first-stage timing are the
+    same on every pipeline rank (one all-reduce over pp), so any rank can log them."""
+
+    loss: float  # mean over micro-batches of the (unscaled) mean token loss
+    losses: list[float]  # per micro-batch
+    compute_s: float  # this rank: seconds in forward and backward
+    wait_s: float  # this rank: seconds blocked in point-to-point batches
+    step_s: float  # this rank: wall time of run_schedule (before the loss all-reduce)
+    first_stage_compute_s: float
+    first_stage_step_s: float
+
+    @property
+    def bubble_measured(self) -> float:
+        """The first stage's idle fraction of the step; in theory (pp-1)/(vpp*m + pp-1)
+        (`schedules.idle_theory`)."""
+        return 1.0 - self.first_stage_compute_s / max(self.first_stage_step_s, 1e-12)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """The first stage's idle time over its compute time, comparable to Megatron's
+        (pp-1)/(vpp*m) (`schedules.bubble_theory`)."""
+        idle = self.first_stage_step_s - self.first_stage_compute_s
+        return idle / max(self.first_stage_compute_s, 1e-12)
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor):
+    """out.backward(grad), allowed when out's storage was released (its shape is then (1,)):
+    the engine call skips the shape check that torch.autograd.backward makes."""
+    Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True,
+    )  # fmt: skip
+
+
+def _release(t: torch.Tensor):
+    """Drop an output's storage; its grad_fn stays. A view or a leaf (a chunk that returned its
+    input) shares storage that is still needed: keep it whole."""
+    if t._base is None and t.grad_fn is not None:
+        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def run_schedule(
+    actions, chunks, groups, microbatches, *, hidden_shape, dtype,
+    forward_only: bool = False, loss_scale: float = 1.0,
+) -> PipelineResult:  # fmt: skip
+    """Run this rank's `actions` (from `schedules.get_schedule`) over `chunks` (its model chunks,
+    each with `has_embedding` / `has_head`, called as `chunk(x, labels=None)`).
+
+    groups: the `ProcessGroups` (uses `groups.pp` and `groups.device`).
+    microbatches: this DP rank's list of (tokens (b, s), labels (b, s)); labels are needed
+        on the head chunk, also with forward_only (the result is a loss).
+    hidden_shape: shape of the tensor between stages, e.g. (b, s, h), (b, s/tp, h) with
+        sequence parallelism; dtype: its dtype.
+    Backward of micro-batch k starts from loss_k * loss_scale / m, so gradients are those of
+    the mean loss (times loss_scale). With forward_only nothing is kept for backward and no
+    gradient is computed (the actions must be a forward-only schedule).
+    """
+    pp, device = groups.pp, groups.device
+    m = len(microbatches)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    inputs = {}  # (chunk, mb) -> input hidden (b, s, h): a leaf that collects its gradient
+    outputs = {}  # (chunk, mb) -> output kept as the root of backward (scaled loss on the head)
+    grads = {}  # (chunk, mb) -> gradient of that output, received or handed over
+    outbox = {}  # (kind, chunk, mb) -> tensor waiting to be sent
+    losses = [None] * m
+    compute_s = wait_s = 0.0
+    sync()
+    start = time.perf_counter()
+
+    def forward(c, k):
+        chunk = chunks[c]
+        tokens, labels = microbatches[k]
+        x = tokens if chunk.has_embedding else inputs[c, k]
+        if forward_only:
+            inputs.pop((c, k), None)
+        with torch.no_grad() if forward_only else nullcontext():
+            y = chunk(x, labels) if chunk.has_head else chunk(x)
+        if chunk.has_head:
+            losses[k] = y.detach()
+            if not forward_only:
+                outputs[c, k] = y * (loss_scale / m)
+            return
+        if not forward_only:
+            outputs[c, k] = y
+        if pp.size == 1:
+            inputs[c + 1, k] = y.detach().requires_grad_(not forward_only)
+        else:
+            outbox[SEND_F, c, k] = y.detach().contiguous()
+
+    def backward(c, k):
+        chunk = chunks[c]
+        out = outputs.pop((c, k))
+        if chunk.has_head:
+            out.backward()
+        else:
+            _backward(out, grads.pop((c, k)))
+        if chunk.has_embedding:
+            return
+        x = inputs.pop((c, k))
+        g = x.grad if x.grad is not None else torch.zeros_like(x)  # (b, s, h)
+        if pp.size == 1:
+            grads[c - 1, k] = g
+        else:
+            outbox[SEND_B, c, k] = g.contiguous()
+
+    def communicate(batch):
+        ops, received = [], []
+        for a in batch:
+            if a.kind in (SEND_F, SEND_B):
+                ops.append((True, outbox[a.kind, a.chunk, a.mb], a.peer))
+            else:
+                buf = torch.empty(hidden_shape, dtype=dtype, device=device)
+                ops.append((False, buf, a.peer))
+                received.append((a, buf))
+        seconds = p2p.exchange(ops, pp)
+        for a in batch:
+            if a.kind in (SEND_F, SEND_B):
+                del outbox[a.kind, a.chunk, a.mb]
+                if a.kind == SEND_F and (a.chunk, a.mb) in outputs:
+                    _release(outputs[a.chunk, a.mb])  # the next stage has it now
+        for a, buf in received:
+            if a.kind == RECV_F:
+                inputs[a.chunk, a.mb] = buf.requires_grad_(not forward_only)
+            else:
+                grads[a.chunk, a.mb] = buf
+        return seconds
+
+    i = 0
+    while i < len(actions):
+        a = actions[i]
+        if a.kind in COMM:  # a maximal run of send/recv actions is one batch
+            j = i
+            while j < len(actions) and actions[j].kind in COMM:
+                j += 1
+            wait_s += communicate(actions[i:j])
+            i = j
+            continue
+        t0 = time.perf_counter()
+        (forward if a.kind == F else backward)(a.chunk, a.mb)
+        sync()
+        compute_s += time.perf_counter() - t0
+        i += 1
+    step_s = time.perf_counter() - start
+    if outputs or outbox or grads or inputs:
+        left = [sorted(d)[:3] for d in (outputs, outbox, grads, inputs) if d]
+        raise RuntimeError(f"the schedule left tensors unused (outputs/sends/grads/inputs): {left}")
+
+    # One all-reduce over pp shares the last stage's losses and the first stage's timing.
+    has_head = any(c.has_head for c in chunks)
+    summary = torch.zeros(m + 2, dtype=torch.float64, device=device)
+    if has_head:
+        summary[:m] = torch.stack(losses).to(torch.float64)
+    if pp.rank == 0:
+        summary[m:] = torch.tensor([compute_s, step_s], dtype=torch.float64)
+    comm.all_reduce(summary, pp)
+    values = summary.tolist()
+    return PipelineResult(
+        loss=sum(values[:m]) / m,
+        losses=values[:m],
+        compute_s=compute_s,
+        wait_s=wait_s,
+        step_s=step_s,
+        first_stage_compute_s=values[m],
+        first_stage_step_s=values[m + 1],
+    )

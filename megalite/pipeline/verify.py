@@ -1,0 +1,274 @@
+"""Static checks on a pipeline schedule: the whole action table of all ranks, as data.
+
+`verify_table(table, pp, vpp, m)` proves, or raises `ScheduleError` naming the rank and action:
+
+- every action is well formed (chunk, micro-batch and peer in range; the peer is the neighbour
+  that virtual stage really talks to);
+- on every rank, each (chunk, micro-batch) is forwarded once and backwarded once, its forward
+  before its backward, each compute after the receive of its input (or, with pp == 1, after
+  the local chunk that produces it), each send after the compute that produced its tensor;
+- the k-th send from rank a to rank b is the tensor that b's k-th receive from a expects
+  (same kind, micro-batch, and the next or previous virtual stage): point-to-point messages
+  between two ranks are matched in posting order on gloo and NCCL alike, and every tensor has
+  the same shape, so a mismatch would otherwise corrupt silently;
+- there is no deadlock when the ranks run as the executor runs them: each run of consecutive
+  comm actions is posted as one batch and completes only when every operation in it has met
+  its partner in the peer's currently posted batch (rendezvous: a send never completes on its
+  own, which is stricter than any real backend, so a table that passes cannot hang).
+
+It reports, per rank, in a `Report`:
+
+- the peak number of live activations (forwarded, not yet backwarded);
+- the idle fraction of each rank in a timed run of the same simulation (F = 1/vpp, B = 2/vpp,
+  free communication): the schedule's real bubble, which for every schedule here equals the
+  theory (pp-1)/(vpp*m + pp-1) on the first stage (tested), so a correct but serialising
+  schedule shows up too.
+
+`verify(name, pp, vpp, m)` builds the schedule's table, runs the checks, and also compares each
+rank's peak with the schedule's bound (`peak_bound`).
+"""
+
+from dataclasses import dataclass
+
+from megalite.pipeline.schedules import (
+    COMM,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    B,
+    F,
+    bubble_theory,
+    format_action,
+    get_schedule,
+    interleaved_warmup,
+)
+
+
+class ScheduleError(AssertionError):
+    """A schedule that would compute the wrong thing, hang, or exceed its memory bound."""
+
+
+@dataclass
+class Report:
+    pp: int
+    vpp: int
+    microbatches: int
+    peak_activations: list[int]  # per rank: most (chunk, micro-batch) forwarded, not backwarded
+    batches: list[int]  # per rank: number of send/recv batches (p2p round trips)
+    idle: list[float]  # per rank: simulated idle fraction of the step (F=1, B=2, free p2p)
+    bubble_theory: float  # (pp-1)/(vpp*m)
+
+
+def peak_bound(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> int:
+    """The live activations each schedule promises on `rank`."""
+    if name == "gpipe":
+        return microbatches
+    if name == "1f1b":
+        return min(pp - rank, microbatches)
+    # interleaved: the warmup forwards plus the steady state's one extra forward before its
+    # first backward, unless the warmup already is everything
+    total = microbatches * vpp
+    return min(interleaved_warmup(pp, vpp, microbatches, rank) + 1, total)
+
+
+def verify(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool = False) -> Report:
+    table = [get_schedule(name, pp, vpp, microbatches, r, forward_only) for r in range(pp)]
+    report = verify_table(table, pp, vpp, microbatches, forward_only)
+    if not forward_only:
+        for r, peak in enumerate(report.peak_activations):
+            bound = peak_bound(name, pp, vpp, microbatches, r)
+            if peak != bound:
+                raise ScheduleError(
+                    f"{name} pp={pp} vpp={vpp} m={microbatches}: rank {r} holds {peak} live "
+                    f"activations at peak, the schedule's bound is {bound}"
+                )
+    return report
+
+
+def verify_table(
+    table: list[list], pp: int, vpp: int, microbatches: int, forward_only: bool = False
+) -> Report:
+    if len(table) != pp:
+        raise ScheduleError(f"the table has {len(table)} ranks, expected pp={pp}")
+    peaks = [
+        _check_rank(acts, r, pp, vpp, microbatches, forward_only) for r, acts in enumerate(table)
+    ]
+    batches, idle = _match_and_simulate(table, pp, vpp)
+    return Report(pp, vpp, microbatches, peaks, batches, idle, bubble_theory(pp, vpp, microbatches))
+
+
+def _where(rank: int, i: int, a, vpp: int) -> str:
+    return f"rank {rank} action {i} ({format_action(a, vpp)})"
+
+
+def _check_rank(acts, rank, pp, vpp, m, forward_only) -> int:
+    """Per-rank order and completeness; returns the peak of live activations."""
+    last = pp * vpp - 1
+    nxt, prev = (rank + 1) % pp, (rank - 1) % pp
+    # state per (chunk, mb) and per kind: seen once at most
+    seen = {kind: set() for kind in (F, B, SEND_F, RECV_F, SEND_B, RECV_B)}
+    live = peak = 0
+    for i, a in enumerate(acts):
+        where = _where(rank, i, a, vpp)
+        if a.kind not in seen:
+            raise ScheduleError(f"{where}: unknown action kind {a.kind!r}")
+        if forward_only and a.kind in (B, SEND_B, RECV_B):
+            raise ScheduleError(f"{where}: a gradient in a forward-only schedule")
+        if not (0 <= a.chunk < vpp and 0 <= a.mb < m):
+            raise ScheduleError(f"{where}: chunk or micro-batch out of range (vpp={vpp}, m={m})")
+        key = (a.chunk, a.mb)
+        if key in seen[a.kind]:
+            raise ScheduleError(f"{where}: repeated")
+        vs = a.chunk * pp + rank
+        if a.kind in COMM:
+            if pp == 1:
+                raise ScheduleError(f"{where}: pp=1 needs no communication")
+            towards_next = a.kind in (SEND_F, RECV_B)
+            if vs == (last if towards_next else 0):
+                raise ScheduleError(f"{where}: virtual stage {vs} has no neighbour that way")
+            want = nxt if towards_next else prev
+            if a.peer != want:
+                raise ScheduleError(f"{where}: wrong peer, expected rank {want}")
+        if a.kind == F:
+            if vs > 0:
+                need = RECV_F if pp > 1 else F
+                dep = key if pp > 1 else (a.chunk - 1, a.mb)
+                if dep not in seen[need]:
+                    raise ScheduleError(f"{where}: forward before its input arrived")
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == B:
+            if key not in seen[F]:
+                raise ScheduleError(f"{where}: backward before its forward")
+            if vs < last:
+                need = RECV_B if pp > 1 else B
+                dep = key if pp > 1 else (a.chunk + 1, a.mb)
+                if dep not in seen[need]:
+                    raise ScheduleError(f"{where}: backward before its output gradient arrived")
+            live -= 1
+        elif a.kind == SEND_F and key not in seen[F]:
+            raise ScheduleError(f"{where}: sends an activation not computed yet")
+        elif a.kind == SEND_B and key not in seen[B]:
+            raise ScheduleError(f"{where}: sends a gradient not computed yet")
+        seen[a.kind].add(key)
+    everything = {(c, k) for c in range(vpp) for k in range(m)}
+    for kind in (F,) if forward_only else (F, B):
+        if seen[kind] != everything:
+            missing = sorted(everything - seen[kind])[:4]
+            raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
+    if pp > 1:
+        for kind, has in ((SEND_F, lambda vs: vs < last), (SEND_B, lambda vs: vs > 0)):
+            if forward_only and kind == SEND_B:
+                continue
+            want = {(c, k) for (c, k) in everything if has(c * pp + rank)}
+            if seen[kind] != want:
+                missing = sorted(want - seen[kind])[:4]
+                raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
+    return peak
+
+
+def _match_and_simulate(table, pp, vpp) -> tuple[list[int], list[float]]:
+    """Pair sends with receives in posting order per directed rank pair, check the pairs agree,
+    then run the batches with rendezvous semantics, timing them with free communication and
+    computes of F = 1/vpp, B = 2/vpp (a chunk holds 1/vpp of a stage's layers). Returns the
+    batch count and the simulated idle fraction of the step, per rank."""
+    cost = {F: 1.0 / vpp, B: 2.0 / vpp}
+    # batches[r][j] = list of (action index) posted together; before[r][j] = compute time
+    # between batch j-1 and batch j (the last entry: after the last batch)
+    batches, before, busy, batch_of = [], [], [], {}
+    for r, acts in enumerate(table):
+        bs, cur, t, pre = [], None, 0.0, []
+        for i, a in enumerate(acts):
+            if a.kind in COMM:
+                if cur is None:
+                    cur = []
+                    bs.append(cur)
+                    pre.append(t)
+                    t = 0.0
+                cur.append(i)
+                batch_of[r, i] = len(bs) - 1
+            else:
+                cur = None
+                t += cost[a.kind]
+        batches.append(bs)
+        before.append(pre + [t])
+        busy.append(sum(before[-1]))
+
+    # static matching: the k-th send a->b meets b's k-th recv from a
+    sends, recvs = {}, {}
+    for r, acts in enumerate(table):
+        for i, a in enumerate(acts):
+            if a.kind in (SEND_F, SEND_B):
+                sends.setdefault((r, a.peer), []).append(i)
+            elif a.kind in (RECV_F, RECV_B):
+                recvs.setdefault((a.peer, r), []).append(i)
+    partner = {}
+    for pair in set(sends) | set(recvs):
+        src, dst = pair
+        s_list, r_list = sends.get(pair, []), recvs.get(pair, [])
+        for k in range(max(len(s_list), len(r_list))):
+            if k >= len(s_list):
+                a = table[dst][r_list[k]]
+                raise ScheduleError(f"{_where(dst, r_list[k], a, vpp)}: rank {src} never sends it")
+            if k >= len(r_list):
+                a = table[src][s_list[k]]
+                raise ScheduleError(
+                    f"{_where(src, s_list[k], a, vpp)}: rank {dst} never receives it"
+                )
+            s, rv = table[src][s_list[k]], table[dst][r_list[k]]
+            vs = s.chunk * pp + src
+            want_vs, want_kind = (vs + 1, RECV_F) if s.kind == SEND_F else (vs - 1, RECV_B)
+            if rv.kind != want_kind or rv.mb != s.mb or rv.chunk * pp + dst != want_vs:
+                raise ScheduleError(
+                    f"{_where(src, s_list[k], s, vpp)} is send #{k} from rank {src} to rank "
+                    f"{dst}, but receive #{k} there is {_where(dst, r_list[k], rv, vpp)}"
+                )
+            partner[src, s_list[k]] = (dst, r_list[k])
+            partner[dst, r_list[k]] = (src, s_list[k])
+
+    # rendezvous simulation over batches (computes never block: their inputs are checked above)
+    pos = [0] * pp  # index of each rank's current batch
+    posted = [False] * pp
+    clock = [0.0] * pp  # simulated time: when the rank posted its current batch / went on
+    done = [0.0] * pp  # when the current batch's last operation met its partner
+    left = [[len(b) for b in bs] for bs in batches]  # unmatched operations per batch
+    matched = set()
+    work = list(range(pp))
+    while work:
+        r = work.pop()
+        while pos[r] < len(batches[r]):
+            j = pos[r]
+            if not posted[r]:
+                posted[r] = True
+                clock[r] += before[r][j]
+                done[r] = clock[r]
+                for i in batches[r][j]:
+                    pr, pi = partner[r, i]
+                    pj = batch_of[pr, pi]
+                    if posted[pr] and pos[pr] == pj:  # the peer is waiting in that very batch
+                        matched.update(((r, i), (pr, pi)))
+                        done[r] = max(done[r], clock[pr])
+                        done[pr] = max(done[pr], clock[r])
+                        left[r][j] -= 1
+                        left[pr][pj] -= 1
+                        if left[pr][pj] == 0:
+                            work.append(pr)
+            if left[r][j]:
+                break  # blocked until a peer posts the partner operations
+            pos[r] += 1
+            posted[r] = False
+            clock[r] = done[r]
+    stuck = [r for r in range(pp) if pos[r] < len(batches[r])]
+    if stuck:
+        lines = []
+        for r in stuck:
+            i = next(i for i in batches[r][pos[r]] if (r, i) not in matched)
+            pr, pi = partner[r, i]
+            lines.append(
+                f"{_where(r, i, table[r][i], vpp)} waits for {_where(pr, pi, table[pr][pi], vpp)}"
+            )
+        raise ScheduleError("deadlock: " + "; ".join(lines))
+    end = [clock[r] + before[r][-1] for r in range(pp)]
+    step = max(end)
+    return [len(bs) for bs in batches], [1.0 - busy[r] / step for r in range(pp)]
