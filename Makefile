@@ -28,9 +28,11 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m torch.distributed.run --nproc_per_node $(NPROC) pretrain_gpt.py \
+	rm -rf checkpoints/tiny runs/tiny  # the demo starts afresh each time
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) pretrain_gpt.py \
 	  --config configs/tiny.yaml $(LAYOUT) --save checkpoints/tiny \
-	  --metrics-file runs/tiny/metrics.jsonl --generate-tokens 40 $(ARGS)
+	  --metrics-file runs/tiny/metrics.jsonl $(ARGS)
+	$(PY) tools/generate.py --load checkpoints/tiny --prompt "def main(" --max-new-tokens 40 --greedy
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)

@@ -176,7 +176,6 @@ class TrainingConfig:
     eval_only: bool = opt(False, "with --load: compute eval_loss on the valid split and exit")
     dry_run: bool = opt(False, "print the memory/communication plan and exit (no process group)")
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
-    generate_tokens: int = opt(0, "after training, print a sample of this many tokens")
     debug: bool = opt(False, "show full tracebacks on errors")
 
 

@@ -1,0 +1,153 @@
+"""Documents: the built-in corpus (the standard library's own source) and reading user inputs.
+
+The built-in corpus needs no download: every machine that runs megalite has a Python standard
+library. Its `.py` files are taken in sorted path order (tests, site-packages and generated or
+table-only modules left out) until `MAX_CORPUS_BYTES`, each file one document, so on a given
+Python installation it is the same corpus every time.
+"""
+
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from megalite.errors import MegaliteError
+
+CORPUS_VERSION = 1  # bump when the file selection changes: it is part of the cache key
+CORPUS_NAME = "stdlib_corpus.jsonl"
+MAX_CORPUS_BYTES = 8 * 2**20  # ~2.5M tokens: a few seconds to tokenize, plenty for a CPU demo
+# Directories of tests, third-party code and binaries; `encodings` and `pydoc_data` are mostly
+# character tables and prose that would spend the vocabulary on rare characters.
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_SKIP_DIRS |= {"lib-dynload", "encodings", "pydoc_data"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(max_bytes: int = MAX_CORPUS_BYTES) -> list[Path]:
+    """The standard library's source files of the corpus: the longest sorted prefix that fits."""
+    root = stdlib_root()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place makes os.walk skip them; sorting makes the walk order deterministic.
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(("config-", "."))
+        )
+        for name in sorted(filenames):
+            # _sysconfigdata* describes this particular build of Python, not code.
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
+                found.append(Path(dirpath) / name)
+    found.sort(key=lambda p: p.relative_to(root).as_posix())
+    files, total = [], 0
+    for path in found:
+        total += path.stat().st_size
+        if total > max_bytes:
+            break
+        files.append(path)
+    return files
+
+
+def build_corpus(out_dir: str | os.PathLike, max_bytes: int = MAX_CORPUS_BYTES) -> Path:
+    """Write the built-in corpus to `out_dir/stdlib_corpus.jsonl` and return its path.
+
+    One JSON object per line, `{"name": relative path, "text": source}`: JSON keeps each
+    file's newlines inside one document. Written aside and renamed, so it is never half there.
+    """
+    files = stdlib_files(max_bytes)
+    if not files:
+        raise MegaliteError(
+            f"no Python source files found under {stdlib_root()}; "
+            "pass your own data with --data-path and --tokenizer-model"
+        )
+    root = stdlib_root()
+    out = Path(out_dir) / CORPUS_NAME
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for path in files:
+            # The stdlib is UTF-8, but a file in another PEP 263 coding must not stop the build:
+            # decode with replacement so the file list alone defines the corpus.
+            text = path.read_bytes().decode("utf-8", errors="replace")
+            doc = {"name": path.relative_to(root).as_posix(), "text": text}
+            fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def input_files(paths: list[str]) -> list[Path]:
+    """Expand the inputs: files as given, directories walked in sorted order (hidden skipped)."""
+    if not paths:
+        raise MegaliteError("no input given; pass text files, directories or JSONL to --input")
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
+            )
+            if not found:
+                raise MegaliteError(f"input directory {p} holds no files; point --input at text")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise MegaliteError(f"input {p} does not exist; check the path given to --input")
+    return files
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.suffix in (".jsonl", ".json")
+
+
+def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
+    """Every document of the inputs, in order; empty documents are skipped.
+
+    A `.jsonl`/`.json` file holds one document per line (`{json_key: text, ...}`); any other
+    file is one document. Raises MegaliteError on unreadable input or when there is none.
+    """
+    count = 0
+    for path in input_files(paths):
+        if is_jsonl(path):
+            docs = _jsonl_documents(path, json_key)
+        else:
+            docs = iter([_read_text(path)])
+        for doc in docs:
+            if doc:
+                count += 1
+                yield doc
+    if count == 0:
+        raise MegaliteError(f"the inputs {' '.join(paths)} hold no text; pass non-empty files")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise MegaliteError(f"input {path} is not UTF-8 text; convert it or leave it out") from None
+
+
+def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="strict") as fh:
+        try:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    raise MegaliteError(
+                        f"{path} line {lineno} is not valid JSON; JSONL inputs hold one object "
+                        "per line"
+                    ) from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+                    raise MegaliteError(
+                        f"{path} line {lineno} has no string field {key!r}; pass --json-key with "
+                        "the field that holds the text"
+                    )
+                yield obj[key]
+        except UnicodeDecodeError:
+            raise MegaliteError(f"input {path} is not UTF-8 text; convert it first") from None

@@ -1,0 +1,62 @@
+"""End-to-end fixtures: a tiny tokenised corpus, and pretrain_gpt.py run under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2",
+    "--eval-interval", "0", "--log-interval", "1", "--wandb-mode", "disabled",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A few standard-library modules tokenised with a 512-piece tokenizer: (prefix, model)."""
+    d = tmp_path_factory.mktemp("data")
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    text = d / "text"
+    text.mkdir()
+    for name in (
+        "json/encoder.py",
+        "json/decoder.py",
+        "textwrap.py",
+        "heapq.py",
+        "bisect.py",
+        "copy.py",
+    ):
+        (text / name.replace("/", "_")).write_text((lib / name).read_text())
+    prefix = d / "tiny"
+    subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(text), "--output-prefix", str(prefix),
+         "--train-tokenizer", "--vocab-size", "512", "--workers", "1", "--quiet"],
+        cwd=ROOT, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return str(prefix), str(prefix) + ".model"
+
+
+def pretrain(nproc: int, args: list[str], tmp: Path, timeout: int = 600, check: bool = True):
+    """Run pretrain_gpt.py on nproc CPU ranks; returns (metrics rows, completed process)."""
+    metrics = tmp / f"metrics-{len(list(tmp.glob('metrics-*')))}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--standalone", "pretrain_gpt.py", *args, "--metrics-file", str(metrics)]  # fmt: skip
+    if nproc == 1:
+        cmd = [sys.executable, "pretrain_gpt.py", *args, "--metrics-file", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(
+            f"pretrain_gpt.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+        )
+    rows = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    )
+    return rows, r

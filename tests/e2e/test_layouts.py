@@ -1,0 +1,47 @@
+"""Every layout gives the single-process loss curve (fp32, relative difference <= 1e-4 per step)."""
+
+import pytest
+
+from tests.e2e.conftest import TINY, pretrain
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = 20
+LAYOUTS = {
+    "tp2": (2, ["--tp", "2"]),
+    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
+    "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),
+    "tp2-pp2": (4, ["--tp", "2", "--pp", "2"]),
+    "tp2-pp2-dp2-vpp2-zero1": (8, ["--tp", "2", "--pp", "2", "--vpp", "2", "--zero-stage", "1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_data, tmp_path_factory):
+    prefix, model = tiny_data
+    rows, _ = pretrain(1, [*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", str(STEPS)],
+                       tmp_path_factory.mktemp("baseline"))  # fmt: skip
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5  # it learns
+    return losses
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, baseline, tiny_data, tmp_path):
+    prefix, model = tiny_data
+    nproc, flags = LAYOUTS[layout]
+    args = [
+        *TINY,
+        "--data-path",
+        prefix,
+        "--tokenizer-model",
+        model,
+        "--train-iters",
+        str(STEPS),
+        *flags,
+    ]
+    rows, _ = pretrain(nproc, args, tmp_path)
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == STEPS
+    for step, (a, b) in enumerate(zip(losses, baseline), 1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"{layout} step {step}: {a} vs one process {b}"

@@ -1,0 +1,79 @@
+"""Tokenize text into a megalite indexed dataset (PREFIX.bin + PREFIX.idx).
+
+    python tools/preprocess_data.py --input docs/ more.jsonl --output-prefix data/my \\
+        --train-tokenizer --vocab-size 8192 --workers 4
+    python tools/preprocess_data.py --input corpus.jsonl --json-key text \\
+        --output-prefix data/my --tokenizer-model data/my.model
+
+Inputs are text files (each one document), directories (every file inside, in sorted order)
+and JSONL files (`.jsonl`/`.json`, one document per line under --json-key). Each document
+ends with EOS. Train with `--data-path PREFIX --tokenizer-model M.model`.
+"""
+
+import argparse
+import os
+import sys
+
+from megalite.data.corpus import iter_documents
+from megalite.data.indexed_dataset import build_indexed_dataset
+from megalite.data.tokenizer import Tokenizer
+from megalite.errors import MegaliteError, run_main
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise MegaliteError(f"{message}; see --help")
+
+
+def parse_args(argv):
+    p = _Parser(prog="preprocess_data.py", description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="text files, directories or JSONL")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--json-key", default="text", help="JSONL field holding the text [text]")
+    tok = p.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer-model", help="an existing sentencepiece .model")
+    tok.add_argument(
+        "--train-tokenizer", action="store_true", help="train one on the input (PREFIX.model)"
+    )
+    p.add_argument("--vocab-size", type=int, help="pieces of the trained tokenizer")
+    p.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--debug", action="store_true", help="full tracebacks")
+    args = p.parse_args(argv)
+    if args.train_tokenizer and not args.vocab_size:
+        raise MegaliteError("--train-tokenizer needs --vocab-size N (e.g. 8192)")
+    if args.tokenizer_model and args.vocab_size:
+        raise MegaliteError("--vocab-size only applies with --train-tokenizer; drop one of them")
+    if args.workers < 1:
+        raise MegaliteError(f"--workers {args.workers} must be at least 1")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    model = args.tokenizer_model
+    if args.train_tokenizer:
+        model = Tokenizer.train(
+            args.input, args.output_prefix, args.vocab_size, args.model_type, args.json_key
+        )
+        print(f"tokenizer: {model}", file=sys.stderr)
+    tokenizer = Tokenizer(model)  # checks the model before any input is read
+    stats = build_indexed_dataset(
+        iter_documents(args.input, args.json_key),
+        tokenizer.model_path,
+        args.output_prefix,
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    print(
+        f"{stats['documents']} documents, {stats['tokens']} tokens in {stats['seconds']:.1f} s "
+        f"({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s) -> "
+        f"{args.output_prefix}.bin/.idx",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
