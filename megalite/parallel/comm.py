@@ -126,7 +126,8 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
     all_gather(out, x, group)
-    return out.movedim(0, dim)
+    # contiguous: the layers that share this input then save one tensor for backward, not a copy each
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -10,6 +10,9 @@ Per (chunk, micro-batch) the executor keeps only what backward needs: the receiv
 Once the next stage has an output, its storage is released (Megatron's "deallocate output
 tensor"): the autograd graph keeps whatever it saved itself, and backward is started from the
 empty-shelled output with the received gradient.
+
+With a `timeline` (megalite.training.timeline.Timeline) every compute and every p2p batch is
+recorded as a span; without one nothing else changes.
 """
 
 import time
@@ -21,7 +24,7 @@ from torch.autograd import Variable
 
 from megalite.parallel import comm
 from megalite.pipeline import p2p
-from megalite.pipeline.schedules import COMM, RECV_F, SEND_B, SEND_F, F
+from megalite.pipeline.schedules import COMM, RECV_B, RECV_F, SEND_B, SEND_F, F, format_action
 
 
 @dataclass
@@ -67,9 +70,17 @@ def _release(t: torch.Tensor):
         t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
+def _record_batch(timeline, batch, t0: float, t1: float):
+    sends = any(a.kind in (SEND_F, SEND_B) for a in batch)
+    recvs = any(a.kind in (RECV_F, RECV_B) for a in batch)
+    kind = "send+recv" if sends and recvs else "send" if sends else "recv"
+    ops = " ".join(format_action(a, chunks=2) for a in batch)
+    timeline.record(kind, t0, t1, chunk=batch[0].chunk, mb=batch[0].mb, ops=ops)
+
+
 def run_schedule(
     actions, chunks, groups, microbatches, *, hidden_shape, dtype,
-    forward_only: bool = False, loss_scale: float = 1.0,
+    forward_only: bool = False, loss_scale: float = 1.0, timeline=None,
 ) -> PipelineResult:  # fmt: skip
     """Run this rank's `actions` (from `schedules.get_schedule`) over `chunks` (its model chunks,
     each with `has_embedding` / `has_head`, called as `chunk(x, labels=None)`).
@@ -82,6 +93,9 @@ def run_schedule(
     Backward of micro-batch k starts from loss_k * loss_scale / m, so gradients are those of
     the mean loss (times loss_scale). With forward_only nothing is kept for backward and no
     gradient is computed (the actions must be a forward-only schedule).
+    timeline: when given, receives `record(kind, start, end, ...)` for each compute
+        ("forward"/"backward", chunk, mb), each p2p batch ("send"/"recv"/"send+recv", with its
+        actions in `ops`) and the whole schedule ("schedule").
     """
     pp, device = groups.pp, groups.device
     m = len(microbatches)
@@ -160,15 +174,25 @@ def run_schedule(
             j = i
             while j < len(actions) and actions[j].kind in COMM:
                 j += 1
+            t0 = time.perf_counter()
             wait_s += communicate(actions[i:j])
+            if timeline is not None:
+                _record_batch(timeline, actions[i:j], t0, time.perf_counter())
             i = j
             continue
         t0 = time.perf_counter()
         (forward if a.kind == F else backward)(a.chunk, a.mb)
         sync()
-        compute_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        compute_s += t1 - t0
+        if timeline is not None:
+            kind = "forward" if a.kind == F else "backward"
+            timeline.record(kind, t0, t1, chunk=a.chunk, mb=a.mb)
         i += 1
-    step_s = time.perf_counter() - start
+    end = time.perf_counter()
+    step_s = end - start
+    if timeline is not None:
+        timeline.record("schedule", start, end)
     if outputs or outbox or grads or inputs:
         left = [sorted(d)[:3] for d in (outputs, outbox, grads, inputs) if d]
         raise RuntimeError(f"the schedule left tensors unused (outputs/sends/grads/inputs): {left}")

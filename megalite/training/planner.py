@@ -1,0 +1,509 @@
+"""Memory and traffic of a layout, computed without a process group or a GPU; a ranked search.
+
+Everything here mirrors what megalite allocates and sends (docs/planner.md gives the formulas
+and their sources):
+
+- parameters, gradients and optimizer state: the `GradBuffer` layout replayed exactly (the same
+  parameter order, buckets and padding to a multiple of dp*64 elements), then the bytes
+  `DistributedOptimizer` allocates for this rank's shards (ZeRO 0/1/2, fp32 or bf16/fp16);
+- activations: what one micro-batch of each chunk keeps for backward (Korthikanti et al. 2022,
+  counted for megalite's flash attention and its sequence parallelism), times the chunks in
+  flight at the schedule's worst moment (walked from `schedules.compute_order`);
+- bytes per step per group kind, as the `CommLedger` counts them.
+"""
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from megalite.config import Config, ModelConfig
+from megalite.parallel.data_parallel import ALIGN, MAX_IN_FLIGHT
+from megalite.pipeline.partition import rank_chunks
+from megalite.pipeline.schedules import SEND_B, SEND_F, B, F, bubble_theory, get_schedule
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+
+    def __str__(self):
+        sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
+        vpp = f" vpp={self.vpp}" if self.vpp > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{vpp} zero={self.zero}{sp}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory_gib: float = 80.0
+    gpus_per_node: int = 8
+    usable: float = 0.9  # CUDA context, allocator fragmentation, NCCL buffers, temporaries
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: dict  # bytes on the fullest pipeline rank: params, grads, optimizer, activations, total
+    stages: list  # the same dict for every pipeline rank
+    comm: dict  # bytes per step sent by the busiest rank, per group kind
+    bubble: float  # Megatron's (pp-1)/(vpp*m)
+    microbatches: int
+    fits: bool = True
+    notes: list = field(default_factory=list)
+
+
+# ---- parameters: exactly GPTChunk's, in registration order -------------------------------------
+
+
+def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
+    """[(logical name, numel on this TP rank, grad_sync_tp)] in `named_parameters()` order."""
+    h, f, hd, t = m.hidden_size, m.ffn, m.head_dim, tp
+    sp = sp and tp > 1
+    gpt2 = m.flavour == "gpt2"
+    vocab = m.padded_vocab_size(tp)
+    out = []
+
+    def add(name, numel, sync=False):
+        out.append((name, numel, sync))
+
+    def norm(name):
+        add(f"{name}.weight", h, sp)
+        if gpt2:
+            add(f"{name}.bias", h, sp)
+
+    def column(name, features, split=True):
+        n = features // t if split else features
+        add(f"{name}.weight", n * h, not split and t > 1)
+        if gpt2:
+            add(f"{name}.bias", n, not split and t > 1)
+
+    if has_embedding:
+        add("embedding.word.weight", vocab // t * h)
+        if gpt2:
+            add("embedding.position.weight", (m.max_position_embeddings or m.seq_length) * h, sp)
+    for i in layers:
+        p = f"layers.{i}"
+        norm(f"{p}.input_norm")
+        column(f"{p}.attention.q", m.num_attention_heads * hd)
+        for kv in ("k", "v"):
+            column(f"{p}.attention.{kv}", m.heads_kv * hd, m.heads_kv % t == 0)
+        add(f"{p}.attention.out.weight", h * (m.num_attention_heads * hd // t))
+        if gpt2:
+            add(f"{p}.attention.out.bias", h, sp)
+        norm(f"{p}.post_attention_norm")
+        if not gpt2:
+            column(f"{p}.mlp.gate", f)
+        column(f"{p}.mlp.up", f)
+        add(f"{p}.mlp.down.weight", h * (f // t))
+        if gpt2:
+            add(f"{p}.mlp.down.bias", h, sp)
+    if has_head:
+        norm("final_norm")
+        if not (m.tied and has_embedding):
+            add("output.weight", vocab // t * h)
+    return out
+
+
+def buckets(cfg: Config, lay: Layout, pp_rank: int):
+    """The GradBuffer's buckets on this pipeline rank: [(numel padded, [(name, offset, numel,
+    grad_sync_tp)])], replaying its loop (reverse order per chunk, close once a bucket holds
+    bucket_numel, tied halves alone, pad to dp*ALIGN)."""
+    m, o = cfg.model, cfg.optimizer
+    prec = cfg.training.precision
+    g_size = 4 if prec in ("bf16", "fp16") else BYTES[prec]  # gradients: fp32 when low
+    bucket_numel = max(1, int(o.bucket_size_mb * 2**20 / g_size))
+    tie = m.tied and lay.pp > 1
+    pad = lay.dp * ALIGN
+    out, offset = [], 0
+
+    def close(current):
+        nonlocal offset
+        start, ranges = offset, []
+        for name, n, sync in current:
+            ranges.append((name, offset, n, sync))
+            offset += n
+        offset = -(-offset // pad) * pad
+        out.append((start, offset, ranges))
+
+    for kw in rank_chunks(m.num_layers, lay.pp, lay.vpp, pp_rank):
+        current, held = [], 0
+        for name, n, sync in reversed(chunk_params(m, lay.tp, **kw, sp=lay.sequence_parallel)):
+            alone = tie and name in ("embedding.word.weight", "output.weight")
+            if current and (alone or held >= bucket_numel):
+                close(current)
+                current, held = [], 0
+            current.append((name, n, sync))
+            held += n
+            if alone:
+                close(current)
+                current, held = [], 0
+        if current:
+            close(current)
+    return out
+
+
+def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
+    """Bytes this rank allocates for parameters, gradients and optimizer state."""
+    prec = cfg.training.precision
+    low = prec in ("bf16", "fp16")
+    p_size, g_size = BYTES[prec], 4 if low else BYTES[prec]
+    bs = bs or buckets(cfg, lay, pp_rank)
+    numel = bs[-1][1] if bs else 0
+    shard = numel // lay.dp if lay.zero > 0 else numel  # every bucket splits evenly
+    grads = numel * g_size if lay.zero < 2 else (numel // lay.dp) * g_size
+    # Adam moments (+ fp32 masters with bf16/fp16 parameters) for this rank's shard
+    optimizer = shard * g_size * (3 if low else 2)
+    staged = 0
+    if lay.zero == 2:  # transient: buckets staged for their reduce-scatter during backward
+        largest = sorted((e - s for s, e, _ in bs), reverse=True)[: MAX_IN_FLIGHT + 1]
+        staged = sum(largest) * g_size
+    return {
+        "params": numel * p_size,
+        "grads": grads,
+        "optimizer": optimizer,
+        "staged_grads": staged,
+        "numel": numel,
+    }
+
+
+def _schedule_name(cfg: Config, lay: Layout) -> str:
+    """The configured schedule where it fits the layout (gpipe or 1f1b at vpp=1)."""
+    if lay.vpp > 1:
+        return "interleaved"
+    return cfg.parallel.pp_schedule if cfg.parallel.pp_schedule in ("gpipe", "1f1b") else "1f1b"
+
+
+@lru_cache(maxsize=4096)
+def _schedule(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> tuple:
+    """(kind, chunk) of each action: the search asks for the same schedules many times."""
+    return tuple((a.kind, a.chunk) for a in get_schedule(name, pp, vpp, microbatches, rank))
+
+
+# ---- activations -------------------------------------------------------------------------------
+
+
+def layer_activations(
+    m: ModelConfig, b: int, t: int, sp: bool, recompute: str, e: int, torch_ops=False
+) -> float:
+    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, section 4,
+    counted for megalite): flash attention keeps q, k, v, the output and the log-sum-exp instead
+    of the s x s scores (no 5as/h term), norms keep their input, and with sequence parallelism
+    the column-parallel layers keep copies of their all-gathered (b, s, h) input. `torch_ops`:
+    the plain torch references (CPU) instead of the Triton kernels: norms keep an fp32 input
+    (RMSNorm also its normalised output) and SwiGLU also keeps silu(gate)."""
+    s, h, f, a = m.seq_length, m.hidden_size, m.ffn, m.num_attention_heads
+    llama = m.flavour == "llama"
+    rows = s * b / (t if sp else 1)  # tokens of a sequence-sharded tensor on this rank
+    kv = m.heads_kv * m.head_dim // t if m.heads_kv % t == 0 else m.heads_kv * m.head_dim
+    if recompute == "full":  # only the layer's input
+        return rows * h * e
+    norm_e = max(e, 4) if torch_ops else e
+    norm = rows * h * norm_e + rows * 4 * (1 if llama else 2)  # input; rstd (and mean), fp32
+    if torch_ops and llama:
+        norm += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
+    # Inputs of q/k/v and of the MLP's first linear(s): one (b, s, h) tensor for the attention
+    # block and one for the MLP, shared by the layers that read it (all-gathered with SP).
+    linear_in = s * b * h * e * 2
+    attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
+    lse = 0 if recompute == "selective" else a / t * s * b * 4
+    mlp = s * b * f / t * e * ((4 if torch_ops else 3) if llama else 2)  # (gate,) up, act out
+    masks = 2 * rows * h if m.hidden_dropout > 0 else 0  # bool dropout masks
+    scores = 0
+    if m.attention_dropout > 0 and recompute != "selective":  # the math path keeps s x s
+        scores = a / t * s * s * b * (2 * e + 1)
+    return 2 * norm + linear_in + attention + lse + mlp + masks + scores
+
+
+def chunk_activations(cfg: Config, lay: Layout, kw: dict) -> tuple[float, float]:
+    """(bytes kept per micro-batch, transient bytes of one recomputed layer) of a chunk."""
+    m, t = cfg.model, cfg.training
+    e, b, s, h, tp = BYTES[t.precision], t.micro_batch_size, m.seq_length, m.hidden_size, lay.tp
+    torch_ops = t.kernels == "torch"  # "auto" plans for GPUs: the Triton kernels
+    sp = lay.sequence_parallel and tp > 1
+    per_layer = layer_activations(m, b, tp, sp, t.recompute, e, torch_ops)
+    total = len(kw["layers"]) * per_layer
+    if kw["has_embedding"]:
+        total += b * s * (9 if tp > 1 else 8)  # token ids (int64; a bool mask with TP)
+        total += s * 8 if m.flavour == "gpt2" else 0  # position ids
+    if kw["has_head"]:
+        rows = s * b / (tp if sp else 1)
+        norm_e = max(e, 4) if torch_ops else e
+        total += rows * h * norm_e + rows * 4 * (1 if m.flavour == "llama" else 2)
+        if torch_ops and m.flavour == "llama":
+            total += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
+        total += s * b * h * e + s * b * 8  # the output layer's input; the labels
+        if tp > 1:  # vocab-parallel cross entropy: fp32 softmax, local ids, two masks
+            total += s * b * m.padded_vocab_size(tp) // tp * max(e, 4) + s * b * 10
+        elif torch_ops:  # fp32 log-softmax over the real vocabulary
+            total += s * b * m.vocab_size * max(e, 4) + 4
+        else:  # the Triton kernel keeps the logits and the log-sum-exp
+            total += s * b * m.padded_vocab_size(1) * e + s * b * 4
+    transient = 0.0
+    if t.recompute == "full" and kw["layers"]:
+        transient = layer_activations(m, b, tp, sp, "none", e, torch_ops)
+    return total, transient
+
+
+def peak_activations(cfg: Config, lay: Layout, pp_rank: int, microbatches: int) -> float:
+    """Walk this rank's schedule: the most activation bytes alive at once."""
+    kws = rank_chunks(cfg.model.num_layers, lay.pp, lay.vpp, pp_rank)
+    per_chunk = [chunk_activations(cfg, lay, kw) for kw in kws]
+    schedule = _schedule_name(cfg, lay)
+    alive = peak = 0.0
+    for kind, chunk in _schedule(schedule, lay.pp, lay.vpp, microbatches, pp_rank):
+        if kind == F:
+            alive += per_chunk[chunk][0]
+            peak = max(peak, alive)
+        elif kind == B:  # a recomputed layer's activations exist while its backward runs
+            peak = max(peak, alive + per_chunk[chunk][1])
+            alive -= per_chunk[chunk][0]
+    return peak
+
+
+# ---- communication -----------------------------------------------------------------------------
+
+
+def _ring(kind: str, n: int, nbytes: float) -> int:
+    """Bus bytes the CommLedger records for one call (it truncates each call to an int)."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "gather": (n - 1) / n, "p2p": 1.0}[kind]
+    return int(factor * nbytes) if n > 1 else 0
+
+
+def comm_bytes(
+    cfg: Config, lay: Layout, pp_rank: int, microbatches: int, dp_rank=0, bs=None
+) -> dict:
+    """Bytes per step this rank's ledger records, per group kind (docs/planner.md)."""
+    m, tr = cfg.model, cfg.training
+    t, d, pp = lay.tp, lay.dp, lay.pp
+    e, b, s, h = BYTES[tr.precision], tr.micro_batch_size, m.seq_length, m.hidden_size
+    low = tr.precision in ("bf16", "fp16")
+    g_size = 4 if low else e
+    sp = lay.sequence_parallel and t > 1
+    act = b * s * h * e
+    kws = rank_chunks(m.num_layers, pp, lay.vpp, pp_rank)
+    out = {}
+
+    # TP, per micro-batch: each of the 2 blocks of a layer has 2 all-reduces (forward of the
+    # row-parallel exit, backward of the column-parallel entry) or, with SP, 2 all-gathers and 2
+    # reduce-scatters: 8 (t-1)/t b s h elements either way; full recompute repeats the forward.
+    if sp:
+        per_layer = 8 * _ring("gather", t, act)
+        embed = head = 2 * _ring("gather", t, act)
+    else:
+        per_layer = 4 * _ring("all_reduce", t, act)
+        embed = head = _ring("all_reduce", t, act)
+    if tr.recompute == "full":
+        per_layer += per_layer // 2
+    ce = _ring("all_reduce", t, b * s * 4) + _ring("all_reduce", t, 2 * b * s * 4)  # max; 2 sums
+    tp_bytes = 0
+    for kw in kws:
+        tp_bytes += len(kw["layers"]) * per_layer
+        tp_bytes += embed if kw["has_embedding"] else 0
+        tp_bytes += head + ce if kw["has_head"] else 0
+    tp_bytes *= microbatches
+    bs = bs or buckets(cfg, lay, pp_rank)
+    sync, tied = 0, 0
+    for start, end, ranges in bs:
+        shard = (end - start) // d
+        lo, hi = (
+            (start, end)
+            if lay.zero == 0
+            else (start + dp_rank * shard, start + (dp_rank + 1) * shard)
+        )
+        for name, off, n, is_sync in ranges:
+            overlap = max(0, min(off + n, hi) - max(off, lo))
+            sync += overlap if is_sync else 0
+            if m.tied and pp > 1 and name in ("embedding.word.weight", "output.weight"):
+                tied += overlap
+    tp_bytes += _ring("all_reduce", t, sync * g_size) if sync else 0
+    out["tp"] = tp_bytes
+
+    # PP: every send of the schedule carries one hidden tensor; one all-reduce of m+2 float64
+    # shares the losses and the first stage's timing.
+    schedule = _schedule_name(cfg, lay)
+    actions = _schedule(schedule, pp, lay.vpp, microbatches, pp_rank)
+    sends = sum(kind in (SEND_F, SEND_B) for kind, _ in actions)
+    out["pp"] = sends * (act // (t if sp else 1)) + _ring("all_reduce", pp, (microbatches + 2) * 8)
+
+    # DP, per bucket: all-reduce (ZeRO 0); reduce-scatter + all-gather of the parameters
+    # (ZeRO 1); a reduce-scatter per micro-batch + all-gather (ZeRO 2). Plus the loss mean.
+    dp_bytes = 0
+    for start, end, _ in bs:
+        n = end - start
+        if lay.zero == 0:
+            dp_bytes += _ring("all_reduce", d, n * g_size)
+        else:
+            passes = microbatches if lay.zero == 2 else 1
+            dp_bytes += passes * _ring("gather", d, n * g_size) + _ring("gather", d, n * e)
+    out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
+    out["embed"] = _ring("all_reduce", 2, tied * g_size) if tied else 0
+    out["world"] = _ring("all_reduce", t * pp * d, 16)  # gradient norm and inf flag
+    return {k: v for k, v in out.items() if v}
+
+
+# ---- plans and the search ------------------------------------------------------------------------
+
+
+def microbatches_of(cfg: Config, lay: Layout) -> int:
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * lay.dp)
+
+
+def plan(cfg: Config, lay: Layout, cluster: Cluster | None = None, all_stages=True) -> Plan:
+    """Memory per pipeline rank, traffic and bubble of one layout."""
+    mb = microbatches_of(cfg, lay)
+    stages = []
+    # Middle stages hold no embedding or head and fewer micro-batches in flight than the
+    # first: the search looks at the first and the last stage only.
+    ranks = range(lay.pp) if all_stages else sorted({0, lay.pp - 1})
+    comms = []
+    for r in ranks:
+        bs = buckets(cfg, lay, r)
+        comms.append(comm_bytes(cfg, lay, r, mb, bs=bs))
+        mem = state_memory(cfg, lay, r, bs)
+        mem["activations"] = peak_activations(cfg, lay, r, mb)
+        mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))
+        mem["total"] += mem["staged_grads"]
+        stages.append(mem)
+    worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
+    comm = {k: max(c.get(k, 0) for c in comms) for k in ("tp", "pp", "dp", "embed", "world")}
+    p = Plan(lay, stages[worst], stages, {k: v for k, v in comm.items() if v},
+             bubble_theory(lay.pp, lay.vpp, mb), mb)  # fmt: skip
+    if cluster is not None:
+        p.fits = p.memory["total"] <= cluster.usable * cluster.gpu_memory_gib * GiB
+    return p
+
+
+def _valid(cfg: Config, lay: Layout, cluster: Cluster) -> bool:
+    m, t = cfg.model, cfg.training
+    if lay.tp > cluster.gpus_per_node:  # TP stays inside a node
+        return False
+    if m.num_attention_heads % lay.tp or m.hidden_size % lay.tp or m.ffn % lay.tp:
+        return False
+    if m.heads_kv % lay.tp and lay.tp % m.heads_kv:
+        return False
+    if m.num_layers % (lay.pp * lay.vpp) or t.global_batch_size % (t.micro_batch_size * lay.dp):
+        return False
+    if lay.sequence_parallel and m.seq_length % lay.tp:
+        return False
+    return lay.vpp == 1 or microbatches_of(cfg, lay) % lay.pp == 0
+
+
+def search(cfg: Config, cluster: Cluster, limit: int | None = None) -> list[Plan]:
+    """Layouts of cluster.gpus that fit, best first, following Narayanan et al. 2021: the
+    smallest model-parallel size tp*pp that fits (DP for the rest), TP before PP (TP inside a
+    node, PP across nodes), the lowest ZeRO stage that fits (ZeRO-1 moves the bytes ZeRO-0
+    moves, so it is chosen as soon as the optimizer state does not fit), then the smaller
+    bubble (interleaving) and the lower memory."""
+    n = cluster.gpus
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    plans = []
+    for tp in divisors:
+        for pp in (p for p in divisors if (n // tp) % p == 0):
+            dp = n // (tp * pp)
+            for vpp in (1, 2) if pp > 1 else (1,):
+                for zero in (0, 1, 2) if dp > 1 else (0,):
+                    lay = Layout(tp, pp, dp, vpp, zero, sequence_parallel=tp > 1)
+                    if _valid(cfg, lay, cluster):
+                        p = plan(cfg, lay, cluster, all_stages=False)
+                        if p.fits:
+                            plans.append(p)
+
+    def key(p: Plan):
+        lay = p.layout
+        return (lay.tp * lay.pp, lay.zero, -lay.tp, p.bubble, p.memory["total"])
+
+    plans.sort(key=key)
+    return plans[:limit] if limit else plans
+
+
+# ---- printing ------------------------------------------------------------------------------------
+
+
+def _gib(n: float) -> str:
+    """Binary units, as GPU memory is quoted."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_plan(p: Plan, cluster: Cluster | None = None) -> str:
+    lines = [f"layout {p.layout}: {p.microbatches} micro-batches per step, "
+             f"bubble (pp-1)/(vpp*m) = {p.bubble:.1%}"]  # fmt: skip
+    lines.append(f"  {'per rank':<12}{'params':>11}{'grads':>11}{'optimizer':>11}"
+                 f"{'activations':>13}{'total':>11}")  # fmt: skip
+    for r, mem in enumerate(p.stages):
+        extra = f"  (+{_gib(mem['staged_grads'])} staged)" if mem["staged_grads"] else ""
+        cells = [mem[k] for k in ("params", "grads", "optimizer")]
+        lines.append(
+            f"  {'stage ' + str(r):<12}" + "".join(f"{_gib(c):>11}" for c in cells)
+            + f"{_gib(mem['activations']):>13}{_gib(mem['total']):>11}{extra}"
+        )  # fmt: skip
+    lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
+    if cluster is not None:
+        usable = cluster.usable * cluster.gpu_memory_gib
+        verdict = "fits" if p.fits else "does NOT fit"
+        lines.append(f"  {verdict} in {usable:.1f} GiB usable of {cluster.gpu_memory_gib} GiB")
+    return "\n".join(lines)
+
+
+def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
+    head = f"layouts that fit {cluster.gpus} GPUs of {cluster.gpu_memory_gib} GiB "
+    head += f"({cluster.gpus_per_node} per node), best first:"
+    rows = [head, f"  {'#':>2}  {'layout':<34}  {'memory':>10}  {'bubble':>6}  {'tp bytes':>9}"
+                  f"  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
+    for i, p in enumerate(plans, 1):
+        rows.append(
+            f"  {i:>2}  {str(p.layout):<34}  {_gib(p.memory['total']):>10}  {p.bubble:>6.1%}  "
+            + "  ".join(f"{_bytes(p.comm.get(k, 0)):>9}" for k in ("tp", "pp", "dp"))
+        )
+    if not plans:
+        rows.append(
+            "  none: add GPUs, lower --micro-batch-size or use --recompute-granularity full"
+        )
+    return "\n".join(rows)
+
+
+def cluster_from_env(world_size: int, gpu_memory_gib=None, gpus_per_node=None) -> Cluster:
+    """The cluster a dry run plans for: the local GPU's memory when there is one (no process
+    group needed), else 80 GiB; GPUs per node from torchrun's LOCAL_WORLD_SIZE, else 8."""
+    import os
+
+    import torch
+
+    if gpu_memory_gib is None:
+        gpu_memory_gib = 80.0
+        if torch.cuda.is_available():
+            gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+    if gpus_per_node is None:
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    return Cluster(world_size, round(gpu_memory_gib, 1), gpus_per_node)
+
+
+def print_plan(cfg: Config, world_size: int, cluster: Cluster | None = None, top: int = 8):
+    """`pretrain_gpt.py --dry-run`: the configured layout's plan, then the best layouts for
+    this many GPUs. Needs no process group and no GPU; cfg must be validated."""
+    cfg = replace(cfg, model=replace(cfg.model))
+    if cfg.model.vocab_size is None:  # the built-in tokenizer's, known before it is trained
+        cfg.model.vocab_size = cfg.data.tokenizer_vocab_size
+    cluster = cluster or cluster_from_env(world_size)
+    par = cfg.parallel
+    dp = par.dp or world_size // (par.tp * par.pp)
+    lay = Layout(par.tp, par.pp, dp, par.vpp, cfg.optimizer.zero_stage, par.sequence_parallel)
+    print(format_plan(plan(cfg, lay, cluster), cluster))
+    print(format_ranking(search(cfg, cluster, top), cluster), flush=True)

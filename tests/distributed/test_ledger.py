@@ -1,0 +1,147 @@
+"""What a real step sends and allocates, against the formulas of docs/planner.md.
+
+One spawn of two gloo ranks runs every case, each on its own groups: tensor parallelism
+(ledger bytes of GPTChunk forward/backward plus the optimizer's TP sums, with and without
+sequence parallelism, and the activations autograd keeps), data parallelism at ZeRO 0/1/2
+(ledger bytes of the bucket reductions), and the planner's parameter, gradient and optimizer
+bytes against DistributedOptimizer's buffers for tp, pp (tied embedding) and dp layouts.
+"""
+
+import pytest
+import torch
+
+from megalite.config import Config, ModelConfig
+from megalite.model.gpt import GPTChunk
+from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.parallel import comm
+from megalite.pipeline.partition import rank_chunks
+from megalite.training import planner
+from megalite.training.planner import Layout
+from tests.spawn import spawn
+from tests.unit.test_planner import saved_bytes
+
+L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m
+
+
+def config(tp=1, pp=1, dp=1, zero=0, sp=False, precision="fp32") -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(flavour="gpt2", num_layers=L, hidden_size=H, num_attention_heads=HEADS,
+                            seq_length=S, vocab_size=V, make_vocab_size_divisible_by=8)  # fmt: skip
+    p, t, o = cfg.parallel, cfg.training, cfg.optimizer
+    p.tp, p.pp, p.dp, p.sequence_parallel = tp, pp, dp, sp
+    t.micro_batch_size, t.global_batch_size, t.precision, t.kernels = (
+        B,
+        B * M * dp,
+        precision,
+        "torch",
+    )
+    o.zero_stage, o.bucket_size_mb = zero, 0.004  # ~1000 fp32 elements: several padded buckets
+    return cfg
+
+
+def build(cfg: Config):
+    from megalite.parallel.groups import build_groups
+    from megalite.parallel.topology import Topology
+
+    p = cfg.parallel
+    groups = build_groups(Topology(p.tp, p.pp, p.dp), torch.device("cpu"))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
+    chunks = [
+        GPTChunk(cfg.model, groups.tp, sequence_parallel=p.sequence_parallel, dtype=dtype, **kw)
+        for kw in rank_chunks(L, p.pp, 1, groups.pp.rank)
+    ]
+    return groups, chunks, DistributedOptimizer(chunks, groups, cfg)
+
+
+def data(k):
+    g = torch.Generator().manual_seed(k)
+    return torch.randint(V, (B, S), generator=g), torch.randint(V, (B, S), generator=g)
+
+
+def step(groups, chunks, opt, dp_rank=0):
+    """One optimizer step of M micro-batches through a whole-model chunk, as the trainer does."""
+    groups.ledger.reset()
+    opt.zero_grad(M)
+    loss = 0.0
+    for k in range(M):
+        x, y = data(10 * dp_rank + k)
+        out = chunks[0](x, y)
+        (out / M).backward()
+        loss += out.item() / M
+    comm.all_reduce(torch.tensor([loss], dtype=torch.float64), groups.dp)  # the trainer's mean
+    opt.step(1e-3)
+    return dict(groups.ledger.bytes)
+
+
+def tp_case(sp: bool):
+    cfg = config(tp=2, sp=sp)
+    groups, chunks, opt = build(cfg)
+    got = step(groups, chunks, opt)
+    t, e = 2, 4
+    bsh = B * S * H * e
+    # per micro-batch: 8 (t-1)/t bsh per layer, 2 (t-1)/t bsh for the embedding and for the head,
+    # 2 (t-1)/t of 3 b s fp32 values for the vocab-parallel loss (max, then two sums)
+    per_mb = L * 8 * (t - 1) / t * bsh + 2 * 2 * (t - 1) / t * bsh + 2 * (t - 1) / t * 3 * B * S * 4
+    # the optimizer sums sequence-parallel gradients over TP: per layer 2 norms (weight, bias)
+    # and the row-parallel biases of out and down; the final norm; the position embedding
+    synced = (L * 6 * H + 2 * H + S * H) if sp else 0
+    expected = M * per_mb + 2 * (t - 1) / t * synced * e
+    assert got["tp"] == expected, (sp, got["tp"], expected)
+    assert got["tp"] == planner.comm_bytes(cfg, Layout(tp=2, sequence_parallel=sp), 0, M)["tp"]
+    assert got["world"] == 16  # gradient norm and inf flag: 2 float64, all-reduced over 2
+    # activations autograd keeps on this TP rank for one micro-batch
+    measured = saved_bytes(chunks[0], data(0)[0], data(0)[1])
+    kw = rank_chunks(L, 1, 1, 0)[0]
+    estimate, _ = planner.chunk_activations(cfg, Layout(tp=2, sequence_parallel=sp), kw)
+    return got["tp"], measured, estimate
+
+
+def dp_case(zero: int, rank: int):
+    cfg = config(dp=2, zero=zero)
+    groups, chunks, opt = build(cfg)
+    got = step(groups, chunks, opt, dp_rank=rank)
+    d, sizes = 2, [b.numel for b in opt.buffer.buckets]
+    assert all(n % (d * 64) == 0 for n in sizes) and len(sizes) > 2
+    loss_mean = 2 * (d - 1) / d * 8
+    if zero == 0:  # all-reduce 2(d-1)/d of each fp32 gradient bucket
+        expected = sum(2 * (d - 1) / d * n * 4 for n in sizes)
+    else:  # reduce-scatter (once per micro-batch at ZeRO 2) + all-gather of the parameters
+        passes = M if zero == 2 else 1
+        expected = sum((passes + 1) * (d - 1) / d * n * 4 for n in sizes)
+    assert got["dp"] == expected + loss_mean, (zero, got["dp"], expected)
+    assert got["dp"] == planner.comm_bytes(cfg, Layout(dp=2, zero=zero), 0, M)["dp"]
+    return got["dp"]
+
+
+def memory_case(cfg: Config):
+    groups, chunks, opt = build(cfg)
+    p = cfg.parallel
+    lay = Layout(p.tp, p.pp, p.dp, 1, cfg.optimizer.zero_stage, p.sequence_parallel)
+    mem = planner.state_memory(cfg, lay, groups.pp.rank)
+    buf = opt.buffer
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    grads = nbytes(buf.grad_buffer) if buf.grad_buffer is not None else sum(
+        nbytes(b.shard_grad) for b in buf.buckets
+    )  # fmt: skip
+    real = {"params": nbytes(buf.param_buffer), "grads": grads, "optimizer": opt.state_bytes()}
+    assert {k: mem[k] for k in real} == real, (lay, cfg.training.precision, mem, real)
+    return real
+
+
+def run(rank, world):
+    out = {"tp": [tp_case(sp) for sp in (False, True)]}
+    out["dp"] = [dp_case(z, rank) for z in (0, 1, 2)]
+    out["memory"] = [
+        memory_case(config(tp=2, sp=True)),
+        memory_case(config(pp=2)),  # tied embedding halves in buckets of their own
+        *[memory_case(config(dp=2, zero=z, precision=pr)) for z in (0, 1, 2) for pr in ("fp32", "bf16")],
+    ]  # fmt: skip
+    return out
+
+
+@pytest.mark.distributed
+def test_ledger_and_memory_match_formulas():
+    results = spawn(run, 2)
+    for _, measured, estimate in results[0]["tp"]:
+        assert abs(estimate / measured - 1) < 0.2, (measured, estimate)
+    assert results[0]["dp"] == results[1]["dp"]

@@ -1,0 +1,160 @@
+"""The planner against megalite itself (parameters, buffers, saved activations) and its
+recommendations for a few fixed cases."""
+
+import pytest
+import torch
+
+from megalite.config import Config, ModelConfig
+from megalite.model.gpt import GPTChunk
+from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.parallel.comm import Group
+from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.topology import Topology
+from megalite.pipeline.partition import rank_chunks
+from megalite.training import planner
+from megalite.training.planner import Cluster, Layout
+
+
+def tiny(flavour="gpt2", layers=2, **kw) -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(flavour=flavour, num_layers=layers, hidden_size=64,
+                            num_attention_heads=4, seq_length=64, vocab_size=500,
+                            make_vocab_size_divisible_by=8, **kw)  # fmt: skip
+    cfg.training.micro_batch_size, cfg.training.kernels = 2, "torch"
+    return cfg
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_parameters_are_gpt_chunks(flavour, tp, sp):
+    """Names, sizes and grad_sync_tp in registration order, the first and the last stage."""
+    m = tiny(flavour, layers=4, num_query_groups=2 if flavour == "llama" else None).model
+    group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
+    for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
+        chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
+        real = [(n, p.numel(), bool(getattr(p, "grad_sync_tp", False)))
+                for n, p in chunk.named_parameters()]  # fmt: skip
+        assert planner.chunk_params(m, tp, **kw, sp=sp) == real
+
+
+def saved_bytes(chunk, x, labels) -> int:
+    """Bytes of the tensors autograd keeps for backward in one forward, each storage once,
+    parameters and buffers left out."""
+    skip = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *chunk.buffers()]}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunk(x, labels)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_activations_match_saved_tensors(flavour):
+    """One micro-batch through a first (embedding) and a middle chunk, fp32 on CPU: the
+    planner's estimate against the bytes autograd saves (the contract: within 20%)."""
+    cfg = tiny(flavour)
+    b, s, h = 2, 64, 64
+    for kw in ({"layers": range(2), "has_embedding": True, "has_head": True},
+               {"layers": range(2), "has_embedding": False, "has_head": False}):  # fmt: skip
+        chunk = GPTChunk(cfg.model, **kw)
+        x = torch.randint(500, (b, s)) if kw["has_embedding"] else torch.randn(b, s, h)
+        measured = saved_bytes(chunk, x.requires_grad_(x.is_floating_point()),
+                               torch.randint(500, (b, s)))  # fmt: skip
+        estimate, _ = planner.chunk_activations(cfg, Layout(), kw)
+        assert abs(estimate / measured - 1) < 0.2, (kw, estimate, measured)
+
+
+def single_groups() -> ProcessGroups:
+    g = {k: Group(k, [0], 0) for k in ("tp", "pp", "dp", "mp", "embed", "world")}
+    return ProcessGroups(topo=Topology(), rank=0, device=torch.device("cpu"), **g)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_buffers_one_process(precision):
+    """Parameters, gradients and optimizer state: exactly what DistributedOptimizer allocates
+    (small buckets, so several are cut and padded). Sharded layouts: tests/distributed."""
+    cfg = tiny("gpt2", layers=3)
+    cfg.training.precision, cfg.optimizer.bucket_size_mb = precision, 0.05
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    opt = DistributedOptimizer([GPTChunk(cfg.model, dtype=dtype)], single_groups(), cfg)
+    mem = planner.state_memory(cfg, Layout(), 0)
+    buf = opt.buffer
+    assert len(buf.buckets) == len(planner.buckets(cfg, Layout(), 0)) > 2
+    assert mem["params"] == buf.param_buffer.numel() * buf.param_buffer.element_size()
+    assert mem["grads"] == buf.grad_buffer.numel() * buf.grad_buffer.element_size()
+    assert mem["optimizer"] == opt.state_bytes()
+
+
+def test_interleaving_penalty():
+    """Rank 0 keeps pp*vpp + pp - 1 chunks in flight: L (1 + (pp-1)/(pp vpp)) layers' worth
+    (Korthikanti et al. 2022, section 4.2.3)."""
+    cfg = tiny("gpt2", layers=8)
+    cfg.training.global_batch_size = 16  # 8 micro-batches of 2
+    lay = Layout(pp=2, vpp=2)
+    per_chunk, _ = planner.chunk_activations(cfg, lay, rank_chunks(8, 2, 2, 0)[1])  # no embedding
+    first, _ = planner.chunk_activations(cfg, lay, rank_chunks(8, 2, 2, 0)[0])
+    # rank 0 runs F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 ...: after F3.0 five chunk activations
+    # are alive (micro-batches 0-3 of chunk 0, 1 of chunk 1): 10 of the 8 layers' worth
+    assert planner.peak_activations(cfg, lay, 0, 8) == 4 * first + per_chunk
+    one_f_one_b = planner.peak_activations(cfg, Layout(pp=2), 0, 8)
+    assert (
+        one_f_one_b
+        == 2 * planner.chunk_activations(cfg, Layout(pp=2), rank_chunks(8, 2, 1, 0)[0])[0]
+    )
+
+
+def big(flavour, layers, hidden, heads, seq, vocab, mbs, gbs, precision="bf16", recompute="none"):
+    cfg = Config()
+    cfg.model = ModelConfig(flavour=flavour, num_layers=layers, hidden_size=hidden,
+                            num_attention_heads=heads, seq_length=seq, vocab_size=vocab)  # fmt: skip
+    t = cfg.training
+    t.micro_batch_size, t.global_batch_size, t.precision, t.recompute = (
+        mbs,
+        gbs,
+        precision,
+        recompute,
+    )
+    return cfg
+
+
+def test_fits_one_gpu_gives_pure_dp():
+    cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)  # GPT-2 124M
+    best = planner.search(cfg, Cluster(gpus=8, gpu_memory_gib=80))[0]
+    assert best.layout == Layout(tp=1, pp=1, dp=8, zero=0)
+
+
+def test_too_big_for_a_node_gives_pp_across_nodes():
+    cfg = big("gpt2", 96, 12288, 96, 2048, 51200, mbs=1, gbs=64, recompute="full")  # GPT-3
+    cluster = Cluster(gpus=64, gpu_memory_gib=80, gpus_per_node=8)
+    plans = planner.search(cfg, cluster)
+    best = plans[0].layout
+    assert best.tp == 8 and best.pp >= 2  # TP fills a node, PP spans nodes
+    # nothing fits inside one node: no plan with tp * pp <= 8
+    assert all(p.layout.tp * p.layout.pp > 8 for p in plans)
+
+
+def test_optimizer_state_dominates_gives_zero():
+    # ~3B parameters: bf16 weights 6 GB + fp32 gradients 12 GB fit a 40 GB GPU, the 36 GB of
+    # fp32 Adam state and masters do not; sharded over 8 ranks they do
+    cfg = big("llama", 26, 3200, 32, 1024, 32000, mbs=1, gbs=64)
+    best = planner.search(cfg, Cluster(gpus=8, gpu_memory_gib=40))[0]
+    assert (best.layout.tp, best.layout.pp, best.layout.zero) == (1, 1, 1)
+    zero0 = planner.plan(cfg, Layout(dp=8), Cluster(gpus=8, gpu_memory_gib=40))
+    assert (
+        not zero0.fits
+        and zero0.memory["optimizer"] > zero0.memory["params"] + zero0.memory["grads"]
+    )
+
+
+def test_print_plan_needs_no_process_group(capsys):
+    cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)
+    cfg.parallel.dp = 8
+    planner.print_plan(cfg, 8, Cluster(gpus=8, gpu_memory_gib=80))
+    out = capsys.readouterr().out
+    assert "layout tp=1 pp=1 dp=8 zero=0" in out and "best first" in out

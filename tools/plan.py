@@ -1,0 +1,35 @@
+"""Plan a run before launching it: memory per GPU, bubble, traffic, and the layouts that fit.
+
+    python tools/plan.py --config configs/tiny.yaml --gpus 8
+    python tools/plan.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
+        --seq-length 2048 --vocab-size 51200 --precision bf16 --mbs 1 --gbs 512 \\
+        --recompute-granularity selective --gpus 64 --gpu-memory 80 --gpus-per-node 8
+
+Model and training flags are pretrain_gpt.py's; the layout flags (--tp --pp --vpp, --zero-stage,
+--sequence-parallel) describe the layout printed first. Needs no GPU and no process group.
+"""
+
+import argparse
+
+from megalite.config import parse_args, validate
+from megalite.errors import MegaliteError, run_main
+from megalite.training.planner import Cluster, print_plan
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    ap.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU [80]")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node [8]")
+    ap.add_argument("--top", type=int, default=10, help="layouts listed [10]")
+    ns, rest = ap.parse_known_args(argv)
+    if ns.gpus < 1 or ns.gpus_per_node < 1 or ns.gpu_memory <= 0:
+        raise MegaliteError("--gpus, --gpus-per-node and --gpu-memory must be positive")
+    cfg = parse_args(rest)
+    validate(cfg, ns.gpus)
+    cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus))
+    print_plan(cfg, ns.gpus, cluster, top=ns.top)
+
+
+if __name__ == "__main__":
+    run_main(main)
