@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import Variable
 
+from megalite.errors import MegaliteError
 from megalite.parallel import comm
 from megalite.pipeline import p2p
 from megalite.pipeline.schedules import COMM, RECV_B, RECV_F, SEND_B, SEND_F, F, format_action
@@ -52,6 +53,20 @@ class PipelineResult:
         (pp-1)/(vpp*m) (`schedules.bubble_theory`)."""
         idle = self.first_stage_step_s - self.first_stage_compute_s
         return idle / max(self.first_stage_compute_s, 1e-12)
+
+
+def _peer_failure(batch, pp, reason: str) -> str:
+    me = f"rank {pp.ranks[pp.rank]} (pipeline stage {pp.rank})"
+    what = ", ".join(
+        f"{a.kind} of chunk {a.chunk} micro-batch {a.mb} "
+        f"{'to' if a.kind.startswith('SEND') else 'from'} stage {a.peer} (rank {pp.ranks[a.peer]})"
+        for a in batch
+    )
+    reason = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+    return (
+        f"{me} gave up waiting on {what}: that rank died or stalled ({reason[-160:]}); "
+        "see its log, or raise --distributed-timeout-minutes if it was only slow"
+    )
 
 
 def _backward(out: torch.Tensor, grad: torch.Tensor):
@@ -154,7 +169,12 @@ def run_schedule(
                 buf = torch.empty(hidden_shape, dtype=dtype, device=device)
                 ops.append((False, buf, a.peer))
                 received.append((a, buf))
-        seconds = p2p.exchange(ops, pp)
+        try:
+            seconds = p2p.exchange(ops, pp)
+        except (
+            RuntimeError
+        ) as e:  # a timeout, or a peer whose connection closed: it died or stalled
+            raise MegaliteError(_peer_failure(batch, pp, str(e)), every_rank=True) from e
         for a in batch:
             if a.kind in (SEND_F, SEND_B):
                 del outbox[a.kind, a.chunk, a.mb]

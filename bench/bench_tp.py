@@ -1,0 +1,485 @@
+"""Tensor parallelism side by side: megalite at tp=2 against torch DTensor TP, same model.
+
+    .venv/bin/python bench/bench_tp.py [--layers 4] [--hidden 512] [--heads 8] [--groups 4]
+        [--vocab 8192] [--seq 128] [--mbs 2] [--micro 2] [--rounds 6]
+
+Two gloo processes on CPU (tests/spawn.py: forkserver, file:// rendezvous, one thread each) run
+four variants of one training step, interleaved round by round (the order rotates each round),
+after warm-up rounds:
+
+- megalite: `GPTChunk` (llama flavour, torch reference ops) at tp=2, the pipeline executor at
+  pp=1 and `DistributedOptimizer` (AdamW, clipping at 1.0), with and without
+  `sequence_parallel=True`;
+- torch: a plain-module model of the same shape and parameter names (nn.Embedding, nn.RMSNorm,
+  nn.Linear; attention, rotary and SwiGLU through the same reference functions as megalite)
+  parallelised with `parallelize_module` (ColwiseParallel q/k/v/gate/up, RowwiseParallel
+  out/down, a vocab-sharded embedding, a ColwiseParallel head with Shard(-1) logits and
+  `loss_parallel()`); with SP, torchtitan's plan (SequenceParallel norms, PrepareModuleInput
+  Shard(1) -> Replicate, RowwiseParallel output Shard(1)). torch.optim.AdamW on the DTensor
+  parameters and clipping through torch.nn.utils.get_total_norm (`clip` below: without SP the
+  norm weights stay plain tensors, which clip_grad_norm_ cannot stack with DTensors).
+
+Both load the same logical weights; one step on the same batch first checks the losses agree.
+Reported: each variant's median step time (the slower rank's per step), the ratios, and
+megalite's TP traffic from its `CommLedger` (bus bytes per rank, group kind "tp") against the
+formula, broken down by origin; torch's collectives per step (calls and bus bytes) seen by a TorchDispatchMode.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.config import Config, ModelConfig  # noqa: E402
+from megalite.kernels import TORCH_OPS  # noqa: E402
+from megalite.model.gpt import GPTChunk  # noqa: E402
+from megalite.model.layers import rotary_tables  # noqa: E402
+from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
+from megalite.parallel import comm  # noqa: E402
+from megalite.parallel.groups import build_groups  # noqa: E402
+from megalite.parallel.topology import Topology  # noqa: E402
+from megalite.pipeline.executor import run_schedule  # noqa: E402
+from megalite.pipeline.schedules import get_schedule  # noqa: E402
+from tests.spawn import spawn  # noqa: E402
+
+LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
+VARIANTS = ("megalite", "megalite-sp", "torch", "torch-sp")
+
+
+# ---- the plain torch model (names = megalite's logical names) ---------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        h, hd = m.hidden_size, m.head_dim
+        self.hd = hd
+        self.q = nn.Linear(h, m.num_attention_heads * hd, bias=False)
+        self.k = nn.Linear(h, m.heads_kv * hd, bias=False)
+        self.v = nn.Linear(h, m.heads_kv * hd, bias=False)
+        self.out = nn.Linear(m.num_attention_heads * hd, h, bias=False)
+        cos, sin = rotary_tables(m)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, h); under TP q/k/v hold this rank's heads
+        b, s = x.shape[:2]
+        q = self.q(x).view(b, s, -1, self.hd)
+        k = self.k(x).view(b, s, -1, self.hd)
+        v = self.v(x).view(b, s, -1, self.hd)
+        q = TORCH_OPS.rotary(q, self.cos[:s], self.sin[:s])
+        k = TORCH_OPS.rotary(k, self.cos[:s], self.sin[:s])
+        o = TORCH_OPS.attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(m.hidden_size, m.ffn, bias=False)
+        self.up = nn.Linear(m.hidden_size, m.ffn, bias=False)
+        self.down = nn.Linear(m.ffn, m.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down(TORCH_OPS.swiglu(self.gate(x), self.up(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.input_norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon)
+        self.attention = Attention(m)
+        self.post_attention_norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon)
+        self.mlp = MLP(m)
+
+    def forward(self, x):
+        x = x + self.attention(self.input_norm(x))
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class TorchGPT(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        V = m.padded_vocab_size(1)
+        self.embedding = nn.Module()
+        self.embedding.word = nn.Embedding(V, m.hidden_size)
+        self.layers = nn.ModuleList(Layer(m) for _ in range(m.num_layers))
+        self.final_norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon)
+        self.output = nn.Linear(m.hidden_size, V, bias=False)
+
+    def forward(self, ids):  # -> logits (b, s, V): a DTensor sharded on the vocabulary under TP
+        x = self.embedding.word(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.final_norm(x))
+
+
+def parallelize(model: TorchGPT, mesh, sp: bool):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if sp:  # torchtitan's plan
+        top = {
+            "embedding.word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "final_norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        }
+        enter = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        layer = {
+            "input_norm": SequenceParallel(),
+            "attention": enter,
+            "attention.out": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_norm": SequenceParallel(),
+            "mlp": enter,
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    else:
+        top = {
+            "embedding.word": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        layer = {"attention.out": RowwiseParallel(), "mlp.down": RowwiseParallel()}
+    for name in ("attention.q", "attention.k", "attention.v", "mlp.gate", "mlp.up"):
+        layer[name] = ColwiseParallel()
+    parallelize_module(model, mesh, top)
+    for blk in model.layers:
+        parallelize_module(blk, mesh, layer)
+    return model
+
+
+def clip(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ for a mix of DTensor and plain (replicated) parameters:
+    without SP the norms stay plain tensors, and torch's clip cannot stack the two kinds."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    dts = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    sq = 0.0
+    if dts:
+        sq += torch.nn.utils.get_total_norm(dts).full_tensor().item() ** 2
+    if plain:
+        sq += torch.nn.utils.get_total_norm(plain).item() ** 2
+    coef = min(1.0, max_norm / (sq**0.5 + 1e-6))
+    if coef < 1.0:
+        for group in (dts, plain):
+            if group:
+                torch._foreach_mul_(group, coef)
+    return sq**0.5
+
+
+# ---- the four variants as step functions -------------------------------------------------------
+
+
+def model_config(a) -> ModelConfig:
+    return ModelConfig(
+        flavour="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        num_query_groups=a.groups, seq_length=a.seq, vocab_size=a.vocab,
+    )  # fmt: skip
+
+
+def megalite_side(m, a, groups, sp):
+    cfg = Config()
+    cfg.model = m
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = a.mbs, a.mbs * a.micro
+    cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = WD, CLIP
+    cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2 = BETAS
+    cfg.optimizer.adam_eps = EPS
+    model = GPTChunk(m, groups.tp, sequence_parallel=sp, ops=TORCH_OPS, seed=1234)
+    opt = DistributedOptimizer([model], groups, cfg)
+    actions = get_schedule("1f1b", 1, 1, a.micro, 0)
+    seq = m.seq_length // groups.tp.size if sp else m.seq_length
+    shape = (a.mbs, seq, m.hidden_size)
+
+    def backward(batch):
+        opt.zero_grad(len(batch))
+        return run_schedule(actions, [model], groups, batch, hidden_shape=shape, dtype=torch.float32)
+
+    def step(batch):
+        loss = backward(batch).loss
+        opt.step(LR)
+        return loss
+
+    step.model, step.backward, step.opt = model, backward, opt
+    return step
+
+
+def torch_side(m, a, full_state, mesh, sp):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    torch.manual_seed(0)
+    model = TorchGPT(m)
+    model.load_state_dict(full_state)
+    parallelize(model, mesh, sp)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for tokens, labels in batch:
+            with loss_parallel():
+                logits = model(tokens)  # DTensor (b, s, V) sharded on V
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+                (loss / len(batch)).backward()
+            total += loss.full_tensor().item()
+        clip(params, CLIP)
+        opt.step()
+        return total / len(batch)
+
+    return step
+
+
+def run(rank, world, a):
+    torch.set_num_threads(1)
+    m = model_config(a)
+    groups = build_groups(Topology(tp=world), torch.device("cpu"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = {n: p.detach().clone() for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        toks = torch.randint(0, m.vocab_size, (a.micro, a.mbs, m.seq_length + 1), generator=g)
+        batches.append([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks])
+
+    steps = {
+        "megalite": megalite_side(m, a, groups, False),
+        "megalite-sp": megalite_side(m, a, groups, True),
+        "torch": torch_side(m, a, full, mesh, False),
+        "torch-sp": torch_side(m, a, full, mesh, True),
+    }
+    out = {"check": {k: s(batches[0]) for k, s in steps.items()}}
+
+    # traffic of one step of each megalite variant, total and by origin
+    out["traffic"] = {}
+    for name in ("megalite", "megalite-sp"):
+        out["traffic"][name] = ledger_by_origin(steps[name], groups, batches[1])
+
+    # torch's collectives per step, counted like megalite's ledger (bus bytes per rank)
+    out["torch_comm"] = {}
+    for name in ("torch", "torch-sp"):
+        with CollectiveCounter() as counter:
+            steps[name](batches[1])
+        out["torch_comm"][name] = {k: (c, b, sorted(z)) for k, (c, b, z) in counter.by.items()}
+
+    times = {k: [] for k in steps}
+    order = list(steps)
+    for r in range(a.warmup + a.rounds):
+        for name in order[r % 4 :] + order[: r % 4]:  # rotate the order each round
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](batches[r % 2])
+            t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's step
+            if r >= a.warmup:
+                times[name].append(t.item())
+    out["times"] = times
+    return out
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues (op -> [calls, bus bytes per rank]),
+    with the ring bus-byte convention of megalite's ledger; like CommDebugMode it also sees the
+    collectives issued inside DTensor's own dispatch (loss_parallel, redistributions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by = defaultdict(lambda: [0, 0, set()])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            # as CommDebugMode does: let DTensor desugar the op into local ops and
+            # collectives first; they come back through this mode
+            return NotImplemented
+        ns, _, op = func._overloadpacket._qualified_op_name.partition("::")
+        if ns == "_c10d_functional" and op.startswith(COLLECTIVES):
+            t = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            n = dist.get_world_size()
+            nbytes = t.numel() * t.element_size()
+            if op.startswith("all_reduce"):
+                bus = 2 * (n - 1) / n * nbytes
+            elif op.startswith("all_gather"):
+                bus = (n - 1) * nbytes  # input is one rank's piece
+            elif op.startswith("reduce_scatter"):
+                bus = (n - 1) / n * nbytes
+            else:
+                bus = nbytes
+            self.by[op][0] += 1
+            self.by[op][1] += int(bus)
+            self.by[op][2].add(int(bus))
+        return func(*args, **(kwargs or {}))
+
+
+def ledger_by_origin(step, groups, batch):
+    """One step with every counted TP collective attributed to where it was issued: the
+    embedding, a layer (forward and backward, through module hooks), outside any module (the
+    head's entry into the TP region, the vocab-parallel loss) or the optimizer."""
+    stack = ["head entry + loss (outside modules)"]
+    by = defaultdict(list)
+    real = comm._record
+
+    def record(group, nbytes, t0):
+        real(group, nbytes, t0)
+        if group.kind == "tp":
+            by[stack[-1]].append(int(nbytes))
+
+    model = step.model
+    mods = {"embedding": model.embedding.word, "final norm": model.final_norm}
+    mods.update({f"layer {i}": layer for i, layer in model.layers.items()})
+    def push(label):
+        def hook(*_):
+            stack.append(label)  # a hook returning None leaves outputs and gradients alone
+
+        return hook
+
+    def pop(*_):
+        stack.pop()
+
+    handles = []
+    for label, mod in mods.items():
+        handles += [mod.register_forward_pre_hook(push(label)), mod.register_forward_hook(pop)]
+        if label == "embedding":
+            continue
+        handles += [mod.register_full_backward_pre_hook(push(label)), mod.register_full_backward_hook(pop)]
+
+    # The embedding's inputs (token ids) need no gradient, so its full backward hook would fire
+    # before its backward ran: its backward is instead the rest of a micro-batch's backward,
+    # from the gradient reaching its output to the next forward (or the optimizer).
+    def embedding_backward(*_):
+        stack.append("embedding (backward)")
+
+    def leave_embedding_backward(*_):
+        if stack[-1] == "embedding (backward)":
+            stack.pop()
+
+    emb = mods["embedding"]
+    handles += [
+        emb.register_full_backward_pre_hook(embedding_backward),
+        emb.register_forward_pre_hook(leave_embedding_backward, prepend=True),
+    ]
+    comm._record = record
+    groups.ledger.reset()
+    try:
+        step.backward(batch)
+        leave_embedding_backward()
+        stack.append("optimizer (grad_sync_tp)")
+        step.opt.step(LR)
+    finally:
+        comm._record = real
+        for h in handles:
+            h.remove()
+    return {"total": groups.ledger.snapshot(), "by": {k: v for k, v in by.items()}}
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    a = ap.parse_args()
+    t = 2
+    m = model_config(a)
+    print(f"tp=2 on CPU gloo, 2 processes x 1 thread; load average {os.getloadavg()}")
+    print(f"model: llama L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} "
+          f"kv={m.heads_kv} ffn={m.ffn} V={m.vocab_size} s={m.seq_length}; {a.micro} micro-batches "
+          f"of {a.mbs} per step, fp32")  # fmt: skip
+    res = spawn(run, t, a, timeout=1200)
+    r0 = res[0]
+    print("check (step 1 loss, same batch):",
+          ", ".join(f"{k} {v:.6f}" for k, v in r0["check"].items()))  # fmt: skip
+    losses = list(r0["check"].values())
+    if max(losses) - min(losses) > 1e-3 * abs(losses[0]):
+        raise SystemExit("the variants do not compute the same loss; the comparison is void")
+
+    med = {k: statistics.median(v) for k, v in r0["times"].items()}
+    print(f"\nstep time, median of {a.rounds} interleaved rounds (slower rank per step):")
+    print("| variant | median s/step | min | max | megalite / torch |")
+    print("| --- | --- | --- | --- | --- |")
+    for k, v in r0["times"].items():
+        ref = med["torch-sp" if k.endswith("sp") else "torch"]
+        print(f"| {k} | {med[k]:.4f} | {min(v):.4f} | {max(v):.4f} | {med[k] / ref:.3f}x |")
+    pair = {
+        sp: statistics.median(
+            x / y
+            for x, y in zip(r0["times"]["megalite" + sp], r0["times"]["torch" + sp])
+        )
+        for sp in ("", "-sp")
+    }  # fmt: skip
+    print(f"median of per-round ratios megalite/torch: no SP {pair['']:.3f}x, SP {pair['-sp']:.3f}x")
+
+    # traffic against the formula
+    b, s, h, L, V = a.mbs, m.seq_length, m.hidden_size, m.num_layers, m.vocab_size
+    el = 4  # fp32
+    bsh = b * s * h
+    layer_formula = 8 * (t - 1) / t * bsh * el  # bytes per layer, forward + backward, per micro-batch
+    print("\nmegalite TP traffic per step (bus bytes per rank, ledger kind 'tp'):")
+    for name in ("megalite", "megalite-sp"):
+        tr = r0["traffic"][name]
+        total = tr["total"].get("tp", {"bytes": 0, "calls": 0})
+        by = tr["by"]
+        layers = sum(sum(v) for k, v in by.items() if k.startswith("layer "))
+        per_layer = layers / L / a.micro
+        print(f"  {name}: total {total['bytes']:,} B in {total['calls']} calls "
+              f"(other kinds: {({k: v['bytes'] for k, v in tr['total'].items() if k != 'tp'})})")  # fmt: skip
+        print(f"    layers: {layers:,} B = {per_layer:,.0f} B per layer per micro-batch; "
+              f"formula 8(t-1)/t*b*s*h*4 = {layer_formula:,.0f} B -> {per_layer / layer_formula:.4f}x")  # fmt: skip
+        for k, sizes in by.items():
+            if not k.startswith("layer "):
+                nb = sum(sizes)
+                print(f"    {k}: {nb:,} B in {len(sizes)} calls {sorted(set(sizes))} "
+                      f"({nb / a.micro / (bsh * el):.4f} x b*s*h*4 per micro-batch)")  # fmt: skip
+    print("\ntorch DTensor collectives per step (functional collectives seen by a dispatch mode):")
+    for k, v in r0["torch_comm"].items():
+        total = sum(x[1] for x in v.values())
+        print(f"  {k}: total {total:,} B in {sum(x[0] for x in v.values())} calls; "
+              + "; ".join(f"{op} {c} calls {nb:,} B (sizes {z})" for op, (c, nb, z) in v.items()))
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Checkpoints across processes: the sharded load at tp=2 pp=2 and saves that fail safely.
+
+HF models converted to megalite are loaded by four ranks (tp=2 pp=2), each reading only its
+slices, and run forward across the pipeline: the logits must be the transformers model's.
+"""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint.checkpointer import load_model
+from megalite.config import Config, validate
+from megalite.errors import MegaliteError
+from megalite.model.gpt import GPTChunk
+from megalite.parallel.groups import build_groups
+from megalite.parallel.topology import Topology
+from megalite.pipeline.partition import rank_chunks
+from tests.spawn import spawn
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sharded_logits(rank, world, paths, ids):
+    groups = build_groups(Topology(tp=2, pp=2, dp=1), torch.device("cpu"))
+    out = []
+    for path in paths:
+        ckpt = fmt.Checkpoint(path)
+        cfg = Config.from_dict({"model": ckpt.model_config}).model
+        (kw,) = rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
+        chunk = GPTChunk(cfg, groups.tp, **kw).eval()
+        load_model([chunk], groups.tp, ckpt, cfg.vocab_size)
+        with torch.no_grad():
+            if groups.is_first_stage:
+                dist.send(chunk(ids), groups.next_rank)
+                out.append(None)
+            else:
+                h = torch.empty(*ids.shape, cfg.hidden_size)
+                dist.recv(h, groups.prev_rank)
+                out.append(chunk(h))  # gathered over TP, real vocabulary
+    return out
+
+
+def test_hf_models_load_sharded_at_tp2_pp2(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "hf_tests", ROOT / "tests/unit/test_checkpoint_hf.py"
+    )
+    hf_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_tests)
+    models, paths = [], []
+    for kind in ("gpt2", "llama"):
+        m = hf_tests.hf_model(kind, seed=3)
+        m.save_pretrained(tmp_path / kind, safe_serialization=True)
+        dst = tmp_path / f"{kind}-ml"
+        hf_tests.convert.main([str(tmp_path / kind), str(dst), "--to", "megalite"])
+        models.append(m)
+        paths.append(str(dst))
+    ids = torch.randint(
+        0, hf_tests.VOCAB, (2, hf_tests.SEQ), generator=torch.Generator().manual_seed(0)
+    )
+    results = spawn(_sharded_logits, 4, paths, ids)
+    for k, m in enumerate(models):
+        with torch.no_grad():
+            ref = m(ids).logits
+        for rank in (2, 3):  # both TP ranks of the last stage hold the gathered logits
+            assert (results[rank][k] - ref).abs().max() <= 1e-4, (k, rank)
+
+
+# ---- the Trainer's saves, with a toy dataset ------------------------------------------------------
+
+
+class _Tokens:
+    def __init__(self, n, seq, vocab):
+        self.x = np.random.default_rng(0).integers(0, vocab, (n, seq + 1))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i]
+
+
+def _trainer(root, hidden=32, vocab=100, tp=2):
+    from megalite.training.trainer import Trainer
+
+    cfg = Config()
+    m, t = cfg.model, cfg.training
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = (
+        2,
+        hidden,
+        4,
+        16,
+        vocab,
+    )
+    t.micro_batch_size, t.global_batch_size, t.train_iters = 1, 4, 2
+    cfg.parallel.tp = tp
+    cfg.checkpoint.save = str(root)
+    cfg.logging.wandb_mode = "disabled"
+    validate(cfg, dist.get_world_size())
+    groups = build_groups(Topology(tp=tp, pp=1, dp=cfg.parallel.dp), torch.device("cpu"))
+    data = SimpleNamespace(train=_Tokens(64, 16, vocab), valid=None, tokenizer=None)
+    return Trainer(cfg, groups, data=data)
+
+
+def _failing_saves(rank, world, root):
+    tr = _trainer(root)
+    tr.train()  # two steps, then the final save
+    assert (Path(root) / fmt.LATEST).read_text() == "iter_0000002"
+    errors = []
+    real = fmt.write_shard
+
+    def broken(d, name, tensors):  # one rank's disk fills up half way
+        real(d, name, tensors)
+        raise OSError(28, "No space left on device")
+
+    tr.iteration = 3
+    fmt.write_shard = broken if rank == 1 else real
+    try:
+        tr.checkpointer.save()
+    except MegaliteError as e:
+        errors.append(str(e))
+    fmt.write_shard = real
+    dist.barrier()
+    for kw in ({"hidden": 64}, {"vocab": 120}):
+        try:
+            _trainer(root, **kw).checkpointer.resume()
+        except MegaliteError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_failed_save_keeps_the_previous_and_mismatches_are_named(tmp_path):
+    errors = spawn(_failing_saves, 2, str(tmp_path))
+    for e in errors:  # every rank stops with the same line
+        assert len(e) == 3
+        assert "No space left on device" in e[0] and "previous checkpoints are intact" in e[0]
+        assert "tensor embedding.word.weight has shape [100, 32]" in e[1] and "[100, 64]" in e[1]
+        assert "vocab_size=100 but this run has 120" in e[2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "latest"]
+    ck = fmt.Checkpoint(tmp_path)
+    ck.verify()
+    assert ck.iteration == 2 and ck.index["consumed_samples"] == 8
+    assert len(ck.index["rng"]) == 2 and ck.index["optimizer"]["step"] == 2

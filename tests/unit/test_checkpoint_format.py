@@ -1,0 +1,134 @@
+"""The checkpoint format without processes: regions, shard assembly, and refusing bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint.format import Checkpoint, local_region
+from megalite.errors import MegaliteError
+
+
+def test_local_region_splits_and_unpads():
+    # a column-parallel weight (out, in) split along out over tp=2
+    assert local_region("layers.0.mlp.up.weight", (64, 32), 0, 1, 2, 500) == (
+        [128, 32],
+        [(64, 128), (0, 32)],
+    )
+    # row-parallel: along in
+    assert local_region("layers.0.mlp.down.weight", (32, 64), 1, 0, 2, 500)[1] == [(0, 32), (0, 64)]
+    # replicated
+    assert local_region("final_norm.weight", (32,), None, 1, 2, 500) == ([32], [(0, 32)])
+    # vocabulary 500 padded to 512 over tp=2: rank 1 holds rows 256..512, of which 256..500 real
+    assert local_region("embedding.word.weight", (256, 32), 0, 1, 2, 500) == (
+        [500, 32],
+        [(256, 500), (0, 32)],
+    )
+    # a rank whose whole slice is padding holds an empty region
+    assert local_region("output.weight", (128, 8), 0, 1, 2, 100)[1][0] == (100, 100)
+
+
+def _write_tp_shards(d: Path, full: torch.Tensor, dim: int, tp: int, name="w") -> dict:
+    parts_e, files = [], {}
+    glob = list(full.shape)
+    for r, piece in enumerate(full.chunk(tp, dim)):
+        region = [(0, s) for s in glob]
+        lo = r * piece.shape[dim]
+        region[dim] = (lo, lo + piece.shape[dim])
+        e, f = fmt.write_shard(d, f"s{r}.safetensors", {name: (piece, region, glob)})
+        parts_e.append(e)
+        files.update(f)
+    index = {"format": fmt.FORMAT, "tensors": fmt.merge_entries(parts_e), "files": files}
+    (d / fmt.INDEX).write_text(json.dumps(index))
+    return index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_assembles_any_region_from_shards(tmp_path, dtype):
+    full = torch.randn(12, 10).to(dtype)
+    _write_tp_shards(tmp_path, full, 0, tp=3)  # rows 0-4, 4-8, 8-12 in three files
+    ck = Checkpoint(tmp_path)
+    assert ck.shape("w") == [12, 10]
+    assert torch.equal(ck.read("w"), full)
+    for region in ([(2, 10), (0, 10)], [(3, 5), (4, 9)], [(0, 6), (0, 10)], [(11, 12), (0, 1)]):
+        (a, b), (c, e) = region
+        assert torch.equal(ck.read("w", region), full[a:b, c:e]), region
+    ck.verify()
+
+
+def test_resolve_follows_latest(tmp_path):
+    it = tmp_path / "iter_0000004"
+    it.mkdir()
+    _write_tp_shards(it, torch.ones(4, 2), 0, 2)
+    fmt.write_atomic(tmp_path / fmt.LATEST, it.name)
+    assert fmt.resolve(tmp_path) == it and fmt.resolve(it) == it
+    assert Checkpoint(tmp_path).dir == it
+
+
+def test_missing_and_empty_directories(tmp_path):
+    with pytest.raises(MegaliteError, match="does not exist"):
+        Checkpoint(tmp_path / "nope")
+    with pytest.raises(MegaliteError, match="holds no checkpoint"):
+        Checkpoint(tmp_path)
+
+
+def test_altered_shard_fails_checksum_naming_the_file(tmp_path):
+    _write_tp_shards(tmp_path, torch.randn(8, 4), 0, 2)
+    path = tmp_path / "s1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # flip bits inside the tensor data: same size, different content
+    path.write_bytes(bytes(data))
+    ck = Checkpoint(tmp_path)
+    ck.verify(["s0.safetensors"])
+    with pytest.raises(MegaliteError, match=r"s1\.safetensors fails its sha256"):
+        ck.verify()
+
+
+def test_truncated_shard_is_named(tmp_path):
+    _write_tp_shards(tmp_path, torch.randn(8, 4), 0, 2)
+    path = tmp_path / "s0.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(MegaliteError, match=r"s0\.safetensors has \d+ bytes.*truncated"):
+        Checkpoint(tmp_path).verify()
+
+
+@pytest.mark.parametrize(
+    "bad", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", ".."]
+)
+def test_index_paths_cannot_escape(tmp_path, bad):
+    index = _write_tp_shards(tmp_path, torch.randn(4, 4), 0, 2)
+    index["tensors"]["w"]["shards"][0]["file"] = bad
+    index["files"][bad] = {"sha256": "0", "bytes": 1}
+    (tmp_path / fmt.INDEX).write_text(json.dumps(index))
+    with pytest.raises(MegaliteError, match="not a plain file name"):
+        Checkpoint(tmp_path)
+
+
+def test_latest_cannot_escape(tmp_path):
+    (tmp_path / fmt.LATEST).write_text("../elsewhere")
+    with pytest.raises(MegaliteError, match="not a plain file name"):
+        fmt.resolve(tmp_path)
+
+
+def test_not_an_index(tmp_path):
+    (tmp_path / fmt.INDEX).write_text("{not json")
+    with pytest.raises(MegaliteError, match="not readable JSON"):
+        Checkpoint(tmp_path)
+    (tmp_path / fmt.INDEX).write_text(json.dumps({"format": "torch-pickle"}))
+    with pytest.raises(MegaliteError, match="is not a megalite-checkpoint/1 index"):
+        Checkpoint(tmp_path)
+    (tmp_path / fmt.INDEX).write_text(json.dumps({"format": fmt.FORMAT, "tensors": {}}))
+    with pytest.raises(MegaliteError, match="is malformed"):
+        Checkpoint(tmp_path)
+
+
+def test_incomplete_coverage_is_an_error(tmp_path):
+    index = _write_tp_shards(tmp_path, torch.randn(8, 4), 0, 2)
+    index["tensors"]["w"]["shards"].pop()  # only rows 0..4 remain
+    (tmp_path / fmt.INDEX).write_text(json.dumps(index))
+    ck = Checkpoint(tmp_path)
+    assert ck.read("w", [(0, 4), (0, 4)]).shape == (4, 4)
+    with pytest.raises(MegaliteError, match="lacks part of tensor w"):
+        ck.read("w")
