@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.kernels import TORCH_OPS  # noqa: E402
+
 from megalite.checkpoint.hf import hf_config, to_hf  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
-from megalite.kernels import TORCH_OPS  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel import groups as pg  # noqa: E402
@@ -190,7 +191,8 @@ def check_same(ml: Megalite, hf: HF, batch, m: ModelConfig):
 
 
 def profile(side, batches, steps=2, top=15):
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU]) as p:
         for i in range(steps):
@@ -259,7 +261,9 @@ def main():
     ap.add_argument("--rounds-124m", type=int, default=5, help="timed rounds for gpt2-124m")
     ap.add_argument("--seq-124m", type=int, default=128, help="sequence length for gpt2-124m")
     ap.add_argument("--mbs-124m", type=int, default=1, help="batch size for gpt2-124m")
-    ap.add_argument("--hf-gelu", default="gelu_pytorch_tanh", choices=("gelu_pytorch_tanh", "gelu_new"))
+    ap.add_argument(
+        "--hf-gelu", default="gelu_pytorch_tanh", choices=("gelu_pytorch_tanh", "gelu_new")
+    )
     ap.add_argument("--profile", action="store_true", help="torch.profiler top ops per side")
     args = ap.parse_args()
 

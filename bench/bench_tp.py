@@ -40,8 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.kernels import TORCH_OPS  # noqa: E402
+
+from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.model.layers import rotary_tables  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
@@ -211,7 +212,9 @@ def megalite_side(m, a, groups, sp):
 
     def backward(batch):
         opt.zero_grad(len(batch))
-        return run_schedule(actions, [model], groups, batch, hidden_shape=shape, dtype=torch.float32)
+        return run_schedule(
+            actions, [model], groups, batch, hidden_shape=shape, dtype=torch.float32
+        )
 
     def step(batch):
         loss = backward(batch).loss
@@ -263,7 +266,9 @@ def run(rank, world, a):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    full = {n: p.detach().clone() for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()}
+    full = {
+        n: p.detach().clone() for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()
+    }
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2):
@@ -361,6 +366,7 @@ def ledger_by_origin(step, groups, batch):
     model = step.model
     mods = {"embedding": model.embedding.word, "final norm": model.final_norm}
     mods.update({f"layer {i}": layer for i, layer in model.layers.items()})
+
     def push(label):
         def hook(*_):
             stack.append(label)  # a hook returning None leaves outputs and gradients alone
@@ -375,7 +381,10 @@ def ledger_by_origin(step, groups, batch):
         handles += [mod.register_forward_pre_hook(push(label)), mod.register_forward_hook(pop)]
         if label == "embedding":
             continue
-        handles += [mod.register_full_backward_pre_hook(push(label)), mod.register_full_backward_hook(pop)]
+        handles += [
+            mod.register_full_backward_pre_hook(push(label)),
+            mod.register_full_backward_hook(pop),
+        ]
 
     # The embedding's inputs (token ids) need no gradient, so its full backward hook would fire
     # before its backward ran: its backward is instead the rest of a micro-batch's backward,
@@ -450,13 +459,17 @@ def main():
         )
         for sp in ("", "-sp")
     }  # fmt: skip
-    print(f"median of per-round ratios megalite/torch: no SP {pair['']:.3f}x, SP {pair['-sp']:.3f}x")
+    print(
+        f"median of per-round ratios megalite/torch: no SP {pair['']:.3f}x, SP {pair['-sp']:.3f}x"
+    )
 
     # traffic against the formula
-    b, s, h, L, V = a.mbs, m.seq_length, m.hidden_size, m.num_layers, m.vocab_size
+    b, s, h, L = a.mbs, m.seq_length, m.hidden_size, m.num_layers
     el = 4  # fp32
     bsh = b * s * h
-    layer_formula = 8 * (t - 1) / t * bsh * el  # bytes per layer, forward + backward, per micro-batch
+    layer_formula = (
+        8 * (t - 1) / t * bsh * el
+    )  # bytes per layer, forward + backward, per micro-batch
     print("\nmegalite TP traffic per step (bus bytes per rank, ledger kind 'tp'):")
     for name in ("megalite", "megalite-sp"):
         tr = r0["traffic"][name]
@@ -476,8 +489,10 @@ def main():
     print("\ntorch DTensor collectives per step (functional collectives seen by a dispatch mode):")
     for k, v in r0["torch_comm"].items():
         total = sum(x[1] for x in v.values())
-        print(f"  {k}: total {total:,} B in {sum(x[0] for x in v.values())} calls; "
-              + "; ".join(f"{op} {c} calls {nb:,} B (sizes {z})" for op, (c, nb, z) in v.items()))
+        print(
+            f"  {k}: total {total:,} B in {sum(x[0] for x in v.values())} calls; "
+            + "; ".join(f"{op} {c} calls {nb:,} B (sizes {z})" for op, (c, nb, z) in v.items())
+        )
     print(f"load average after: {os.getloadavg()}")
 
 

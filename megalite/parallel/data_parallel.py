@@ -20,7 +20,7 @@ the rest of backward. Gradients are divided by the DP size before they are summe
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ class Bucket:
     dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
     grad: torch.Tensor | None = None  # full-bucket gradient (a buffer view; staged at stage 2)
     shard_grad: torch.Tensor | None = None  # the reduced gradient of this rank's shard
-    missing: set = field(default_factory=set)  # params without a gradient in this pass yet
+    pending: int = 0  # params without a gradient in this pass yet
     passes: int = 0  # micro-batches whose gradients have all arrived
     launched: bool = False  # stage 0/1: reduction started (no more gradients may arrive)
 
@@ -61,6 +61,7 @@ class ParamRange:
     param: nn.Parameter
     offset: int
     bucket: Bucket
+    view: torch.Tensor | None = None  # its gradient's view of the bucket buffer (stages 0/1)
 
     def overlap(self, start: int, end: int) -> tuple[int, int, int, int] | None:
         """(lo, hi, plo, phi): the part of this parameter inside the flat range [start, end),
@@ -185,9 +186,11 @@ class GradBuffer:
             if self.grad_buffer is None:
                 b.shard_grad.zero_()
                 b.grad = None
-            b.missing, b.passes, b.launched = set(b.params), 0, False
+            b.pending, b.passes, b.launched = len(b.params), 0, False
         for r in self.ranges:
-            r.param.grad = self._grad_view(r) if self._grad_is_view else None
+            # stages 0/1 keep the bucket buffer all step: cache each parameter's view of it once
+            r.view = self._grad_view(r) if self.grad_buffer is not None else None
+            r.param.grad = r.view if self._grad_is_view else None
 
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter):
@@ -200,7 +203,7 @@ class GradBuffer:
             )
         if b.grad is None:  # stage 2: stage this pass's bucket
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
-        view = self._grad_view(r)
+        view = r.view if r.view is not None else self._grad_view(r)
         if p.grad.data_ptr() != view.data_ptr():
             view.add_(p.grad)
         # With one dtype (stages 0/1), `.grad` stays a view of the buffer, so autograd adds the
@@ -208,10 +211,10 @@ class GradBuffer:
         # create_graph, which replaces .grad, is not supported); otherwise drop autograd's
         # copy: the buffer holds the gradient now.
         p.grad = view if self._grad_is_view else None
-        b.missing.discard(p)
-        if not b.missing:
+        b.pending -= 1
+        if not b.pending:
             b.passes += 1
-            b.missing = set(b.params)
+            b.pending = len(b.params)
             if self.stage == 2 or b.passes == self.microbatches:
                 self._launch(b)
 

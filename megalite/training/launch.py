@@ -4,6 +4,7 @@ from megalite.checkpoint.checkpointer import resume_path
 from megalite.config import parse_args, validate
 from megalite.parallel import groups as pg
 from megalite.parallel.topology import Topology
+from megalite.training.planner import print_plan
 from megalite.training.trainer import Trainer
 
 
@@ -18,6 +19,10 @@ def main(argv):
     cfg = parse_args(argv)
     _, world_size, _ = pg.world_from_env()
     validate(cfg, world_size)  # before any process group exists
+    if cfg.training.dry_run:  # the plan only: no process group, no GPU
+        if pg.world_from_env()[0] == 0:
+            print_plan(cfg, world_size)
+        return
     resume_path(cfg)  # a missing checkpoint fails now, also before any process group
     groups = setup(cfg)
     try:

@@ -69,7 +69,9 @@ class Logger:
             with open(self.cfg.logging.metrics_file, "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
         if self.wandb is not None:
-            flat = {k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None}
+            flat = {
+                k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None
+            }
             for kind, v in (metrics.get("comm") or {}).items():
                 flat[f"comm/{kind}_bytes"] = v["bytes"]
                 flat[f"comm/{kind}_seconds"] = v["seconds"]

@@ -32,6 +32,7 @@ from megalite.training.flops import (
     model_flops_per_token,
 )
 from megalite.training.logger import Logger
+from megalite.training.timeline import Timeline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,6 +62,7 @@ class Trainer:
         self.skipped_total = 0
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
+        self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
         self.checkpointer = Checkpointer(self)  # launch calls its resume(); train() saves
 
     # ---- one step -----------------------------------------------------------------------------
@@ -81,13 +83,17 @@ class Trainer:
             c.train()
         batch = self._microbatches(self.data.train, self.sampler.next_batch())
         self.opt.zero_grad(len(batch))
+        tl = self.timeline.at(self.iteration + 1) if self.timeline else None
         result = run_schedule(self.actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
-                              dtype=self.dtype, loss_scale=self.opt.loss_scale)  # fmt: skip
+                              dtype=self.dtype, loss_scale=self.opt.loss_scale, timeline=tl)  # fmt: skip
         lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
+        t_opt = time.perf_counter()
         stats = self.opt.step(lr)
         self.iteration += 1
         if self.groups.device.type == "cuda":
             torch.cuda.synchronize()
+        if tl:
+            tl.record("optimizer", t_opt, time.perf_counter())
         step_s = time.perf_counter() - start
         (loss,) = self._mean_over_dp([result.loss])
         self._count_skips(stats["skipped"], loss, stats["grad_norm"])
@@ -169,7 +175,12 @@ class Trainer:
         )
         with self.checkpointer.catch_preemption():
             while self.iteration < t.train_iters:
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except RuntimeError as e:
+                    if not _lost_peer(e):
+                        raise
+                    raise MegaliteError(self._collective_failure(e), every_rank=True) from e
                 it = self.iteration
                 if t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters):
                     eval_loss = self.evaluate()
@@ -178,11 +189,31 @@ class Trainer:
                         metrics["eval_ppl"] = math.exp(min(eval_loss, 50))
                 if it % t.log_interval == 0 or it == t.train_iters or "eval_loss" in metrics:
                     self.logger.step(metrics, t.train_iters)
+                if self.timeline:
+                    self.timeline.step_done(
+                        it, self.groups, self._timeline_meta(), self.logger.wandb
+                    )
                 if self.checkpointer.after_step():  # saved on preemption: stop cleanly
                     break
             else:
                 self.checkpointer.finish()
         self.logger.finish()
+
+    def _timeline_meta(self) -> dict:
+        p = self.cfg.parallel
+        return {
+            "title": f"tp={p.tp} pp={p.pp} dp={p.dp} vpp={p.vpp} {p.pp_schedule}, m={self.microbatches}",
+            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches),
+        }
+
+    def _collective_failure(self, e: Exception) -> str:
+        g = self.groups
+        reason = (str(e).strip().splitlines() or ["no reason given"])[0][-160:]
+        return (
+            f"rank {g.rank} (tp {g.tp.rank}, pipeline stage {g.pp.rank}, dp {g.dp.rank}) gave up in a collective "
+            f"of iteration {self.iteration + 1}: another rank died or stalled ({reason}); see its log, or raise "
+            "--distributed-timeout-minutes if it was only slow"
+        )
 
     def eval_only(self):
         """--eval-only: the loaded model's eval_loss on the valid split, into the metrics file."""
@@ -197,3 +228,12 @@ class Trainer:
         self.logger.print(f"iteration {self.iteration}: eval loss {eval_loss:.4f}")
         self.logger.write(metrics)
         self.logger.finish()
+
+
+def _lost_peer(e: RuntimeError) -> bool:
+    """A collective that timed out or whose peer went away (gloo and NCCL wordings)."""
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e)
+    return any(k in text for k in ("Timed out", "timed out", "Connection closed", "pair closure",
+                                   "Connection reset", "Broken pipe"))  # fmt: skip

@@ -1,0 +1,106 @@
+"""Faults: non-finite steps are skipped then stop the run; a stalled or killed rank makes the
+others exit within the timeout, naming what they waited on; saved checkpoints stay intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megalite.checkpoint import format as fmt
+from megalite.config import parse_args, validate
+from megalite.errors import MegaliteError
+from megalite.training import launch
+from megalite.training.trainer import Trainer
+from tests.e2e.conftest import ROOT, TINY
+from tests.spawn import spawn
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def _poisoned_run(rank, world, prefix, model, save):
+    cfg = parse_args([*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", "20",
+                      "--max-skipped-steps", "2", "--save", save, "--save-interval", "2"])  # fmt: skip
+    validate(cfg, world)
+    trainer = Trainer(cfg, launch.setup(cfg))
+    head = next(c for c in trainer.chunks if c.has_head)
+    forward = head.forward
+
+    def poisoned(x, labels=None):  # rank 1's loss turns NaN from step 5 on
+        out = forward(x, labels)
+        return out * float("nan") if rank == 1 and trainer.iteration >= 4 else out
+
+    head.forward = poisoned
+    params, step = {}, trainer.train_step
+
+    def recorded_step():
+        metrics = step()
+        params[trainer.iteration] = [p.detach().clone() for c in trainer.chunks for p in c.parameters()]
+        return metrics
+
+    trainer.train_step = recorded_step
+    with pytest.raises(MegaliteError) as e:
+        trainer.train()
+    return str(e.value), trainer.iteration, trainer.skipped_total, params
+
+
+def test_nan_steps_are_skipped_then_stop(tiny_data, tmp_path):
+    prefix, model = tiny_data
+    results = spawn(_poisoned_run, 2, prefix, model, str(tmp_path / "ckpt"))
+    for message, iteration, skipped, params in results:
+        assert "3 steps in a row had a non-finite loss or gradient" in message
+        assert iteration == 7 and skipped == 3  # steps 5, 6, 7 skipped on both ranks, then stop
+        assert not all(torch.equal(a, b) for a, b in zip(params[3], params[4]))  # good steps update
+        for it in (5, 6):  # (step 7 raises before it is recorded)
+            assert all(torch.equal(a, b) for a, b in zip(params[4], params[it]))  # skipped: untouched
+    latest = fmt.resolve(str(tmp_path / "ckpt"))
+    fmt.Checkpoint(latest).verify()  # the last checkpoint written is whole and loadable
+
+
+def _workers(torchrun: subprocess.Popen) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes."""
+    out = subprocess.run(["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True).stdout.split()
+    ranks = {}
+    for pid in map(int, out):
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        rank = next((int(v.split(b"=")[1]) for v in env if v.startswith(b"RANK=")), None)
+        if rank is not None:
+            ranks[rank] = pid
+    return ranks
+
+
+@pytest.mark.parametrize("fault", ["stall", "kill"])
+def test_a_lost_rank_makes_the_others_exit_naming_it(fault, tiny_data, tmp_path):
+    prefix, model = tiny_data
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "pretrain_gpt.py", *TINY, "--data-path", prefix, "--tokenizer-model", model, "--pp", "2",
+           "--train-iters", "100000", "--distributed-timeout-minutes", "0.1", "--metrics-file", str(metrics)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        victim = _workers(proc)[1]
+        os.kill(victim, signal.SIGSTOP if fault == "stall" else signal.SIGKILL)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["pkill", "-KILL", "-f", str(metrics)])  # a stopped rank, if any is left
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("megalite: error:")]
+    assert lines, err[-3000:]
+    survivor = lines[0]
+    assert "rank 0" in survivor and "died or stalled" in survivor, survivor
+    assert "stage 1 (rank 1)" in survivor or "pipeline stage 0" in survivor, survivor
+    assert waited < 60  # the timeout is 6 s; torchrun's teardown adds a little
+    assert json.loads(metrics.read_text().splitlines()[0])["iteration"] == 1
