@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Kernel check on one GPU (sized for an H200, ~8 minutes): install, the gpu-marked kernel tests
-# (bf16 and full-size shapes), then the benchmark table. Results land in $OUT (default bench_out/).
+# Kernel check on one GPU (sized for an H200, ~9 minutes): install, the gpu-marked kernel tests
+# (bf16 and full-size shapes), the benchmark table, then the training MFU of a 1B Llama shape
+# with --kernels triton and torch. Results land in $OUT (default bench_out/).
 #
 # The GPU machine has no internet: put the wheels it lacks (liger-kernel and, if missing there,
 # the test extras) in a folder and point WHEELS at it, e.g. on a networked machine
@@ -35,5 +36,22 @@ echo "== bench/kernels.py"
 timeout 300 $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels.md"
 bench_rc=${PIPESTATUS[0]}
 
-echo "pytest exit $test_rc, bench exit $bench_rc"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "== model MFU: llama-1b shape, bf16, one GPU, --kernels triton vs torch"
+mfu_rc=0
+for k in triton torch; do
+    rm -f "$OUT/mfu_$k.jsonl"
+    timeout 150 $PY pretrain_gpt.py --config configs/llama-1b.yaml --kernels "$k" --train-iters 12 \
+        --micro-batch-size 4 --global-batch-size 16 --eval-interval 0 --log-interval 1 \
+        --wandb-mode disabled --metrics-file "$OUT/mfu_$k.jsonl" 2>&1 | tail -4 || mfu_rc=1
+    # the median of the last 8 steps (the first ones include compilation and warm-up)
+    $PY - "$OUT/mfu_$k.jsonl" "$k" <<'PY' || mfu_rc=1
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][-8:]
+mfu = statistics.median(r["mfu"] for r in rows)
+tps = statistics.median(r["tokens_per_s"] for r in rows)
+print(f"kernels={sys.argv[2]}: MFU {mfu:.1%}, {tps:,.0f} tokens/s (median of the last {len(rows)} steps)")
+PY
+done
+
+echo "pytest exit $test_rc, bench exit $bench_rc, mfu exit $mfu_rc"
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$mfu_rc" -eq 0 ]

@@ -450,7 +450,10 @@ def validate(cfg: Config, world_size: int) -> Config:
         # Documented choice: sequence parallelism is a TP feature; at tp=1 it is ignored, with a warning.
         p.sequence_parallel = False
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print("megalite: warning: --sequence-parallel has no effect at tp=1; ignored", file=sys.stderr)
+            print(
+                "megalite: warning: --sequence-parallel has no effect at tp=1; ignored",
+                file=sys.stderr,
+            )
     if p.sequence_parallel and m.seq_length % p.tp:
         raise MegaliteError(
             f"seq_length={m.seq_length} is not divisible by tp={p.tp} (needed by --sequence-parallel)"

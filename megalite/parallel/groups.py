@@ -77,10 +77,23 @@ def init_distributed(
             kw["init_method"] = init_method
         elif "MASTER_ADDR" not in os.environ:
             kw["store"] = dist.HashStore()  # a world of one needs no rendezvous
+        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+            kw["store"] = _restart_store(rank, world_size, kw["timeout"])
         if backend == "nccl":
             kw["device_id"] = device
         dist.init_process_group(backend, **kw)
     return device
+
+
+def _restart_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of a group that torchrun restarted (--max-restarts). torchrun keeps
+    its store across restarts, and without a fresh prefix the new ranks would read the dead
+    ranks' addresses and fail to connect; so each attempt gets keys of its own."""
+    env = os.environ
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                          is_master=not agent and rank == 0, timeout=timeout)  # fmt: skip
+    return dist.PrefixStore(f"megalite/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def build_groups(
@@ -116,6 +129,10 @@ def build_groups(
     )
 
 
-def destroy():
+def destroy(barrier: bool = False):
+    """Tear down torch.distributed. `barrier` (a clean finish): wait until every rank is done,
+    since gloo aborts a rank whose peer closes its connections while it still tears down."""
     if dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -34,5 +34,6 @@ def main(argv):
             trainer.eval_only()
         else:
             trainer.train()
+        pg.destroy(barrier=True)
     finally:
         pg.destroy()

@@ -39,7 +39,9 @@ def _poisoned_run(rank, world, prefix, model, save):
 
     def recorded_step():
         metrics = step()
-        params[trainer.iteration] = [p.detach().clone() for c in trainer.chunks for p in c.parameters()]
+        params[trainer.iteration] = [
+            p.detach().clone() for c in trainer.chunks for p in c.parameters()
+        ]
         return metrics
 
     trainer.train_step = recorded_step
@@ -56,14 +58,18 @@ def test_nan_steps_are_skipped_then_stop(tiny_data, tmp_path):
         assert iteration == 7 and skipped == 3  # steps 5, 6, 7 skipped on both ranks, then stop
         assert not all(torch.equal(a, b) for a, b in zip(params[3], params[4]))  # good steps update
         for it in (5, 6):  # (step 7 raises before it is recorded)
-            assert all(torch.equal(a, b) for a, b in zip(params[4], params[it]))  # skipped: untouched
+            assert all(
+                torch.equal(a, b) for a, b in zip(params[4], params[it])
+            )  # skipped: untouched
     latest = fmt.resolve(str(tmp_path / "ckpt"))
     fmt.Checkpoint(latest).verify()  # the last checkpoint written is whole and loadable
 
 
 def _workers(torchrun: subprocess.Popen) -> dict[int, int]:
     """RANK -> pid of torchrun's worker processes."""
-    out = subprocess.run(["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True
+    ).stdout.split()
     ranks = {}
     for pid in map(int, out):
         env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -104,3 +110,72 @@ def test_a_lost_rank_makes_the_others_exit_naming_it(fault, tiny_data, tmp_path)
     assert "stage 1 (rank 1)" in survivor or "pipeline stage 0" in survivor, survivor
     assert waited < 60  # the timeout is 6 s; torchrun's teardown adds a little
     assert json.loads(metrics.read_text().splitlines()[0])["iteration"] == 1
+
+
+CRASH = ["--hidden-size", "256", "--train-iters", "8", "--save-interval", "2", "--keep-checkpoints", "8",
+         "--tp", "2"]  # fmt: skip
+
+
+def _torchrun(args, metrics, restarts=0):
+    """torchrun in the background, its output in a file beside the metrics (a pipe could fill up)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", str(restarts), "pretrain_gpt.py", *args, "--metrics-file", str(metrics)]  # fmt: skip
+    log = open(f"{metrics}.log", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+
+
+def _tensors(run_dir):
+    from safetensors.torch import load_file
+
+    final = fmt.resolve(str(run_dir))
+    out = {}
+    for f in sorted(os.listdir(final)):
+        if f.endswith(".safetensors"):
+            out.update({f"{f}:{k}": v for k, v in load_file(os.path.join(final, f)).items()})
+    return final, out
+
+
+@pytest.mark.parametrize("when", ["mid-training", "during-save"])
+def test_crash_under_torchrun_resumes_bit_identically(when, tiny_data, tmp_path):
+    prefix, model = tiny_data
+    base = [*TINY, "--data-path", prefix, "--tokenizer-model", model, *CRASH]
+    ref = _torchrun([*base, "--save", str(tmp_path / "ref")], tmp_path / "ref.jsonl")
+    assert ref.wait(timeout=300) == 0, open(f"{tmp_path / 'ref.jsonl'}.log").read()[-3000:]
+
+    save = tmp_path / "crash"
+    metrics = tmp_path / "crash.jsonl"
+    proc = _torchrun([*base, "--save", str(save)], metrics, restarts=1)
+    try:
+        deadline, killed_during_save = time.monotonic() + 240, False
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "no chance to kill a rank"
+            if when == "during-save" and (save / ".iter_0000004.tmp").exists():
+                os.kill(_workers(proc)[0], signal.SIGKILL)  # rank 0 writes the index and renames
+                killed_during_save = not (save / "iter_0000004").exists()
+                break
+            if (
+                when == "mid-training"
+                and metrics.exists()
+                and len(metrics.read_text().splitlines()) >= 3
+            ):
+                os.kill(_workers(proc)[1], signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, open(f"{metrics}.log").read()[-3000:]
+    iterations = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    # the restarted group resumed from the latest whole checkpoint, not from scratch
+    resumed_from = next(i for i, (a, b) in enumerate(zip(iterations, iterations[1:])) if b <= a) + 1
+    assert iterations[resumed_from] - 1 in (2, 4) and iterations[-1] == 8, iterations
+    if when == "during-save" and killed_during_save:
+        assert iterations[resumed_from] == 3, iterations  # the half-written iteration 4 was ignored
+    final_ref, want = _tensors(tmp_path / "ref")
+    final, got = _tensors(save)
+    assert os.path.basename(final) == os.path.basename(final_ref) == "iter_0000008"
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k

@@ -11,7 +11,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 def test_same_seed_same_layout_is_bitwise_identical(tiny_data, tmp_path):
     prefix, model = tiny_data
-    args = [*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", "6", "--tp", "2", "--pp", "2"]
+    args = [
+        *TINY,
+        "--data-path",
+        prefix,
+        "--tokenizer-model",
+        model,
+        "--train-iters",
+        "6",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+    ]
     a, _ = pretrain(4, args, tmp_path)
     b, _ = pretrain(4, args, tmp_path)
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
