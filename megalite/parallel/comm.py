@@ -175,56 +175,18 @@ class _ReduceFromGroup(torch.autograd.Function):
         return g, None
 
 
-class _Scatter(torch.autograd.Function):
-    """Keep this rank's slice along dim forward, all-gather backward."""
+class _AlongDim(torch.autograd.Function):
+    """`fwd(x, dim, group)` forward and `bwd(grad, dim, group)` backward: the four pairs below
+    (split/gather, gather/split, gather/reduce-scatter, reduce-scatter/gather)."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather along dim forward, keep this rank's slice backward."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+    def forward(ctx, x, dim, group, fwd, bwd):
+        ctx.dim, ctx.group, ctx.bwd = dim, group, bwd
+        return fwd(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _split(g, ctx.dim, ctx.group), None, None
-
-
-class _GatherReduceScatter(torch.autograd.Function):
-    """All-gather along dim forward, reduce-scatter backward (sequence parallel entry)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterGather(torch.autograd.Function):
-    """Reduce-scatter along dim forward, all-gather backward (sequence parallel exit)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+        return ctx.bwd(g, ctx.dim, ctx.group), None, None, None, None
 
 
 def copy_to_group(x, group: Group):
@@ -236,18 +198,20 @@ def reduce_from_group(x, group: Group):
 
 
 def scatter_to_group(x, group: Group, dim: int = -1):
-    return x if group.size == 1 else _Scatter.apply(x, dim % x.dim(), group)
+    """Keep this rank's slice along dim; its backward all-gathers."""
+    return x if group.size == 1 else _AlongDim.apply(x, dim % x.dim(), group, _split, _gather)
 
 
 def gather_from_group(x, group: Group, dim: int = -1):
-    return x if group.size == 1 else _Gather.apply(x, dim % x.dim(), group)
+    """All-gather along dim; its backward keeps this rank's slice."""
+    return x if group.size == 1 else _AlongDim.apply(x, dim % x.dim(), group, _gather, _split)
 
 
 def gather_from_sequence(x, group: Group, dim: int = 1):
     """(b, s/t, h) -> (b, s, h); its backward reduce-scatters the gradient."""
-    return x if group.size == 1 else _GatherReduceScatter.apply(x, dim, group)
+    return x if group.size == 1 else _AlongDim.apply(x, dim, group, _gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sequence(x, group: Group, dim: int = 1):
     """(b, s, h) partial sums -> (b, s/t, h) reduced; its backward all-gathers."""
-    return x if group.size == 1 else _ReduceScatterGather.apply(x, dim, group)
+    return x if group.size == 1 else _AlongDim.apply(x, dim, group, _reduce_scatter, _gather)

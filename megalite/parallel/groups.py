@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.comm import CommLedger, Group
-from megalite.parallel.topology import Topology
+from megalite.parallel.topology import Topology, world_from_env
 
 
 @dataclass
@@ -46,12 +46,6 @@ class ProcessGroups:
     @property
     def prev_rank(self) -> int:
         return self.topo.prev_stage(self.rank)
-
-
-def world_from_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment, or a world of one."""
-    env = os.environ
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
 def init_distributed(

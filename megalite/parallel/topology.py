@@ -5,9 +5,16 @@ first axis in `order` varies fastest. With the default order "tp-dp-pp", TP rank
 (a TP group stays inside a node), then DP, and the pipeline stages are farthest apart.
 """
 
+import os
 from dataclasses import dataclass
 
 AXES = ("tp", "dp", "pp")
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment, or a world of one."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
 @dataclass(frozen=True)

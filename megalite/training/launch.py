@@ -1,14 +1,16 @@
-"""What pretrain_gpt.py runs: parse and validate the config, set up the groups, train."""
+"""What pretrain_gpt.py runs: parse and validate the config, set up the groups, train.
 
-from megalite.checkpoint.checkpointer import resume_path
+The config is validated before torch is even imported, so bad flags fail within a second.
+"""
+
 from megalite.config import parse_args, validate
-from megalite.parallel import groups as pg
-from megalite.parallel.topology import Topology
-from megalite.training.planner import print_plan
-from megalite.training.trainer import Trainer
+from megalite.parallel.topology import Topology, world_from_env
 
 
-def setup(cfg) -> pg.ProcessGroups:
+def setup(cfg):
+    """torch.distributed and the ProcessGroups of the validated config's layout."""
+    from megalite.parallel import groups as pg
+
     p = cfg.parallel
     device = pg.init_distributed(p.distributed_timeout_minutes)
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, order=p.order)
@@ -17,12 +19,18 @@ def setup(cfg) -> pg.ProcessGroups:
 
 def main(argv):
     cfg = parse_args(argv)
-    _, world_size, _ = pg.world_from_env()
+    rank, world_size, _ = world_from_env()
     validate(cfg, world_size)  # before any process group exists
     if cfg.training.dry_run:  # the plan only: no process group, no GPU
-        if pg.world_from_env()[0] == 0:
+        from megalite.training.planner import print_plan
+
+        if rank == 0:
             print_plan(cfg, world_size)
         return
+    from megalite.checkpoint.checkpointer import resume_path
+    from megalite.parallel import groups as pg
+    from megalite.training.trainer import Trainer
+
     resume_path(cfg)  # a missing checkpoint fails now, also before any process group
     groups = setup(cfg)
     try:
