@@ -32,7 +32,7 @@ train: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) pretrain_gpt.py \
 	  --config configs/tiny.yaml $(LAYOUT) --save checkpoints/tiny \
 	  --metrics-file runs/tiny/metrics.jsonl $(ARGS)
-	$(PY) tools/generate.py --load checkpoints/tiny --prompt "def main(" --max-new-tokens 40 --greedy
+	$(PY) tools/generate.py --load checkpoints/tiny --prompt "def main(" --max-new-tokens 48 --temperature 0.8 --top-k 40 --seed 1
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
