@@ -13,7 +13,8 @@ import argparse
 
 from megalite.config import parse_args, validate
 from megalite.errors import MegaliteError, run_main
-from megalite.training.planner import Cluster, print_plan
+from megalite.training.layouts import print_plan
+from megalite.training.planner import Cluster
 
 
 def main(argv):

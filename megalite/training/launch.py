@@ -22,7 +22,7 @@ def main(argv):
     rank, world_size, _ = world_from_env()
     validate(cfg, world_size)  # before any process group exists
     if cfg.training.dry_run:  # the plan only: no process group, no GPU
-        from megalite.training.planner import print_plan
+        from megalite.training.layouts import print_plan
 
         if rank == 0:
             print_plan(cfg, world_size)

@@ -11,7 +11,7 @@ from megalite.parallel.comm import Group
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
-from megalite.training import planner
+from megalite.training import layouts, planner
 from megalite.training.planner import Cluster, Layout
 
 
@@ -125,14 +125,14 @@ def big(flavour, layers, hidden, heads, seq, vocab, mbs, gbs, precision="bf16", 
 
 def test_fits_one_gpu_gives_pure_dp():
     cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)  # GPT-2 124M
-    best = planner.search(cfg, Cluster(gpus=8, gpu_memory_gib=80))[0]
+    best = layouts.search(cfg, Cluster(gpus=8, gpu_memory_gib=80))[0]
     assert best.layout == Layout(tp=1, pp=1, dp=8, zero=0)
 
 
 def test_too_big_for_a_node_gives_pp_across_nodes():
     cfg = big("gpt2", 96, 12288, 96, 2048, 51200, mbs=1, gbs=64, recompute="full")  # GPT-3
     cluster = Cluster(gpus=64, gpu_memory_gib=80, gpus_per_node=8)
-    plans = planner.search(cfg, cluster)
+    plans = layouts.search(cfg, cluster)
     best = plans[0].layout
     assert best.tp == 8 and best.pp >= 2  # TP fills a node, PP spans nodes
     # nothing fits inside one node: no plan with tp * pp <= 8
@@ -143,7 +143,7 @@ def test_optimizer_state_dominates_gives_zero():
     # ~3B parameters: bf16 weights 6 GB + fp32 gradients 12 GB fit a 40 GB GPU, the 36 GB of
     # fp32 Adam state and masters do not; sharded over 8 ranks they do
     cfg = big("llama", 26, 3200, 32, 1024, 32000, mbs=1, gbs=64)
-    best = planner.search(cfg, Cluster(gpus=8, gpu_memory_gib=40))[0]
+    best = layouts.search(cfg, Cluster(gpus=8, gpu_memory_gib=40))[0]
     assert (best.layout.tp, best.layout.pp, best.layout.zero) == (1, 1, 1)
     zero0 = planner.plan(cfg, Layout(dp=8), Cluster(gpus=8, gpu_memory_gib=40))
     assert (
@@ -155,6 +155,6 @@ def test_optimizer_state_dominates_gives_zero():
 def test_print_plan_needs_no_process_group(capsys):
     cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)
     cfg.parallel.dp = 8
-    planner.print_plan(cfg, 8, Cluster(gpus=8, gpu_memory_gib=80))
+    layouts.print_plan(cfg, 8, Cluster(gpus=8, gpu_memory_gib=80))
     out = capsys.readouterr().out
     assert "layout tp=1 pp=1 dp=8 zero=0" in out and "best first" in out
