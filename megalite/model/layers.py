@@ -16,6 +16,7 @@ from megalite.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     enter_tp_region,
+    fused_column_linear,
     mark,
 )
 
@@ -113,9 +114,9 @@ class Attention(nn.Module):
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         b, s, _ = x.shape
         hd = self.cfg.head_dim
-        q = self.q(x).view(b, s, self.heads, hd)
-        k = self.k(x).view(b, s, -1, hd)
-        v = self.v(x).view(b, s, -1, hd)
+        q, k, v = (
+            t.unflatten(-1, (-1, hd)) for t in fused_column_linear(x, (self.q, self.k, self.v))
+        )
         if self.kv_group is not None:
             k = k[:, :, self.kv_group : self.kv_group + 1]
             v = v[:, :, self.kv_group : self.kv_group + 1]
@@ -163,7 +164,7 @@ class MLP(nn.Module):
     def forward(self, x):
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         if self.llama:
-            y = self.ops.swiglu(self.gate(x), self.up(x))  # (b, s, f/t)
+            y = self.ops.swiglu(*fused_column_linear(x, (self.gate, self.up)))  # (b, s, f/t)
         else:
             y = self.ops.gelu(self.up(x))
         return self.down(y)

@@ -90,6 +90,15 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
+def fused_column_linear(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]:
+    """One matmul for column-parallel layers that read the same input (q, k, v; gate, up), each
+    keeping its own logical parameter: their local weights are concatenated for the step (kept
+    for backward: a few percent of a layer's activations) and the output is split into views."""
+    w = torch.cat([layer.weight for layer in layers])
+    b = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    return F.linear(x, w, b).split([layer.weight.shape[0] for layer in layers], dim=-1)
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W (out, in) split along in: x arrives split (b, s, in/tp), the partial
     products are summed over TP (reduce-scattered along the sequence with sequence parallelism)."""

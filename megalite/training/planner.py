@@ -194,8 +194,8 @@ def layer_activations(
 ) -> float:
     """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, section 4,
     counted for megalite): flash attention keeps q, k, v, the output and the log-sum-exp instead
-    of the s x s scores (no 5as/h term), norms keep their input, and with sequence parallelism
-    the column-parallel layers keep copies of their all-gathered (b, s, h) input. `torch_ops`:
+    of the s x s scores (no 5as/h term), norms keep their input, the column-parallel layers of a
+    block share one (all-gathered, with SP) input and keep their concatenated weights. `torch_ops`:
     the plain torch references (CPU) instead of the Triton kernels: norms keep an fp32 input
     (RMSNorm also its normalised output) and SwiGLU also keeps silu(gate)."""
     s, h, f, a = m.seq_length, m.hidden_size, m.ffn, m.num_attention_heads
@@ -212,13 +212,15 @@ def layer_activations(
     # block and one for the MLP, shared by the layers that read it (all-gathered with SP).
     linear_in = s * b * h * e * 2
     attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
+    # fused_column_linear keeps the concatenated q/k/v (and gate/up) weights (and biases)
+    fused = (h / t + 2 * kv) * (h + (0 if llama else 1)) * e + (2 * f / t * h * e if llama else 0)
     lse = 0 if recompute == "selective" else a / t * s * b * 4
     mlp = s * b * f / t * e * ((4 if torch_ops else 3) if llama else 2)  # (gate,) up, act out
     masks = 2 * rows * h if m.hidden_dropout > 0 else 0  # bool dropout masks
     scores = 0
     if m.attention_dropout > 0 and recompute != "selective":  # the math path keeps s x s
         scores = a / t * s * s * b * (2 * e + 1)
-    return 2 * norm + linear_in + attention + lse + mlp + masks + scores
+    return 2 * norm + linear_in + attention + fused + lse + mlp + masks + scores
 
 
 def chunk_activations(cfg: Config, lay: Layout, kw: dict) -> tuple[float, float]:
