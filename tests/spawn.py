@@ -7,11 +7,11 @@ killed), so a stuck collective never hangs the suite.
 """
 
 import os
-import pickle
 import tempfile
 import time
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
@@ -19,7 +19,6 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed"])
 
 
 def _entry(rank, world_size, tmp, fn, args):
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -29,7 +28,7 @@ def _entry(rank, world_size, tmp, fn, args):
         )
         result = fn(rank, world_size, *args)
         with open(f"{tmp}/out.{rank}", "wb") as fh:
-            pickle.dump(result, fh)
+            torch.save(result, fh)  # read back with weights_only: no pickle code runs
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -83,5 +82,5 @@ def spawn(fn, world_size, *args, timeout=180):
         out = []
         for r in range(world_size):
             with open(f"{tmp}/out.{r}", "rb") as fh:
-                out.append(pickle.load(fh))
+                out.append(torch.load(fh, weights_only=True))
         return out
