@@ -8,6 +8,7 @@ excluded, so the loss equals an unpadded model's.
 
 import torch
 
+from megalite.kernels._triton import at_least_fp32
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 
@@ -17,9 +18,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, group, vocab_size, ignore_index):
         per_rank = logits.shape[-1]
         start = group.rank * per_rank
-        x = logits.to(
-            torch.promote_types(logits.dtype, torch.float32)
-        )  # (..., V/tp), fp32 at least
+        x = at_least_fp32(logits)  # (..., V/tp)
         n_real = max(0, min(per_rank, vocab_size - start))
         if n_real < per_rank:
             x = x.clone()
