@@ -12,12 +12,22 @@ import torch
 from megalite.kernels._triton import INTERPRET, TRITON_ERROR, warn_once
 from megalite.kernels.activations import gelu, gelu_ref, swiglu, swiglu_ref
 from megalite.kernels.attention import attention, attention_ref
+from megalite.kernels.attention_blocks import (
+    attention_block_bwd,
+    attention_block_bwd_ref,
+    attention_block_fwd,
+    attention_block_fwd_ref,
+    attention_masked,
+    attention_masked_ref,
+    merge_attention,
+)
 from megalite.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_ref,
     cross_entropy_shard_grad,
     cross_entropy_shard_stats,
 )
+from megalite.kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 from megalite.kernels.layer_norm import layer_norm, layer_norm_ref
 from megalite.kernels.rms_norm import rms_norm, rms_norm_ref
 from megalite.kernels.rotary import rotary, rotary_ref
@@ -30,6 +40,11 @@ TORCH_OPS = SimpleNamespace(
     gelu=gelu_ref,
     cross_entropy=cross_entropy_ref,
     attention=attention_ref,
+    attention_masked=attention_masked_ref,
+    attention_block_fwd=attention_block_fwd_ref,
+    attention_block_bwd=attention_block_bwd_ref,
+    merge_attention=merge_attention,
+    grouped_mm=grouped_mm_ref,
 )
 
 TRITON_OPS = SimpleNamespace(
@@ -40,13 +55,27 @@ TRITON_OPS = SimpleNamespace(
     gelu=gelu,
     cross_entropy=cross_entropy,
     attention=attention,
+    attention_masked=attention_masked,
+    attention_block_fwd=attention_block_fwd,
+    attention_block_bwd=attention_block_bwd,
+    merge_attention=merge_attention,
+    grouped_mm=grouped_mm,
 )
 
 __all__ = [
     "TORCH_OPS",
     "TRITON_OPS",
+    "attention_block_bwd",
+    "attention_block_bwd_ref",
+    "attention_block_fwd",
+    "attention_block_fwd_ref",
+    "attention_masked",
+    "attention_masked_ref",
+    "merge_attention",
     "cross_entropy_shard_grad",
     "cross_entropy_shard_stats",
+    "grouped_mm",
+    "grouped_mm_ref",
     "select",
 ]
 

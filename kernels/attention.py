@@ -10,6 +10,19 @@ of its group (GQA: the group's gradients are summed in registers, never expanded
 kernel per query block accumulates dQ. Both recompute the probabilities from the saved LSE.
 Tensors keep their strides (any layout with unit stride along d), and the output takes q's layout,
 so q = x.view(b, s, h, d).transpose(1, 2) gives an output whose transpose back is free.
+
+Blocks for context parallelism (ring attention) and document masking, in the second half:
+visibility comes from integer positions and optional doc ids (key j visible to query i iff
+k_pos[j] <= q_pos[i] and q_doc[i] == k_doc[j]), so the query and key blocks may be any slices of
+the sequence, in any order. A ring step on query rows Q and one key/value block runs
+
+    out_b, lse_b = attention_block_fwd(q, k, v, q_pos, k_pos)   # fp32, this block's keys only
+    out, lse = merge_attention(out, lse, out_b, lse_b)          # exact, over all blocks so far
+    # backward, with the final (merged) out and lse of the rows:
+    dq_b, dk_b, dv_b = attention_block_bwd(q, k, v, out, lse, dout, q_pos, k_pos)  # fp32
+
+and summing the block results over all key blocks gives the full attention and its gradients.
+attention_masked is the same on one device, as an autograd op. Each has a plain-torch `_ref`.
 """
 
 import math
