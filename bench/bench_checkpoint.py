@@ -37,9 +37,9 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.config import Config, validate  # noqa: E402
+from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
-from megalite.parallel.topology import Topology  # noqa: E402
+from megalite.shape import validate  # noqa: E402
 from megalite.training.logger import Logger  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
@@ -63,10 +63,10 @@ def _trainer(root, layers, hidden):
     cfg.optimizer.zero_stage = 1
     cfg.checkpoint.save = str(root)
     cfg.logging.wandb_mode = "disabled"
-    validate(cfg, dist.get_world_size())
-    groups = build_groups(Topology(tp=1, pp=1, dp=2), torch.device("cpu"))
+    shape = validate(cfg, dist.get_world_size())
+    groups = build_groups(shape.topology(), torch.device("cpu"))
     data = SimpleNamespace(train=_Tokens(), valid=None, tokenizer=None)
-    tr = Trainer(cfg, groups, data=data)
+    tr = Trainer(cfg, shape, groups, data=data)
     tr.logger = Logger(cfg, enabled=False)
     g = torch.Generator().manual_seed(groups.rank)
     for t in tr.opt.exp_avg + tr.opt.exp_avg_sq:
@@ -87,7 +87,7 @@ def _run(rank, world, root, layers, hidden):
     tr = _trainer(root / "megalite", layers, hidden)
     params = sum(p.numel() for c in tr.chunks for p in c.parameters())
     out = {"params": params}
-    out["megalite_save_s"] = _timed(tr.checkpointer.save)
+    out["megalite_save_s"] = _timed(tr.save)
     ckpt = root / "megalite" / "iter_0000000"
     out["megalite_bytes"] = sum(f.stat().st_size for f in ckpt.iterdir())
     out["megalite_load_s"] = _timed(lambda: tr.checkpointer.load(ckpt))

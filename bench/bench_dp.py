@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import Config  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
+from megalite.parallel.specs import mark  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
@@ -57,7 +58,7 @@ def build(layers, hidden, dtype=torch.float32):
         mods += [nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)]
     model = nn.Sequential(*mods).to(dtype)
     for n, p in model.named_parameters():
-        p.no_weight_decay = n.endswith("bias")
+        mark(p, no_weight_decay=n.endswith("bias"))
     return model
 
 

@@ -123,7 +123,7 @@ def _worker(rank, a, tmp):
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{tmp}/rdv", rank=rank, world_size=a.pp)
-    groups = build_groups(Topology(1, a.pp, 1), device)
+    groups = build_groups(Topology(pp=a.pp), device)
     runs = [
         ("megalite GPipe", 1, _megalite(a, groups, rank, "gpipe", 1)),
         ("megalite 1F1B", 1, _megalite(a, groups, rank, "1f1b", 1)),

@@ -1,8 +1,9 @@
 """Typed configuration: nested dataclasses filled from defaults, then YAML, then CLI flags.
 
 Every field carries its documentation (shown by `--help`) and its flag names: the field name
-with dashes (`--micro-batch-size`) plus Megatron-LM's long names and short aliases. `validate()`
-rejects impossible combinations with one clear sentence before any process group exists.
+with dashes (`--micro-batch-size`) plus Megatron-LM's long names and short aliases.
+`megalite.shape.validate()` rejects impossible combinations with one clear sentence before any
+process group exists and derives the run's shape; nothing writes into a Config afterwards.
 """
 
 import argparse
@@ -16,10 +17,13 @@ from dataclasses import dataclass, field
 import yaml
 
 from megalite.errors import MegaliteError
+from megalite.parallel.topology import DEFAULT_ORDER
+from megalite.pipeline import schedules
 
 
 def opt(default, doc, *aliases, choices=None):
-    """A config field: its default, its documentation and any extra flag names."""
+    """A config field: its default, its documentation and any extra flag names. `choices` may
+    be a function returning them (a registry that grows after import)."""
     kw = {"default_factory": default} if callable(default) else {"default": default}
     return field(**kw, metadata={"doc": doc, "aliases": aliases, "choices": choices})
 
@@ -97,7 +101,8 @@ class ParallelConfig:
         None, "data-parallel size (default: world size / (tp*pp))", "--data-parallel-size"
     )
     order: str = opt(
-        "tp-dp-pp", "rank order, fastest-varying first (TP adjacent keeps it in a node)"
+        DEFAULT_ORDER,
+        "rank order of the parallel axes, fastest-varying first (TP adjacent keeps it in a node)",
     )
     sequence_parallel: bool = opt(
         False, "shard norm/dropout activations along the sequence over TP"
@@ -105,7 +110,7 @@ class ParallelConfig:
     pp_schedule: str | None = opt(
         None,
         "pipeline schedule (default: interleaved when vpp >= 2, else 1f1b)",
-        choices=("gpipe", "1f1b", "interleaved"),
+        choices=lambda: tuple(schedules.SCHEDULES),
     )
     distributed_timeout_minutes: float = opt(
         10.0, "collectives waiting longer than this fail the run"
@@ -229,6 +234,11 @@ def _fields(section_obj):
         yield f, hints[f.name]
 
 
+def _choices(f):
+    c = f.metadata.get("choices")
+    return c() if callable(c) else c
+
+
 def _base_type(tp):
     """(scalar type, is_list) of an annotation like int, int | None, list[str]."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -289,7 +299,7 @@ def _apply(cfg: Config, d: dict, source: str):
                 )
             f, tp = fields[key]
             v = _coerce(value, tp, f"{source}: {sec}.{key}")
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             if choices and v not in choices and v is not None:
                 raise MegaliteError(
                     f"{source}: {sec}.{key}={v!r} must be one of {', '.join(map(str, choices))}"
@@ -342,8 +352,8 @@ def build_parser(prog="pretrain_gpt.py") -> argparse.ArgumentParser:
             else:
                 if is_list:
                     kw["nargs"] = "+"
-                if f.metadata["choices"]:
-                    kw["choices"] = f.metadata["choices"]
+                if _choices(f):
+                    kw["choices"] = _choices(f)
                 g.add_argument(*names, type=scalar, metavar=f.name.upper(), **kw)
     return p
 
@@ -371,116 +381,4 @@ def parse_args(argv=None) -> Config:
     for dest, value in args.items():
         sec, name = dest.split(".")
         setattr(getattr(cfg, sec), name, value)
-    return cfg
-
-
-def validate(cfg: Config, world_size: int) -> Config:
-    """Fill derived fields and reject impossible layouts; returns cfg (with dp set)."""
-    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
-    positive = {
-        "tp": p.tp,
-        "pp": p.pp,
-        "vpp": p.vpp,
-        "num-layers": m.num_layers,
-        "hidden-size": m.hidden_size,
-        "num-attention-heads": m.num_attention_heads,
-        "seq-length": m.seq_length,
-        "micro-batch-size": t.micro_batch_size,
-        "global-batch-size": t.global_batch_size,
-        "train-iters": t.train_iters,
-        "log-interval": t.log_interval,
-    }
-    if p.dp is not None:
-        positive["dp"] = p.dp
-    for k, v in [
-        ("num-query-groups", m.num_query_groups),
-        ("ffn-hidden-size", m.ffn_hidden_size),
-        ("vocab-size", m.vocab_size),
-    ]:
-        if v is not None:
-            positive[k] = v
-    for name, v in positive.items():
-        if v < 1:
-            raise MegaliteError(f"--{name}={v} must be a positive integer")
-    if world_size % (p.tp * p.pp):
-        raise MegaliteError(
-            f"world size {world_size} is not divisible by tp*pp={p.tp}*{p.pp}; "
-            f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp"
-        )
-    dp = world_size // (p.tp * p.pp)
-    if p.dp is not None and p.dp != dp:
-        raise MegaliteError(
-            f"tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.tp * p.pp * p.dp} does not equal the world size {world_size}; "
-            "fix --dp or omit it to infer it"
-        )
-    p.dp = dp
-    if m.hidden_size % m.num_attention_heads:
-        raise MegaliteError(
-            f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}"
-        )
-    if p.tp > m.num_attention_heads:
-        raise MegaliteError(
-            f"tp={p.tp} is larger than num_attention_heads={m.num_attention_heads}; lower --tp"
-        )
-    if m.num_attention_heads % p.tp:
-        raise MegaliteError(
-            f"num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}"
-        )
-    if m.num_attention_heads % m.heads_kv:
-        raise MegaliteError(
-            f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups={m.heads_kv}"
-        )
-    if m.heads_kv % p.tp and p.tp % m.heads_kv:
-        raise MegaliteError(
-            f"num_query_groups={m.heads_kv} is not divisible by tp={p.tp} (nor tp by it); "
-            "choose query groups that divide or are a multiple of tp"
-        )
-    if m.hidden_size % p.tp:
-        raise MegaliteError(f"hidden_size={m.hidden_size} is not divisible by tp={p.tp}")
-    if m.ffn % p.tp:
-        raise MegaliteError(f"ffn_hidden_size={m.ffn} is not divisible by tp={p.tp}")
-    if m.flavour == "llama" and m.head_dim % 2:
-        raise MegaliteError(f"head dim {m.head_dim} must be even for rotary embeddings")
-    if m.num_layers % (p.pp * p.vpp):
-        raise MegaliteError(
-            f"num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{p.vpp}; "
-            f"use a multiple of {p.pp * p.vpp} layers"
-        )
-    if p.sequence_parallel and p.tp == 1:
-        # Documented choice: sequence parallelism is a TP feature; at tp=1 it is ignored, with a warning.
-        p.sequence_parallel = False
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            print(
-                "megalite: warning: --sequence-parallel has no effect at tp=1; ignored",
-                file=sys.stderr,
-            )
-    if p.sequence_parallel and m.seq_length % p.tp:
-        raise MegaliteError(
-            f"seq_length={m.seq_length} is not divisible by tp={p.tp} (needed by --sequence-parallel)"
-        )
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise MegaliteError(
-            f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size*dp="
-            f"{t.micro_batch_size}*{dp}; make it a multiple of {t.micro_batch_size * dp}"
-        )
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    schedule = p.pp_schedule or ("interleaved" if p.vpp > 1 else "1f1b")
-    if schedule == "interleaved" and p.vpp < 2:
-        raise MegaliteError("--pp-schedule interleaved needs --vpp 2 or more")
-    if schedule != "interleaved" and p.vpp > 1:
-        raise MegaliteError(f"--vpp {p.vpp} needs the interleaved schedule, not {schedule}")
-    if schedule == "interleaved" and microbatches % p.pp:
-        raise MegaliteError(
-            f"the interleaved schedule needs micro-batches per step ({microbatches}) to be a multiple of "
-            f"pp={p.pp}; raise --global-batch-size"
-        )
-    p.pp_schedule = schedule
-    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
-        raise MegaliteError(
-            f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings}"
-        )
-    if o.min_lr > o.lr:
-        raise MegaliteError(f"min_lr={o.min_lr} is larger than lr={o.lr}")
-    if p.distributed_timeout_minutes <= 0:
-        raise MegaliteError("--distributed-timeout-minutes must be positive")
     return cfg

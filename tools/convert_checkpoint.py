@@ -29,9 +29,11 @@ from safetensors.torch import save_file
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf
-from megalite.config import Config, validate
+from megalite.config import Config
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
+from megalite.model.gpt import VOCAB_TENSORS
+from megalite.shape import validate
 
 
 class Progress:
@@ -70,7 +72,7 @@ def detect(src: Path) -> str:
 
 def check_layout(cfg: Config, tp: int, pp: int, vpp: int):
     """Reject a layout this model cannot take, with validate()'s sentences. The batch fields
-    are set so that only the model-vs-layout checks can fail."""
+    are set so that only the model-vs-layout checks can fail (cfg is this tool's own)."""
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = tp, pp, vpp
     cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, pp
     validate(cfg, tp * pp)
@@ -122,7 +124,7 @@ def hf_to_megalite(src: Path, dst: Path, args):
     progress = Progress("converting", len(logical))
     tensors = {}
     for name, t in logical.items():
-        if name in fmt.VOCAB_TENSORS:
+        if name in VOCAB_TENSORS:
             t = t[: cfg.model.vocab_size]  # the format stores the real vocabulary
         tensors[name] = t.contiguous()
         progress.step()

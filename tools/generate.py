@@ -42,7 +42,7 @@ def load(path, tokenizer_model=None) -> tuple[GPTChunk, Tokenizer]:
             f"has a {cfg.vocab_size}-token vocabulary; pass the tokenizer it was trained with"
         )
     chunk = GPTChunk(cfg)
-    load_model([chunk], LOCAL, ckpt, cfg.vocab_size)
+    load_model([chunk], LOCAL, ckpt)
     return chunk.eval(), tok
 
 

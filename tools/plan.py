@@ -11,8 +11,9 @@ Model and training flags are pretrain_gpt.py's; the layout flags (--tp --pp --vp
 
 import argparse
 
-from megalite.config import parse_args, validate
+from megalite.config import parse_args
 from megalite.errors import MegaliteError, run_main
+from megalite.shape import validate
 from megalite.training.layouts import print_plan
 from megalite.training.planner import Cluster
 
@@ -27,9 +28,9 @@ def main(argv):
     if ns.gpus < 1 or ns.gpus_per_node < 1 or ns.gpu_memory <= 0:
         raise MegaliteError("--gpus, --gpus-per-node and --gpu-memory must be positive")
     cfg = parse_args(rest)
-    validate(cfg, ns.gpus)
+    shape = validate(cfg, ns.gpus)
     cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus))
-    print_plan(cfg, ns.gpus, cluster, top=ns.top)
+    print_plan(cfg, shape, cluster, top=ns.top)
 
 
 if __name__ == "__main__":

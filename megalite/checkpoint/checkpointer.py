@@ -6,6 +6,10 @@ directory; rank 0 gathers the index entries and RNG states, writes the index, re
 directory into place, updates `latest` (atomically, last) and only then removes checkpoints
 beyond --keep-checkpoints. A save that fails leaves the previous checkpoints as they were.
 
+The checkpointer is handed what it saves (the model chunks, the optimizer, the tokenizer) and a
+`TrainState` (iteration, data position, skipped steps, this rank's RNG); loading returns the
+`TrainState` it found, which the trainer applies. It reads no other object's attributes.
+
 Load: every rank reads, for each of its parameters, the region of the logical tensor its
 layout needs (safetensors `get_slice`), whatever layout wrote it. Checksums are verified
 before any tensor is read, each file by one rank. A rank's bad-input error is shared with all
@@ -13,11 +17,13 @@ ranks so that every rank stops with the same one line, none waiting in a collect
 """
 
 import base64
+import dataclasses
 import json
 import shutil
 import signal
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,14 +31,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint.format import Checkpoint, local_region, opt_name
+from megalite.checkpoint.format import Checkpoint, opt_name
 from megalite.errors import MegaliteError
-from megalite.optim.distributed_optimizer import TIED_EMBEDDING
 from megalite.parallel import comm
+from megalite.parallel.specs import spec_of
 
 # Fields a checkpoint and a run must agree on beyond the tensor shapes (which are checked one
 # by one): the shapes cannot tell a flavour apart, nor a prefix of the layers.
 MODEL_FIELDS = ("flavour", "num_layers", "vocab_size")
+
+
+@dataclass
+class TrainState:
+    """Where training stands, beside the tensors: what a resumed run continues from."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_steps: int = 0
+    rng: dict | None = None  # this rank's generator states (None: re-seed, another layout)
 
 
 def resume_path(cfg) -> str | None:
@@ -52,25 +68,28 @@ def resume_path(cfg) -> str | None:
 # ---- agreement between ranks ---------------------------------------------------------------------
 
 
-def _all_gather(obj) -> list:
+def _world():
+    """The world as a counted group (a world of one without torch.distributed)."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    r = dist.get_rank() if dist.is_initialized() else 0
+    return comm.Group("world", list(range(n)), r, dist.group.WORLD if n > 1 else None)
+
+
+def _all_gather(obj, group=None) -> list:
     # Small Python objects (messages, index entries, RNG states as base64) between our own
     # processes; nothing read from disk is ever unpickled.
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj, group or _world())
 
 
 @contextmanager
-def agreed_errors():
+def agreed_errors(group=None):
     """Run a block on every rank; if any rank raises MegaliteError, every rank raises it."""
     error = None
     try:
         yield
     except MegaliteError as e:
         error = str(e)
-    errors = [e for e in _all_gather(error) if e]
+    errors = [e for e in _all_gather(error, group) if e]
     if errors:
         raise MegaliteError(errors[0])
 
@@ -79,17 +98,12 @@ def agreed_errors():
 
 
 def _params(chunks):
-    """(index name of the logical tensor, parameter) for every parameter of this rank's chunks;
-    the last stage's tied copy reads the first stage's embedding."""
+    """(logical tensor, parameter, spec) for every parameter of this rank's chunks; the last
+    stage's tied copy reads the first stage's embedding."""
     for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            yield (TIED_EMBEDDING if getattr(p, "tied_copy", False) else name), p
-
-
-def _region(name, p, tp, vocab_size):
-    return local_region(
-        name, p.shape, getattr(p, "partition_dim", None), tp.rank, tp.size, vocab_size
-    )
+        for p in chunk.parameters():
+            spec = spec_of(p)
+            yield spec.source, p, spec
 
 
 def _read_padded(ckpt: Checkpoint, name: str, region, shape) -> torch.Tensor:
@@ -100,54 +114,48 @@ def _read_padded(ckpt: Checkpoint, name: str, region, shape) -> torch.Tensor:
     return t
 
 
-def check_model(chunks, tp, ckpt: Checkpoint, vocab_size: int):
+def check_model(chunks, tp, ckpt: Checkpoint):
     """Every parameter of these chunks is in the checkpoint with the global shape it needs."""
-    for name, p in _params(chunks):
-        glob, _ = _region(name, p, tp, vocab_size)
+    for name, _, spec in _params(chunks):
         if not ckpt.has(name):
             raise MegaliteError(
                 f"checkpoint {ckpt.dir} has no tensor {name}; it holds another model "
                 "(check --num-layers, the flavour and --untie-embeddings-and-output-weights)"
             )
-        if list(ckpt.shape(name)) != list(glob):
+        if list(ckpt.shape(name)) != list(spec.shape):
             raise MegaliteError(
                 f"tensor {name} has shape {list(ckpt.shape(name))} in checkpoint {ckpt.dir} but "
-                f"{list(glob)} in this model; use the model flags the checkpoint was trained with"
+                f"{list(spec.shape)} in this model; use the model flags the checkpoint was trained with"
             )
 
 
 @torch.no_grad()
-def load_model(chunks, tp, ckpt: Checkpoint, vocab_size: int):
+def load_model(chunks, tp, ckpt: Checkpoint):
     """Copy this rank's slices of the model weights into the chunks (any layout)."""
-    check_model(chunks, tp, ckpt, vocab_size)
-    for name, p in _params(chunks):
-        _, region = _region(name, p, tp, vocab_size)
-        p.copy_(_read_padded(ckpt, name, region, p.shape))
+    check_model(chunks, tp, ckpt)
+    for name, p, spec in _params(chunks):
+        p.copy_(_read_padded(ckpt, name, spec.region(tp.rank), p.shape))
 
 
-def _load_optimizer(trainer, ckpt: Checkpoint):
+def _load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint):
     """The moments (and masters) of this rank's parameters, or a fresh optimizer whose masters
     start from the loaded weights when the checkpoint has none (e.g. converted from HF)."""
-    tp, vocab = trainer.groups.tp, trainer.cfg.model.vocab_size
     scalars = ckpt.index.get("optimizer")
     state = {}
-    for name, p in _params(trainer.chunks):
+    for name, p, spec in _params(chunks):
         if scalars is None:
             state[name] = {k: torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
             continue
-        _, region = _region(name, p, tp, vocab)
         kinds = [k for k in fmt.OPTIMIZER_KINDS if ckpt.has(opt_name(k, name))]
         if "exp_avg" not in kinds or "exp_avg_sq" not in kinds:
             raise MegaliteError(
                 f"checkpoint {ckpt.dir} lacks the optimizer state of {name}; the index is incomplete"
             )
+        region = spec.region(tp.rank)
         state[name] = {k: _read_padded(ckpt, opt_name(k, name), region, p.shape) for k in kinds}
-    trainer.opt.load_state_tensors(state)
+    optimizer.load_state_tensors(state)
     if scalars is not None:
-        trainer.opt.load_scalar_state(scalars)
-
-
-# ---- RNG states --------------------------------------------------------------------------------
+        optimizer.load_scalar_state(scalars)
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -158,88 +166,69 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def _rng_state(trainer) -> dict:
-    g = trainer.groups
-    cuda = g.device.type == "cuda"
-    return {
-        "rank": g.rank,
-        "cpu": _b64(torch.get_rng_state()),
-        "cuda": _b64(torch.cuda.get_rng_state(g.device)) if cuda else None,
-        "chunks": [_b64(c.rng.state) for c in trainer.chunks],  # the TP-sharded dropout streams
-    }
+def _encode_rng(rng: dict) -> dict:
+    return {k: (None if v is None else [_b64(t) for t in v] if isinstance(v, list) else _b64(v))
+            for k, v in rng.items()}  # fmt: skip
 
 
-def _restore_rng(trainer, states: list[dict]):
-    g = trainer.groups
-    s = states[g.rank]
-    torch.set_rng_state(_unb64(s["cpu"]))
-    if s["cuda"] and g.device.type == "cuda":
-        torch.cuda.set_rng_state(_unb64(s["cuda"]), g.device)
-    for c, st in zip(trainer.chunks, s["chunks"]):
-        c.rng.state = _unb64(st).to(c.rng.state.device)
-
-
-def _layout(cfg, world_size: int) -> dict:
-    p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "vpp": p.vpp, "world_size": world_size}
+def _decode_rng(d: dict) -> dict:
+    return {k: (None if v is None else [_unb64(t) for t in v] if isinstance(v, list) else _unb64(v))
+            for k, v in d.items() if k != "rank"}  # fmt: skip
 
 
 # ---- the trainer's checkpointing -----------------------------------------------------------------
 
 
 class Checkpointer:
-    """--save/--load/--save-interval/--keep-checkpoints and preemption for one Trainer."""
+    """--save/--load/--save-interval/--keep-checkpoints and preemption, for the parts it is
+    handed: cfg (recorded in the index), the run shape, groups, this rank's model chunks, the
+    optimizer and the tokenizer model the run reads (or None)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg
+    def __init__(self, cfg, shape, groups, chunks, optimizer, tokenizer_path=None, log=print):
+        self.cfg, self.shape, self.groups = cfg, shape, groups
+        self.chunks, self.optimizer, self.tokenizer_path = chunks, optimizer, tokenizer_path
+        self.log = log
         self.last_saved = None  # iteration of the newest checkpoint in --save
-        self.loaded = None
         self._signal = None
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def resume(self):
-        """Load what `resume_path` picks (if anything). Returns the loaded iteration or None."""
+    def resume(self) -> TrainState | None:
+        """Load what `resume_path` picks (if anything)."""
         path = resume_path(self.cfg)
         return None if path is None else self.load(path)
 
-    def load(self, path) -> int:
-        tr, g = self.trainer, self.trainer.groups
+    def load(self, path) -> TrainState:
+        g, tp = self.groups, self.groups.tp
         start = time.perf_counter()
-        with agreed_errors():
+        with agreed_errors(g.world):
             ckpt = Checkpoint(path)
             files = sorted(ckpt.files)
             ckpt.verify(files[g.rank :: g.topo.world_size])  # each file hashed by one rank
             self._check_compatible(ckpt)
-            check_model(tr.chunks, g.tp, ckpt, self.cfg.model.vocab_size)
-        with agreed_errors():
-            load_model(tr.chunks, g.tp, ckpt, self.cfg.model.vocab_size)
-            _load_optimizer(tr, ckpt)
+            check_model(self.chunks, tp, ckpt)
+        with agreed_errors(g.world):
+            load_model(self.chunks, tp, ckpt)
+            _load_optimizer(self.chunks, tp, self.optimizer, ckpt)
         idx = ckpt.index
-        tr.iteration = ckpt.iteration
-        tr.sampler.consumed_samples = int(idx.get("consumed_samples", 0))
-        tr.skipped_total = int(idx.get("skipped_steps", 0))
-        same_layout = idx.get("layout") == _layout(self.cfg, g.topo.world_size)
-        if idx.get("rng") and same_layout:
-            _restore_rng(tr, idx["rng"])
-        if (
-            self.cfg.checkpoint.save
-            and Path(self.cfg.checkpoint.save).resolve() == ckpt.dir.parent.resolve()
-        ):
+        same_layout = idx.get("layout") == self.shape.layout()
+        rng = idx["rng"][g.rank] if idx.get("rng") and same_layout else None
+        state = TrainState(ckpt.iteration, int(idx.get("consumed_samples", 0)),
+                           int(idx.get("skipped_steps", 0)), rng and _decode_rng(rng))  # fmt: skip
+        save = self.cfg.checkpoint.save
+        if save and Path(save).resolve() == ckpt.dir.parent.resolve():
             self.last_saved = ckpt.iteration
-        self.loaded = ckpt.iteration
         what = "weights only, fresh optimizer" if idx.get("optimizer") is None else "resuming"
-        rng = "" if same_layout else "; another layout, so RNG streams are re-seeded"
-        tr.logger.print(
-            f"loaded checkpoint {ckpt.dir} (iteration {ckpt.iteration}, {what}{rng}) in "
+        rng_note = "" if same_layout else "; another layout, so RNG streams are re-seeded"
+        self.log(
+            f"loaded checkpoint {ckpt.dir} (iteration {ckpt.iteration}, {what}{rng_note}) in "
             f"{time.perf_counter() - start:.1f} s"
         )
         ckpt.close()
-        return ckpt.iteration
+        return state
 
     def _check_compatible(self, ckpt: Checkpoint):
-        ours, theirs = self.cfg.model, ckpt.model_config
+        ours, theirs = self.shape.model, ckpt.model_config
         for f in MODEL_FIELDS:
             if theirs.get(f) != getattr(ours, f):
                 hint = (
@@ -251,11 +240,10 @@ class Checkpointer:
                     f"checkpoint {ckpt.dir} has {f}={theirs.get(f)} but this run has "
                     f"{getattr(ours, f)}; {hint}"
                 )
-        tok = getattr(self.trainer.data, "tokenizer", None)
-        saved = ckpt.files.get(fmt.TOKENIZER)
-        if tok is not None and saved and fmt.sha256_file(Path(tok.model_path)) != saved["sha256"]:
+        tok, saved = self.tokenizer_path, ckpt.files.get(fmt.TOKENIZER)
+        if tok is not None and saved and fmt.sha256_file(Path(tok)) != saved["sha256"]:
             raise MegaliteError(
-                f"tokenizer {tok.model_path} differs from the one checkpoint {ckpt.dir} was trained "
+                f"tokenizer {tok} differs from the one checkpoint {ckpt.dir} was trained "
                 f"with; pass --tokenizer-model {ckpt.dir / fmt.TOKENIZER}"
             )
 
@@ -263,27 +251,26 @@ class Checkpointer:
 
     def _local_tensors(self, opt_state: dict) -> dict:
         """{index name: (tensor, region, global shape)} of what this (tp, pp) position writes."""
-        tr, tp = self.trainer, self.trainer.groups.tp
+        tp = self.groups.tp
         out = {}
-        for name, p in _params(tr.chunks):
-            dim = getattr(p, "partition_dim", None)
-            if getattr(p, "tied_copy", False) or (dim is None and tp.rank != 0):
+        for name, p, spec in _params(self.chunks):
+            if spec.tied_to or (spec.split_dim is None and tp.rank != 0):
                 continue  # tied copies are the first stage's tensor; TP replicas are written once
-            glob, region = _region(name, p, tp, self.cfg.model.vocab_size)
+            region = spec.region(tp.rank)
             rows = region[0][1] - region[0][0]  # fewer than p.shape[0] where vocabulary padding is
-            out[name] = (p[:rows], region, glob)
+            out[name] = (p[:rows], region, spec.shape)
             for kind, t in opt_state[name].items():
-                out[opt_name(kind, name)] = (t[:rows], region, glob)
+                out[opt_name(kind, name)] = (t[:rows], region, spec.shape)
         return out
 
-    def save(self):
-        tr, g, c = self.trainer, self.trainer.groups, self.cfg.checkpoint
+    def save(self, state: TrainState):
+        g, c = self.groups, self.cfg.checkpoint
         start = time.perf_counter()
-        it = tr.iteration
+        it = state.iteration
         root = Path(c.save)
         final, tmp = root / fmt.iter_dirname(it), root / f".{fmt.iter_dirname(it)}.tmp"
-        opt_state = tr.opt.state_tensors()  # collective over DP
-        with agreed_errors():
+        opt_state = self.optimizer.state_tensors()  # collective over DP
+        with agreed_errors(g.world):
             if g.rank == 0:
                 try:
                     root.mkdir(parents=True, exist_ok=True)
@@ -292,49 +279,48 @@ class Checkpointer:
                 except OSError as e:
                     raise MegaliteError(f"cannot create checkpoint directory {tmp}: {e}") from None
         entries, files, error = {}, {}, None
-        if g.dp.rank == 0:
+        if g.replicas.rank == 0:
             fname = f"model-tp{g.tp.rank:02d}-pp{g.pp.rank:02d}.safetensors"
             try:
                 entries, files = fmt.write_shard(tmp, fname, self._local_tensors(opt_state))
             except OSError as e:
                 error = f"could not write checkpoint file {tmp / fname} ({e})"
         del opt_state
-        parts = _all_gather((entries, files, _rng_state(tr), error))
-        outcome = None
-        if g.rank == 0:
-            outcome = self._commit(parts, tmp, final, it)
-        outcome = _all_gather(outcome)[0]
+        rng = {"rank": g.rank, **_encode_rng(state.rng or {})}
+        parts = _all_gather((entries, files, rng, error), g.world)
+        outcome = self._commit(parts, tmp, final, state) if g.rank == 0 else None
+        outcome = _all_gather(outcome, g.world)[0]
         if outcome is not None:
             raise MegaliteError(outcome)
         self.last_saved = it
         nbytes = sum(m["bytes"] for p in parts for m in p[1].values())
         secs = time.perf_counter() - start
-        tr.logger.print(
+        self.log(
             f"saved checkpoint {final} ({nbytes / 1e9:.3f} GB) in {secs:.1f} s "
             f"({nbytes / 1e9 / max(secs, 1e-9):.2f} GB/s)"
         )
 
-    def _commit(self, parts, tmp: Path, final: Path, it: int) -> str | None:
+    def _commit(self, parts, tmp: Path, final: Path, state: TrainState) -> str | None:
         """Rank 0: write the index, move the checkpoint into place, point `latest` at it, prune.
         Returns an error message, or None."""
-        tr, c = self.trainer, self.cfg.checkpoint
+        c = self.cfg.checkpoint
         errors = [p[3] for p in parts if p[3]]
         try:
             if errors:
                 raise OSError(errors[0])
             files = {k: v for p in parts for k, v in p[1].items()}
-            tok = getattr(tr.data, "tokenizer", None)
-            if tok is not None:  # generate.py and conversion to HF find it here
-                files.update(fmt.copy_tokenizer(tok.model_path, tmp))
+            if self.tokenizer_path is not None:  # generate.py and conversion to HF find it here
+                files.update(fmt.copy_tokenizer(self.tokenizer_path, tmp))
+            config = {**self.cfg.to_dict(), "model": dataclasses.asdict(self.shape.model)}
             index = {
                 "format": fmt.FORMAT,
-                "iteration": it,
-                "consumed_samples": tr.sampler.consumed_samples,
-                "skipped_steps": tr.skipped_total,
-                "optimizer": tr.opt.scalar_state(),
-                "layout": _layout(self.cfg, tr.groups.topo.world_size),
+                "iteration": state.iteration,
+                "consumed_samples": state.consumed_samples,
+                "skipped_steps": state.skipped_steps,
+                "optimizer": self.optimizer.scalar_state(),
+                "layout": self.shape.layout(),
                 "zero_stage": self.cfg.optimizer.zero_stage,
-                "config": self.cfg.to_dict(),
+                "config": config,
                 "rng": [p[2] for p in parts],
                 "files": files,
                 "tensors": fmt.merge_entries([p[0] for p in parts]),
@@ -385,26 +371,25 @@ class Checkpointer:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def after_step(self) -> bool:
-        """Save when due; True when the run should stop (a rank got SIGTERM/SIGINT)."""
-        c, g = self.cfg.checkpoint, self.trainer.groups
+    def after_step(self, state_fn) -> bool:
+        """Save when due (`state_fn()` gives the TrainState); True when the run should stop (a
+        rank got SIGTERM/SIGINT)."""
+        c, g = self.cfg.checkpoint, self.groups
         if not c.save:
             return False
         # Signals reach ranks at different times: all ranks agree, so they stop at the same step.
         flag = torch.tensor([0.0 if self._signal is None else 1.0], device=g.device)
         comm.all_reduce(flag, g.world, op=dist.ReduceOp.MAX)
         stop = flag.item() > 0
-        it = self.trainer.iteration
-        if stop or (c.save_interval and it % c.save_interval == 0):
-            self.save()
+        state = state_fn()
+        if stop or (c.save_interval and state.iteration % c.save_interval == 0):
+            self.save(state)
         if stop:
             name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
-            self.trainer.logger.print(
-                f"received {name}: saved iteration {it} to {c.save}; stopping"
-            )
+            self.log(f"received {name}: saved iteration {state.iteration} to {c.save}; stopping")
         return stop
 
-    def finish(self):
+    def finish(self, state: TrainState):
         """The save at the end of training (unless this iteration is saved already)."""
-        if self.cfg.checkpoint.save and self.last_saved != self.trainer.iteration:
-            self.save()
+        if self.cfg.checkpoint.save and self.last_saved != state.iteration:
+            self.save(state)

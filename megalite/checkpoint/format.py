@@ -15,7 +15,8 @@ and the slices the files hold as index ranges of the global tensor:
                           {"file": "model-tp01-pp00.safetensors", "slice": [[64, 128], [0, 32]]}]}}
 
 Global means: as one process would hold it, with the real vocabulary (no padding rows). Inside
-a file the slice is stored under the tensor's index name. The index also holds the sha256 of
+a file the slice is stored under the tensor's index name. Which slice a rank holds is its
+parameter's `ParamSpec.region` (parallel/specs.py). The index also holds the sha256 of
 every file, the iteration, consumed samples, optimizer scalars, the full config and the RNG
 states of every rank. Only JSON and safetensors are ever read: no pickle.
 """
@@ -36,7 +37,6 @@ FORMAT = "megalite-checkpoint/1"
 INDEX = "index.json"
 LATEST = "latest"
 TOKENIZER = "tokenizer.model"
-VOCAB_TENSORS = ("embedding.word.weight", "output.weight")  # rows are the vocabulary
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
@@ -87,27 +87,6 @@ def _safe_name(name, where: Path) -> str:
             "checkpoint directory; refusing to read it (the index is damaged or was tampered with)"
         )
     return name
-
-
-# ---- which part of a logical tensor a rank holds ------------------------------------------------
-
-
-def local_region(name: str, shape, partition_dim, tp_rank: int, tp_size: int, vocab_size: int):
-    """(global shape, region) of a rank's local tensor of `shape`: region is one (lo, hi) per
-    dim of the global tensor. Vocabulary rows past `vocab_size` (padding) are outside the
-    global tensor, so the region may be shorter than the local tensor (or empty)."""
-    shape = list(shape)
-    glob = list(shape)
-    region = [(0, s) for s in shape]
-    if partition_dim is not None:
-        glob[partition_dim] *= tp_size
-        lo = tp_rank * shape[partition_dim]
-        region[partition_dim] = (lo, lo + shape[partition_dim])
-    if name in VOCAB_TENSORS:
-        glob[0] = vocab_size
-        lo, hi = region[0]
-        region[0] = (min(lo, vocab_size), min(hi, vocab_size))
-    return glob, region
 
 
 # ---- writing -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
+from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
@@ -100,7 +101,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 def _gpt2_names(cfg: ModelConfig):
     """(megalite name, hf name, transposed) for every tensor except c_attn (split in three)."""
-    yield "embedding.word.weight", "transformer.wte.weight", False
+    yield WORD_EMBEDDING, "transformer.wte.weight", False
     yield "embedding.position.weight", "transformer.wpe.weight", False
     for i in range(cfg.num_layers):
         m, h = f"layers.{i}.", f"transformer.h.{i}."
@@ -119,7 +120,7 @@ def _gpt2_names(cfg: ModelConfig):
 
 
 def _llama_names(cfg: ModelConfig):
-    yield "embedding.word.weight", "model.embed_tokens.weight"
+    yield WORD_EMBEDDING, "model.embed_tokens.weight"
     for i in range(cfg.num_layers):
         m, h = f"layers.{i}.", f"model.layers.{i}."
         yield m + "input_norm.weight", h + "input_layernorm.weight"
@@ -130,14 +131,14 @@ def _llama_names(cfg: ModelConfig):
             yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight"
     yield "final_norm.weight", "model.norm.weight"
     if not cfg.tied:
-        yield "output.weight", "lm_head.weight"
+        yield OUTPUT, "lm_head.weight"
 
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
     """megalite logical tensors (padded vocabulary) -> transformers state dict."""
     V = cfg.vocab_size
     out = {}
-    unpad = {"embedding.word.weight", "output.weight"}
+    unpad = set(VOCAB_TENSORS)
     if cfg.flavour == "gpt2":
         for m, h, t in _gpt2_names(cfg):
             w = state[m][:V] if m in unpad else state[m]
@@ -184,7 +185,7 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
     else:
         for m, h in _llama_names(cfg):
             out[m] = get(h).clone()
-    for name in ("embedding.word.weight", "output.weight"):
+    for name in VOCAB_TENSORS:
         if name in out:
             out[name] = F.pad(out[name], (0, 0, 0, pad))
     return out

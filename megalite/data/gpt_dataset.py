@@ -158,8 +158,9 @@ def build_datasets(cfg) -> Datasets:
     """Train/valid(/test) datasets and the tokenizer for a `megalite.config.Config`.
 
     With `cfg.data.data_path` empty, the built-in corpus is prepared once under
-    `cfg.data.data_cache_dir` (safe when every rank calls this at the same time). Sets
-    `cfg.model.vocab_size` to the tokenizer's when it is None.
+    `cfg.data.data_cache_dir` (safe when every rank calls this at the same time). cfg is not
+    changed: the model's vocabulary is the tokenizer's unless --vocab-size says more
+    (`RunShape.with_vocab`).
     """
     d, m = cfg.data, cfg.model
     fractions = parse_split(d.split)
@@ -178,8 +179,6 @@ def build_datasets(cfg) -> Datasets:
     if not prefixes:
         prefix, model = prepare_builtin(d.data_cache_dir, d.tokenizer_vocab_size, d.tokenizer_model)
         prefixes, tokenizer = [prefix], Tokenizer(model)
-    if m.vocab_size is None:
-        m.vocab_size = tokenizer.vocab_size
 
     splits = [[] for _ in SPLIT_NAMES]
     for k, prefix in enumerate(prefixes):

@@ -19,9 +19,16 @@ from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.random import ShardedRNG
-from megalite.parallel.tensor_parallel import VocabParallelEmbedding, enter_tp_region, mark
+from megalite.parallel.specs import mark, name_parameters, spec_of, update
+from megalite.parallel.tensor_parallel import VocabParallelEmbedding, enter_tp_region, shard_spec
 
 LOCAL = Group("tp", [0], 0)  # a TP group of one: the single-process model
+
+# Logical names other modules need (HF conversion, checkpoints): the tensors whose rows are
+# the vocabulary, and the two ends of a tied word embedding.
+WORD_EMBEDDING = "embedding.word.weight"
+OUTPUT = "output.weight"
+VOCAB_TENSORS = (WORD_EMBEDDING, OUTPUT)
 
 
 class GPTChunk(nn.Module):
@@ -55,18 +62,25 @@ class GPTChunk(nn.Module):
                 positions = cfg.max_position_embeddings or cfg.seq_length
                 self.embedding.position = nn.Embedding(positions, cfg.hidden_size, **kw)
                 # with sequence parallelism each rank adds positions to its own rows only
-                mark(self.embedding.position.weight, grad_sync_tp=self.sp)
+                mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg, tp, ops, self.sp, rng, recompute, **kw) for i in layers}
         )
         if has_head:
-            self.final_norm = Norm(cfg, ops, self.sp, **kw)
+            self.final_norm = Norm(cfg, tp, ops, self.sp, **kw)
             if not (cfg.tied and has_embedding):
                 self.output = nn.Module()
                 w = torch.empty(self.vocab // tp.size, cfg.hidden_size, **kw)
-                self.output.weight = mark(nn.Parameter(w), partition_dim=0)
-                self.output.weight.tied_copy = cfg.tied  # the last stage's copy of the embedding
-        self.init_parameters(seed)
+                # tied: the last stage's copy of the first stage's embedding
+                spec = shard_spec(tp, 0, vocab_dim=0)
+                if cfg.tied:  # the first stage's embedding, summed with it over `embed`
+                    spec.update(tied_to=WORD_EMBEDDING, grad_sum=("embed",))
+                self.output.weight = mark(nn.Parameter(w), **spec)
+        name_parameters(self, cfg.vocab_size)
+        if cfg.tied and has_embedding and not has_head:  # its twin is on the head's stage
+            update(self.embedding.word.weight, grad_sum=("embed",))
+        if torch.device(device or "cpu").type != "meta":  # the planner builds shapes only
+            self.init_parameters(seed)
 
     # ---- initialisation: every logical tensor drawn whole from (seed, name), then sliced ------
 
@@ -79,40 +93,24 @@ class GPTChunk(nn.Module):
             if name.endswith(".bias"):
                 nn.init.zeros_(p.data)
                 continue
-            source = "embedding.word.weight" if getattr(p, "tied_copy", False) else name
+            spec = spec_of(p)
             s = (
                 std / math.sqrt(2 * self.cfg.num_layers)
                 if name.endswith(("attention.out.weight", "mlp.down.weight"))
                 else std
             )
-            shape = list(p.shape)
-            dim = getattr(p, "partition_dim", None)
-            if dim is not None:
-                shape[dim] *= self.tp.size
-            if source == "embedding.word.weight":
-                shape[0] = self.cfg.vocab_size  # padding rows (never a target) stay zero
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
-            full = torch.randn(shape, generator=g) * s
-            if source == "embedding.word.weight":
-                full = F.pad(full, (0, 0, 0, self.vocab - self.cfg.vocab_size))
-            if dim is not None:
-                full = full.chunk(self.tp.size, dim)[self.tp.rank]
-            p.data.copy_(full)
+            # padding rows (never a target) stay zero: only the real vocabulary is drawn
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.source.encode()))
+            full = torch.randn(spec.shape, generator=g) * s
+            p.data.copy_(spec.local(full, self.tp.rank))
 
     def load_full_state(self, state: dict):
         """Copy in whole logical tensors (any vocabulary padding): pad or trim the vocabulary to
         this model's, keep this rank's TP slice. Missing names are an error."""
-        for name, p in self.named_parameters():
-            source = "embedding.word.weight" if getattr(p, "tied_copy", False) else name
-            full = state[source]
-            if source in ("embedding.word.weight", "output.weight"):
-                full = full[: self.cfg.vocab_size]
-                full = F.pad(full, (0, 0, 0, self.vocab - full.shape[0]))
-            dim = getattr(p, "partition_dim", None)
-            if dim is not None:
-                full = full.chunk(self.tp.size, dim)[self.tp.rank]
+        for p in self.parameters():
+            spec = spec_of(p)
             with torch.no_grad():
-                p.copy_(full)
+                p.copy_(spec.local(state[spec.source], self.tp.rank))
 
     # ---- forward ----------------------------------------------------------------------------
 

@@ -12,12 +12,13 @@ from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.parallel.comm import Group
+from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     enter_tp_region,
     fused_column_linear,
-    mark,
+    shard_spec,
 )
 
 
@@ -25,22 +26,16 @@ class Norm(nn.Module):
     """LayerNorm (gpt2) or RMSNorm (llama). Replicated over TP; with sequence parallelism each
     rank sees only its rows, so the weight gradient is summed over TP."""
 
-    def __init__(self, cfg: ModelConfig, ops, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel: bool, dtype=None,
+                 device=None):  # fmt: skip
         super().__init__()
         self.ops, self.eps, self.rms = ops, cfg.norm_epsilon, cfg.flavour == "llama"
         kw = {"dtype": dtype, "device": device}
-        self.weight = mark(
-            nn.Parameter(torch.ones(cfg.hidden_size, **kw)),
-            grad_sync_tp=sequence_parallel,
-            no_weight_decay=True,
-        )
+        spec = shard_spec(tp, None, sequence_parallel, no_weight_decay=True)
+        self.weight = mark(nn.Parameter(torch.ones(cfg.hidden_size, **kw)), **spec)
         self.bias = None
         if not self.rms:
-            self.bias = mark(
-                nn.Parameter(torch.zeros(cfg.hidden_size, **kw)),
-                grad_sync_tp=sequence_parallel,
-                no_weight_decay=True,
-            )
+            self.bias = mark(nn.Parameter(torch.zeros(cfg.hidden_size, **kw)), **spec)
 
     def forward(self, x):
         if self.rms:
@@ -190,11 +185,11 @@ class TransformerLayer(nn.Module):
             cfg.hidden_dropout,
             recompute,
         )
-        self.input_norm = Norm(cfg, ops, sequence_parallel, **kw)
+        self.input_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
         self.attention = Attention(
             cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw
         )
-        self.post_attention_norm = Norm(cfg, ops, sequence_parallel, **kw)
+        self.post_attention_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
         self.mlp = MLP(cfg, tp, ops, sequence_parallel, **kw)
 
     def _drop(self, x):

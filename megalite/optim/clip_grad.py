@@ -1,18 +1,9 @@
 """The global gradient norm over every rank, each logical element counted once, and clipping."""
 
 import torch
-from torch import nn
 
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
-
-
-def counted_in_norm(p: nn.Parameter, tp_rank: int) -> bool:
-    """TP-sharded tensors count on every TP rank, replicated ones on TP rank 0 only, and the
-    last stage's copy of a tied embedding not at all (its twin on the first stage counts)."""
-    if getattr(p, "tied_copy", False):
-        return False
-    return getattr(p, "partition_dim", None) is not None or tp_rank == 0
 
 
 def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group):
@@ -22,11 +13,12 @@ def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group:
     One all-reduce carries both, so every rank takes the same skip decision.
     """
     dtype = torch.float64
-    sumsq = torch.zeros((), dtype=dtype)
+    device = group.device or next((g.device for g in [*counted, *checked]), None)
+    sumsq = torch.zeros((), dtype=dtype, device=device)
     for g in counted:
         sumsq += torch.linalg.vector_norm(g).to(dtype) ** 2
     # A sum is non-finite iff some element is (finite fp32 gradients cannot overflow fp64).
-    total = sum((g.sum(dtype=dtype) for g in checked), torch.zeros((), dtype=dtype))
+    total = sum((g.sum(dtype=dtype) for g in checked), torch.zeros((), dtype=dtype, device=device))
     stats = torch.stack([sumsq, (~torch.isfinite(total)).to(dtype)])
     comm.all_reduce(stats, group)
     found_inf = bool(stats[1] > 0) or not bool(torch.isfinite(stats[0]))

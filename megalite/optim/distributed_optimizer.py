@@ -5,8 +5,9 @@ bucket at stage 0); the fp32 master weights (only when parameters are bf16/fp16)
 moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp bytes of optimizer state
 per parameter. A step:
 
-  1. finalise gradients: wait for the DP reductions, sum `grad_sync_tp` gradients over TP, sum
-     the tied embedding's gradient over `embed` (first and last stage)
+  1. finalise gradients: wait for the DP reductions, then sum the gradients each rank holds only
+     part of (ParamSpec.grad_sum): over TP (sequence-parallel norms, replicated k/v), over
+     `embed` (the tied embedding's two halves on the first and last stage)
   2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check, in one
      all-reduce; any non-finite gradient skips the step on every rank
   3. unscale (fp16) and clip in one multiply, AdamW on the shards, masters -> parameters
@@ -19,14 +20,13 @@ import torch
 from torch import nn
 
 from megalite.config import Config
-from megalite.optim.clip_grad import clip_coefficient, counted_in_norm, global_norm
+from megalite.optim.clip_grad import clip_coefficient, global_norm
 from megalite.optim.loss_scaler import LossScaler
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import GradBuffer, ParamRange
 from megalite.parallel.groups import ProcessGroups
+from megalite.parallel.specs import spec_of
 
-# The first stage's half of a tied word embedding (its twin on the last stage has `tied_copy`).
-TIED_EMBEDDING = "embedding.word.weight"
 # Elements per slice of the element-wise Adam update.
 ADAM_SLICE = 2**18
 
@@ -55,14 +55,13 @@ class DistributedOptimizer:
         o, t = cfg.optimizer, cfg.training
         self.groups, self.opt_cfg = groups, o
         self.default_microbatches = max(
-            1, t.global_batch_size // (t.micro_batch_size * groups.dp.size)
+            1, t.global_batch_size // (t.micro_batch_size * groups.data.size)
         )
-        embed = groups.embed
-        self._tie = cfg.model.tied and groups.pp.size > 1 and embed is not None and embed.size > 1
 
         # Tied halves get a bucket of their own: both stages then shard them identically, so the
         # sum over `embed` can run on the DP shards.
-        self.buffer = GradBuffer(chunks, groups.dp, o.zero_stage, o.bucket_size_mb, self._is_tied)
+        self.buffer = GradBuffer(chunks, groups.replicas, o.zero_stage, o.bucket_size_mb,
+                                 lambda name, p: "embed" in spec_of(p).grad_sum)  # fmt: skip
         buf = self.buffer
         self._bucket_index = {b: i for i, b in enumerate(buf.buckets)}
         self.scaler = None
@@ -87,14 +86,14 @@ class DistributedOptimizer:
         self._decay = [[] for _ in buf.buckets]
         self._norm = [[] for _ in buf.buckets]
         for r in buf.ranges:
-            b, i = r.bucket, self._bucket_index[r.bucket]
+            b, i, spec = r.bucket, self._bucket_index[r.bucket], spec_of(r.param)
             s = r.shard_slice()
-            if s is not None and not getattr(r.param, "no_weight_decay", False):
+            if s is not None and not spec.no_weight_decay:
                 self._decay[i].append(s[:2])
             # Each rank counts its 1/dp of every bucket in the norm, also at stage 0 where it
             # holds all of it: the norm and the inf check can then be summed over the world.
-            n = r.overlap(b.dp_start, b.dp_start + b.numel // groups.dp.size)
-            if n is not None and counted_in_norm(r.param, groups.tp.rank):
+            n = r.overlap(b.dp_start, b.dp_start + b.numel // buf.dp.size)
+            if n is not None and spec.counted_in_norm(groups.tp.rank):
                 self._norm[i].append((n[0] - b.shard_start, n[1] - b.shard_start))
         self._decay = [_merge(s) for s in self._decay]
         self._norm = [_merge(s) for s in self._norm]
@@ -103,12 +102,12 @@ class DistributedOptimizer:
             _complement(segs, b.shard_end - b.shard_start)
             for segs, b in zip(self._norm, buf.buckets)
         ]
-        self._tp_sync = [r for r in buf.ranges if getattr(r.param, "grad_sync_tp", False)]
-        self._tied = [r for r in buf.ranges if self._is_tied(r.name, r.param)]
+        # Gradients each rank holds only part of, by the group that sums them.
+        self._partial = {}
+        for r in buf.ranges:
+            for g in spec_of(r.param).grad_sum:
+                self._partial.setdefault(g, []).append(r)
         self._finalised = False
-
-    def _is_tied(self, name: str, p: nn.Parameter) -> bool:
-        return self._tie and (getattr(p, "tied_copy", False) or name == TIED_EMBEDDING)
 
     # ---- the trainer's interface ----------------------------------------------------------
 
@@ -170,25 +169,38 @@ class DistributedOptimizer:
                 shard.copy_(w)
 
     def finalise_grads(self):
-        """DP reduction, TP sum of `grad_sync_tp` gradients, embed sum of the tied embedding."""
+        """The DP reduction, then the sums of partial gradients (TP, the tied embedding)."""
         if self._finalised:
             return
         self.buffer.finish()
-        self._sum_over(self._tp_sync, self.groups.tp)
-        if self._tied:
-            self._sum_over(self._tied, self.groups.embed)
+        for group, ranges in sorted(self._partial.items()):
+            if group == "embed" and len(ranges) == 2:
+                # Both halves of the tied embedding are on this rank (it holds the first and the
+                # last virtual stage: pp=1 with vpp>1): the sum is local. Each has a bucket of
+                # its own, so their shards line up.
+                a, b = self._views(ranges) or (None, None)
+                if a is not None:
+                    a.add_(b)
+                    b.copy_(a)
+                continue
+            self._sum_over(ranges, getattr(self.groups, group))
         self._finalised = True
 
-    def _sum_over(self, ranges: list[ParamRange], group):
-        """All-reduce the gradient pieces of `ranges` that this rank holds, as one message.
-        Peers hold the same pieces: TP ranks share a layout, tied halves have own buckets."""
-        if group is None or group.size == 1:
-            return
+    def _views(self, ranges: list[ParamRange]) -> list[torch.Tensor]:
+        """The gradient pieces of `ranges` in this rank's shards."""
         views = []
         for r in ranges:
             s = r.shard_slice()
             if s is not None:
                 views.append(r.bucket.shard_grad[s[0] : s[1]])
+        return views
+
+    def _sum_over(self, ranges: list[ParamRange], group):
+        """All-reduce the gradient pieces of `ranges` that this rank holds, as one message.
+        Peers hold the same pieces: TP ranks share a layout, tied halves have own buckets."""
+        if group is None or group.size == 1:
+            return  # (a middle stage has no embed group; its chunks hold no tied half either)
+        views = self._views(ranges)
         if not views:
             return
         flat = torch.cat(views)
@@ -209,7 +221,7 @@ class DistributedOptimizer:
         full = self.buffer.gather_shards(shards)
         out = {}
         for r in self.buffer.ranges:
-            if skip_tied and getattr(r.param, "tied_copy", False):
+            if skip_tied and spec_of(r.param).tied_to:
                 continue
             o = r.offset - r.bucket.start
             flat = full[self._bucket_index[r.bucket]]
@@ -236,7 +248,7 @@ class DistributedOptimizer:
         the parameters take the master values."""
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for r in self.buffer.ranges:
-            name = TIED_EMBEDDING if getattr(r.param, "tied_copy", False) else r.name
+            name = spec_of(r.param).tied_to or r.name
             if name not in d:
                 raise KeyError(f"optimizer state for {name} is missing")
             entry, s = d[name], r.shard_slice()

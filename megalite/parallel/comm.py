@@ -7,6 +7,7 @@ moves: all-reduce 2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n 
 tensor, point-to-point the tensor itself.
 """
 
+import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,10 +54,23 @@ class Group:
     rank: int  # this process's index in `ranks`
     pg: object = None  # torch ProcessGroup; None when the group is this rank alone
     ledger: CommLedger = field(default_factory=CommLedger)
+    device: torch.device | None = None  # where the backend's tensors live (None: unchecked)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def check(self, t: torch.Tensor):
+        """A collective's tensor must live where the backend works (NCCL: the rank's GPU)."""
+        d = self.device
+        if d is not None and (
+            t.device.type != d.type
+            or (d.index is not None and t.device.index not in (None, d.index))
+        ):
+            raise RuntimeError(
+                f"a {self.kind} collective was handed a tensor on {t.device}; the group works on "
+                f"{d}: create it with device=... (a bug in megalite)"
+            )
 
 
 def _record(group: Group, nbytes: float, t0: float):
@@ -72,6 +86,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=False):
     """In-place all-reduce of t over the group."""
+    group.check(t)
     if group.size == 1:
         return None
     t0 = time.perf_counter()
@@ -82,6 +97,7 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=Fal
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, group: Group, async_op=False):
     """Concatenate every rank's t along dim 0 into out."""
+    group.check(t)
     if group.size == 1:
         out.copy_(t)
         return None
@@ -95,6 +111,7 @@ def reduce_scatter(
     out: torch.Tensor, t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=False
 ):
     """Sum t over the group and keep this rank's 1/n slice along dim 0 in out."""
+    group.check(t)
     if group.size == 1:
         out.copy_(t)
         return None
@@ -106,11 +123,35 @@ def reduce_scatter(
 
 def broadcast(t: torch.Tensor, src_index: int, group: Group):
     """Broadcast t from the group's member at index src_index."""
+    group.check(t)
     if group.size == 1:
         return
     t0 = time.perf_counter()
     dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
     _record(group, _nbytes(t), t0)
+
+
+def all_gather_object(obj, group: Group) -> list:
+    """Every member's small Python object (messages, index entries, timelines), in group order.
+    Between our own processes only: nothing read from disk goes through here."""
+    if group.size == 1:
+        return [obj]
+    t0 = time.perf_counter()
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    _record(group, (group.size - 1) * len(pickle.dumps(obj)), t0)
+    return out
+
+
+def gather_object(obj, group: Group) -> list | None:
+    """Every member's small Python object on the group's first member (None elsewhere)."""
+    if group.size == 1:
+        return [obj]
+    t0 = time.perf_counter()
+    out = [None] * group.size if group.rank == 0 else None
+    dist.gather_object(obj, out, dst=group.ranks[0], group=group.pg)
+    _record(group, len(pickle.dumps(obj)), t0)
+    return out
 
 
 # ---- along a dimension -------------------------------------------------------------------

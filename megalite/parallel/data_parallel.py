@@ -11,12 +11,10 @@ A post-accumulate-grad hook moves each parameter's fresh `.grad` into the buffer
 parameter of a bucket has its gradient for the last micro-batch of the step (earlier micro-batches
 only accumulate: no_sync), the bucket's reduction is launched asynchronously, so it overlaps
 the rest of backward. Gradients are divided by the DP size before they are summed (a mean).
+Where gradients live and how a bucket is reduced is the ZeRO stage's (optim/zero.py).
 
-  stage 0  all-reduce: every rank keeps the whole reduced gradient
-  stage 1  reduce-scatter: this rank's shard of the gradient buffer holds the reduced gradient
-  stage 2  no full gradient buffer: every micro-batch's bucket is staged in a transient buffer,
-           reduce-scattered and added into a shard-sized accumulator (m times the DP traffic,
-           4 * (1 - 1/dp) bytes per parameter less memory)
+"DP" here is the group of ranks holding the same parameters (`ProcessGroups.replicas`: dp, or
+the product of every replicated axis).
 """
 
 from collections import deque
@@ -25,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megalite.optim.zero import ZERO
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 
@@ -32,6 +31,40 @@ from megalite.parallel.comm import Group
 ALIGN = 64
 # Stage 2 keeps at most this many staged buckets in flight before waiting for the oldest.
 MAX_IN_FLIGHT = 2
+
+
+def bucket_layout(chunks: list[list[tuple]], bucket_numel: int, pad: int) -> list[tuple]:
+    """Cut parameters into buckets: [(start, end, [(name, offset, numel)])], `end - start` a
+    multiple of `pad`. `chunks`: per model chunk, its [(name, numel, alone)] in registration
+    order; within a chunk the order is reversed (roughly the order backward produces gradients,
+    so early buckets fill and start reducing first); a bucket never spans two chunks, closes
+    once it holds `bucket_numel` elements, and an `alone` parameter gets one of its own. The
+    gradient buffer and the planner both lay parameters out with this."""
+    out, offset = [], 0
+
+    def close(current):
+        nonlocal offset
+        start, ranges = offset, []
+        for name, n in current:
+            ranges.append((name, offset, n))
+            offset += n
+        offset = -(-offset // pad) * pad
+        out.append((start, offset, ranges))
+
+    for params in chunks:
+        current, held = [], 0
+        for name, n, alone in reversed(params):
+            if current and (alone or held >= bucket_numel):
+                close(current)
+                current, held = [], 0
+            current.append((name, n))
+            held += n
+            if alone:
+                close(current)
+                current, held = [], 0
+        if current:
+            close(current)
+    return out
 
 
 @dataclass(eq=False)
@@ -91,84 +124,61 @@ class GradBuffer:
         bucket_size_mb: float = 25.0,
         own_bucket=lambda name, p: False,
     ):
-        params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+        named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad] for c in chunks]
+        params = [x for c in named for x in c]
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
         names = [n for n, _ in params]
         if len(set(names)) != len(names):
             raise ValueError("parameter names repeat across chunks; logical names must be unique")
-        self.dp, self.stage = dp, zero_stage
+        self.dp, self.zero = dp, ZERO[zero_stage]
         self.param_dtype = dtypes.pop()
-        low = self.param_dtype in (torch.bfloat16, torch.float16)
-        self.grad_dtype = torch.float32 if low else self.param_dtype
+        self.grad_dtype = grad_dtype(self.param_dtype)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         bucket_numel = max(1, int(bucket_size_mb * 2**20 / size))
-
-        # Reverse registration order within each chunk: roughly the order backward produces
-        # gradients, so early buckets fill (and start reducing) first.
+        by_name = dict(params)
+        layout = bucket_layout(
+            [[(n, p.numel(), own_bucket(n, p)) for n, p in c] for c in named],
+            bucket_numel, dp.size * ALIGN,
+        )  # fmt: skip
         self.buckets: list[Bucket] = []
         self.ranges: list[ParamRange] = []
-        pad = dp.size * ALIGN
-        offset = 0
-        for chunk in chunks:
-            current: list = []
-            for name, p in reversed(
-                [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
-            ):
-                alone = own_bucket(name, p)
-                if current and (alone or sum(q.numel() for _, q in current) >= bucket_numel):
-                    offset = self._close(current, offset, pad)
-                    current = []
-                current.append((name, p))
-                if alone:
-                    offset = self._close(current, offset, pad)
-                    current = []
-            if current:
-                offset = self._close(current, offset, pad)
-        self.numel = offset
+        for start, end, ranges in layout:
+            b = Bucket(start, end, [by_name[n] for n, _, _ in ranges])
+            self.buckets.append(b)
+            self.ranges += [ParamRange(n, by_name[n], o, b) for n, o, _ in ranges]
+        self.numel = layout[-1][1] if layout else 0
+        device = params[0][1].device
 
-        self.param_buffer = torch.zeros(offset, dtype=self.param_dtype, device=params[0][1].device)
+        self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         with torch.no_grad():
             for r in self.ranges:
                 view = self.param_buffer[r.offset : r.offset + r.param.numel()].view_as(r.param)
                 view.copy_(r.param)
                 r.param.data = view  # the model now reads the flat buffer
         self.grad_buffer = None
-        if zero_stage < 2:
-            self.grad_buffer = torch.zeros(
-                offset, dtype=self.grad_dtype, device=self.param_buffer.device
-            )
+        if self.zero.grad_buffer:
+            self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
         for b in self.buckets:
             shard = b.numel // dp.size
             b.dp_start = b.start + dp.rank * shard
             b.shard_start, b.shard_end = b.start, b.end
-            if zero_stage > 0:
+            if self.zero.shard_state:
                 b.shard_start, b.shard_end = b.dp_start, b.dp_start + shard
             if self.grad_buffer is not None:
                 b.grad = self.grad_buffer[b.start : b.end]
                 b.shard_grad = self.grad_buffer[b.shard_start : b.shard_end]
             else:
-                b.shard_grad = torch.zeros(
-                    shard, dtype=self.grad_dtype, device=self.param_buffer.device
-                )
+                b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
         self._range_of = {r.param: r for r in self.ranges}
         for r in self.ranges:
             if self.grad_buffer is not None:
                 r.param.main_grad = self._grad_view(r)
             r.param.register_post_accumulate_grad_hook(self._on_grad)
-        self._grad_is_view = zero_stage < 2 and self.grad_dtype == self.param_dtype
+        self._grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
         self._in_flight: deque = deque()
         self.zero_grad(1)
-
-    def _close(self, named: list, offset: int, pad: int) -> int:
-        b = Bucket(offset, offset, [p for _, p in named])
-        for name, p in named:
-            self.ranges.append(ParamRange(name, p, offset, b))
-            offset += p.numel()
-        b.end = -(-offset // pad) * pad
-        self.buckets.append(b)
-        return b.end
 
     def _grad_view(self, r: ParamRange) -> torch.Tensor:
         o = r.offset - r.bucket.start
@@ -201,12 +211,12 @@ class GradBuffer:
                 f"{r.name} got a gradient after its bucket was reduced: more backward passes than "
                 f"the {self.microbatches} micro-batches this step was started with"
             )
-        if b.grad is None:  # stage 2: stage this pass's bucket
+        if b.grad is None:  # no gradient buffer: stage this pass's bucket
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
         view = r.view if r.view is not None else self._grad_view(r)
         if p.grad.data_ptr() != view.data_ptr():
             view.add_(p.grad)
-        # With one dtype (stages 0/1), `.grad` stays a view of the buffer, so autograd adds the
+        # With one dtype and a gradient buffer, `.grad` stays a view of the buffer, so autograd adds the
         # next micro-batch's gradient in place (DDP's gradient_as_bucket_view; backward with
         # create_graph, which replaces .grad, is not supported); otherwise drop autograd's
         # copy: the buffer holds the gradient now.
@@ -215,19 +225,18 @@ class GradBuffer:
         if not b.pending:
             b.passes += 1
             b.pending = len(b.params)
-            if self.stage == 2 or b.passes == self.microbatches:
+            if self.zero.reduce_each_microbatch or b.passes == self.microbatches:
                 self._launch(b)
 
     def _launch(self, b: Bucket):
         g = b.grad
         g.mul_(1.0 / self.dp.size)
-        if self.stage == 0:
-            work, out = comm.all_reduce(g, self.dp, async_op=True), None
-        else:
+        out = None
+        if self.zero.shard_state:
             out = torch.empty(b.shard_end - b.shard_start, dtype=g.dtype, device=g.device)
-            work = comm.reduce_scatter(out, g, self.dp, async_op=True)
+        work = self.zero.launch(g, out, self.dp)
         self._in_flight.append((work, b, g, out))
-        if self.stage == 2:
+        if self.zero.reduce_each_microbatch:
             b.grad = None  # the next micro-batch stages afresh
             while len(self._in_flight) > MAX_IN_FLIGHT:
                 self._complete(*self._in_flight.popleft())
@@ -237,10 +246,12 @@ class GradBuffer:
     def _complete(self, work, b: Bucket, g: torch.Tensor, out: torch.Tensor | None):
         if work is not None:
             work.wait()
-        if self.stage == 1:
-            b.shard_grad.copy_(out)
-        elif self.stage == 2:
+        if out is None:
+            return  # reduced in place
+        if self.zero.reduce_each_microbatch:
             b.shard_grad.add_(out)
+        else:
+            b.shard_grad.copy_(out)
 
     def wait(self):
         while self._in_flight:
@@ -250,7 +261,7 @@ class GradBuffer:
         """Reduce whatever backward did not launch (unused parameters, fewer passes than
         expected, a partly staged bucket) and wait for every reduction."""
         for b in self.buckets:
-            if self.stage == 2:
+            if self.zero.reduce_each_microbatch:
                 if b.grad is not None:
                     self._launch(b)
             elif not b.launched:
@@ -264,7 +275,7 @@ class GradBuffer:
 
     def all_gather_params(self):
         """Every rank updated its shards; give every rank every bucket (stage 1/2)."""
-        if self.stage == 0 or self.dp.size == 1:
+        if not self.zero.shard_state or self.dp.size == 1:
             return
         works = []
         for b in self.buckets:
@@ -279,7 +290,7 @@ class GradBuffer:
 
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""
-        if self.stage == 0:
+        if not self.zero.shard_state:
             return shards
         out = []
         for b, s in zip(self.buckets, shards):
@@ -287,3 +298,9 @@ class GradBuffer:
             comm.all_gather(full, s, self.dp)
             out.append(full)
         return out
+
+
+def grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Gradients accumulate in fp32 when parameters are bf16/fp16 (micro-batch sums keep their
+    bits), in the parameters' dtype otherwise."""
+    return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype

@@ -5,7 +5,6 @@ Launched by torchrun, the rank and world come from its environment; launched as 
 """
 
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -15,21 +14,40 @@ from megalite.parallel.comm import CommLedger, Group
 from megalite.parallel.topology import Topology, world_from_env
 
 
-@dataclass
 class ProcessGroups:
-    """The groups of one rank: tp, pp, dp, mp (tp+pp: one model replica) and embed (the first
-    and last pipeline stage, which hold the tied embedding), plus world."""
+    """The groups of one rank: one per axis of the topology (`groups.tp`, `groups.dp`, ...), the
+    products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
+    same parameters: gradients are reduced and ZeRO-sharded over it), `data` (the ranks training
+    on different samples), `embed` (the pipeline stages holding the tied word embedding and the
+    head; None elsewhere) and `world`. All share one `CommLedger`."""
 
-    topo: Topology
-    rank: int
-    device: torch.device
-    tp: Group
-    pp: Group
-    dp: Group
-    mp: Group
-    embed: Group
-    world: Group
-    ledger: CommLedger = field(default_factory=CommLedger)
+    def __init__(self, topo: Topology, rank: int, device: torch.device, groups: dict,
+                 embed: Group | None, world: Group, ledger: CommLedger | None = None):  # fmt: skip
+        self.topo, self.rank, self.device = topo, rank, device
+        self.groups, self.embed, self.world = groups, embed, world
+        self.ledger = ledger or CommLedger()
+
+    def get(self, expr: str) -> Group:
+        """The group along an axis or a product of axes ("dp+cp"); size-1 axes do not count."""
+        big = [a for a in Topology.split(expr) if self.topo.size(a) > 1]
+        key = "+".join(big) if big else Topology.split(expr)[0]
+        if key not in self.groups:
+            raise KeyError(f"no {expr} group was built (build_groups(products=...))")
+        return self.groups[key]
+
+    def __getattr__(self, axis: str) -> Group:
+        groups = self.__dict__.get("groups", {})
+        if axis in groups:
+            return groups[axis]
+        raise AttributeError(axis)
+
+    @property
+    def replicas(self) -> Group:
+        return self.get(self.topo.product(lambda a: a.replicated))
+
+    @property
+    def data(self) -> Group:
+        return self.get(self.topo.product(lambda a: a.splits_batch))
 
     @property
     def is_first_stage(self) -> bool:
@@ -46,6 +64,17 @@ class ProcessGroups:
     @property
     def prev_rank(self) -> int:
         return self.topo.prev_stage(self.rank)
+
+
+def single_process_groups(device=None) -> ProcessGroups:
+    """A world of one without torch.distributed: every group is this rank alone."""
+    device = torch.device(device or "cpu")
+    ledger = CommLedger()
+    topo = Topology()
+    groups = {a: Group(a, [0], 0, None, ledger, device) for a in topo.axes}
+    world = Group("world", [0], 0, None, ledger, device)
+    return ProcessGroups(topo, 0, device, groups, Group("embed", [0], 0, None, ledger, device),
+                         world, ledger)  # fmt: skip
 
 
 def init_distributed(
@@ -91,36 +120,42 @@ def _restart_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
 
 
 def build_groups(
-    topo: Topology, device: torch.device, timeout_minutes: float = 10.0
-) -> ProcessGroups:
-    """Create every group of the topology (all ranks take part in creating each) and keep ours."""
+    topo: Topology, device: torch.device, timeout_minutes: float = 10.0,
+    products: tuple[str, ...] = (), embed_stages: list[int] | None = None,
+) -> ProcessGroups:  # fmt: skip
+    """Create every group of the topology (all ranks take part in creating each, in the same
+    order) and keep ours: each axis, the products named in `products` plus those the run needs
+    (replicas, data), and the embedding groups of the pipeline stages in `embed_stages`
+    (default: the first and the last)."""
     rank = dist.get_rank()
     if dist.get_world_size() != topo.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} does not match the layout {topo}")
     ledger = CommLedger()
     timeout = timedelta(minutes=timeout_minutes)
+    made = {}  # rank list -> process group: a product equal to an axis reuses its groups
 
-    def make(kind: str, all_groups: list[list[int]]) -> Group:
+    def make(kind: str, all_groups: list[list[int]]) -> Group | None:
         mine = None
         for ranks in all_groups:
-            pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
-                mine = Group(kind, ranks, ranks.index(rank), pg, ledger)
+                mine = Group(kind, ranks, ranks.index(rank), made[key], ledger, device)
         return mine
 
-    groups = {kind: make(kind, topo.groups(kind)) for kind in ("tp", "pp", "dp")}
-    groups["mp"] = make("mp", topo.groups("tp+pp"))
-    embed = make("embed", topo.embedding_groups())
-    world = Group(
-        "world",
-        list(range(topo.world_size)),
-        rank,
-        dist.group.WORLD if topo.world_size > 1 else None,
-        ledger,
-    )
-    return ProcessGroups(
-        topo=topo, rank=rank, device=device, embed=embed, world=world, ledger=ledger, **groups
-    )
+    groups = {a: make(a, topo.groups(a)) for a in topo.axes}
+    wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
+    for expr in [*products, *wanted]:
+        big = [a for a in Topology.split(expr) if topo.size(a) > 1]
+        key = "+".join(big) if big else Topology.split(expr)[0]
+        if key not in groups:
+            groups[key] = make(key, topo.groups(key))
+    stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
+    embed = make("embed", topo.stage_groups(stages))
+    world = Group("world", list(range(topo.world_size)), rank,
+                  dist.group.WORLD if topo.world_size > 1 else None, ledger, device)  # fmt: skip
+    return ProcessGroups(topo, rank, device, groups, embed, world, ledger)
 
 
 def destroy(barrier: bool = False):

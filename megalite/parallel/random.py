@@ -48,3 +48,22 @@ class ShardedRNG:
         finally:
             self.state = self._get()
             self._set(saved)
+
+
+def rng_state(chunks, device: torch.device) -> dict:
+    """This rank's generators: the default CPU (and CUDA) one and each chunk's sharded stream."""
+    cuda = device.type == "cuda"
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if cuda else None,
+        "chunks": [c.rng.state for c in chunks],  # the TP-sharded dropout streams
+    }
+
+
+def set_rng_state(state: dict, chunks, device: torch.device):
+    """Restore what `rng_state` captured (on the same layout)."""
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    for c, s in zip(chunks, state["chunks"]):
+        c.rng.state = s.to(c.rng.state.device)

@@ -2,9 +2,9 @@
 
 A column-parallel linear splits the output features, a row-parallel one the input features, so
 an attention or MLP block needs one all-reduce forward (or, with sequence parallelism, an
-all-gather before and a reduce-scatter after). Layers record how they are split on their
-parameters (`partition_dim`, `grad_sync_tp`; see docs/architecture.md); the model initialises
-every logical tensor whole from the seed and keeps its slice, so any tp starts identical.
+all-gather before and a reduce-scatter after). Layers record how they split each parameter in
+its `ParamSpec` (specs.py); the model initialises every logical tensor whole from the seed and
+keeps its slice, so any tp starts identical.
 """
 
 import torch
@@ -13,13 +13,14 @@ import torch.nn.functional as F
 
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
+from megalite.parallel.specs import mark
 
 
-def mark(param: nn.Parameter, partition_dim=None, grad_sync_tp=False, no_weight_decay=False):
-    param.partition_dim = partition_dim
-    param.grad_sync_tp = grad_sync_tp
-    param.no_weight_decay = no_weight_decay
-    return param
+def shard_spec(group: Group, split_dim=None, partial_grad=False, **fields) -> dict:
+    """mark()'s arguments for a tensor split along `split_dim` over the TP group (None: whole
+    on every rank; `partial_grad`: each rank computes part of its gradient, summed over TP)."""
+    sync = ("tp",) if partial_grad and group.size > 1 else ()
+    return {"split_dim": split_dim, "split_size": group.size, "grad_sum": sync, **fields}
 
 
 def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
@@ -67,19 +68,12 @@ class ColumnParallelLinear(nn.Module):
         if out_features % tp:
             raise ValueError(f"out_features={out_features} is not divisible by tp={tp}")
         kw = {"dtype": dtype, "device": device}
-        self.weight = mark(
-            nn.Parameter(torch.empty(out_features // tp, in_features, **kw)),
-            partition_dim=0 if split else None,
-            grad_sync_tp=not split and group.size > 1,
-        )
+        spec = shard_spec(group, 0 if split else None, partial_grad=not split)
+        self.weight = mark(nn.Parameter(torch.empty(out_features // tp, in_features, **kw)), **spec)
         self.bias = None
         if bias:
-            self.bias = mark(
-                nn.Parameter(torch.zeros(out_features // tp, **kw)),
-                partition_dim=0 if split else None,
-                grad_sync_tp=not split and group.size > 1,
-                no_weight_decay=True,
-            )
+            self.bias = mark(nn.Parameter(torch.zeros(out_features // tp, **kw)), **spec,
+                             no_weight_decay=True)  # fmt: skip
 
     def forward(self, x):
         if self.enter:
@@ -120,16 +114,13 @@ class RowParallelLinear(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.weight = mark(
             nn.Parameter(torch.empty(out_features, in_features // group.size, **kw)),
-            partition_dim=1,
+            **shard_spec(group, 1),
         )
         self.bias = None
         if bias:
             # added after the reduction: replicated; with SP each rank adds it to its own rows only
-            self.bias = mark(
-                nn.Parameter(torch.zeros(out_features, **kw)),
-                grad_sync_tp=sequence_parallel,
-                no_weight_decay=True,
-            )
+            self.bias = mark(nn.Parameter(torch.zeros(out_features, **kw)),
+                             **shard_spec(group, None, sequence_parallel, no_weight_decay=True))  # fmt: skip
 
     def forward(self, x):
         y = exit_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
@@ -151,7 +142,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = group.rank * self.per_rank
         self.weight = mark(
             nn.Parameter(torch.empty(self.per_rank, dim, dtype=dtype, device=device)),
-            partition_dim=0,
+            **shard_spec(group, 0, vocab_dim=0),
         )
 
     def forward(self, ids):  # (b, s) -> (b, s, h), or (b, s/tp, h) with sequence parallelism

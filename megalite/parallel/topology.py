@@ -1,14 +1,20 @@
-"""Pure rank arithmetic for 3D parallelism: no torch.distributed, so it is unit-tested alone.
+"""Pure rank arithmetic over named parallel axes: no torch.distributed, so it is unit-tested alone.
 
-A rank's coordinates along the axes tp, dp, pp are its digits in a mixed-radix number whose
-first axis in `order` varies fastest. With the default order "tp-dp-pp", TP ranks are adjacent
-(a TP group stays inside a node), then DP, and the pipeline stages are farthest apart.
+The axes are those registered in axes.py (tp, dp, pp, ...). A rank's coordinates are its digits in a mixed-radix number whose first axis in the order varies
+fastest. With the default order "tp-dp-pp", TP ranks are adjacent (a TP group stays inside a
+node), then DP, and the pipeline stages are farthest apart. Axes of size 1 may be left out of
+an order; they are appended.
+
+The same ranks can be decomposed a second time (`regroup`), as Megatron lays experts out as
+etp-ep-edp-pp over the ranks of tp-cp-dp-pp: the two views must agree on the outermost axes
+they share (the pipeline), so expert parallelism does not multiply the world size.
 """
 
 import os
-from dataclasses import dataclass
 
-AXES = ("tp", "dp", "pp")
+from megalite.parallel.axes import AXES, Axis
+
+DEFAULT_ORDER = "tp-dp-pp"
 
 
 def world_from_env() -> tuple[int, int, int]:
@@ -17,89 +23,156 @@ def world_from_env() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-@dataclass(frozen=True)
+def parse_order(order: str, sizes: dict[str, int], known=None) -> tuple[str, ...]:
+    """The axes of `order` ("tp-dp-pp"), checked: known names, each once, every axis of size > 1
+    named; size-1 axes left out are appended. Raises ValueError with one sentence."""
+    known = AXES if known is None else known
+    axes = tuple(a for a in order.split("-") if a)
+    unknown = [a for a in axes if a not in known]
+    if unknown:
+        raise ValueError(f"order {order!r} names unknown axes {unknown}; axes are {list(known)}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"order {order!r} names an axis twice")
+    missing = [a for a, n in sizes.items() if n > 1 and a not in axes]
+    if missing:
+        raise ValueError(f"order {order!r} leaves out {missing}, which have size > 1")
+    return axes + tuple(a for a in sizes if a not in axes)
+
+
 class Topology:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    order: str = "tp-dp-pp"
+    """Named axes with sizes, in rank order (fastest first). `Topology(tp=2, pp=2, dp=2)`;
+    `order="pp-tp-dp"` to lay them out differently."""
 
-    def __post_init__(self):
-        axes = self.order.split("-")
-        if sorted(axes) != sorted(AXES):
-            raise ValueError(f"order must name tp, dp and pp once each, got {self.order!r}")
-        for axis in AXES:
-            if getattr(self, axis) < 1:
-                raise ValueError(f"{axis}={getattr(self, axis)} must be at least 1")
+    def __init__(self, order: str = DEFAULT_ORDER, known=None, **sizes: int):
+        known = AXES if known is None else known
+        for a, n in sizes.items():
+            if a not in known:
+                raise ValueError(f"unknown axis {a!r}; axes are {list(known)}")
+            if n < 1:
+                raise ValueError(f"{a}={n} must be at least 1")
+        full = {a: sizes.get(a, 1) for a in known}
+        self.axes = parse_order(order, full, known)
+        self.sizes = {a: full[a] for a in self.axes}
+        self.order = "-".join(self.axes)
+        self._strides, s = {}, 1
+        for a in self.axes:
+            self._strides[a] = s
+            s *= self.sizes[a]
+        self.world_size = s
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+    def __repr__(self):
+        return f"Topology({', '.join(f'{a}={n}' for a, n in self.sizes.items())}, order={self.order!r})"
 
-    @property
-    def axes(self) -> list[str]:
-        return self.order.split("-")
+    def __eq__(self, other):
+        return isinstance(other, Topology) and (self.axes, self.sizes) == (other.axes, other.sizes)
 
-    def size(self, axis: str) -> int:
-        return getattr(self, axis)
+    def __hash__(self):
+        return hash((self.axes, tuple(self.sizes.values())))
+
+    def __getattr__(self, axis: str) -> int:  # topo.tp, topo.pp, ...: the size of an axis
+        sizes = self.__dict__.get("sizes", {})
+        if axis in sizes:
+            return sizes[axis]
+        raise AttributeError(axis)
+
+    # ---- axes and products of axes ("dp+cp") -------------------------------------------------
+
+    @staticmethod
+    def split(expr: str) -> list[str]:
+        return [a for a in expr.split("+") if a]
+
+    def size(self, expr: str) -> int:
+        """Ranks in a group along `expr` ("tp", or several joined by "+")."""
+        n = 1
+        for a in self.split(expr):
+            n *= self.sizes[a]
+        return n
 
     def stride(self, axis: str) -> int:
-        s = 1
-        for a in self.axes:
-            if a == axis:
-                return s
-            s *= self.size(a)
-        raise KeyError(axis)
+        return self._strides[axis]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'tp': i, 'dp': j, 'pp': k} of a global rank."""
+        """{'tp': i, 'dp': j, 'pp': k, ...} of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        return {a: rank // self.stride(a) % self.size(a) for a in AXES}
+        return {a: rank // self._strides[a] % self.sizes[a] for a in self.axes}
 
-    def rank(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        c = {"tp": tp, "dp": dp, "pp": pp}
-        return sum(c[a] * self.stride(a) for a in AXES)
+    def rank(self, **coords: int) -> int:
+        """The global rank at these coordinates (missing axes: 0)."""
+        return sum(coords.get(a, 0) * self._strides[a] for a in self.axes)
 
-    def group(self, axis: str, rank: int) -> list[int]:
-        """Ranks that share every coordinate with `rank` except along `axis` ("tp", or several
-        joined by "+" such as "tp+pp"), in increasing order."""
+    def index(self, expr: str, rank: int) -> int:
+        """This rank's position along `expr`: mixed radix over its axes in order (the position
+        in `group(expr, rank)`)."""
+        c, i, s = self.coords(rank), 0, 1
+        for a in self.axes:
+            if a in self.split(expr):
+                i += c[a] * s
+                s *= self.sizes[a]
+        return i
+
+    def group(self, expr: str, rank: int) -> list[int]:
+        """Ranks that share every coordinate with `rank` except along the axes of `expr`,
+        in increasing order."""
         out = [rank]
-        for a in axis.split("+"):
-            out = [self.rank(**{**self.coords(r), a: i}) for r in out for i in range(self.size(a))]
-        return sorted(set(out)) if "+" in axis else out
+        for a in self.split(expr):
+            out = [self.rank(**{**self.coords(r), a: i}) for r in out for i in range(self.sizes[a])]
+        return sorted(out)
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group along `axis`, each once, ordered by their first rank."""
+    def groups(self, expr: str) -> list[list[int]]:
+        """Every group along `expr`, each once, ordered by their first rank."""
         seen, out = set(), []
         for r in range(self.world_size):
             if r not in seen:
-                g = self.group(axis, r)
+                g = self.group(expr, r)
                 seen.update(g)
                 out.append(g)
         return out
+
+    def product(self, predicate) -> str:
+        """The axes for which predicate(Axis) holds, as a group expression ("dp+cp"), in order.
+        Axes of size 1 are left out (the group is the same), unless that leaves none."""
+        axes = [a for a in self.axes if a in AXES and predicate(AXES[a])]
+        big = [a for a in axes if self.sizes[a] > 1]
+        return "+".join(big or axes[:1])
+
+    # ---- the pipeline ---------------------------------------------------------------------------
 
     def is_first_stage(self, rank: int) -> bool:
         return self.coords(rank)["pp"] == 0
 
     def is_last_stage(self, rank: int) -> bool:
-        return self.coords(rank)["pp"] == self.pp - 1
+        return self.coords(rank)["pp"] == self.sizes["pp"] - 1
 
     def next_stage(self, rank: int) -> int:
         """The rank holding the next pipeline stage (wrapping round, as interleaving needs)."""
         g = self.group("pp", rank)
-        return g[(self.coords(rank)["pp"] + 1) % self.pp]
+        return g[(self.coords(rank)["pp"] + 1) % self.sizes["pp"]]
 
     def prev_stage(self, rank: int) -> int:
         g = self.group("pp", rank)
-        return g[(self.coords(rank)["pp"] - 1) % self.pp]
+        return g[(self.coords(rank)["pp"] - 1) % self.sizes["pp"]]
 
-    def embedding_groups(self) -> list[list[int]]:
-        """First and last stage of each pipeline: where tied embeddings live."""
-        return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+    def stage_groups(self, stages: list[int]) -> list[list[int]]:
+        """For each pipeline, the ranks at the given pipeline coordinates (e.g. the stages that
+        hold the embedding and the head: the tied-embedding groups)."""
+        return [sorted({g[s] for s in stages}) for g in self.groups("pp")]
+
+    def regroup(self, order: str, **sizes: int) -> "Topology":
+        """A second decomposition of the same ranks over axes of its own (experts: order
+        "etp-ep-edp-pp"). It must cover the same world and give the same pipeline groups."""
+        known = {a: AXES.get(a) or Axis(a, "a second decomposition") for a in order.split("-")}
+        other = Topology(order, known=known, **{"pp": self.sizes["pp"], **sizes})
+        if other.world_size != self.world_size or other.groups("pp") != self.groups("pp"):
+            raise ValueError(
+                f"{other} does not decompose the ranks of {self} with the same pipeline groups"
+            )
+        return other
 
     def describe(self) -> str:
-        lines = [f"layout: tp={self.tp} pp={self.pp} dp={self.dp} order={self.order}"]
-        for axis in ("tp", "pp", "dp"):
-            lines.append(f"  {axis.upper()} groups: " + " ".join(map(str, self.groups(axis))))
+        head = " ".join(f"{a}={n}" for a, n in self.sizes.items())
+        lines = [f"layout: {head} order={self.order}"]
+        for a in self.axes:
+            if self.sizes[a] > 1 or a in ("tp", "pp", "dp"):
+                lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.groups(a))))
         return "\n".join(lines)

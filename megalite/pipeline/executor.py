@@ -1,9 +1,11 @@
 """Runs one rank's schedule (any schedule from schedules.py) over its model chunks.
 
-The actions are interpreted in order. A compute runs chunk `chunks[a.chunk]` on micro-batch
-`a.mb`; each run of consecutive send/recv actions is one `p2p.exchange` batch, waited for as a
-whole before the next compute, exactly what `verify.py` proves deadlock-free. With pp == 1 there
-are no send/recv actions: a chunk's output is handed to the next chunk on this rank directly.
+The actions are interpreted in order, dispatched on their kind (an unknown kind is refused). A
+compute runs chunk `chunks[a.chunk]` on micro-batch `a.mb`; each run of consecutive send/recv
+actions is one `p2p.exchange` batch, waited for as a whole before the next compute, exactly what
+`verify.py` proves deadlock-free. Where the neighbouring virtual stage is on this rank (pp == 1,
+or a placement that turns back) there are no send/recv actions: a chunk's output is handed to
+that chunk directly.
 
 Per (chunk, micro-batch) the executor keeps only what backward needs: the received input
 (a leaf whose .grad becomes the gradient to send back) and the output (the root of backward).
@@ -25,7 +27,18 @@ from torch.autograd import Variable
 from megalite.errors import MegaliteError
 from megalite.parallel import comm
 from megalite.pipeline import p2p
-from megalite.pipeline.schedules import COMM, RECV_B, RECV_F, SEND_B, SEND_F, F, format_action
+from megalite.pipeline.schedules import (
+    COMM,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    B,
+    F,
+    format_action,
+    interleaved_placement,
+    owner,
+)
 
 
 @dataclass
@@ -59,7 +72,7 @@ def _peer_failure(batch, pp, reason: str) -> str:
     me = f"rank {pp.ranks[pp.rank]} (pipeline stage {pp.rank})"
     what = ", ".join(
         f"{a.kind} of chunk {a.chunk} micro-batch {a.mb} "
-        f"{'to' if a.kind.startswith('SEND') else 'from'} stage {a.peer} (rank {pp.ranks[a.peer]})"
+        f"{'to' if a.kind in (SEND_F, SEND_B) else 'from'} stage {a.peer} (rank {pp.ranks[a.peer]})"
         for a in batch
     )
     reason = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
@@ -85,6 +98,9 @@ def _release(t: torch.Tensor):
         t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
+SPAN = {F: "forward", B: "backward"}  # timeline span names of the compute kinds
+
+
 def _record_batch(timeline, batch, t0: float, t1: float):
     sends = any(a.kind in (SEND_F, SEND_B) for a in batch)
     recvs = any(a.kind in (RECV_F, RECV_B) for a in batch)
@@ -93,9 +109,23 @@ def _record_batch(timeline, batch, t0: float, t1: float):
     timeline.record(kind, t0, t1, chunk=batch[0].chunk, mb=batch[0].mb, ops=ops)
 
 
+def _local_neighbours(pp: int, rank: int, n_chunks: int, placement):
+    """For each chunk, the chunk on this rank holding the next / previous virtual stage, or
+    None (another rank holds it, or there is none)."""
+    last = pp * n_chunks - 1
+    nxt, prev = [], []
+    for c in range(n_chunks):
+        vs = placement(pp, n_chunks, rank, c)
+        for out, v in ((nxt, vs + 1), (prev, vs - 1)):
+            r, cc = owner(placement, pp, n_chunks, v) if 0 <= v <= last else (None, None)
+            out.append(cc if r == rank else None)
+    return nxt, prev
+
+
 def run_schedule(
     actions, chunks, groups, microbatches, *, hidden_shape, dtype,
     forward_only: bool = False, loss_scale: float = 1.0, timeline=None,
+    placement=interleaved_placement,
 ) -> PipelineResult:  # fmt: skip
     """Run this rank's `actions` (from `schedules.get_schedule`) over `chunks` (its model chunks,
     each with `has_embedding` / `has_head`, called as `chunk(x, labels=None)`).
@@ -111,8 +141,10 @@ def run_schedule(
     timeline: when given, receives `record(kind, start, end, ...)` for each compute
         ("forward"/"backward", chunk, mb), each p2p batch ("send"/"recv"/"send+recv", with its
         actions in `ops`) and the whole schedule ("schedule").
+    placement: the schedule's (pp, vpp, rank, chunk) -> virtual stage.
     """
     pp, device = groups.pp, groups.device
+    local_next, local_prev = _local_neighbours(pp.size, pp.rank, len(chunks), placement)
     m = len(microbatches)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     inputs = {}  # (chunk, mb) -> input hidden (b, s, h): a leaf that collects its gradient
@@ -139,8 +171,8 @@ def run_schedule(
             return
         if not forward_only:
             outputs[c, k] = y
-        if pp.size == 1:
-            inputs[c + 1, k] = y.detach().requires_grad_(not forward_only)
+        if local_next[c] is not None:
+            inputs[local_next[c], k] = y.detach().requires_grad_(not forward_only)
         else:
             outbox[SEND_F, c, k] = y.detach().contiguous()
 
@@ -155,8 +187,8 @@ def run_schedule(
             return
         x = inputs.pop((c, k))
         g = x.grad if x.grad is not None else torch.zeros_like(x)  # (b, s, h)
-        if pp.size == 1:
-            grads[c - 1, k] = g
+        if local_prev[c] is not None:
+            grads[local_prev[c], k] = g
         else:
             outbox[SEND_B, c, k] = g.contiguous()
 
@@ -187,6 +219,7 @@ def run_schedule(
                 grads[a.chunk, a.mb] = buf
         return seconds
 
+    compute = {F: forward, B: backward}  # dispatch on the kind of a compute action
     i = 0
     while i < len(actions):
         a = actions[i]
@@ -200,14 +233,15 @@ def run_schedule(
                 _record_batch(timeline, actions[i:j], t0, time.perf_counter())
             i = j
             continue
+        if a.kind not in compute:
+            raise ValueError(f"the executor cannot run action {a} (kind {a.kind!r})")
         t0 = time.perf_counter()
-        (forward if a.kind == F else backward)(a.chunk, a.mb)
+        compute[a.kind](a.chunk, a.mb)
         sync()
         t1 = time.perf_counter()
         compute_s += t1 - t0
         if timeline is not None:
-            kind = "forward" if a.kind == F else "backward"
-            timeline.record(kind, t0, t1, chunk=a.chunk, mb=a.mb)
+            timeline.record(SPAN[a.kind], t0, t1, chunk=a.chunk, mb=a.mb)
         i += 1
     end = time.perf_counter()
     step_s = end - start

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure functions: (pp, vpp, microbatches, rank) -> list[Action].
+"""Pipeline schedules as pure functions and a registry: name -> builder, placement, cost model.
 
 A schedule is built in two steps. First the *compute order* of one rank: its forwards F and
 backwards B of (chunk, micro-batch). Then `with_comms` inserts the point-to-point actions
@@ -8,26 +8,51 @@ The executor posts each run of consecutive send/recv actions as one batch and wa
 it before the next compute; `verify.py` proves, with rendezvous semantics, that this cannot
 deadlock and that every send meets the receive it is meant for.
 
-Chunk c of rank r is virtual stage c*pp + r (see partition.py). Forward activations flow to
-virtual stage + 1, gradients to virtual stage - 1; with pp == 1 both neighbours are on this
-rank and no communication is needed (the executor hands tensors over locally).
+Where the layers live is the schedule's *placement*: chunk c of rank r holds virtual stage
+`placement(pp, vpp, r, c)`; Megatron's interleaving is c*pp + r. Activations flow to virtual
+stage + 1 and gradients to virtual stage - 1; a neighbour on the same rank (pp == 1, or a
+V-shaped placement's turn) is handed the tensor locally, with no communication.
+
+Adding a schedule is one `register_schedule` call: config choices, `validate`, the verifier,
+the planner and the timeline all read the registry.
 """
 
-from dataclasses import dataclass
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from megalite.errors import MegaliteError
 
-F, B = "F", "B"  # compute
-SEND_F, RECV_F = "SEND_F", "RECV_F"  # activations, towards the next stage
-SEND_B, RECV_B = "SEND_B", "RECV_B"  # gradients, towards the previous stage
-COMPUTE = (F, B)
+
+class Kind(str, enum.Enum):
+    """What an action does. Compute: F forward, B full backward, I input-gradient backward,
+    W weight-gradient backward (zero-bubble schedules split B into I then W). Communication
+    (posted as one batch per run of consecutive actions): activations towards the next
+    stage, gradients towards the previous one."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the papers' name
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+COMPUTE = (F, B, I, W)
+BACKWARD = (B, I)  # the computes that produce the gradient sent to the previous stage
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    kind: str  # one of F, B, SEND_F, RECV_F, SEND_B, RECV_B
+    kind: Kind
     chunk: int  # the local model chunk the tensor belongs to (produces it or consumes it)
     mb: int  # micro-batch index
     peer: int | None = None  # pipeline rank at the other end (comm actions only)
@@ -42,8 +67,8 @@ def format_action(a: Action, chunks: int = 1) -> str:
     label = f"{a.mb}.{a.chunk}" if chunks > 1 else f"{a.mb}"
     if a.kind in COMPUTE:
         return f"{a.kind}{label}"
-    arrow = ">" if a.kind.startswith("SEND") else "<"
-    return f"{a.kind[0].lower()}{a.kind[-1]}{label}{arrow}{a.peer}"
+    arrow = ">" if a.kind in (SEND_F, SEND_B) else "<"
+    return f"{a.kind.value[0].lower()}{a.kind.value[-1]}{label}{arrow}{a.peer}"
 
 
 def format_actions(actions: list[Action], chunks: int = 1, comms: bool = False) -> str:
@@ -71,16 +96,33 @@ def format_table(name: str, pp: int, vpp: int, microbatches: int, comms: bool = 
     )
 
 
+# ---- placements: (pp, vpp, rank, chunk) -> virtual stage ---------------------------------------
+
+
+def interleaved_placement(pp: int, vpp: int, rank: int, chunk: int) -> int:
+    """Megatron's interleaving: chunk c of rank r is virtual stage c*pp + r."""
+    return chunk * pp + rank
+
+
+def owner(placement, pp: int, vpp: int, vstage: int) -> tuple[int, int]:
+    """(rank, chunk) holding a virtual stage: the inverse of a placement."""
+    for r in range(pp):
+        for c in range(vpp):
+            if placement(pp, vpp, r, c) == vstage:
+                return r, c
+    raise ValueError(f"no (rank, chunk) holds virtual stage {vstage} (pp={pp}, vpp={vpp})")
+
+
 # ---- compute orders ------------------------------------------------------------------------
 
 
-def gpipe_order(pp: int, microbatches: int) -> list[list[Action]]:
+def gpipe_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
     """All forwards, then all backwards (in the same micro-batch order): m activations live."""
     m = range(microbatches)
     return [[Action(F, 0, k)] for k in m] + [[Action(B, 0, k)] for k in m]
 
 
-def one_f_one_b_order(pp: int, microbatches: int, rank: int) -> list[list[Action]]:
+def one_f_one_b_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
     """Warm up with pp-rank-1 forwards, then alternate one forward and one backward, then
     drain the remaining backwards: at most pp-rank activations live (capped by m). Every
     compute is a segment of its own, so a result leaves as soon as it is computed."""
@@ -105,11 +147,6 @@ def interleaved_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[l
     visit the chunks in reverse order. In the steady state a forward and a backward form one
     segment, so their results leave, and the next pair's inputs arrive, in one batch (as in
     Megatron): with a batch after each compute, ranks 0 and 1 of pp=2 deadlock."""
-    if microbatches % pp:
-        raise MegaliteError(
-            f"the interleaved schedule needs the micro-batches per step ({microbatches}) to be a "
-            f"multiple of pp={pp}"
-        )
     total = microbatches * vpp
 
     def unit(k: int, forward: bool) -> Action:
@@ -125,25 +162,117 @@ def interleaved_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[l
     return out
 
 
+# ---- the registry ----------------------------------------------------------------------------
+
+
+def _one_chunk(name):
+    def check(pp, vpp, m):
+        if vpp != 1:
+            return (
+                f"--vpp {vpp} needs the interleaved schedule, not {name} (which runs one chunk per "
+                "rank); use interleaved or --vpp 1"
+            )
+        return None
+
+    return check
+
+
+def _interleaved_check(pp, vpp, m):
+    if vpp < 2:
+        return "the interleaved schedule needs vpp >= 2 (--vpp)"
+    if m % pp:
+        return (
+            f"the interleaved schedule needs micro-batches per step ({m}) to be a multiple of "
+            f"pp={pp}; raise --global-batch-size"
+        )
+    return None
+
+
+def megatron_bubble(pp: int, vpp: int, microbatches: int) -> float:
+    """Megatron's bubble: the first stage's idle time over its compute time, (pp-1)/(vpp*m)."""
+    return (pp - 1) / (vpp * microbatches)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A registered schedule: its builder and what the checks and the planner need to know."""
+
+    name: str
+    build: Callable  # (pp, vpp, m, rank) -> compute segments ([[Action]])
+    check: Callable  # (pp, vpp, m) -> why this shape is invalid, or None
+    peak: Callable  # (pp, vpp, m, rank) -> the live activations the schedule promises
+    bubble: Callable = megatron_bubble  # (pp, vpp, m) -> first stage's idle / compute, in theory
+    placement: Callable = interleaved_placement  # (pp, vpp, rank, chunk) -> virtual stage
+    cost: dict = field(default_factory=lambda: {F: 1.0, B: 2.0, I: 1.0, W: 1.0})  # per stage
+    doc: str = ""
+
+
+SCHEDULES: dict[str, Schedule] = {}
+
+
+def register_schedule(schedule: Schedule) -> Schedule:
+    SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+register_schedule(Schedule(
+    "gpipe", gpipe_order, _one_chunk("gpipe"), lambda pp, vpp, m, r: m,
+    doc="all forwards, then all backwards",
+))  # fmt: skip
+register_schedule(Schedule(
+    "1f1b", one_f_one_b_order, _one_chunk("1f1b"), lambda pp, vpp, m, r: min(pp - r, m),
+    doc="one forward, one backward (default at vpp=1)",
+))  # fmt: skip
+register_schedule(Schedule(
+    "interleaved", interleaved_order, _interleaved_check,
+    # the warmup forwards plus the steady state's one extra forward before its first backward,
+    # unless the warmup already is everything
+    lambda pp, vpp, m, r: min(interleaved_warmup(pp, vpp, m, r) + 1, m * vpp),
+    doc="interleaved 1F1B over --vpp chunks per rank (default at vpp>=2)",
+))  # fmt: skip
+
+
+def default_schedule(vpp: int) -> str:
+    return "interleaved" if vpp > 1 else "1f1b"
+
+
+def schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise MegaliteError(
+            f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+        )
+    return SCHEDULES[name]
+
+
+def check_shape(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
+    """Why schedule `name` cannot run this shape, or None."""
+    if pp < 1 or vpp < 1 or microbatches < 1:
+        return f"bad pipeline shape pp={pp} vpp={vpp} microbatches={microbatches}"
+    return schedule(name).check(pp, vpp, microbatches)
+
+
 # ---- communication -------------------------------------------------------------------------
 
 
-def _neighbours(a: Action, pp: int, vpp: int, rank: int) -> tuple[Action | None, Action | None]:
-    """(the receive a compute needs before it, the send of its result after it)."""
-    if pp == 1:
-        return None, None  # the neighbouring chunk is on this rank: a local hand-over
-    vs, last = a.chunk * pp + rank, pp * vpp - 1
-    nxt, prev = (rank + 1) % pp, (rank - 1) % pp
+def neighbours(a: Action, pp: int, vpp: int, rank: int, placement=interleaved_placement):
+    """(the receive a compute needs before it, the send of its result after it); None where the
+    neighbour is on this rank (a local hand-over) or absent (the first or last stage)."""
+    if a.kind == W:
+        return None, None  # weight gradients stay where they are
+    vs, last = placement(pp, vpp, rank, a.chunk), pp * vpp - 1
+    prev = owner(placement, pp, vpp, vs - 1)[0] if vs > 0 else None
+    nxt = owner(placement, pp, vpp, vs + 1)[0] if vs < last else None
+    prev, nxt = (None if p == rank else p for p in (prev, nxt))
     if a.kind == F:
-        recv = Action(RECV_F, a.chunk, a.mb, prev) if vs > 0 else None
-        send = Action(SEND_F, a.chunk, a.mb, nxt) if vs < last else None
+        recv = Action(RECV_F, a.chunk, a.mb, prev) if prev is not None else None
+        send = Action(SEND_F, a.chunk, a.mb, nxt) if nxt is not None else None
     else:
-        recv = Action(RECV_B, a.chunk, a.mb, nxt) if vs < last else None
-        send = Action(SEND_B, a.chunk, a.mb, prev) if vs > 0 else None
+        recv = Action(RECV_B, a.chunk, a.mb, nxt) if nxt is not None else None
+        send = Action(SEND_B, a.chunk, a.mb, prev) if prev is not None else None
     return recv, send
 
 
-def with_comms(segments: list[list[Action]], pp: int, vpp: int, rank: int) -> list[Action]:
+def with_comms(segments, pp: int, vpp: int, rank: int, placement=interleaved_placement):
     """Insert send/recv actions: between two segments of computes one batch holding the sends
     of the first segment's results and the receives of the second segment's inputs. Pairing
     them is what keeps neighbours from deadlocking: in the steady state of 1F1B rank r posts
@@ -151,7 +280,7 @@ def with_comms(segments: list[list[Action]], pp: int, vpp: int, rank: int) -> li
     gradients, so two ranks exchanging both (pp=2) post them in the same order."""
     out, pending = [], []
     for seg in segments:
-        recvs, sends = zip(*(_neighbours(a, pp, vpp, rank) for a in seg))
+        recvs, sends = zip(*(neighbours(a, pp, vpp, rank, placement) for a in seg))
         batch = pending + [x for x in recvs if x is not None]
         out += sorted(batch, key=_batch_order) + seg
         pending = [x for x in sends if x is not None]
@@ -164,23 +293,12 @@ def _batch_order(a: Action) -> int:
 
 def compute_order(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
     """One rank's computes, in segments: communication happens only between segments."""
-    if name not in SCHEDULES:
-        raise MegaliteError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
-    if pp < 1 or vpp < 1 or microbatches < 1 or not 0 <= rank < pp:
-        raise MegaliteError(
-            f"bad pipeline shape pp={pp} vpp={vpp} microbatches={microbatches} rank={rank}"
-        )
-    if name == "interleaved":
-        if vpp < 2:
-            raise MegaliteError("the interleaved schedule needs vpp >= 2")
-        return interleaved_order(pp, vpp, microbatches, rank)
-    if vpp != 1:
-        raise MegaliteError(
-            f"the {name} schedule runs one chunk per rank; use interleaved for vpp={vpp}"
-        )
-    if name == "gpipe":
-        return gpipe_order(pp, microbatches)
-    return one_f_one_b_order(pp, microbatches, rank)
+    reason = check_shape(name, pp, vpp, microbatches)
+    if reason is None and not 0 <= rank < pp:
+        reason = f"rank {rank} outside pp={pp}"
+    if reason:
+        raise MegaliteError(reason)
+    return SCHEDULES[name].build(pp, vpp, microbatches, rank)
 
 
 def get_schedule(
@@ -191,15 +309,15 @@ def get_schedule(
     segments = compute_order(name, pp, vpp, microbatches, rank)
     if forward_only:
         segments = [[a] for seg in segments for a in seg if a.kind == F]
-    return with_comms(segments, pp, vpp, rank)
+    return with_comms(segments, pp, vpp, rank, SCHEDULES[name].placement)
 
 
-def bubble_theory(pp: int, vpp: int, microbatches: int) -> float:
-    """Megatron's bubble fraction: idle time over ideal compute time, (pp-1)/(vpp*m)."""
-    return (pp - 1) / (vpp * microbatches)
+def bubble_theory(pp: int, vpp: int, microbatches: int, name: str | None = None) -> float:
+    """The first stage's idle time over its compute time, in theory: Megatron's (pp-1)/(vpp*m)
+    unless the schedule says otherwise."""
+    return (schedule(name).bubble if name else megatron_bubble)(pp, vpp, microbatches)
 
 
 def idle_theory(pp: int, vpp: int, microbatches: int) -> float:
-    """The same bubble as a fraction of the whole step (what a stage measures as idle time):
-    (pp-1)/(vpp*m + pp-1)."""
+    """The same bubble as a fraction of the whole step: (pp-1)/(vpp*m + pp-1)."""
     return (pp - 1) / (vpp * microbatches + pp - 1)

@@ -19,7 +19,8 @@
 It reports, per rank, in a `Report`:
 
 - the peak number of live activations (forwarded, not yet backwarded);
-- the idle fraction of each rank in a timed run of the same simulation (F = 1/vpp, B = 2/vpp,
+- the idle fraction of each rank in a timed run of the same simulation (the schedule's cost per
+  compute kind over vpp, by default F = 1/vpp, B = 2/vpp,
   free communication): the schedule's real bubble, which for every schedule here equals the
   theory (pp-1)/(vpp*m + pp-1) on the first stage (tested), so a correct but serialising
   schedule shows up too.
@@ -38,10 +39,12 @@ from megalite.pipeline.schedules import (
     SEND_F,
     B,
     F,
-    bubble_theory,
     format_action,
     get_schedule,
-    interleaved_warmup,
+    interleaved_placement,
+    megatron_bubble,
+    owner,
+    schedule,
 )
 
 
@@ -61,20 +64,15 @@ class Report:
 
 
 def peak_bound(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> int:
-    """The live activations each schedule promises on `rank`."""
-    if name == "gpipe":
-        return microbatches
-    if name == "1f1b":
-        return min(pp - rank, microbatches)
-    # interleaved: the warmup forwards plus the steady state's one extra forward before its
-    # first backward, unless the warmup already is everything
-    total = microbatches * vpp
-    return min(interleaved_warmup(pp, vpp, microbatches, rank) + 1, total)
+    """The live activations schedule `name` promises on `rank` (from the registry)."""
+    return schedule(name).peak(pp, vpp, microbatches, rank)
 
 
 def verify(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool = False) -> Report:
     table = [get_schedule(name, pp, vpp, microbatches, r, forward_only) for r in range(pp)]
-    report = verify_table(table, pp, vpp, microbatches, forward_only)
+    s = schedule(name)
+    report = verify_table(table, pp, vpp, microbatches, forward_only, s.placement, s.cost)
+    report.bubble_theory = s.bubble(pp, vpp, microbatches)
     if not forward_only:
         for r, peak in enumerate(report.peak_activations):
             bound = peak_bound(name, pp, vpp, microbatches, r)
@@ -87,27 +85,44 @@ def verify(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool =
 
 
 def verify_table(
-    table: list[list], pp: int, vpp: int, microbatches: int, forward_only: bool = False
-) -> Report:
+    table: list[list], pp: int, vpp: int, microbatches: int, forward_only: bool = False,
+    placement=interleaved_placement, cost=None,
+) -> Report:  # fmt: skip
+    """Check the action table of every rank (see the module docstring). `placement` maps
+    (pp, vpp, rank, chunk) to virtual stages; `cost` gives the simulated time of each compute
+    kind for a whole stage (default F=1, B=2)."""
     if len(table) != pp:
         raise ScheduleError(f"the table has {len(table)} ranks, expected pp={pp}")
     peaks = [
-        _check_rank(acts, r, pp, vpp, microbatches, forward_only) for r, acts in enumerate(table)
+        _check_rank(acts, r, pp, vpp, microbatches, forward_only, placement)
+        for r, acts in enumerate(table)
     ]
-    batches, idle = _match_and_simulate(table, pp, vpp)
-    return Report(pp, vpp, microbatches, peaks, batches, idle, bubble_theory(pp, vpp, microbatches))
+    batches, idle = _match_and_simulate(table, pp, vpp, placement, cost or {F: 1.0, B: 2.0})
+    return Report(
+        pp, vpp, microbatches, peaks, batches, idle, megatron_bubble(pp, vpp, microbatches)
+    )
 
 
 def _where(rank: int, i: int, a, vpp: int) -> str:
     return f"rank {rank} action {i} ({format_action(a, vpp)})"
 
 
-def _check_rank(acts, rank, pp, vpp, m, forward_only) -> int:
+def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
     """Per-rank order and completeness; returns the peak of live activations."""
     last = pp * vpp - 1
-    nxt, prev = (rank + 1) % pp, (rank - 1) % pp
     # state per (chunk, mb) and per kind: seen once at most
     seen = {kind: set() for kind in (F, B, SEND_F, RECV_F, SEND_B, RECV_B)}
+
+    def remote(vs: int) -> int | None:
+        """The chunk on this rank holding virtual stage vs, or None when another rank does."""
+        r, c = owner(placement, pp, vpp, vs)
+        return c if r == rank else None
+
+    def arrived(a, vs: int, comm_kind, local_kind) -> bool:
+        """Has compute a's input from neighbouring virtual stage vs arrived?"""
+        c = remote(vs)
+        return (a.chunk, a.mb) in seen[comm_kind] if c is None else (c, a.mb) in seen[local_kind]
+
     live = peak = 0
     for i, a in enumerate(acts):
         where = _where(rank, i, a, vpp)
@@ -120,32 +135,26 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only) -> int:
         key = (a.chunk, a.mb)
         if key in seen[a.kind]:
             raise ScheduleError(f"{where}: repeated")
-        vs = a.chunk * pp + rank
+        vs = placement(pp, vpp, rank, a.chunk)
         if a.kind in COMM:
-            if pp == 1:
-                raise ScheduleError(f"{where}: pp=1 needs no communication")
             towards_next = a.kind in (SEND_F, RECV_B)
             if vs == (last if towards_next else 0):
                 raise ScheduleError(f"{where}: virtual stage {vs} has no neighbour that way")
-            want = nxt if towards_next else prev
+            want = owner(placement, pp, vpp, vs + 1 if towards_next else vs - 1)[0]
+            if want == rank:
+                raise ScheduleError(f"{where}: its neighbour is on this rank (a local hand-over)")
             if a.peer != want:
                 raise ScheduleError(f"{where}: wrong peer, expected rank {want}")
         if a.kind == F:
-            if vs > 0:
-                need = RECV_F if pp > 1 else F
-                dep = key if pp > 1 else (a.chunk - 1, a.mb)
-                if dep not in seen[need]:
-                    raise ScheduleError(f"{where}: forward before its input arrived")
+            if vs > 0 and not arrived(a, vs - 1, RECV_F, F):
+                raise ScheduleError(f"{where}: forward before its input arrived")
             live += 1
             peak = max(peak, live)
         elif a.kind == B:
             if key not in seen[F]:
                 raise ScheduleError(f"{where}: backward before its forward")
-            if vs < last:
-                need = RECV_B if pp > 1 else B
-                dep = key if pp > 1 else (a.chunk + 1, a.mb)
-                if dep not in seen[need]:
-                    raise ScheduleError(f"{where}: backward before its output gradient arrived")
+            if vs < last and not arrived(a, vs + 1, RECV_B, B):
+                raise ScheduleError(f"{where}: backward before its output gradient arrived")
             live -= 1
         elif a.kind == SEND_F and key not in seen[F]:
             raise ScheduleError(f"{where}: sends an activation not computed yet")
@@ -157,23 +166,24 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only) -> int:
         if seen[kind] != everything:
             missing = sorted(everything - seen[kind])[:4]
             raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
-    if pp > 1:
-        for kind, has in ((SEND_F, lambda vs: vs < last), (SEND_B, lambda vs: vs > 0)):
-            if forward_only and kind == SEND_B:
-                continue
-            want = {(c, k) for (c, k) in everything if has(c * pp + rank)}
-            if seen[kind] != want:
-                missing = sorted(want - seen[kind])[:4]
-                raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
+    for kind, step in ((SEND_F, 1),) if forward_only else ((SEND_F, 1), (SEND_B, -1)):
+        want = set()
+        for c, k in everything:
+            vs = placement(pp, vpp, rank, c) + step
+            if 0 <= vs <= last and remote(vs) is None:
+                want.add((c, k))
+        if seen[kind] != want:
+            missing = sorted(want - seen[kind])[:4]
+            raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
     return peak
 
 
-def _match_and_simulate(table, pp, vpp) -> tuple[list[int], list[float]]:
+def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], list[float]]:
     """Pair sends with receives in posting order per directed rank pair, check the pairs agree,
     then run the batches with rendezvous semantics, timing them with free communication and
-    computes of F = 1/vpp, B = 2/vpp (a chunk holds 1/vpp of a stage's layers). Returns the
-    batch count and the simulated idle fraction of the step, per rank."""
-    cost = {F: 1.0 / vpp, B: 2.0 / vpp}
+    computes of cost[kind] / vpp (a chunk holds 1/vpp of a stage's layers). Returns the batch
+    count and the simulated idle fraction of the step, per rank."""
+    cost = {k: v / vpp for k, v in cost.items()}
     # batches[r][j] = list of (action index) posted together; before[r][j] = compute time
     # between batch j-1 and batch j (the last entry: after the last batch)
     batches, before, busy, batch_of = [], [], [], {}
@@ -217,9 +227,10 @@ def _match_and_simulate(table, pp, vpp) -> tuple[list[int], list[float]]:
                     f"{_where(src, s_list[k], a, vpp)}: rank {dst} never receives it"
                 )
             s, rv = table[src][s_list[k]], table[dst][r_list[k]]
-            vs = s.chunk * pp + src
+            vs = placement(pp, vpp, src, s.chunk)
             want_vs, want_kind = (vs + 1, RECV_F) if s.kind == SEND_F else (vs - 1, RECV_B)
-            if rv.kind != want_kind or rv.mb != s.mb or rv.chunk * pp + dst != want_vs:
+            got_vs = placement(pp, vpp, dst, rv.chunk)
+            if rv.kind != want_kind or rv.mb != s.mb or got_vs != want_vs:
                 raise ScheduleError(
                     f"{_where(src, s_list[k], s, vpp)} is send #{k} from rank {src} to rank "
                     f"{dst}, but receive #{k} there is {_where(dst, r_list[k], rv, vpp)}"

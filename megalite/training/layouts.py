@@ -8,22 +8,22 @@ the lowest ZeRO stage that fits, then the smaller bubble. The figures come from 
 from dataclasses import replace
 
 from megalite.config import Config
-from megalite.training.planner import Cluster, GiB, Layout, Plan, microbatches_of, plan
+from megalite.errors import MegaliteError
+from megalite.shape import derive
+from megalite.training.planner import Cluster, GiB, Layout, Plan, _schedule_name, plan
 
 
 def _valid(cfg: Config, lay: Layout, cluster: Cluster) -> bool:
-    m, t = cfg.model, cfg.training
+    """The layout fits the cluster's nodes and passes the checks `validate` makes."""
     if lay.tp > cluster.gpus_per_node:  # TP stays inside a node
         return False
-    if m.num_attention_heads % lay.tp or m.hidden_size % lay.tp or m.ffn % lay.tp:
+    par = replace(cfg.parallel, vpp=lay.vpp, sequence_parallel=lay.sequence_parallel,
+                  pp_schedule=_schedule_name(cfg, lay), **lay.sizes)  # fmt: skip
+    try:
+        derive(replace(cfg, parallel=par), cluster.gpus)
+    except MegaliteError:
         return False
-    if m.heads_kv % lay.tp and lay.tp % m.heads_kv:
-        return False
-    if m.num_layers % (lay.pp * lay.vpp) or t.global_batch_size % (t.micro_batch_size * lay.dp):
-        return False
-    if lay.sequence_parallel and m.seq_length % lay.tp:
-        return False
-    return lay.vpp == 1 or microbatches_of(cfg, lay) % lay.pp == 0
+    return True
 
 
 def search(cfg: Config, cluster: Cluster, limit: int | None = None) -> list[Plan]:
@@ -40,7 +40,7 @@ def search(cfg: Config, cluster: Cluster, limit: int | None = None) -> list[Plan
             dp = n // (tp * pp)
             for vpp in (1, 2) if pp > 1 else (1,):
                 for zero in (0, 1, 2) if dp > 1 else (0,):
-                    lay = Layout(tp, pp, dp, vpp, zero, sequence_parallel=tp > 1)
+                    lay = Layout(vpp, zero, sequence_parallel=tp > 1, tp=tp, pp=pp, dp=dp)
                     if _valid(cfg, lay, cluster):
                         p = plan(cfg, lay, cluster, all_stages=False)
                         if p.fits:
@@ -125,15 +125,13 @@ def cluster_from_env(world_size: int, gpu_memory_gib=None, gpus_per_node=None) -
     return Cluster(world_size, round(gpu_memory_gib, 1), gpus_per_node)
 
 
-def print_plan(cfg: Config, world_size: int, cluster: Cluster | None = None, top: int = 8):
-    """`pretrain_gpt.py --dry-run`: the configured layout's plan, then the best layouts for
-    this many GPUs. Needs no process group and no GPU; cfg must be validated."""
-    cfg = replace(cfg, model=replace(cfg.model))
-    if cfg.model.vocab_size is None:  # the built-in tokenizer's, known before it is trained
-        cfg.model.vocab_size = cfg.data.tokenizer_vocab_size
-    cluster = cluster or cluster_from_env(world_size)
-    par = cfg.parallel
-    dp = par.dp or world_size // (par.tp * par.pp)
-    lay = Layout(par.tp, par.pp, dp, par.vpp, cfg.optimizer.zero_stage, par.sequence_parallel)
+def print_plan(cfg: Config, shape, cluster: Cluster | None = None, top: int = 8):
+    """`pretrain_gpt.py --dry-run`: the plan of the run's shape (`validate`'s), then the best
+    layouts for as many GPUs. Needs no process group and no GPU."""
+    # the built-in tokenizer's vocabulary is known before it is trained
+    vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    cluster = cluster or cluster_from_env(shape.world_size)
+    lay = Layout(shape.vpp, cfg.optimizer.zero_stage, shape.sequence_parallel, **dict(shape.sizes))
     print(format_plan(plan(cfg, lay, cluster), cluster))
     print(format_ranking(search(cfg, cluster, top), cluster), flush=True)

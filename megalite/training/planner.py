@@ -3,40 +3,69 @@
 Everything here mirrors what megalite allocates and sends (docs/planner.md gives the formulas
 and their sources):
 
-- parameters, gradients and optimizer state: the `GradBuffer` layout replayed exactly (the same
-  parameter order, buckets and padding to a multiple of dp*64 elements), then the bytes
-  `DistributedOptimizer` allocates for this rank's shards (ZeRO 0/1/2, fp32 or bf16/fp16);
+- parameters, gradients and optimizer state: the real model's parameters (built on the `meta`
+  device), cut into buckets by the gradient buffer's own `bucket_layout`, then the bytes the
+  ZeRO stage allocates for this rank's shards (optim/zero.py; fp32 or bf16/fp16);
 - activations: what one micro-batch of each chunk keeps for backward (Korthikanti et al. 2022,
   counted for megalite's flash attention and its sequence parallelism), times the chunks in
   flight at the schedule's worst moment (walked from `schedules.compute_order`);
 - bytes per step per group kind, as the `CommLedger` counts them.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from megalite.config import Config, ModelConfig
-from megalite.parallel.data_parallel import ALIGN, MAX_IN_FLIGHT
+from megalite.optim.zero import ZERO
+from megalite.parallel.data_parallel import ALIGN, MAX_IN_FLIGHT, bucket_layout
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import SEND_B, SEND_F, B, F, bubble_theory, get_schedule
+from megalite.pipeline.schedules import (
+    SEND_B,
+    SEND_F,
+    B,
+    F,
+    bubble_theory,
+    check_shape,
+    default_schedule,
+    get_schedule,
+)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
 
 
-@dataclass(frozen=True)
 class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    vpp: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
+    """A layout to plan: the size of each parallel axis, chunks per pipeline rank, the ZeRO
+    stage and sequence parallelism. `Layout(tp=2, pp=2, dp=4, vpp=2, zero=1)`."""
+
+    def __init__(self, vpp: int = 1, zero: int = 0, sequence_parallel: bool = False, **sizes):
+        self.sizes = {"tp": 1, "pp": 1, "dp": 1, **sizes}
+        self.vpp, self.zero, self.sequence_parallel = vpp, zero, sequence_parallel
+
+    def __getattr__(self, axis: str) -> int:
+        sizes = self.__dict__.get("sizes", {})
+        if axis in sizes:
+            return sizes[axis]
+        raise AttributeError(axis)
+
+    def _key(self):
+        big = tuple(sorted((a, n) for a, n in self.sizes.items() if n > 1))
+        return big, self.vpp, self.zero, self.sequence_parallel and self.tp > 1
+
+    def __eq__(self, other):
+        return isinstance(other, Layout) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
     def __str__(self):
         sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
         vpp = f" vpp={self.vpp}" if self.vpp > 1 else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{vpp} zero={self.zero}{sp}"
+        extra = "".join(f" {a}={n}" for a, n in self.sizes.items() if a not in ("tp", "pp", "dp"))
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra}{vpp} zero={self.zero}{sp}"
+
+    __repr__ = __str__
 
 
 @dataclass(frozen=True)
@@ -59,94 +88,60 @@ class Plan:
     notes: list = field(default_factory=list)
 
 
-# ---- parameters: exactly GPTChunk's, in registration order -------------------------------------
+# ---- parameters: built by the real model, on the meta device ------------------------------------
+
+
+@lru_cache(maxsize=256)
+def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head: bool):
+    """[(name, numel, spec)] of a GPTChunk with one layer (index 0), built on `meta`: the real
+    model's parameters without allocating them. Layers differ only in their index."""
+    import torch
+
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.comm import Group
+    from megalite.parallel.specs import spec_of
+
+    m = ModelConfig(*m_fields)
+    group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
+    chunk = GPTChunk(m, group, layers=[0], has_embedding=has_embedding, has_head=has_head,
+                     sequence_parallel=sp, device=torch.device("meta"))  # fmt: skip
+    return tuple((n, p.numel(), spec_of(p)) for n, p in chunk.named_parameters())
+
+
+def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
+    """[(logical name, numel on this TP rank, ParamSpec)] in `named_parameters()` order."""
+    fields = dataclasses.astuple(m)
+    template = _template(fields, tp, sp and tp > 1, has_embedding, has_head)
+    before = [x for x in template if not x[0].startswith(("layers.", "final_norm", "output"))]
+    layer = [x for x in template if x[0].startswith("layers.0.")]
+    after = [x for x in template if x[0].startswith(("final_norm", "output"))]
+    out = list(before)
+    for i in layers:
+        out += [(f"layers.{i}." + n.removeprefix("layers.0."), k, s) for n, k, s in layer]
+    return out + after
 
 
 def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
-    """[(logical name, numel on this TP rank, grad_sync_tp)] in `named_parameters()` order."""
-    h, f, hd, t = m.hidden_size, m.ffn, m.head_dim, tp
-    sp = sp and tp > 1
-    gpt2 = m.flavour == "gpt2"
-    vocab = m.padded_vocab_size(tp)
-    out = []
-
-    def add(name, numel, sync=False):
-        out.append((name, numel, sync))
-
-    def norm(name):
-        add(f"{name}.weight", h, sp)
-        if gpt2:
-            add(f"{name}.bias", h, sp)
-
-    def column(name, features, split=True):
-        n = features // t if split else features
-        add(f"{name}.weight", n * h, not split and t > 1)
-        if gpt2:
-            add(f"{name}.bias", n, not split and t > 1)
-
-    if has_embedding:
-        add("embedding.word.weight", vocab // t * h)
-        if gpt2:
-            add("embedding.position.weight", (m.max_position_embeddings or m.seq_length) * h, sp)
-    for i in layers:
-        p = f"layers.{i}"
-        norm(f"{p}.input_norm")
-        column(f"{p}.attention.q", m.num_attention_heads * hd)
-        for kv in ("k", "v"):
-            column(f"{p}.attention.{kv}", m.heads_kv * hd, m.heads_kv % t == 0)
-        add(f"{p}.attention.out.weight", h * (m.num_attention_heads * hd // t))
-        if gpt2:
-            add(f"{p}.attention.out.bias", h, sp)
-        norm(f"{p}.post_attention_norm")
-        if not gpt2:
-            column(f"{p}.mlp.gate", f)
-        column(f"{p}.mlp.up", f)
-        add(f"{p}.mlp.down.weight", h * (f // t))
-        if gpt2:
-            add(f"{p}.mlp.down.bias", h, sp)
-    if has_head:
-        norm("final_norm")
-        if not (m.tied and has_embedding):
-            add("output.weight", vocab // t * h)
-    return out
+    """[(logical name, numel on this TP rank, gradient summed over TP)] in registration order."""
+    specs = chunk_specs(m, tp, layers, has_embedding, has_head, sp)
+    return [(n, k, "tp" in s.grad_sum) for n, k, s in specs]
 
 
 def buckets(cfg: Config, lay: Layout, pp_rank: int):
-    """The GradBuffer's buckets on this pipeline rank: [(numel padded, [(name, offset, numel,
-    grad_sync_tp)])], replaying its loop (reverse order per chunk, close once a bucket holds
-    bucket_numel, tied halves alone, pad to dp*ALIGN)."""
+    """The GradBuffer's buckets on this pipeline rank (data_parallel.bucket_layout):
+    [(start, end, [(name, offset, numel, groups its gradient is summed over)])]."""
     m, o = cfg.model, cfg.optimizer
     prec = cfg.training.precision
     g_size = 4 if prec in ("bf16", "fp16") else BYTES[prec]  # gradients: fp32 when low
     bucket_numel = max(1, int(o.bucket_size_mb * 2**20 / g_size))
-    tie = m.tied and lay.pp > 1
-    pad = lay.dp * ALIGN
-    out, offset = [], 0
-
-    def close(current):
-        nonlocal offset
-        start, ranges = offset, []
-        for name, n, sync in current:
-            ranges.append((name, offset, n, sync))
-            offset += n
-        offset = -(-offset // pad) * pad
-        out.append((start, offset, ranges))
-
+    sync = {}
+    chunks = []
     for kw in rank_chunks(m.num_layers, lay.pp, lay.vpp, pp_rank):
-        current, held = [], 0
-        for name, n, sync in reversed(chunk_params(m, lay.tp, **kw, sp=lay.sequence_parallel)):
-            alone = tie and name in ("embedding.word.weight", "output.weight")
-            if current and (alone or held >= bucket_numel):
-                close(current)
-                current, held = [], 0
-            current.append((name, n, sync))
-            held += n
-            if alone:
-                close(current)
-                current, held = [], 0
-        if current:
-            close(current)
-    return out
+        specs = chunk_specs(m, lay.tp, **kw, sp=lay.sequence_parallel)
+        chunks.append([(n, k, "embed" in s.grad_sum) for n, k, s in specs])
+        sync.update({n: s.grad_sum for n, _, s in specs})
+    layout = bucket_layout(chunks, bucket_numel, lay.dp * ALIGN)
+    return [(s, e, [(n, o, k, sync[n]) for n, o, k in ranges]) for s, e, ranges in layout]
 
 
 def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
@@ -156,28 +151,21 @@ def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
     p_size, g_size = BYTES[prec], 4 if low else BYTES[prec]
     bs = bs or buckets(cfg, lay, pp_rank)
     numel = bs[-1][1] if bs else 0
-    shard = numel // lay.dp if lay.zero > 0 else numel  # every bucket splits evenly
-    grads = numel * g_size if lay.zero < 2 else (numel // lay.dp) * g_size
-    # Adam moments (+ fp32 masters with bf16/fp16 parameters) for this rank's shard
-    optimizer = shard * g_size * (3 if low else 2)
+    zero = ZERO[lay.zero]
+    out = zero.state_bytes(numel, lay.dp, p_size, g_size)
     staged = 0
-    if lay.zero == 2:  # transient: buckets staged for their reduce-scatter during backward
+    if zero.reduce_each_microbatch:  # transient: buckets staged for their reduce-scatter
         largest = sorted((e - s for s, e, _ in bs), reverse=True)[: MAX_IN_FLIGHT + 1]
         staged = sum(largest) * g_size
-    return {
-        "params": numel * p_size,
-        "grads": grads,
-        "optimizer": optimizer,
-        "staged_grads": staged,
-        "numel": numel,
-    }
+    return {**out, "staged_grads": staged, "numel": numel}
 
 
 def _schedule_name(cfg: Config, lay: Layout) -> str:
-    """The configured schedule where it fits the layout (gpipe or 1f1b at vpp=1)."""
-    if lay.vpp > 1:
-        return "interleaved"
-    return cfg.parallel.pp_schedule if cfg.parallel.pp_schedule in ("gpipe", "1f1b") else "1f1b"
+    """The configured schedule where it can run the layout, else the default for its vpp."""
+    name = cfg.parallel.pp_schedule
+    if name and check_shape(name, lay.pp, lay.vpp, microbatches_of(cfg, lay)) is None:
+        return name
+    return default_schedule(lay.vpp)
 
 
 @lru_cache(maxsize=4096)
@@ -319,11 +307,10 @@ def comm_bytes(
             if lay.zero == 0
             else (start + dp_rank * shard, start + (dp_rank + 1) * shard)
         )
-        for name, off, n, is_sync in ranges:
+        for _, off, n, summed in ranges:
             overlap = max(0, min(off + n, hi) - max(off, lo))
-            sync += overlap if is_sync else 0
-            if m.tied and pp > 1 and name in ("embedding.word.weight", "output.weight"):
-                tied += overlap
+            sync += overlap if "tp" in summed else 0
+            tied += overlap if "embed" in summed else 0
     tp_bytes += _ring("all_reduce", t, sync * g_size) if sync else 0
     out["tp"] = tp_bytes
 
@@ -376,8 +363,8 @@ def plan(cfg: Config, lay: Layout, cluster: Cluster | None = None, all_stages=Tr
         stages.append(mem)
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
     comm = {k: max(c.get(k, 0) for c in comms) for k in ("tp", "pp", "dp", "embed", "world")}
-    p = Plan(lay, stages[worst], stages, {k: v for k, v in comm.items() if v},
-             bubble_theory(lay.pp, lay.vpp, mb), mb)  # fmt: skip
+    bubble = bubble_theory(lay.pp, lay.vpp, mb, _schedule_name(cfg, lay))
+    p = Plan(lay, stages[worst], stages, {k: v for k, v in comm.items() if v}, bubble, mb)
     if cluster is not None:
         p.fits = p.memory["total"] <= cluster.usable * cluster.gpu_memory_gib * GiB
     return p

@@ -91,13 +91,10 @@ class Timeline:
         if self.saved or iteration < self.last:
             return None
         self.saved = True
-        import torch.distributed as dist
+        from megalite.parallel import comm
 
         mine = {"rank": self.rank, "coords": self.coords, "spans": self.relative_spans()}
-        ranks = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            ranks = [None] * dist.get_world_size() if self.rank == 0 else None
-            dist.gather_object(mine, ranks, dst=0)
+        ranks = comm.gather_object(mine, groups.world)
         if self.rank != 0:
             return None
         data = {"version": 1, "steps": [self.first, self.last + 1], "meta": meta, "ranks": ranks}

@@ -12,7 +12,7 @@ import time
 import torch
 
 from megalite import kernels
-from megalite.checkpoint.checkpointer import Checkpointer
+from megalite.checkpoint.checkpointer import Checkpointer, TrainState
 from megalite.config import Config
 from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch
@@ -22,10 +22,11 @@ from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.optim.lr_schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.groups import ProcessGroups
-from megalite.parallel.random import seed_replicated
+from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import bubble_theory, get_schedule
+from megalite.shape import RunShape
 from megalite.training.flops import (
     device_peak_flops,
     hardware_flops_per_token,
@@ -38,32 +39,57 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
-    def __init__(self, cfg: Config, groups: ProcessGroups, data=None):
+    def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None):
+        t = cfg.training
         self.cfg, self.groups = cfg, groups
-        m, p, t = cfg.model, cfg.parallel, cfg.training
-        self.data = data or build_datasets(cfg)  # sets cfg.model.vocab_size from the tokenizer
-        seed_replicated(t.seed, groups.pp.rank, groups.dp.rank)
+        self.data = data or build_datasets(cfg)
+        tok = getattr(self.data, "tokenizer", None)
+        self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
+        m = shape.model
+        seed_replicated(t.seed, groups.pp.rank, groups.data.rank)
         ops = kernels.select(t.kernels, groups.device)
         self.dtype = DTYPES[t.precision]
         self.chunks = [
-            GPTChunk(m, groups.tp, **kw, sequence_parallel=p.sequence_parallel, ops=ops, recompute=t.recompute,
+            GPTChunk(m, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops, recompute=t.recompute,
                      seed=t.seed, dtype=self.dtype, device=groups.device)
-            for kw in rank_chunks(m.num_layers, p.pp, p.vpp, groups.pp.rank)
+            for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, groups.pp.rank, shape.placement)
         ]  # fmt: skip
         self.opt = build_optimizer(self.chunks, groups, cfg)
-        self.microbatches = t.global_batch_size // (t.micro_batch_size * p.dp)
-        self.actions = get_schedule(p.pp_schedule, p.pp, p.vpp, self.microbatches, groups.pp.rank)
-        seq = m.seq_length // p.tp if p.sequence_parallel else m.seq_length
-        self.hidden_shape = (t.micro_batch_size, seq, m.hidden_size)
+        self.microbatches = shape.microbatches
+        self.actions = get_schedule(
+            shape.schedule, shape.pp, shape.vpp, self.microbatches, groups.pp.rank
+        )
+        self.hidden_shape = shape.hidden_shape
         self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
-                                    groups.dp.rank, p.dp, t.seed)  # fmt: skip
+                                    groups.data.rank, groups.data.size, t.seed)  # fmt: skip
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
-        self.checkpointer = Checkpointer(self)  # launch calls its resume(); train() saves
+        self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
+                                         tok.model_path if tok else None, self.logger.print)  # fmt: skip
+
+    # ---- checkpoints: the trainer owns what a checkpoint restores -------------------------------
+
+    def state(self) -> TrainState:
+        return TrainState(self.iteration, self.sampler.consumed_samples, self.skipped_total,
+                          rng_state(self.chunks, self.groups.device))  # fmt: skip
+
+    def resume(self) -> TrainState | None:
+        """Load --load, or the latest checkpoint in --save, and continue from it."""
+        state = self.checkpointer.resume()
+        if state is not None:
+            self.iteration = state.iteration
+            self.sampler.consumed_samples = state.consumed_samples
+            self.skipped_total = state.skipped_steps
+            if state.rng is not None:
+                set_rng_state(state.rng, self.chunks, self.groups.device)
+        return state
+
+    def save(self):
+        self.checkpointer.save(self.state())
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -71,9 +97,10 @@ class Trainer:
         return [tuple(x.to(self.groups.device) for x in get_batch(dataset, idx)) for idx in indices]
 
     def _mean_over_dp(self, values: list[float]) -> list[float]:
+        g = self.groups.replicas
         t = torch.tensor(values, dtype=torch.float64, device=self.groups.device)
-        comm.all_reduce(t, self.groups.dp)
-        return (t / self.groups.dp.size).tolist()
+        comm.all_reduce(t, g)
+        return (t / g.size).tolist()
 
     def train_step(self) -> dict:
         t = self.cfg.training
@@ -85,7 +112,8 @@ class Trainer:
         self.opt.zero_grad(len(batch))
         tl = self.timeline.at(self.iteration + 1) if self.timeline else None
         result = run_schedule(self.actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
-                              dtype=self.dtype, loss_scale=self.opt.loss_scale, timeline=tl)  # fmt: skip
+                              dtype=self.dtype, loss_scale=self.opt.loss_scale, timeline=tl,
+                              placement=self.shape.placement)  # fmt: skip
         lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
         t_opt = time.perf_counter()
         stats = self.opt.step(lr)
@@ -97,9 +125,9 @@ class Trainer:
         step_s = time.perf_counter() - start
         (loss,) = self._mean_over_dp([result.loss])
         self._count_skips(stats["skipped"], loss, stats["grad_norm"])
-        tokens_per_s = t.global_batch_size * self.cfg.model.seq_length / step_s
+        tokens_per_s = t.global_batch_size * self.shape.model.seq_length / step_s
         world = self.groups.topo.world_size
-        p = self.cfg.parallel
+        p = self.shape
         metrics = {
             "iteration": self.iteration,
             "loss": loss,
@@ -108,10 +136,10 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_s,
             "consumed_samples": self.sampler.consumed_samples,
-            "mfu": None if self.peak is None else model_flops_per_token(self.cfg.model) * tokens_per_s / (self.peak * world),
-            "hfu": None if self.peak is None else hardware_flops_per_token(self.cfg.model, t.recompute) * tokens_per_s / (self.peak * world),
+            "mfu": None if self.peak is None else model_flops_per_token(p.model) * tokens_per_s / (self.peak * world),
+            "hfu": None if self.peak is None else hardware_flops_per_token(p.model, t.recompute) * tokens_per_s / (self.peak * world),
             "bubble_measured": result.bubble_ratio if p.pp > 1 else 0.0,
-            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches) if p.pp > 1 else 0.0,
+            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule) if p.pp > 1 else 0.0,
             "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
             "comm": self.groups.ledger.snapshot(),
             "optimizer_state_bytes": self.opt.state_bytes(),
@@ -147,21 +175,23 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over eval_iters global batches of the valid split (the same batches each time)."""
-        t, p = self.cfg.training, self.cfg.parallel
+        t, p = self.cfg.training, self.shape
         if self.data.valid is None or t.eval_iters == 0:
             return None
         for c in self.chunks:
             c.eval()
+        data = self.groups.data
         sampler = BatchSampler(len(self.data.valid), t.global_batch_size, t.micro_batch_size,
-                               self.groups.dp.rank, p.dp, t.seed)  # fmt: skip
+                               data.rank, data.size, t.seed)  # fmt: skip
         actions = get_schedule(
-            p.pp_schedule, p.pp, p.vpp, self.microbatches, self.groups.pp.rank, forward_only=True
+            p.schedule, p.pp, p.vpp, self.microbatches, self.groups.pp.rank, forward_only=True
         )
         losses = []
         for _ in range(t.eval_iters):
             batch = self._microbatches(self.data.valid, sampler.next_batch())
             result = run_schedule(actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
-                                  dtype=self.dtype, forward_only=True)  # fmt: skip
+                                  dtype=self.dtype, forward_only=True,
+                                  placement=p.placement)  # fmt: skip
             losses.append(result.loss)
         return sum(self._mean_over_dp(losses)) / len(losses)
 
@@ -171,7 +201,7 @@ class Trainer:
         t = self.cfg.training
         self.logger.print(
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
-            f"{self.microbatches} micro-batches per step, schedule {self.cfg.parallel.pp_schedule}"
+            f"{self.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
         with self.checkpointer.catch_preemption():
             while self.iteration < t.train_iters:
@@ -193,24 +223,26 @@ class Trainer:
                     self.timeline.step_done(
                         it, self.groups, self._timeline_meta(), self.logger.wandb
                     )
-                if self.checkpointer.after_step():  # saved on preemption: stop cleanly
+                if self.checkpointer.after_step(self.state):  # saved on preemption: stop
                     break
             else:
-                self.checkpointer.finish()
+                self.checkpointer.finish(self.state())
         self.logger.finish()
 
     def _timeline_meta(self) -> dict:
-        p = self.cfg.parallel
+        p = self.shape
+        sizes = " ".join(f"{a}={n}" for a, n in p.sizes)
         return {
-            "title": f"tp={p.tp} pp={p.pp} dp={p.dp} vpp={p.vpp} {p.pp_schedule}, m={self.microbatches}",
-            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches),
+            "title": f"{sizes} vpp={p.vpp} {p.schedule}, m={self.microbatches}",
+            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule),
         }
 
     def _collective_failure(self, e: Exception) -> str:
         g = self.groups
+        where = "".join(f"{a} {c}, " for a, c in g.topo.coords(g.rank).items() if a != "pp")
         reason = (str(e).strip().splitlines() or ["no reason given"])[0][-160:]
         return (
-            f"rank {g.rank} (tp {g.tp.rank}, pipeline stage {g.pp.rank}, dp {g.dp.rank}) gave up in a collective "
+            f"rank {g.rank} ({where}pipeline stage {g.pp.rank}) gave up in a collective "
             f"of iteration {self.iteration + 1}: another rank died or stalled ({reason}); see its log, or raise "
             "--distributed-timeout-minutes if it was only slow"
         )

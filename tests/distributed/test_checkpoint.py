@@ -15,12 +15,13 @@ import torch.distributed as dist
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
-from megalite.config import Config, validate
+from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
+from megalite.shape import validate
 from tests.spawn import spawn
 
 pytestmark = pytest.mark.distributed
@@ -35,7 +36,7 @@ def _sharded_logits(rank, world, paths, ids):
         cfg = Config.from_dict({"model": ckpt.model_config}).model
         (kw,) = rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
         chunk = GPTChunk(cfg, groups.tp, **kw).eval()
-        load_model([chunk], groups.tp, ckpt, cfg.vocab_size)
+        load_model([chunk], groups.tp, ckpt)
         with torch.no_grad():
             if groups.is_first_stage:
                 dist.send(chunk(ids), groups.next_rank)
@@ -102,10 +103,10 @@ def _trainer(root, hidden=32, vocab=100, tp=2):
     cfg.parallel.tp = tp
     cfg.checkpoint.save = str(root)
     cfg.logging.wandb_mode = "disabled"
-    validate(cfg, dist.get_world_size())
-    groups = build_groups(Topology(tp=tp, pp=1, dp=cfg.parallel.dp), torch.device("cpu"))
+    shape = validate(cfg, dist.get_world_size())
+    groups = build_groups(shape.topology(), torch.device("cpu"))
     data = SimpleNamespace(train=_Tokens(64, 16, vocab), valid=None, tokenizer=None)
-    return Trainer(cfg, groups, data=data)
+    return Trainer(cfg, shape, groups, data=data)
 
 
 def _failing_saves(rank, world, root):
@@ -122,14 +123,14 @@ def _failing_saves(rank, world, root):
     tr.iteration = 3
     fmt.write_shard = broken if rank == 1 else real
     try:
-        tr.checkpointer.save()
+        tr.save()
     except MegaliteError as e:
         errors.append(str(e))
     fmt.write_shard = real
     dist.barrier()
     for kw in ({"hidden": 64}, {"vocab": 120}):
         try:
-            _trainer(root, **kw).checkpointer.resume()
+            _trainer(root, **kw).resume()
         except MegaliteError as e:
             errors.append(str(e))
     return errors

@@ -44,7 +44,7 @@ def build(cfg: Config):
     from megalite.parallel.topology import Topology
 
     p = cfg.parallel
-    groups = build_groups(Topology(p.tp, p.pp, p.dp), torch.device("cpu"))
+    groups = build_groups(Topology(tp=p.tp, pp=p.pp, dp=p.dp), torch.device("cpu"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
     chunks = [
         GPTChunk(cfg.model, groups.tp, sequence_parallel=p.sequence_parallel, dtype=dtype, **kw)
@@ -116,7 +116,7 @@ def dp_case(zero: int, rank: int):
 def memory_case(cfg: Config):
     groups, chunks, opt = build(cfg)
     p = cfg.parallel
-    lay = Layout(p.tp, p.pp, p.dp, 1, cfg.optimizer.zero_stage, p.sequence_parallel)
+    lay = Layout(1, cfg.optimizer.zero_stage, p.sequence_parallel, tp=p.tp, pp=p.pp, dp=p.dp)
     mem = planner.state_memory(cfg, lay, groups.pp.rank)
     buf = opt.buffer
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731

@@ -10,6 +10,7 @@ from megalite.parallel import comm
 from megalite.parallel import groups as pg
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.random import ShardedRNG, seed_replicated
+from megalite.parallel.specs import spec_of
 from megalite.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -151,12 +152,13 @@ def _model(rank, world, sp, case):
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         grad, full = p.grad.clone(), ref_params[name].grad
-        if p.grad_sync_tp:
+        spec = spec_of(p)
+        if "tp" in spec.grad_sum:
             comm.all_reduce(grad, g)
         if name in ("embedding.word.weight", "output.weight"):  # padded further at tp > 1
             full = F.pad(full[: cfg.vocab_size], (0, 0, 0, model.vocab - cfg.vocab_size))
-        if p.partition_dim is not None:
-            full = shard(full, p.partition_dim, g)
+        if spec.split_dim is not None:
+            full = shard(full, spec.split_dim, g)
         close(grad, full, f"grad of {name}")
     return True
 

@@ -30,7 +30,7 @@ def run(rank, world, out_dir):
     from megalite.parallel.groups import build_groups
     from megalite.parallel.topology import Topology
 
-    groups = build_groups(Topology(1, world, 1), torch.device("cpu"))
+    groups = build_groups(Topology(pp=world), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     out = []
     for name, vpp, m in CASES:
@@ -54,7 +54,7 @@ def run(rank, world, out_dir):
         cfg.model, cfg.training.micro_batch_size, cfg.training.global_batch_size = model(), B, B * m
         expected_pp = planner.comm_bytes(cfg, Layout(pp=world, vpp=vpp), rank, m)["pp"]
         assert groups.ledger.bytes["pp"] == expected_pp, (name, groups.ledger.bytes["pp"])
-        computes = [(a.kind, a.chunk, a.mb) for a in actions if a.kind in COMPUTE]
+        computes = [(a.kind.value, a.chunk, a.mb) for a in actions if a.kind in COMPUTE]
         out.append((name, computes, [r.bubble_ratio for r in results[:2]]))
     return out
 

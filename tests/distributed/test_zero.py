@@ -16,7 +16,8 @@ from megalite.config import Config
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
-from megalite.parallel.groups import ProcessGroups, build_groups
+from megalite.parallel.groups import build_groups, single_process_groups
+from megalite.parallel.specs import has_spec, mark, spec_of
 from megalite.parallel.topology import Topology
 from tests.spawn import spawn
 
@@ -24,13 +25,16 @@ H, F_, V = 8, 12, 16  # hidden, ffn, vocab
 LR = 1e-2
 
 
-def _param(full: torch.Tensor, tp: Group, dim=None, **attrs) -> nn.Parameter:
+def _param(full: torch.Tensor, tp: Group, dim=None, sync_tp=False, tied=None, **fields):
+    """This rank's slice of `full` (split along dim over TP), with its ParamSpec: `sync_tp`, its
+    gradient is summed over TP; `tied`, "embedding" or "copy", a half of a tied embedding."""
     t = full if dim is None else full.chunk(tp.size, dim)[tp.rank]
-    p = nn.Parameter(t.clone())
-    p.partition_dim = dim
-    for k, v in attrs.items():
-        setattr(p, k, v)
-    return p
+    if sync_tp:
+        fields["grad_sum"] = ("tp",)
+    if tied:
+        fields["grad_sum"] = ("embed",)
+        fields["tied_to"] = "embedding.word.weight" if tied == "copy" else None
+    return mark(nn.Parameter(t.clone()), split_dim=dim, split_size=tp.size, **fields)
 
 
 class Block(nn.Module):
@@ -41,7 +45,7 @@ class Block(nn.Module):
         super().__init__()
         r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
         self.tp = tp
-        self.g = _param(1 + 0.1 * r(H), tp, grad_sync_tp=True, no_weight_decay=True)
+        self.g = _param(1 + 0.1 * r(H), tp, sync_tp=True, no_weight_decay=True)
         self.w1 = _param(r(F_, H) / H**0.5, tp, 0)
         self.b1 = _param(0.1 * r(F_), tp, 0, no_weight_decay=True)
         self.w2 = _param(r(H, F_) / F_**0.5, tp, 1)
@@ -99,10 +103,9 @@ def config(stage, precision="fp32", clip=0.05, mbs=2, gbs=8, bucket_mb=0.001, ti
     return cfg
 
 
-def single_groups() -> ProcessGroups:
+def single_groups():
     """A world of one without torch.distributed: every group is this rank alone."""
-    g = {k: Group(k, [0], 0) for k in ("tp", "pp", "dp", "mp", "embed", "world")}
-    return ProcessGroups(topo=Topology(), rank=0, device=torch.device("cpu"), **g)
+    return single_process_groups()
 
 
 def batch(step, gbs, dtype=torch.float64):
@@ -122,8 +125,9 @@ def mse(out, y):
 
 def reference(model, batches, loss_fn, clip=0.05):
     """Whole batch, one process, torch.optim.AdamW: (losses, grads, norms, torch optimizer)."""
-    decay = [p for p in model.parameters() if not getattr(p, "no_weight_decay", False)]
-    other = [p for p in model.parameters() if getattr(p, "no_weight_decay", False)]
+    nwd = [has_spec(p) and spec_of(p).no_weight_decay for p in model.parameters()]
+    decay = [p for p, n in zip(model.parameters(), nwd) if not n]
+    other = [p for p, n in zip(model.parameters(), nwd) if n]
     opt = torch.optim.AdamW(
         [{"params": decay}, {"params": other, "weight_decay": 0.0}],
         lr=LR,
@@ -147,7 +151,7 @@ def reference(model, batches, loss_fn, clip=0.05):
 
 
 def local_slice(full: torch.Tensor, p: nn.Parameter, tp: Group) -> torch.Tensor:
-    dim = getattr(p, "partition_dim", None)
+    dim = spec_of(p).split_dim
     return full if dim is None else full.chunk(tp.size, dim)[tp.rank]
 
 
@@ -202,6 +206,35 @@ def test_dp1_zero0_step_equals_torch_adamw(clip):
             assert torch.equal(p, ref_params[n]), n
         else:
             torch.testing.assert_close(p, ref_params[n], rtol=1e-13, atol=1e-15)
+
+
+def test_tied_embedding_with_both_halves_on_one_rank():
+    """gpt2 (tied) at pp=1 with two virtual chunks: the embedding (chunk 0) and its copy on the
+    head (chunk 1) live on one rank; their gradients are summed locally and both take the
+    same update, as the single chunk's one tensor does."""
+    from megalite.model.gpt import GPTChunk
+    from megalite.pipeline.executor import run_schedule
+    from megalite.pipeline.partition import rank_chunks
+    from megalite.pipeline.schedules import get_schedule
+    from tests.distributed.test_pipeline import _data, _gpt_cfg
+
+    cfg = config(0, clip=0.05, mbs=2, gbs=4)
+    cfg.model = _gpt_cfg("gpt2")
+    groups, m = single_groups(), 2
+    whole = [GPTChunk(cfg.model, dtype=torch.float64)]
+    split = [GPTChunk(cfg.model, dtype=torch.float64, **kw) for kw in rank_chunks(4, 1, 2, 0)]
+    params = []
+    for chunks, name, vpp in ((whole, "1f1b", 1), (split, "interleaved", 2)):
+        opt = DistributedOptimizer(chunks, groups, cfg)
+        for step in range(2):
+            opt.zero_grad(m)
+            run_schedule(get_schedule(name, 1, vpp, m, 0), chunks, groups, _data(m, seed=step),
+                         hidden_shape=None, dtype=None)  # fmt: skip
+            opt.step(LR)
+        params.append({n: p for c in chunks for n, p in c.named_parameters()})
+    ref, got = params
+    for n, p in got.items():
+        close(p, ref["embedding.word.weight" if n == "output.weight" else n], n, 1e-12)
 
 
 # ---- several processes ------------------------------------------------------------------
@@ -301,9 +334,9 @@ def check_tied(groups, m=2, gbs=8):
     for stage in (0, 1, 2):
         b = blocks(2, groups.tp, torch.float64)
         if first:
-            chunk = Chunk({0: b[0]}, embedding=_param(embedding(), groups.tp, 0))
+            chunk = Chunk({0: b[0]}, embedding=_param(embedding(), groups.tp, 0, tied="embedding"))
         else:
-            chunk = Chunk({1: b[1]}, head=_param(embedding(), groups.tp, 0, tied_copy=True))
+            chunk = Chunk({1: b[1]}, head=_param(embedding(), groups.tp, 0, tied="copy"))
         opt = DistributedOptimizer([chunk], groups, config(stage, gbs=gbs, tied=True))
         for s, (x, y) in enumerate(batches):
             xs, ys = x.chunk(dp.size)[dp.rank].chunk(m), y.chunk(dp.size)[dp.rank].chunk(m)

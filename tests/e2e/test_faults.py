@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.config import parse_args, validate
+from megalite.config import parse_args
 from megalite.errors import MegaliteError
+from megalite.shape import validate
 from megalite.training import launch
 from megalite.training.trainer import Trainer
 from tests.e2e.conftest import ROOT, TINY
@@ -25,8 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 def _poisoned_run(rank, world, prefix, model, save):
     cfg = parse_args([*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", "20",
                       "--max-skipped-steps", "2", "--save", save, "--save-interval", "2"])  # fmt: skip
-    validate(cfg, world)
-    trainer = Trainer(cfg, launch.setup(cfg))
+    shape = validate(cfg, world)
+    trainer = Trainer(cfg, shape, launch.setup(shape))
     head = next(c for c in trainer.chunks if c.has_head)
     forward = head.forward
 

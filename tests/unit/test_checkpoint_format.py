@@ -5,10 +5,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint.format import Checkpoint, local_region
+from megalite.checkpoint.format import Checkpoint
 from megalite.errors import MegaliteError
+from megalite.model.gpt import VOCAB_TENSORS
+from megalite.parallel import specs
+
+
+def local_region(name, shape, dim, rank, size, vocab):
+    """(global shape, region) of rank `rank`'s parameter of local `shape`, as its ParamSpec
+    computes them."""
+    vocab_dim = 0 if name in VOCAB_TENSORS else None
+    p = specs.mark(nn.Parameter(torch.empty(shape)), split_dim=dim, split_size=size,
+                   vocab_dim=vocab_dim)  # fmt: skip
+    holder = nn.Module()
+    holder.register_parameter("w", p)
+    specs.name_parameters(holder, vocab)
+    s = specs.spec_of(p)
+    return list(s.shape), s.region(rank)
 
 
 def test_local_region_splits_and_unpads():

@@ -59,7 +59,7 @@ def megalite_model(path) -> GPTChunk:
     ckpt = fmt.Checkpoint(path)
     ckpt.verify()
     chunk = GPTChunk(Config.from_dict({"model": ckpt.model_config}).model)
-    load_model([chunk], LOCAL, ckpt, chunk.cfg.vocab_size)
+    load_model([chunk], LOCAL, ckpt)
     return chunk.eval()
 
 

@@ -3,8 +3,9 @@ import sys
 
 import pytest
 
-from megalite.config import parse_args, validate
+from megalite.config import parse_args
 from megalite.errors import MegaliteError
+from megalite.shape import validate
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -24,10 +25,14 @@ def test_precedence_defaults_yaml_cli(tmp_path):
         ["--pp", "2", "--vpp", "2", "--gbs", "16", "--num-layers", "4", "--sequence-parallel"]
     )
     assert (cfg.parallel.pp, cfg.parallel.vpp, cfg.training.global_batch_size) == (2, 2, 16)
-    validate(cfg, world_size=8)
-    assert cfg.parallel.dp == 4  # inferred
-    assert cfg.parallel.pp_schedule == "interleaved"
-    assert cfg.parallel.sequence_parallel is False  # ignored at tp=1 (documented)
+    shape = validate(cfg, world_size=8)
+    assert shape.dp == 4  # inferred
+    assert shape.schedule == "interleaved"
+    assert shape.sequence_parallel is False  # ignored at tp=1 (documented)
+    assert shape.microbatches == 2 and shape.hidden_shape == (2, 128, 64)
+    # derived values live in the shape; the user's config is not written to
+    assert cfg.parallel.dp is None and cfg.parallel.pp_schedule is None
+    assert cfg.parallel.sequence_parallel is True
     cfg = parse_args(["--data-path", "0.7", "a", "0.3", "b"])
     assert cfg.data.data_path == ["0.7", "a", "0.3", "b"]
 

@@ -25,6 +25,13 @@ from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError
 
 
+def model_vocab(cfg, data) -> int:
+    """The model's vocabulary for these datasets (the run shape takes the tokenizer's)."""
+    from megalite.shape import validate
+
+    return validate(cfg, 1).with_vocab(data.tokenizer.vocab_size).model.vocab_size
+
+
 def write(prefix, docs, vocab_size=1000):
     with IndexedDatasetWriter(prefix, vocab_size) as w:
         for d in docs:
@@ -132,7 +139,7 @@ def prepared(tmp_path_factory):
 def test_build_datasets_from_prefixes(prepared):
     cfg = _config(data_path=[str(prepared / "a")], tokenizer_model=str(prepared / "tok.model"))
     out = build_datasets(cfg)
-    assert cfg.model.vocab_size == out.tokenizer.vocab_size == 400
+    assert model_vocab(cfg, out) == out.tokenizer.vocab_size == 400
     assert len(out.train) > 10 * len(out.valid) > 0 and out.test is None
     assert out.train[0].shape == (17,) and out.train[0].dtype == np.int64
     # blended, with weights: a ~ 1/4 of the train samples
@@ -199,7 +206,7 @@ def test_build_datasets_twice_uses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "MAX_CORPUS_BYTES", 100_000)
     cfg = _config(data_cache_dir=str(tmp_path), tokenizer_vocab_size=512, split="90,10,0")
     first = build_datasets(cfg)
-    assert cfg.model.vocab_size == 512 and len(first.valid) > 0
+    assert model_vocab(cfg, first) == 512 and len(first.valid) > 0
 
     def no_rebuild(*a, **k):
         raise AssertionError("rebuilt the cached corpus")
@@ -217,7 +224,7 @@ def test_full_builtin_corpus(tmp_path):
     cfg = _config(data_cache_dir=str(tmp_path))
     cfg.model.seq_length = 128
     out = build_datasets(cfg)
-    assert out.tokenizer.vocab_size == cfg.model.vocab_size == 2048
+    assert out.tokenizer.vocab_size == model_vocab(cfg, out) == 2048
     assert len(out.train) > 10_000 and len(out.valid) > 100
     text = out.tokenizer.decode(out.train[0])
     assert len(text) > 128  # a learned vocabulary: more than one character per token

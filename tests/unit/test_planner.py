@@ -8,9 +8,10 @@ from megalite.config import Config, ModelConfig
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.comm import Group
-from megalite.parallel.groups import ProcessGroups
-from megalite.parallel.topology import Topology
+from megalite.parallel.groups import single_process_groups
+from megalite.parallel.specs import spec_of
 from megalite.pipeline.partition import rank_chunks
+from megalite.shape import validate
 from megalite.training import layouts, planner
 from megalite.training.planner import Cluster, Layout
 
@@ -27,12 +28,13 @@ def tiny(flavour="gpt2", layers=2, **kw) -> Config:
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
 def test_parameters_are_gpt_chunks(flavour, tp, sp):
-    """Names, sizes and grad_sync_tp in registration order, the first and the last stage."""
+    """Names, sizes and the TP gradient sum in registration order, the first and the last
+    stage (the planner expands one meta-device layer to many)."""
     m = tiny(flavour, layers=4, num_query_groups=2 if flavour == "llama" else None).model
     group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
     for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
         chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
-        real = [(n, p.numel(), bool(getattr(p, "grad_sync_tp", False)))
+        real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
         assert planner.chunk_params(m, tp, **kw, sp=sp) == real
 
@@ -70,11 +72,6 @@ def test_activations_match_saved_tensors(flavour):
         assert abs(estimate / measured - 1) < 0.2, (kw, estimate, measured)
 
 
-def single_groups() -> ProcessGroups:
-    g = {k: Group(k, [0], 0) for k in ("tp", "pp", "dp", "mp", "embed", "world")}
-    return ProcessGroups(topo=Topology(), rank=0, device=torch.device("cpu"), **g)
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_buffers_one_process(precision):
     """Parameters, gradients and optimizer state: exactly what DistributedOptimizer allocates
@@ -82,7 +79,7 @@ def test_buffers_one_process(precision):
     cfg = tiny("gpt2", layers=3)
     cfg.training.precision, cfg.optimizer.bucket_size_mb = precision, 0.05
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    opt = DistributedOptimizer([GPTChunk(cfg.model, dtype=dtype)], single_groups(), cfg)
+    opt = DistributedOptimizer([GPTChunk(cfg.model, dtype=dtype)], single_process_groups(), cfg)
     mem = planner.state_memory(cfg, Layout(), 0)
     buf = opt.buffer
     assert len(buf.buckets) == len(planner.buckets(cfg, Layout(), 0)) > 2
@@ -155,6 +152,6 @@ def test_optimizer_state_dominates_gives_zero():
 def test_print_plan_needs_no_process_group(capsys):
     cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)
     cfg.parallel.dp = 8
-    layouts.print_plan(cfg, 8, Cluster(gpus=8, gpu_memory_gib=80))
+    layouts.print_plan(cfg, validate(cfg, 8), Cluster(gpus=8, gpu_memory_gib=80))
     out = capsys.readouterr().out
     assert "layout tp=1 pp=1 dp=8 zero=0" in out and "best first" in out

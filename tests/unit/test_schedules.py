@@ -155,4 +155,4 @@ def test_simulated_bubble_exposes_a_serialising_schedule():
     slow = verify_table(t, 4, 1, 4)
     assert slow.peak_activations == [1, 1, 1, 1]
     assert slow.idle[0] > 0.7 > verify("1f1b", 4, 1, 4).idle[0] == pytest.approx(3 / 7)
-    assert one_f_one_b_order(4, 4, 3) == segs[3]  # the last stage does just that
+    assert one_f_one_b_order(4, 1, 4, 3) == segs[3]  # the last stage does just that

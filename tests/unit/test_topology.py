@@ -15,7 +15,7 @@ def factorisations(n):
 def test_groups_partition_the_world(world):
     for tp, pp, dp in factorisations(world):
         for order in ("tp-dp-pp", "tp-pp-dp", "pp-tp-dp"):
-            topo = Topology(tp, pp, dp, order)
+            topo = Topology(order, tp=tp, pp=pp, dp=dp)
             for axis, size in (("tp", tp), ("pp", pp), ("dp", dp), ("tp+pp", tp * pp)):
                 groups = topo.groups(axis)
                 flat = sorted(r for g in groups for r in g)
@@ -42,14 +42,38 @@ def test_default_order_and_neighbours():
     assert topo.coords(5) == {"tp": 1, "dp": 0, "pp": 1}
     assert topo.next_stage(1) == 5 and topo.prev_stage(1) == 5
     assert topo.is_first_stage(3) and topo.is_last_stage(7) and not topo.is_last_stage(3)
-    assert topo.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.stage_groups([0, 1]) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # embedding + head
     four = Topology(tp=1, pp=4, dp=1)
     assert [four.next_stage(r) for r in range(4)] == [1, 2, 3, 0]
-    assert four.embedding_groups() == [[0, 3]]
+    assert four.stage_groups([0, 3]) == [[0, 3]]
 
 
 def test_bad_topology():
     with pytest.raises(ValueError):
-        Topology(0, 1, 1)
-    with pytest.raises(ValueError):
-        Topology(1, 1, 1, order="tp-dp")
+        Topology(tp=0)
+    with pytest.raises(ValueError, match="leaves out"):
+        Topology("tp-dp", tp=2, pp=2)
+    with pytest.raises(ValueError, match="unknown axes"):
+        Topology("tp-xx-dp-pp")
+    with pytest.raises(ValueError, match="twice"):
+        Topology("tp-tp-dp-pp")
+
+
+def test_size_one_axes_may_be_left_out_and_products():
+    topo = Topology("pp-tp", tp=2, pp=2)
+    assert topo.axes == ("pp", "tp", "dp") and topo.groups("pp") == [[0, 1], [2, 3]]
+    t = Topology(tp=2, pp=2, dp=2)
+    assert t.groups("dp+pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [t.index("dp+pp", r) for r in t.group("dp+pp", 1)] == [0, 1, 2, 3]
+    assert t.product(lambda a: a.replicated) == "dp"
+
+
+def test_second_decomposition_keeps_pipeline_groups():
+    t = Topology(tp=2, pp=2, dp=2)
+    experts = t.regroup("etp-ep-edp-pp", etp=1, ep=4, edp=1)
+    assert experts.groups("pp") == t.groups("pp") and experts.groups("ep") == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+    with pytest.raises(ValueError, match="same pipeline groups"):
+        t.regroup("pp-ep", ep=4)

@@ -1,0 +1,55 @@
+"""ZeRO stages as strategies: where gradients live, how they are reduced over the data-parallel
+replicas, what each rank keeps of the optimizer state, and the bytes per parameter that follow.
+The gradient buffer, the optimizer, checkpoints and the planner read one of these objects
+instead of branching on the stage number; adding a stage is one more entry.
+
+  stage 0  all-reduce: every rank keeps the whole reduced gradient and the whole optimizer state
+  stage 1  reduce-scatter: this rank's shard of the gradient buffer holds the reduced gradient;
+           optimizer state (moments, fp32 masters) for that shard only
+  stage 2  no whole-model gradient buffer: each micro-batch's bucket is staged, reduce-scattered
+           and added into a shard-sized accumulator (m times the DP traffic, 4 (1 - 1/dp)
+           bytes per parameter less memory)
+"""
+
+from dataclasses import dataclass
+
+from megalite.parallel import comm
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    stage: int
+    doc: str
+    shard_state: bool  # optimizer state for this rank's 1/dp of each bucket only
+    grad_buffer: bool  # a gradient buffer for the whole model (else per-shard accumulators)
+    reduce_each_microbatch: bool  # reduce every micro-batch's gradients as they come
+
+    def shard(self, numel: int, dp: int) -> int:
+        """Elements of a bucket of `numel` this rank updates."""
+        return numel // dp if self.shard_state else numel
+
+    def launch(self, grad, out, group):
+        """Start reducing a bucket's gradient `grad` (the DP mean already applied): in place
+        over the whole bucket, or this rank's shard into `out`. Returns the async work."""
+        if not self.shard_state:
+            return comm.all_reduce(grad, group, async_op=True)
+        return comm.reduce_scatter(out, grad, group, async_op=True)
+
+    def state_bytes(self, numel: int, dp: int, param_bytes: int, grad_bytes: int) -> dict:
+        """Bytes this rank allocates for `numel` (padded) parameter elements: parameters,
+        gradients and optimizer state (Adam moments, plus fp32 masters when the parameters are
+        narrower than the gradients)."""
+        shard = self.shard(numel, dp)
+        masters = param_bytes < grad_bytes
+        return {
+            "params": numel * param_bytes,
+            "grads": (numel if self.grad_buffer else numel // dp) * grad_bytes,
+            "optimizer": shard * grad_bytes * (3 if masters else 2),
+        }
+
+
+ZERO = {
+    0: ZeroStage(0, "replicated optimizer", False, True, False),
+    1: ZeroStage(1, "sharded optimizer state", True, True, False),
+    2: ZeroStage(2, "sharded optimizer state and gradients", True, False, True),
+}

@@ -1,0 +1,114 @@
+"""What a parameter is, logically: one small typed record per parameter, attached once.
+
+A layer marks each parameter it creates with how it is sharded (`mark`); the model then names
+them (`name_parameters`: logical name, global shape). Everything downstream — initialisation,
+the optimizer (weight decay, gradient sums, the global norm), checkpoints (the slice a rank
+holds), Hugging Face conversion and the planner — reads the record through `spec_of`, and
+"this rank's part of a logical tensor" is computed here only (`ParamSpec.region`, `.local`).
+
+Global means as one process would hold it, with the real vocabulary: a vocabulary tensor's
+rows past `vocab_size` are padding that only exists locally.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str | None = None  # logical name, the same in every layout (owned by model/)
+    shape: tuple | None = None  # global shape (real vocabulary rows)
+    local_shape: tuple | None = None  # this rank's tensor (vocabulary padding included)
+    split_dim: int | None = None  # dim cut into contiguous equal parts along `split_axis`
+    split_axis: str = "tp"
+    split_size: int = 1  # ranks along split_axis (1: not split)
+    # Groups over which each rank holds only part of this gradient, summed after the data-
+    # parallel reduction: "tp" (norms under sequence parallelism, k/v heads replicated over
+    # TP), "embed" (the two halves of a tied word embedding on different pipeline stages).
+    grad_sum: tuple = ()
+    tied_to: str | None = None  # a copy of that logical tensor, not a tensor of its own
+    no_weight_decay: bool = False
+    vocab_dim: int | None = None  # rows of the vocabulary (padding past the real size)
+
+    def region(self, index: int) -> list[tuple[int, int]]:
+        """This rank's part of the global tensor: (lo, hi) per dim, for the rank at `index`
+        along split_axis. Vocabulary rows past the real size are outside the global tensor,
+        so the region may be shorter than the local tensor (or empty)."""
+        region = [(0, n) for n in self.local_shape]
+        if self.split_dim is not None:
+            n = self.local_shape[self.split_dim]
+            region[self.split_dim] = (index * n, (index + 1) * n)
+        if self.vocab_dim is not None:
+            v = self.shape[self.vocab_dim]
+            lo, hi = region[self.vocab_dim]
+            region[self.vocab_dim] = (min(lo, v), min(hi, v))
+        return region
+
+    def local(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's local tensor cut from a whole logical tensor (any vocabulary padding:
+        trimmed or zero-padded to this layout's)."""
+        if self.vocab_dim is not None:
+            d = self.vocab_dim
+            rows = self.local_shape[d] * (self.split_size if self.split_dim == d else 1)
+            full = full.narrow(d, 0, min(full.shape[d], self.shape[d]))
+            pad = [0, 0] * (full.dim() - 1 - d) + [0, rows - full.shape[d]]
+            full = F.pad(full, pad)
+        if self.split_dim is not None:
+            full = full.chunk(self.split_size, self.split_dim)[index]
+        return full
+
+    @property
+    def source(self) -> str:
+        """The logical tensor this parameter holds (its own name, or what it is tied to)."""
+        return self.tied_to or self.name
+
+    def counted_in_norm(self, tp_rank: int) -> bool:
+        """Each logical element once: sharded tensors on every TP rank, replicated ones on TP
+        rank 0 only, a tied copy not at all (its twin counts)."""
+        if self.tied_to:
+            return False
+        return self.split_dim is not None or tp_rank == 0
+
+
+def mark(param: nn.Parameter, split_dim=None, split_size=1, **fields) -> nn.Parameter:
+    """Attach how a new parameter is sharded (a layer calls this; the model names it later)."""
+    param._spec = ParamSpec(
+        local_shape=tuple(param.shape), split_dim=split_dim,
+        split_size=split_size if split_dim is not None else 1, **fields,
+    )  # fmt: skip
+    return param
+
+
+def update(param: nn.Parameter, **fields) -> nn.Parameter:
+    param._spec = dataclasses.replace(spec_of(param), **fields)
+    return param
+
+
+def spec_of(param: torch.Tensor) -> ParamSpec:
+    spec = getattr(param, "_spec", None)
+    if spec is None:
+        raise AttributeError(
+            f"parameter of shape {tuple(param.shape)} carries no ParamSpec (mark it)"
+        )
+    return spec
+
+
+def has_spec(param: torch.Tensor) -> bool:
+    return getattr(param, "_spec", None) is not None
+
+
+def name_parameters(module: nn.Module, vocab_size: int | None = None):
+    """Give every parameter of `module` its logical name (its name in the module) and global
+    shape; parameters nobody marked are replicated ones."""
+    for name, p in module.named_parameters():
+        spec = spec_of(p) if has_spec(p) else ParamSpec(local_shape=tuple(p.shape))
+        shape = list(spec.local_shape)
+        if spec.split_dim is not None:
+            shape[spec.split_dim] *= spec.split_size
+        if spec.vocab_dim is not None:
+            shape[spec.vocab_dim] = vocab_size
+        p._spec = dataclasses.replace(spec, name=name, shape=tuple(shape))
