@@ -120,7 +120,8 @@ class Attention(nn.Module):
             k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
         if self.recompute_core and self.training:
-            o = checkpoint(self._core, q, k, v, use_reentrant=False)
+            o = checkpoint(self._core, q, k, v, use_reentrant=False,
+                           context_fn=self.rng.recompute_contexts)  # fmt: skip
         else:
             o = self._core(q, k, v)
         o = o.transpose(1, 2).reshape(b, s, self.heads * hd)  # (b, s, nh/t * hd)
@@ -206,5 +207,6 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x):
         if self.recompute == "full" and self.training:
-            return checkpoint(self._forward, x, use_reentrant=False)
+            return checkpoint(self._forward, x, use_reentrant=False,
+                              context_fn=self.rng.recompute_contexts)  # fmt: skip
         return self._forward(x)

@@ -5,9 +5,14 @@ rank must drop the same elements: they draw from the default generator, seeded t
 ranks of a TP group. Where activations are sharded (attention heads, sequence-parallel hidden
 states) ranks must draw differently: they draw inside `ShardedRNG.fork()`, a stream seeded per
 TP rank.
+
+Activation recomputation replays the forward during backward; `torch.utils.checkpoint`
+restores the default generator for it, and `ShardedRNG.recompute_contexts` (its `context_fn`)
+restores the sharded stream, so the recomputed forward draws the very same dropout masks
+(Megatron's RNG tracker does this for its checkpoint function).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -46,8 +51,23 @@ class ShardedRNG:
         try:
             yield
         finally:
-            self.state = self._get()
+            self.state = self._get()  # a new tensor: states handed out earlier stay as they were
             self._set(saved)
+
+    def recompute_contexts(self):
+        """`context_fn` for torch.utils.checkpoint: the forward remembers where this stream
+        stood, the recomputation replays from there and then leaves the stream where it was."""
+        start = self.state
+
+        @contextmanager
+        def replay():
+            now, self.state = self.state, start
+            try:
+                yield
+            finally:
+                self.state = now
+
+        return nullcontext(), replay()
 
 
 def rng_state(chunks, device: torch.device) -> dict:
