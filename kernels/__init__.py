@@ -25,7 +25,9 @@ from megalite.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_ref,
     cross_entropy_shard_grad,
+    cross_entropy_shard_grad_ref,
     cross_entropy_shard_stats,
+    cross_entropy_shard_stats_ref,
 )
 from megalite.kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 from megalite.kernels.layer_norm import layer_norm, layer_norm_ref
@@ -39,6 +41,8 @@ TORCH_OPS = SimpleNamespace(
     swiglu=swiglu_ref,
     gelu=gelu_ref,
     cross_entropy=cross_entropy_ref,
+    ce_shard_stats=cross_entropy_shard_stats_ref,
+    ce_shard_grad=cross_entropy_shard_grad_ref,
     attention=attention_ref,
     attention_masked=attention_masked_ref,
     attention_block_fwd=attention_block_fwd_ref,
@@ -54,6 +58,8 @@ TRITON_OPS = SimpleNamespace(
     swiglu=swiglu,
     gelu=gelu,
     cross_entropy=cross_entropy,
+    ce_shard_stats=cross_entropy_shard_stats,
+    ce_shard_grad=cross_entropy_shard_grad,
     attention=attention,
     attention_masked=attention_masked,
     attention_block_fwd=attention_block_fwd,

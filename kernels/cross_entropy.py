@@ -71,31 +71,80 @@ def _block_v(logits: torch.Tensor) -> tuple[int, int]:
     return min(triton.next_power_of_2(logits.shape[-1]), cap), 8
 
 
+# Rows per slice of the torch references: their fp32 temporaries stay near 2**24 elements, so
+# no fp32 copy of the whole (tokens, V) logits exists on this path either.
+_REF_ELEMENTS = 2**24
+
+
+def _row_slices(n_rows: int, n_cols: int):
+    step = max(1, _REF_ELEMENTS // max(n_cols, 1))
+    return (slice(i, i + step) for i in range(0, n_rows, step))
+
+
+def cross_entropy_shard_stats_ref(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cross_entropy_shard_stats` in plain torch (fp64 stays fp64), a slice of rows at a time."""
+    x2 = logits.reshape(-1, logits.shape[-1])  # (N, Vs)
+    lab = labels.reshape(-1)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    n, vs = x2.shape
+    m, s, t = (torch.empty(n, dtype=dtype, device=logits.device) for _ in range(3))
+    if vs == 0:  # a shard that is all vocabulary padding
+        return (m.fill_(float("-inf")).view(labels.shape), s.zero_().view(labels.shape),
+                t.zero_().view(labels.shape))  # fmt: skip
+    for sl in _row_slices(n, vs):
+        xf = at_least_fp32(x2[sl])
+        m[sl] = xf.amax(-1)
+        s[sl] = (xf - m[sl, None]).exp().sum(-1)
+        local = lab[sl] - vocab_start
+        inside = (local >= 0) & (local < vs)
+        t[sl] = torch.where(inside, xf.gather(1, local.clamp(0, vs - 1)[:, None])[:, 0], 0)
+    return m.view(labels.shape), s.view(labels.shape), t.view(labels.shape)
+
+
+def cross_entropy_shard_grad_ref(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """`cross_entropy_shard_grad` in plain torch, a slice of rows at a time, without reading
+    anything on the host (no nonzero: the one-hot is a scatter)."""
+    x2 = logits.reshape(-1, logits.shape[-1])
+    lab, lse1, dl = labels.reshape(-1), lse.reshape(-1), grad_loss.reshape(-1)
+    out = torch.empty_like(x2)
+    vs = x2.shape[1]
+    if vs == 0:
+        return out.view(logits.shape)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    for sl in _row_slices(x2.shape[0], vs):
+        g = (at_least_fp32(x2[sl]) - lse1[sl, None].to(dtype)).exp()
+        local = lab[sl] - vocab_start
+        inside = ((local >= 0) & (local < vs)).to(g.dtype)[:, None]
+        g.scatter_add_(1, local.clamp(0, vs - 1)[:, None], -inside)
+        scale = torch.where(lab[sl] == ignore_index, 0, dl[sl]).to(g.dtype)
+        out[sl] = (g * scale[:, None]).to(out.dtype)
+    return out.view(logits.shape)
+
+
 def cross_entropy_shard_stats(
     logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (max, sum of exp(logit - max), target logit or 0 if not in this shard), all fp32.
+    """Per-row (max, sum of exp(logit - max), target logit or 0 if not in this shard), fp32
+    (fp64 for fp64 logits, through the reference).
 
     logits (..., Vs) is the shard holding vocab ids [vocab_start, vocab_start + Vs); labels (...)
     are global ids. No autograd: see the module docstring for combining and the backward pass.
     """
+    if unsupported(logits):
+        return cross_entropy_shard_stats_ref(logits, labels, vocab_start)
     x2 = rows(logits)  # (N, Vs)
     lab = labels.reshape(-1).contiguous()  # (N,)
     n = x2.shape[0]
     m, s, t = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
-    if unsupported(logits):
-        # The torch path, for the same building block on any device or dtype.
-        xf = at_least_fp32(x2)
-        m = xf.max(-1).values
-        s = (xf - m[:, None]).exp().sum(-1)
-        local = lab - vocab_start
-        inside = (local >= 0) & (local < x2.shape[1])
-        t = torch.where(inside, xf.gather(1, local.clamp(0, x2.shape[1] - 1)[:, None])[:, 0], 0)
-        return (
-            m.float().view(labels.shape),
-            s.float().view(labels.shape),
-            t.float().view(labels.shape),
-        )
     block, warps = _block_v(x2)
     _ce_stats_kernel[(n,)](
         x2, lab, m, s, t, x2.stride(0), x2.shape[1], vocab_start, BLOCK_V=block, num_warps=warps
@@ -116,17 +165,12 @@ def cross_entropy_shard_grad(
     lse (...) is the global log-sum-exp per row, grad_loss (...) the gradient of the per-token
     loss; rows whose label is ignore_index get zero gradient.
     """
+    if unsupported(logits):
+        return cross_entropy_shard_grad_ref(logits, labels, vocab_start, lse, grad_loss,
+                                            ignore_index)  # fmt: skip
     x2 = rows(logits)  # (N, Vs)
     lab = labels.reshape(-1).contiguous()
     lse1, dl = lse.reshape(-1).float().contiguous(), grad_loss.reshape(-1).float().contiguous()
-    if unsupported(logits):
-        local = lab - vocab_start
-        g = (at_least_fp32(x2) - lse1[:, None]).exp()
-        inside = (local >= 0) & (local < x2.shape[1])
-        rows_in = inside.nonzero()[:, 0]
-        g[rows_in, local[rows_in]] -= 1
-        g = g * torch.where(lab == ignore_index, 0, dl)[:, None]
-        return g.to(logits.dtype).view(logits.shape)
     d = torch.empty(x2.shape, dtype=logits.dtype, device=logits.device)
     block, warps = _block_v(x2)
     _ce_grad_kernel[(x2.shape[0],)](

@@ -147,7 +147,9 @@ class GPTChunk(nn.Module):
         if labels is None:  # whole logits over the real vocabulary (generation, conversion checks)
             return comm.gather_from_group(logits, self.tp, dim=-1)[..., : self.cfg.vocab_size]
         if self.tp.size > 1:
-            loss = vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size)
+            loss = vocab_parallel_cross_entropy(
+                logits, labels, self.tp, self.cfg.vocab_size, ops=self.ops
+            )
         else:
             loss = self.ops.cross_entropy(logits[..., : self.cfg.vocab_size], labels)
         return loss.mean()

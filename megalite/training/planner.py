@@ -229,8 +229,8 @@ def chunk_activations(cfg: Config, lay: Layout, kw: dict) -> tuple[float, float]
         if torch_ops and m.flavour == "llama":
             total += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
         total += s * b * h * e + s * b * 8  # the output layer's input; the labels
-        if tp > 1:  # vocab-parallel cross entropy: fp32 softmax, local ids, two masks
-            total += s * b * m.padded_vocab_size(tp) // tp * max(e, 4) + s * b * 10
+        if tp > 1:  # vocab-parallel cross entropy: the logits shard and the fp32 log-sum-exp
+            total += s * b * m.padded_vocab_size(tp) // tp * e + s * b * 4
         elif torch_ops:  # fp32 log-softmax over the real vocabulary
             total += s * b * m.vocab_size * max(e, 4) + 4
         else:  # the Triton kernel keeps the logits and the log-sum-exp

@@ -1,10 +1,14 @@
+import importlib
+
 import pytest
 import torch
 from megalite.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_ref,
     cross_entropy_shard_grad,
+    cross_entropy_shard_grad_ref,
     cross_entropy_shard_stats,
+    cross_entropy_shard_stats_ref,
 )
 
 from tests.kernels.helpers import assert_within, check_op, cuda_dtypes, make
@@ -49,7 +53,7 @@ def test_vocab_parallel_combination(torch_path):
     loss = torch.where(labels == -100, 0.0, lse - t)
     x = logits.double().requires_grad_()
     exact = cross_entropy_ref(x, labels)
-    assert loss.dtype == torch.float32 and loss.shape == labels.shape
+    assert loss.dtype == torch.promote_types(dtype, torch.float32) and loss.shape == labels.shape
     assert_within("loss", loss, exact.float(), exact, 1e-5)
     g = torch.randn(5, 7, dtype=torch.float64)
     (d_exact,) = torch.autograd.grad(exact, x, g)
@@ -58,6 +62,64 @@ def test_vocab_parallel_combination(torch_path):
     )
     assert d.dtype == dtype
     assert_within("grad", d, d_exact.to(dtype), d_exact, 1e-5)
+
+
+def test_shard_references_work_in_row_slices(monkeypatch):
+    """The torch references never hold an fp32 copy of all the logits: with slices of a few
+    rows they give what one slice gives."""
+    torch.manual_seed(4)
+    logits = torch.randn(6, 9, 70, dtype=torch.float16) * 3
+    labels = _labels((6, 9), 100)
+    whole = cross_entropy_shard_stats_ref(logits, labels, 30)
+    lse = whole[0] + whole[1].log()
+    g = torch.randn(6, 9)
+    grad = cross_entropy_shard_grad_ref(logits, labels, 30, lse, g)
+    module = importlib.import_module("megalite.kernels.cross_entropy")  # (the package exports
+    monkeypatch.setattr(module, "_REF_ELEMENTS", 70 * 4)  # a function of the same name)
+    for a, b in zip(cross_entropy_shard_stats_ref(logits, labels, 30), whole):
+        assert torch.equal(a, b)
+    assert torch.equal(cross_entropy_shard_grad_ref(logits, labels, 30, lse, g), grad)
+
+
+def _vocab_parallel(rank, world, dtype):
+    """The vocab-parallel loss with the Triton shard kernels (interpreter) against one process,
+    and what it keeps for backward: the logits in their dtype, no fp32 softmax."""
+    from megalite.kernels import TORCH_OPS, TRITON_OPS
+
+    from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megalite.parallel.groups import build_groups
+    from megalite.parallel.topology import Topology
+
+    tp = build_groups(Topology(tp=world), torch.device("cpu")).tp
+    torch.manual_seed(5)
+    vocab, padded = 150, 160  # the last shard holds 10 padding columns
+    full = torch.randn(4, 7, vocab, dtype=torch.float64) * 4
+    labels = _labels((4, 7), vocab)
+    g = torch.randn(4, 7, dtype=torch.float64)
+    padded_full = torch.nn.functional.pad(full, (0, padded - vocab))
+    mine = padded_full.chunk(world, -1)[rank].to(dtype).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(mine, labels, tp, vocab, ops=TRITON_OPS)
+    (d,) = torch.autograd.grad(loss, mine, g.float())
+    x = full.to(dtype).double().requires_grad_()
+    exact = cross_entropy_ref(x, labels)
+    (d_exact,) = torch.autograd.grad(exact, x, g)
+    ref_loss = vocab_parallel_cross_entropy(mine.detach().requires_grad_(), labels, tp, vocab,
+                                            ops=TORCH_OPS)  # fmt: skip
+    assert_within("loss", loss, ref_loss, exact, 1e-5 if dtype == torch.float32 else 1e-3)
+    d_exact = torch.nn.functional.pad(d_exact, (0, padded - vocab)).chunk(world, -1)[rank]
+    assert_within("grad", d, d_exact.to(dtype), d_exact, 1e-5 if dtype == torch.float32 else 1e-3)
+    big = [t for t in saved if t.dim() and t.shape[-1] == mine.shape[-1]]
+    assert [t.dtype for t in big] == [dtype]  # the logits themselves; no fp32 (tokens, V) copy
+    return True
+
+
+@pytest.mark.distributed
+def test_vocab_parallel_with_triton_kernels_at_tp2(dtype):
+    from tests.spawn import spawn
+
+    assert spawn(_vocab_parallel, 2, dtype) == [True, True]
 
 
 @pytest.mark.gpu
