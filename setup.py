@@ -26,9 +26,23 @@ setup(
         "wandb",
         "numpy",
         "pyyaml",
+        "tqdm",
     ],
+    # Optional, imported only when used (a clear error names the package when it is missing):
+    # Hugging Face tokenizers and Parquet inputs; TensorBoard event files.
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "matplotlib"],
+        "hf": ["tokenizers", "pyarrow"],
+        "tensorboard": ["tensorboard"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "hypothesis",
+            "transformers",
+            "matplotlib",
+            "tokenizers",
+            "pyarrow",
+            "tensorboard",
+        ],
         "lint": ["ruff"],
     },
 )

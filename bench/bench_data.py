@@ -1,10 +1,12 @@
-"""Data pipeline throughput: tools/preprocess_data.py against a plain sentencepiece loop, and
-the cost of fetching a training sample.
+"""Data pipeline throughput: tools/preprocess_data.py against a plain tokenizer loop, with a
+sentencepiece model and a Hugging Face byte-level BPE (tokenizer.json) of the same vocabulary
+side by side, and the cost of fetching a training sample.
 
     python bench/bench_data.py [--repeats 3] [--json out.json]
 
 Everything runs on the built-in corpus, prepared in a temporary directory. Each figure is the
 best of --repeats runs (the machine may be shared; the best run is the least disturbed one).
+The Hugging Face rows need the tokenizers package (megalite[hf]); without it they are skipped.
 """
 
 import argparse
@@ -40,6 +42,38 @@ def plain_encode_seconds(jsonl, model):
     t = time.perf_counter()
     tokens = sum(len(sp.encode(d)) + 1 for d in docs)  # + EOS, as the tool counts
     return time.perf_counter() - t, tokens
+
+
+def plain_hf_seconds(jsonl, tokenizer_json, batch=False):
+    """The same loop with a tokenizers.Tokenizer: one document at a time in this thread, or
+    (batch) every document in one encode_batch_fast over the library's thread pool."""
+    from tokenizers import Tokenizer as HF
+
+    docs = list(corpus.iter_documents([str(jsonl)]))
+    tok = HF.from_file(str(tokenizer_json))
+    tok.encode_special_tokens = True  # as megalite encodes documents
+    t = time.perf_counter()
+    if batch:
+        tokens = sum(len(e.ids) + 1 for e in tok.encode_batch_fast(docs, add_special_tokens=False))
+    else:
+        tokens = sum(len(tok.encode(d, add_special_tokens=False).ids) + 1 for d in docs)
+    return time.perf_counter() - t, tokens
+
+
+def train_hf_bpe(jsonl, out, vocab_size):
+    """A GPT-2-style byte-level BPE of `vocab_size` tokens trained on the corpus; its file."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(corpus.iter_documents([str(jsonl)]), trainer)
+    tok.save(str(out))
+    return out
 
 
 def tool_seconds(jsonl, model, prefix, workers):
@@ -87,41 +121,73 @@ def main():
         model = Tokenizer.train([str(jsonl)], tmp / "tok", args.vocab_size)
         out["tokenizer_train_s"] = time.perf_counter() - t
 
-        # Interleaved rounds: a burst of load from other users hits every method alike.
-        runs = {"plain": [], 1: [], 2: []}
-        for _ in range(args.repeats):
-            secs, tokens = plain_encode_seconds(jsonl, model)
-            runs["plain"].append(secs)
-            for w in (1, 2):
-                secs, n = tool_seconds(jsonl, model, tmp / "d", w)
-                assert n == tokens, (n, tokens)
-                runs[w].append(secs)
-        out["tokens"] = tokens
-        out["plain_encode_tok_s"] = tokens / min(runs["plain"])
-        for w in (1, 2):
-            out[f"tool_{w}w_tok_s"] = tokens / min(runs[w])
-            out[f"tool_{w}w_median_tok_s"] = tokens / float(np.median(runs[w]))
-        out["plain_encode_median_tok_s"] = tokens / float(np.median(runs["plain"]))
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            hf_model = None
+            print("tokenizers is not installed: the Hugging Face rows are skipped", file=sys.stderr)
+        else:
+            t = time.perf_counter()
+            hf_model = train_hf_bpe(jsonl, tmp / "tokenizer.json", args.vocab_size)
+            out["hf_tokenizer_train_s"] = time.perf_counter() - t
 
-        indexed = IndexedDataset(tmp / "d")
+        # Interleaved rounds: a burst of load from other users hits every method alike.
+        # (name, tokenizer, how): plain loops in this process, or the tool with 1 or 2 workers
+        methods = [("plain", model, "loop"), ("tool_1w", model, 1), ("tool_2w", model, 2)]
+        if hf_model:
+            methods += [("hf_plain", hf_model, "loop"), ("hf_batch", hf_model, "batch"),
+                        ("hf_tool_1w", hf_model, 1), ("hf_tool_2w", hf_model, 2)]  # fmt: skip
+        runs = {name: [] for name, _, _ in methods}
+        counts = {}
+        for _ in range(args.repeats):
+            for name, tok, how in methods:
+                if how == "loop" and tok == model:
+                    secs, n = plain_encode_seconds(jsonl, model)
+                elif how in ("loop", "batch"):
+                    secs, n = plain_hf_seconds(jsonl, tok, batch=how == "batch")
+                else:
+                    secs, n = tool_seconds(jsonl, tok, tmp / name, how)
+                assert counts.setdefault(tok, n) == n, (name, n, counts[tok])  # same tokens
+                runs[name].append(secs)
+        tokens = counts[model]
+        out["tokens"] = tokens
+        out["corpus_bytes"] = jsonl_bytes = sum(
+            len(d.encode()) for d in corpus.iter_documents([str(jsonl)])
+        )
+        if hf_model:
+            out["hf_tokens"] = counts[hf_model]
+        for name, tok, _ in methods:
+            n = counts[tok]
+            key = "plain_encode" if name == "plain" else name
+            out[f"{key}_tok_s"] = n / min(runs[name])
+            out[f"{key}_median_tok_s"] = n / float(np.median(runs[name]))
+            out[f"{key}_mb_s"] = jsonl_bytes / 2**20 / min(runs[name])
+
+        indexed = IndexedDataset(tmp / "tool_1w")
         for seq in (128, 1024):
             ds = GPTDataset(indexed, 0, len(indexed), seq, seed=0)
             out[f"fetch_us_seq{seq}"] = best(lambda ds=ds: fetch_us(ds), args.repeats)
         ds = GPTDataset(indexed, 0, len(indexed), 128, seed=0)
         out["get_batch_us_mbs8_seq128"] = best(lambda: batch_us(ds), args.repeats)
 
-    base = out["plain_encode_tok_s"]
+    base = out["plain_encode_mb_s"]
     print(f"corpus: {out['corpus_files']} files, {out['corpus_mb']:.2f} MB, {tokens} tokens")
     print(
         f"prepare: corpus {out['corpus_s']:.2f} s, tokenizer training {out['tokenizer_train_s']:.1f} s"
+        + (f" (Hugging Face BPE {out['hf_tokenizer_train_s']:.1f} s)" if hf_model else "")
     )
-    print("                           best tokens/s  ratio   (median tokens/s)")
-    print(
-        f"plain sentencepiece loop  {base:12,.0f}   1.00x  ({out['plain_encode_median_tok_s']:,.0f})"
-    )
-    for w in (1, 2):
-        r, med = out[f"tool_{w}w_tok_s"], out[f"tool_{w}w_median_tok_s"]
-        print(f"preprocess_data {w} worker(s) {r:10,.0f}   {r / base:.2f}x  ({med:,.0f})")
+    print("                                 best tokens/s    MB/s  ratio   (median tokens/s)")
+    labels = {"plain": "plain sentencepiece loop", "tool_1w": "preprocess_data 1 worker",
+              "tool_2w": "preprocess_data 2 workers", "hf_plain": "plain HF tokenizers loop",
+              "hf_batch": "HF encode_batch (all cores)", "hf_tool_1w": "HF preprocess_data 1 worker",
+              "hf_tool_2w": "HF preprocess_data 2 workers"}  # fmt: skip
+    for name, _, _ in methods:
+        key = "plain_encode" if name == "plain" else name
+        tok_s, mb_s = out[f"{key}_tok_s"], out[f"{key}_mb_s"]
+        print(
+            f"{labels[name]:30s} {tok_s:12,.0f} {mb_s:7.2f}  {mb_s / base:.2f}x  "
+            f"({out[f'{key}_median_tok_s']:,.0f})"
+        )
     for k in ("fetch_us_seq128", "fetch_us_seq1024", "get_batch_us_mbs8_seq128"):
         print(f"{k:28s} {out[k]:8.2f} us")
     if args.json:

@@ -7,14 +7,17 @@ iter_* directory with index.json) or a Hugging Face model directory (config.json
 model.safetensors or a sharded model.safetensors.index.json).
 
   megalite -> hf        config.json + model.safetensors for GPT2LMHeadModel / LlamaForCausalLM
-                        (vocabulary padding stripped), plus the sentencepiece tokenizer.model
+                        (vocabulary padding stripped), plus the run's tokenizer: its
+                        sentencepiece tokenizer.model or Hugging Face tokenizer.json, with a
+                        tokenizer_config.json that AutoTokenizer loads
   hf -> megalite        a weights-only megalite checkpoint (DST/iter_0000000 + DST/latest):
                         --load it to fine-tune; the trainer starts a fresh optimizer
   megalite -> megalite  a verified copy. The format is topology-free, so no resharding is
                         needed: any layout loads any checkpoint. --tp/--pp/--vpp are checked
                         against the model (heads, layers divisible) so a bad layout fails here.
 
-Only safetensors and JSON are read (never pickle: pytorch_model.bin is refused).
+Only safetensors and JSON are read (never pickle: pytorch_model.bin is refused). Progress bars
+show on a terminal only.
 """
 
 import argparse
@@ -26,33 +29,19 @@ from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf
 from megalite.config import Config
-from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
 from megalite.model.gpt import VOCAB_TENSORS
 from megalite.shape import validate
 
 
-class Progress:
-    """One stderr line, rewritten in place: `what: [#####     ] done/total`."""
-
-    def __init__(self, what: str, total: int, width: int = 30):
-        self.what, self.total, self.width, self.done, self.shown = what, max(total, 1), width, 0, -1
-
-    def step(self, n: int = 1):
-        self.done += n
-        filled = self.width * self.done // self.total
-        if filled == self.shown and self.done < self.total:
-            return  # redraw only when the bar grows
-        self.shown = filled
-        bar = "#" * filled + " " * (self.width - filled)
-        end = "\n" if self.done >= self.total else ""
-        print(
-            f"\r{self.what}: [{bar}] {self.done}/{self.total}", end=end, file=sys.stderr, flush=True
-        )
+def progress(items, what: str, unit: str = "tensor"):
+    """`items` with a progress bar on stderr when it is a terminal (quiet in logs and pipes)."""
+    return tqdm(items, desc=what, unit=unit, disable=None)
 
 
 def detect(src: Path) -> str:
@@ -121,14 +110,13 @@ def hf_to_megalite(src: Path, dst: Path, args):
         raise MegaliteError(f"{src / 'config.json'} lacks the field {e}") from None
     check_layout(cfg, args.tp, args.pp, args.vpp)
     logical = hf.from_hf(read_hf_weights(src), cfg.model)
-    progress = Progress("converting", len(logical))
     tensors = {}
-    for name, t in logical.items():
+    for name, t in progress(logical.items(), "converting"):
         if name in VOCAB_TENSORS:
             t = t[: cfg.model.vocab_size]  # the format stores the real vocabulary
         tensors[name] = t.contiguous()
-        progress.step()
-    tokenizer = src / fmt.TOKENIZER if (src / fmt.TOKENIZER).is_file() else None
+    # a sentencepiece model where the directory has both (Llama's): what megalite always took
+    tokenizer = next((src / n for n in fmt.TOKENIZERS if (src / n).is_file()), None)
     meta = {
         "iteration": 0,
         "consumed_samples": 0,
@@ -146,12 +134,7 @@ def megalite_to_hf(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     ckpt.verify()
     cfg = Config.from_dict({"model": ckpt.model_config}).model
-    names = ckpt.names()
-    progress = Progress("reading", len(names))
-    state = {}
-    for n in names:
-        state[n] = ckpt.read(n)
-        progress.step()
+    state = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
     out = hf.to_hf(state, cfg)
     if cfg.tied:  # one tensor under two names cannot be saved; transformers re-ties lm_head
         out.pop("lm_head.weight", None)
@@ -160,28 +143,17 @@ def megalite_to_hf(src: Path, dst: Path, args):
     config = hf.hf_config(cfg)
     config["torch_dtype"] = fmt.dtype_name(next(iter(out.values())).dtype)
     config["bos_token_id"] = config["eos_token_id"] = None  # unknown without a tokenizer
-    if fmt.TOKENIZER in ckpt.files:
-        tok = Tokenizer(ckpt.dir / fmt.TOKENIZER)
-        config["bos_token_id"], config["eos_token_id"] = tok.bos_id, tok.eos_id
+    if name := fmt.stored_tokenizer(ckpt.files):  # the tokenizer the run trained with
+        config.update(hf.export_tokenizer(ckpt.dir / name, dst))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    if fmt.TOKENIZER in ckpt.files:
-        shutil.copyfile(ckpt.dir / fmt.TOKENIZER, dst / fmt.TOKENIZER)
-        # The sentencepiece model loads as a (slow) LlamaTokenizer; megalite's tokenizer adds
-        # no BOS/EOS and no dummy prefix, so neither does this one.
-        tok = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
-               "add_eos_token": False, "add_prefix_space": False, "legacy": True}  # fmt: skip
-        (dst / "tokenizer_config.json").write_text(json.dumps(tok, indent=2))
 
 
 def megalite_to_megalite(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     cfg = Config.from_dict({"model": ckpt.model_config})
     check_layout(cfg, args.tp, args.pp, args.vpp)
-    files = sorted(ckpt.files)
-    progress = Progress("verifying", len(files))
-    for f in files:
+    for f in progress(sorted(ckpt.files), "verifying", "file"):
         ckpt.verify([f])
-        progress.step()
     shutil.copytree(ckpt.dir, dst / ckpt.dir.name)
     fmt.write_atomic(dst / fmt.LATEST, ckpt.dir.name)
 

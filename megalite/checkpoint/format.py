@@ -4,7 +4,8 @@ A checkpoint is a directory (`RUN/iter_0000020/`) holding
 
   index.json            what everything is (below)
   *.safetensors         the tensor data; a file holds at most one slice of each tensor
-  tokenizer.model       the sentencepiece model the run trained with (when it had one)
+  tokenizer.model       the tokenizer the run trained with, when it had one: a sentencepiece
+  or tokenizer.json     model, or a Hugging Face tokenizers file (the name says which)
 
 The index names every logical tensor (model weights by their logical name, optimizer state as
 `optimizer.<kind>.<name>` with kind exp_avg, exp_avg_sq or master), its global shape and dtype,
@@ -36,7 +37,9 @@ from megalite.errors import MegaliteError
 FORMAT = "megalite-checkpoint/1"
 INDEX = "index.json"
 LATEST = "latest"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = "tokenizer.model"  # a sentencepiece model
+HF_TOKENIZER = "tokenizer.json"  # a Hugging Face tokenizers file
+TOKENIZERS = (TOKENIZER, HF_TOKENIZER)
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
@@ -115,11 +118,27 @@ def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]
     return entries, {fname: {"sha256": sha256_file(path), "bytes": path.stat().st_size}}
 
 
+def tokenizer_name(src) -> str:
+    """The name a tokenizer file is stored under, from its content: JSON is a Hugging Face
+    tokenizer.json; anything else a sentencepiece model (a protobuf, which never starts with
+    '{'). The file's own name is not trusted: it may be anything --tokenizer-type allowed."""
+    with open(src, "rb") as fh:
+        head = fh.read(64).lstrip()
+    return HF_TOKENIZER if head.startswith(b"{") else TOKENIZER
+
+
+def stored_tokenizer(files: dict) -> str | None:
+    """The tokenizer file among a checkpoint's `files` (its index), or None."""
+    return next((name for name in TOKENIZERS if name in files), None)
+
+
 def copy_tokenizer(src, directory: Path) -> dict:
-    """Copy a sentencepiece model into a checkpoint; returns its {name: {sha256, bytes}}."""
-    path = directory / TOKENIZER
+    """Copy a tokenizer file (sentencepiece model or tokenizer.json) into a checkpoint under
+    `tokenizer_name(src)`; returns its {name: {sha256, bytes}}."""
+    name = tokenizer_name(src)
+    path = directory / name
     shutil.copyfile(src, path)
-    return {TOKENIZER: {"sha256": sha256_file(path), "bytes": path.stat().st_size}}
+    return {name: {"sha256": sha256_file(path), "bytes": path.stat().st_size}}
 
 
 def merge_entries(parts: list[dict]) -> dict:

@@ -4,13 +4,19 @@ Works on whole logical tensors (one process's view of the model, tp=1): `to_hf` 
 map a state dict one way or the other. megalite pads the vocabulary (to a multiple of
 `make_vocab_size_divisible_by`); padding rows are added on import and stripped on export.
 GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v into `c_attn`; megalite keeps
-`nn.Linear` (out, in) and separate q, k, v.
+`nn.Linear` (out, in) and separate q, k, v. `export_tokenizer` writes the run's tokenizer so that
+`AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on.
 """
+
+import json
+import shutil
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
+from megalite.data.tokenizer import SENTENCEPIECE, load_tokenizer
 from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
 
@@ -189,3 +195,25 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
         if name in out:
             out[name] = F.pad(out[name], (0, 0, 0, pad))
     return out
+
+
+def export_tokenizer(path, dst: Path) -> dict:
+    """Write the tokenizer file `path` (a checkpoint's tokenizer.model or tokenizer.json) into
+    the transformers model directory `dst`, with a tokenizer_config.json that makes
+    AutoTokenizer encode as megalite does; returns {"bos_token_id", "eos_token_id"} for
+    config.json (None where the tokenizer has no such token)."""
+    tok = load_tokenizer(path)
+    shutil.copyfile(path, dst / tok.file_name)
+    # megalite adds no BOS/EOS when encoding text, so neither may the exported tokenizer.
+    conf = {"add_bos_token": False, "add_eos_token": False}
+    if tok.kind == SENTENCEPIECE:
+        # The sentencepiece model loads as a (slow) LlamaTokenizer with no dummy prefix.
+        conf.update(tokenizer_class="LlamaTokenizer", add_prefix_space=False, legacy=True)
+    else:
+        # tokenizer.json as it is; a special token's text inside a document is text to
+        # megalite (split_special_tokens), and decoding keeps spaces as they were.
+        conf.update(tokenizer_class="PreTrainedTokenizerFast", split_special_tokens=True,
+                    clean_up_tokenization_spaces=False, **tok.special_tokens)  # fmt: skip
+    (dst / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    return {k: (v if v >= 0 else None) for k, v in ids.items()}

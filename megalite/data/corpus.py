@@ -6,6 +6,7 @@ table-only modules left out) until `MAX_CORPUS_BYTES`, each file one document, s
 Python installation it is the same corpus every time.
 """
 
+import gzip
 import json
 import os
 import sysconfig
@@ -99,20 +100,35 @@ def input_files(paths: list[str]) -> list[Path]:
     return files
 
 
+def _kind(path: Path) -> str:
+    """'jsonl', 'parquet' or 'text', from the name (a trailing .gz is looked through)."""
+    name = path.name.removesuffix(".gz")
+    if name.endswith((".jsonl", ".json")):
+        return "jsonl"
+    if name.endswith(".parquet") and not path.name.endswith(".gz"):
+        return "parquet"
+    return "text"
+
+
 def is_jsonl(path: Path) -> bool:
-    return path.suffix in (".jsonl", ".json")
+    return _kind(path) == "jsonl"
 
 
 def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
     """Every document of the inputs, in order; empty documents are skipped.
 
-    A `.jsonl`/`.json` file holds one document per line (`{json_key: text, ...}`); any other
-    file is one document. Raises MegaliteError on unreadable input or when there is none.
+    A `.jsonl`/`.json` file holds one document per line (`{json_key: text, ...}`), a `.parquet`
+    file one per row (its `json_key` column); any other file is one document. A `.gz` suffix is
+    decompressed first (`.jsonl.gz`, `.txt.gz`). Raises MegaliteError on unreadable input or
+    when there is none.
     """
     count = 0
     for path in input_files(paths):
-        if is_jsonl(path):
+        kind = _kind(path)
+        if kind == "jsonl":
             docs = _jsonl_documents(path, json_key)
+        elif kind == "parquet":
+            docs = _parquet_documents(path, json_key)
         else:
             docs = iter([_read_text(path)])
         for doc in docs:
@@ -123,15 +139,25 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
         raise MegaliteError(f"the inputs {' '.join(paths)} hold no text; pass non-empty files")
 
 
+def _open_text(path: Path):
+    """The file as UTF-8 text, decompressed when it ends in .gz."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", errors="strict")
+    return open(path, encoding="utf-8", errors="strict")
+
+
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        with _open_text(path) as fh:
+            return fh.read()
     except UnicodeDecodeError:
         raise MegaliteError(f"input {path} is not UTF-8 text; convert it or leave it out") from None
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise MegaliteError(f"input {path} is not a complete gzip file ({e})") from None
 
 
 def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="strict") as fh:
+    with _open_text(path) as fh:
         try:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
@@ -151,3 +177,43 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
                 yield obj[key]
         except UnicodeDecodeError:
             raise MegaliteError(f"input {path} is not UTF-8 text; convert it first") from None
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise MegaliteError(f"input {path} is not a complete gzip file ({e})") from None
+
+
+def _parquet_documents(path: Path, key: str) -> Iterator[str]:
+    """The `key` column of a Parquet file, row by row; null rows are skipped like empty ones.
+    Read in record batches, so a file larger than memory streams."""
+    try:
+        import pyarrow.parquet as pq  # optional: only Parquet inputs need it
+    except ImportError:
+        raise MegaliteError(
+            f"reading {path} needs the pyarrow package; pip install pyarrow (or megalite[hf])"
+        ) from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise MegaliteError(f"input {path} is not a readable Parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if key not in schema.names:
+        raise MegaliteError(
+            f"{path} has no column {key!r} (its columns: {', '.join(schema.names)}); pass "
+            "--json-key with the column that holds the text"
+        )
+    kind = schema.field(key).type
+    if not _is_text(kind):
+        raise MegaliteError(
+            f"{path} column {key!r} holds {kind}, not text; pass --json-key with the column that "
+            "holds the text"
+        )
+    for batch in pf.iter_batches(columns=[key], batch_size=1024):
+        for doc in batch.column(0).to_pylist():
+            if doc is not None:
+                yield doc
+
+
+def _is_text(dtype) -> bool:
+    import pyarrow.types as t
+
+    view = getattr(t, "is_string_view", lambda _: False)  # pyarrow >= 16 only
+    return t.is_string(dtype) or t.is_large_string(dtype) or view(dtype)

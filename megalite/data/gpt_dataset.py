@@ -33,7 +33,7 @@ import numpy as np
 
 from megalite.data import corpus
 from megalite.data.indexed_dataset import IndexedDataset, build_indexed_dataset
-from megalite.data.tokenizer import Tokenizer
+from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -95,7 +95,7 @@ class Datasets:
 
     train: GPTDataset | BlendedDataset
     valid: GPTDataset | BlendedDataset | None
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | HFTokenizer
     test: GPTDataset | BlendedDataset | None = None
 
 
@@ -166,7 +166,7 @@ def build_datasets(cfg) -> Datasets:
     fractions = parse_split(d.split)
     weights, prefixes = parse_data_path(d.data_path) if d.data_path else (None, [])
     if d.tokenizer_model:
-        tokenizer = Tokenizer(d.tokenizer_model)
+        tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type)
         _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path)
     elif d.data_path:
         raise MegaliteError(
@@ -177,8 +177,10 @@ def build_datasets(cfg) -> Datasets:
         builtin = "trained for the built-in corpus"
         _check_vocab(d.tokenizer_vocab_size, m, builtin, " (or lower --tokenizer-vocab-size)")
     if not prefixes:
-        prefix, model = prepare_builtin(d.data_cache_dir, d.tokenizer_vocab_size, d.tokenizer_model)
-        prefixes, tokenizer = [prefix], Tokenizer(model)
+        prefix, model = prepare_builtin(
+            d.data_cache_dir, d.tokenizer_vocab_size, d.tokenizer_model, d.tokenizer_type
+        )
+        prefixes, tokenizer = [prefix], load_tokenizer(model)
 
     splits = [[] for _ in SPLIT_NAMES]
     for k, prefix in enumerate(prefixes):
@@ -226,10 +228,15 @@ def prepare_builtin(
     cache_dir: str | os.PathLike,
     vocab_size: int,
     tokenizer_model: str | None = None,
+    tokenizer_type: str | None = None,
     max_bytes: int | None = None,
     threads: int | None = None,
 ) -> tuple[str, str]:
-    """The built-in corpus as (dataset prefix, tokenizer model), built once in `cache_dir`.
+    """The built-in corpus as (dataset prefix, tokenizer file), built once in `cache_dir`.
+
+    `tokenizer_model` (with `tokenizer_type`, as `load_tokenizer` takes them) tokenizes it;
+    without one a sentencepiece model of `vocab_size` pieces is trained on it. The returned
+    tokenizer file is tokenizer.model or tokenizer.json, so `load_tokenizer` infers its kind.
 
     Each build goes to a temporary directory renamed into place when complete, under an
     exclusive file lock: concurrent callers wait for the first one and then reuse its result.
@@ -237,14 +244,16 @@ def prepare_builtin(
     builds a new entry beside the old.
     """
     max_bytes = max_bytes or corpus.MAX_CORPUS_BYTES
-    tok_key = f"sp{vocab_size}"
+    tok_key, tok_name = f"sp{vocab_size}", Tokenizer.file_name
     if tokenizer_model:
+        given = load_tokenizer(tokenizer_model, tokenizer_type)  # checked before any build
+        tokenizer_model, tok_name = given.model_path, given.file_name  # a directory's file
         tok_key = "tok-" + sha256(Path(tokenizer_model).read_bytes()).hexdigest()[:12]
     v = sys.version_info
     key = f"stdlib-py{v.major}.{v.minor}-c{corpus.CORPUS_VERSION}-{max_bytes >> 10}k-{tok_key}"
     cache = Path(cache_dir)
     final = cache / key
-    prefix, model = str(final / "data"), str(final / "tokenizer.model")
+    prefix, model = str(final / "data"), str(final / tok_name)
     if final.is_dir():  # renamed into place only when complete: no lock needed to read it
         return prefix, model
     try:
@@ -266,12 +275,12 @@ def prepare_builtin(
             print(f"megalite: preparing the built-in corpus in {final} (once)", file=sys.stderr)
             jsonl = corpus.build_corpus(tmp, max_bytes)
             if tokenizer_model:
-                shutil.copyfile(tokenizer_model, tmp / "tokenizer.model")
+                shutil.copyfile(tokenizer_model, tmp / tok_name)
             else:
                 Tokenizer.train([str(jsonl)], tmp / "tokenizer", vocab_size)
             build_indexed_dataset(
                 corpus.iter_documents([str(jsonl)]),
-                tmp / "tokenizer.model",
+                tmp / tok_name,
                 tmp / "data",
                 threads=threads or min(4, os.cpu_count() or 1),
             )

@@ -13,12 +13,12 @@ truncated, mismatched or foreign file is a clear error rather than garbage sampl
 import multiprocessing
 import os
 import struct
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from megalite.errors import MegaliteError
 
@@ -158,14 +158,14 @@ class IndexedDataset:
 
 # --- building one from text: tokenization in worker processes -------------------------------
 
-_worker = None  # (tokenizer, sentencepiece threads) of this process
+_worker = None  # (tokenizer, encoding threads) of this process
 
 
-def _init_worker(model_path: str, threads: int = 1) -> None:
+def _init_worker(model_path: str, threads: int = 1, kind: str | None = None) -> None:
     global _worker
-    from megalite.data.tokenizer import Tokenizer
+    from megalite.data.tokenizer import load_tokenizer
 
-    _worker = (Tokenizer(model_path), threads)
+    _worker = (load_tokenizer(model_path, kind), threads)
 
 
 def _encode_batch(docs: list[str]) -> list[np.ndarray]:
@@ -200,33 +200,37 @@ def build_indexed_dataset(
     workers: int = 1,
     progress: bool = True,
     threads: int = 1,
+    tokenizer_type: str | None = None,
 ) -> dict:
     """Tokenize `documents` (EOS after each) into PREFIX.bin/.idx; returns a summary dict.
 
-    `workers > 1` encodes in that many worker processes (order kept), each single-threaded.
-    They are spawned, which re-imports the caller's `__main__`: use them from a script file.
-    `threads` is for `workers == 1`: sentencepiece's own encoding threads in this process, the
+    `tokenizer_model`/`tokenizer_type` are what `load_tokenizer` takes. `workers > 1` encodes
+    in that many worker processes (order kept), each single-threaded. They are spawned, which
+    re-imports the caller's `__main__`: use them from a script file. `threads` is for
+    `workers == 1`: the tokenizer's own encoding threads in this process (-1: all cores), the
     way to go parallel inside a library caller (no processes, nothing re-imported).
+    `progress` shows a bar on a terminal; it stays quiet when stderr is not one (a log file).
     """
-    from megalite.data.tokenizer import Tokenizer
+    from megalite.data.tokenizer import load_tokenizer
 
-    tok = Tokenizer(tokenizer_model)
+    tok = load_tokenizer(tokenizer_model, tokenizer_type)
     if tok.eos_id < 0:
         raise MegaliteError(
-            f"tokenizer {tokenizer_model} has no end-of-sequence piece; train one with eos_id set"
+            f"tokenizer {tokenizer_model} has no end-of-sequence token; megalite ends every "
+            "document with one: use a tokenizer that has one (e.g. </s> or <|endoftext|>)"
         )
-    start, last_report = time.perf_counter(), 0.0
-    # A terminal gets one line rewritten in place; a log file a line every few seconds.
-    tty = sys.stderr.isatty()
-    interval, end = (0.5, "\r") if tty else (5.0, "\n")
+    start = time.perf_counter()
     ndocs = ntokens = 0
+    # the total is unknown (documents stream in): the bar counts tokens and shows the rate
+    bar = tqdm(unit="tok", unit_scale=True, disable=None if progress else True, leave=False)
     pool = None
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_model), 1))
+        init = (tok.model_path, 1, tok.kind)  # the file a directory holds, and its kind
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=init)
         encoded = pool.imap(_encode_batch, _batches(documents))
     else:
-        _init_worker(str(tokenizer_model), threads)
+        _init_worker(tok.model_path, threads, tok.kind)
         encoded = map(_encode_batch, _batches(documents))
     try:
         with IndexedDatasetWriter(output_prefix, tok.vocab_size) as writer:
@@ -235,20 +239,12 @@ def build_indexed_dataset(
                     writer.add_document(arr)
                     ndocs += 1
                     ntokens += arr.size
-                now = time.perf_counter() - start
-                if progress and now - last_report > interval:
-                    last_report = now
-                    print(
-                        f"{ndocs} documents, {ntokens} tokens, {ntokens / now:,.0f} tokens/s",
-                        end=end,
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                bar.update(sum(a.size for a in batch))
+                bar.set_postfix_str(f"{ndocs} documents", refresh=False)
             writer.finalize()
     finally:
+        bar.close()
         if pool is not None:
             pool.terminate()
     seconds = time.perf_counter() - start
-    if progress and last_report and tty:
-        print(file=sys.stderr)
     return {"documents": ndocs, "tokens": ntokens, "seconds": seconds, "prefix": str(output_prefix)}

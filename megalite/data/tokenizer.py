@@ -1,4 +1,9 @@
-"""A sentencepiece tokenizer that round-trips any text, and its training."""
+"""Tokenizers: sentencepiece (round-trips any text; trained here) and Hugging Face `tokenizers`.
+
+`load_tokenizer(path, kind)` opens either; both classes have the same interface (`encode`,
+`encode_batch`, `decode`, `vocab_size`, `bos_id`, `eos_id`, `unk_id`, `pad_id`, `model_path`,
+`kind`, `file_name`), so callers never ask which one they hold.
+"""
 
 import io
 import os
@@ -30,16 +35,32 @@ SPECIAL_IDS = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=3)
 # vocabulary of a few thousand pieces, and it bounds time and memory on large inputs.
 INPUT_SENTENCE_SIZE = 300_000
 
+SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"
+# Megatron-LM's --tokenizer-type names are accepted too, so its command lines carry over.
+KINDS = {
+    SENTENCEPIECE: SENTENCEPIECE,
+    "GPTSentencePieceTokenizer": SENTENCEPIECE,
+    HUGGINGFACE: HUGGINGFACE,
+    "HuggingFaceTokenizer": HUGGINGFACE,
+}
+
 
 class Tokenizer:
     """A sentencepiece model: `encode`/`decode` and the ids of its special pieces."""
 
+    kind = SENTENCEPIECE
+    file_name = "tokenizer.model"  # its name inside checkpoints and the data cache
+
     def __init__(self, model_path: str | os.PathLike):
         self.model_path = str(model_path)
+        if os.path.isdir(self.model_path):
+            raise MegaliteError(
+                f"{self.model_path} is a directory; a sentencepiece tokenizer is one .model file"
+            )
         if not os.path.isfile(self.model_path):
             raise MegaliteError(
-                f"tokenizer model {self.model_path} does not exist; pass a sentencepiece .model "
-                "to --tokenizer-model"
+                f"tokenizer model {self.model_path} does not exist; pass a sentencepiece .model, "
+                "a Hugging Face tokenizer.json or a directory holding one to --tokenizer-model"
             )
         self.sp = spm.SentencePieceProcessor()
         try:
@@ -71,6 +92,17 @@ class Tokenizer:
         """The pad piece; EOS for a model trained without one (sentencepiece's default)."""
         pad = self.sp.pad_id()
         return pad if pad >= 0 else self.eos_id
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """{"bos_token": "<s>", ...} for the roles this model has (tokenizer_config.json)."""
+        roles = {
+            "bos": self.bos_id,
+            "eos": self.eos_id,
+            "pad": self.sp.pad_id(),
+            "unk": self.unk_id,
+        }
+        return {f"{r}_token": self.sp.IdToPiece(i) for r, i in roles.items() if i >= 0}
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -177,3 +209,157 @@ def _explain(error: str, vocab_size: int) -> str:
         )
     last = error.strip().splitlines()[-1]
     return f"sentencepiece could not train a {vocab_size}-piece tokenizer ({last}); check the input"
+
+
+# ---- Hugging Face tokenizers -------------------------------------------------------------------
+
+HF_FILE = "tokenizer.json"
+# tokenizer.json does not say which special token ends a document (transformers keeps that in
+# tokenizer_config.json, which megalite does not store): the usual names of the families in use,
+# first match wins. Reading tokenizer.json alone means a checkpoint's copy of it gives the same ids.
+_SPECIAL_NAMES = {
+    "eos": ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]"),
+    "bos": ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]"),
+    "pad": ("<pad>", "<|pad|>", "<|padding|>", "[PAD]"),
+    "unk": ("<unk>", "<|unk|>", "[UNK]"),
+}
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers  # optional: only Hugging Face tokenizers need it
+    except ImportError:
+        raise MegaliteError(
+            "Hugging Face tokenizers need the tokenizers package; pip install tokenizers "
+            "(or megalite[hf])"
+        ) from None
+    return tokenizers
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json with the interface of `Tokenizer`.
+
+    `path` is the tokenizer.json or a directory holding one (what `save_pretrained` writes);
+    `model_path` is always the file, the one a checkpoint copies. Text is encoded as text:
+    no BOS/EOS added (preprocessing appends EOS, as with sentencepiece) and a literal special
+    token such as "<|endoftext|>" inside a document is encoded as its characters, never as the
+    control id, so only megalite's EOS ends a document and byte-level BPE round-trips any text.
+    """
+
+    kind = HUGGINGFACE
+    file_name = HF_FILE
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        file = path / HF_FILE if path.is_dir() else path
+        if path.is_dir() and not file.is_file():
+            raise MegaliteError(
+                f"directory {path} holds no {HF_FILE}; save a fast tokenizer there with "
+                "save_pretrained, or pass the tokenizer.json or a sentencepiece .model"
+            )
+        if not file.is_file():
+            raise MegaliteError(
+                f"tokenizer {file} does not exist; pass a Hugging Face tokenizer.json (or a "
+                "directory holding one) to --tokenizer-model"
+            )
+        self.model_path = str(file)
+        tokenizers = _import_tokenizers()
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(self.model_path)
+        except Exception as e:  # tokenizers raises its own exception type for bad files
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MegaliteError(
+                f"{file} is not a Hugging Face tokenizer.json ({first}); pass the file written "
+                "by tokenizers' save() or save_pretrained"
+            ) from None
+        self.tok.encode_special_tokens = True  # see the class docstring
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        # ids may leave gaps (added tokens past the model's vocabulary): size by the largest
+        self._vocab_size = max(vocab.values(), default=-1) + 1
+        specials = {
+            t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special
+        }
+
+        def find(role, pool):
+            return next(((n, pool[n]) for n in _SPECIAL_NAMES[role] if n in pool), (None, -1))
+
+        self._eos = find("eos", specials)
+        # GPT-2's convention: <|endoftext|> both starts and ends text
+        self._bos = find("bos", specials)
+        if self._bos[0] is None and self._eos[0] == "<|endoftext|>":
+            self._bos = self._eos
+        self._pad = find("pad", specials)
+        self._unk = find("unk", vocab)  # byte-level BPE has none: every byte is a token
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos[1]
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos[1]
+
+    @property
+    def unk_id(self) -> int:
+        return self._unk[1]
+
+    @property
+    def pad_id(self) -> int:
+        """The pad token; EOS for a tokenizer without one (as `Tokenizer.pad_id`)."""
+        return self._pad[1] if self._pad[0] is not None else self.eos_id
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """{"bos_token": "<s>", ...} for the roles this tokenizer has (tokenizer_config.json)."""
+        roles = {"bos": self._bos, "eos": self._eos, "pad": self._pad, "unk": self._unk}
+        return {f"{r}_token": name for r, (name, _) in roles.items() if name is not None}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
+        """`encode` of each text. num_threads=1 encodes in this thread (worker processes);
+        otherwise tokenizers' own thread pool (all cores, or RAYON_NUM_THREADS) does."""
+        if num_threads == 1:
+            return [self.encode(t) for t in texts]
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def tokenizer_kind(path: str | os.PathLike, kind: str | None = None) -> str:
+    """'sentencepiece' or 'huggingface': `kind` (Megatron's names accepted) or, when None, from
+    the path: a directory or a .json file is Hugging Face, a .model file sentencepiece."""
+    if kind is not None:
+        if kind not in KINDS:
+            raise MegaliteError(
+                f"unknown tokenizer type {kind!r}; use sentencepiece or huggingface (Megatron's "
+                "GPTSentencePieceTokenizer and HuggingFaceTokenizer work too)"
+            )
+        return KINDS[kind]
+    p = Path(path)
+    if p.is_dir() or p.suffix == ".json":
+        return HUGGINGFACE
+    if p.suffix == ".model":
+        return SENTENCEPIECE
+    if not p.exists():
+        raise MegaliteError(
+            f"tokenizer model {p} does not exist; pass a sentencepiece .model, a Hugging Face "
+            "tokenizer.json or a directory holding one to --tokenizer-model"
+        )
+    raise MegaliteError(
+        f"cannot tell which kind of tokenizer {p} is (neither a .model file, a .json file nor a "
+        "directory); rename it or pass --tokenizer-type sentencepiece|huggingface"
+    )
+
+
+def load_tokenizer(path: str | os.PathLike, kind: str | None = None) -> Tokenizer | HFTokenizer:
+    """The tokenizer at `path`, of `kind` (see `tokenizer_kind`): a `Tokenizer` or an
+    `HFTokenizer`, which have the same interface."""
+    cls = {SENTENCEPIECE: Tokenizer, HUGGINGFACE: HFTokenizer}[tokenizer_kind(path, kind)]
+    return cls(path)

@@ -1,9 +1,13 @@
-"""Where a step's numbers go: the console, the metrics file and Weights & Biases, from one rank."""
+"""Where a step's numbers go: the console, the metrics file, Weights & Biases and TensorBoard,
+from one rank."""
 
 import datetime
+import importlib.util
 import json
 import os
 import time
+
+from megalite.errors import MegaliteError
 
 
 def _fmt_time(seconds: float) -> str:
@@ -16,10 +20,17 @@ class Logger:
     def __init__(self, cfg, enabled: bool):
         self.cfg, self.enabled = cfg, enabled
         self.start = time.time()
-        self.wandb = None
+        self.wandb = self.tensorboard = None
+        log = cfg.logging
+        # Checked on every rank, so all of them stop with the same error rather than rank 0
+        # alone while the others wait for it.
+        if log.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+            raise MegaliteError(
+                "--tensorboard-dir needs the tensorboard package; pip install tensorboard "
+                "(or megalite[tensorboard]), or drop --tensorboard-dir"
+            )
         if not enabled:
             return
-        log = cfg.logging
         if log.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(log.metrics_file)), exist_ok=True)
         if log.wandb_mode != "disabled":
@@ -33,6 +44,10 @@ class Logger:
                 dir=log.wandb_dir,
                 config=cfg.to_dict(),
             )
+        if log.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
+
+            self.tensorboard = SummaryWriter(log.tensorboard_dir)
 
     def print(self, *lines):
         if self.enabled:
@@ -68,15 +83,28 @@ class Logger:
         if self.cfg.logging.metrics_file:
             with open(self.cfg.logging.metrics_file, "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
-        if self.wandb is not None:
-            flat = {
-                k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None
-            }
-            for kind, v in (metrics.get("comm") or {}).items():
-                flat[f"comm/{kind}_bytes"] = v["bytes"]
-                flat[f"comm/{kind}_seconds"] = v["seconds"]
-            self.wandb.log(flat, step=metrics["iteration"])
+        if self.wandb is not None or self.tensorboard is not None:
+            flat, step = flatten(metrics), metrics["iteration"]
+            if self.wandb is not None:
+                self.wandb.log(flat, step=step)
+            if self.tensorboard is not None:
+                for k, v in flat.items():
+                    self.tensorboard.add_scalar(k, v, global_step=step)
+                self.tensorboard.flush()  # a run that dies later keeps what was logged
 
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+
+def flatten(metrics: dict) -> dict:
+    """The scalars of a metrics row (W&B and TensorBoard log the same): numbers as they are,
+    per-group communication as comm/<group>_bytes and comm/<group>_seconds."""
+    flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+    for kind, v in (metrics.get("comm") or {}).items():
+        flat[f"comm/{kind}_bytes"] = v["bytes"]
+        flat[f"comm/{kind}_seconds"] = v["seconds"]
+    return flat

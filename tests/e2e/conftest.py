@@ -60,3 +60,23 @@ def pretrain(nproc: int, args: list[str], tmp: Path, timeout: int = 600, check: 
         [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     )
     return rows, r
+
+
+def train_byte_bpe(texts: list[str], out: Path, vocab_size: int) -> Path:
+    """A GPT-2-style byte-level BPE (special token <|endoftext|>) trained on `texts` with the
+    tokenizers package, saved as out/tokenizer.json; returns the file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: nothing is unknown
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"
