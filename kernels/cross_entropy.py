@@ -85,7 +85,7 @@ def cross_entropy_shard_stats_ref(
     logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`cross_entropy_shard_stats` in plain torch (fp64 stays fp64), a slice of rows at a time."""
-    x2 = logits.reshape(-1, logits.shape[-1])  # (N, Vs)
+    x2 = logits.reshape(labels.numel(), logits.shape[-1])  # (N, Vs); Vs may be 0
     lab = labels.reshape(-1)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     n, vs = x2.shape
@@ -113,7 +113,7 @@ def cross_entropy_shard_grad_ref(
 ) -> torch.Tensor:
     """`cross_entropy_shard_grad` in plain torch, a slice of rows at a time, without reading
     anything on the host (no nonzero: the one-hot is a scatter)."""
-    x2 = logits.reshape(-1, logits.shape[-1])
+    x2 = logits.reshape(labels.numel(), logits.shape[-1])
     lab, lse1, dl = labels.reshape(-1), lse.reshape(-1), grad_loss.reshape(-1)
     out = torch.empty_like(x2)
     vs = x2.shape[1]

@@ -137,6 +137,11 @@ class OptimizerConfig:
         choices=(0, 1, 2),
     )
     bucket_size_mb: float = opt(25.0, "gradient bucket size for the data-parallel reduction")
+    overlap_param_gather: bool = opt(
+        True,
+        "ZeRO >= 1: gather updated parameters while the next forward runs (each bucket waited "
+        "for by the first layer that reads it)",
+    )
     initial_loss_scale: float = opt(2.0**16, "fp16: starting loss scale")
     loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale doubles")
     min_loss_scale: float = opt(1.0, "fp16: the scale never falls below this")
@@ -148,7 +153,22 @@ class DataConfig:
         list,
         "indexed dataset prefixes, optionally weighted: 0.7 a 0.3 b (default: built-in corpus)",
     )
-    tokenizer_model: str | None = opt(None, "sentencepiece .model (default: trained on the corpus)")
+    tokenizer_model: str | None = opt(
+        None,
+        "sentencepiece .model, Hugging Face tokenizer.json or a directory holding one "
+        "(default: a sentencepiece model trained on the built-in corpus)",
+    )
+    tokenizer_type: str | None = opt(
+        None,
+        "sentencepiece or huggingface (Megatron's GPTSentencePieceTokenizer, "
+        "HuggingFaceTokenizer too); default: from --tokenizer-model's path",
+        choices=(
+            "sentencepiece",
+            "huggingface",
+            "GPTSentencePieceTokenizer",
+            "HuggingFaceTokenizer",
+        ),
+    )
     split: str = opt("98,2,0", "train,valid,test proportions")
     tokenizer_vocab_size: int = opt(
         2048, "vocabulary of the tokenizer trained for the built-in corpus"
@@ -203,6 +223,9 @@ class LoggingConfig:
         "offline", "offline needs no account; sync later", choices=("offline", "online", "disabled")
     )
     wandb_dir: str = opt("runs", "where W&B writes its files")
+    tensorboard_dir: str | None = opt(
+        None, "also write the logged scalars as TensorBoard event files here (needs tensorboard)"
+    )
 
 
 @dataclass

@@ -6,7 +6,9 @@
         --recompute-granularity selective --gpus 64 --gpu-memory 80 --gpus-per-node 8
 
 Model and training flags are pretrain_gpt.py's; the layout flags (--tp --pp --vpp, --zero-stage,
---sequence-parallel) describe the layout printed first. Needs no GPU and no process group.
+--sequence-parallel) describe the layout printed first. The layouts that fit are ranked by an
+estimated step time (--mfu, --peak-tflops, --intra-node-gbps, --inter-node-gbps set its
+assumptions). Needs no GPU and no process group.
 """
 
 import argparse
@@ -24,12 +26,40 @@ def main(argv):
     ap.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU [80]")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node [8]")
     ap.add_argument("--top", type=int, default=10, help="layouts listed [10]")
+    d = Cluster(1)
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=d.peak_tflops,
+        help=f"dense peak per GPU at the training precision [{d.peak_tflops:g}]",
+    )
+    ap.add_argument(
+        "--mfu",
+        type=float,
+        default=d.mfu,
+        help=f"model FLOPs utilisation the compute reaches [{d.mfu:g}]",
+    )
+    ap.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=d.intra_node_gbps,
+        help=f"bus bandwidth per GPU inside a node, GB/s [{d.intra_node_gbps:g}]",
+    )
+    ap.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
+                    help=f"bus bandwidth per GPU across nodes, GB/s [{d.inter_node_gbps:g}]")  # fmt: skip
     ns, rest = ap.parse_known_args(argv)
-    if ns.gpus < 1 or ns.gpus_per_node < 1 or ns.gpu_memory <= 0:
-        raise MegaliteError("--gpus, --gpus-per-node and --gpu-memory must be positive")
+    numbers = (ns.gpus, ns.gpus_per_node, ns.gpu_memory, ns.peak_tflops, ns.mfu,
+               ns.intra_node_gbps, ns.inter_node_gbps)  # fmt: skip
+    if min(numbers) <= 0 or ns.mfu > 1:
+        raise MegaliteError(
+            "--gpus, --gpus-per-node, --gpu-memory, --peak-tflops and the bandwidths must be "
+            "positive, and --mfu in (0, 1]"
+        )
     cfg = parse_args(rest)
     shape = validate(cfg, ns.gpus)
-    cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus))
+    cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus), peak_tflops=ns.peak_tflops,
+                      mfu=ns.mfu, intra_node_gbps=ns.intra_node_gbps,
+                      inter_node_gbps=ns.inter_node_gbps)  # fmt: skip
     print_plan(cfg, shape, cluster, top=ns.top)
 
 

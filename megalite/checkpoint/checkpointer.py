@@ -229,22 +229,23 @@ class Checkpointer:
 
     def _check_compatible(self, ckpt: Checkpoint):
         ours, theirs = self.shape.model, ckpt.model_config
+        saved_tok = fmt.stored_tokenizer(ckpt.files)  # tokenizer.model or tokenizer.json
         for f in MODEL_FIELDS:
             if theirs.get(f) != getattr(ours, f):
                 hint = (
-                    f"pass the checkpoint's tokenizer: --tokenizer-model {ckpt.dir / fmt.TOKENIZER}"
-                    if f == "vocab_size" and fmt.TOKENIZER in ckpt.files
+                    f"pass the checkpoint's tokenizer: --tokenizer-model {ckpt.dir / saved_tok}"
+                    if f == "vocab_size" and saved_tok
                     else "use the model flags the checkpoint was trained with"
                 )
                 raise MegaliteError(
                     f"checkpoint {ckpt.dir} has {f}={theirs.get(f)} but this run has "
                     f"{getattr(ours, f)}; {hint}"
                 )
-        tok, saved = self.tokenizer_path, ckpt.files.get(fmt.TOKENIZER)
+        tok, saved = self.tokenizer_path, ckpt.files.get(saved_tok) if saved_tok else None
         if tok is not None and saved and fmt.sha256_file(Path(tok)) != saved["sha256"]:
             raise MegaliteError(
                 f"tokenizer {tok} differs from the one checkpoint {ckpt.dir} was trained "
-                f"with; pass --tokenizer-model {ckpt.dir / fmt.TOKENIZER}"
+                f"with; pass --tokenizer-model {ckpt.dir / saved_tok}"
             )
 
     # ---- saving -----------------------------------------------------------------------------
@@ -371,16 +372,18 @@ class Checkpointer:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def after_step(self, state_fn) -> bool:
-        """Save when due (`state_fn()` gives the TrainState); True when the run should stop (a
-        rank got SIGTERM/SIGINT)."""
-        c, g = self.cfg.checkpoint, self.groups
+    @property
+    def signalled(self) -> bool:
+        """This rank got SIGTERM/SIGINT (the trainer shares it in the step's status reduction,
+        so every rank stops at the same step)."""
+        return self._signal is not None
+
+    def after_step(self, state_fn, stop: bool) -> bool:
+        """Save when due (`state_fn()` gives the TrainState) or when `stop` (some rank was
+        signalled); returns `stop`."""
+        c = self.cfg.checkpoint
         if not c.save:
             return False
-        # Signals reach ranks at different times: all ranks agree, so they stop at the same step.
-        flag = torch.tensor([0.0 if self._signal is None else 1.0], device=g.device)
-        comm.all_reduce(flag, g.world, op=dist.ReduceOp.MAX)
-        stop = flag.item() > 0
         state = state_fn()
         if stop or (c.save_interval and state.iteration % c.save_interval == 0):
             self.save(state)

@@ -1,4 +1,11 @@
-"""The global gradient norm over every rank, each logical element counted once, and clipping."""
+"""The global gradient norm over every rank, each logical element counted once, and clipping.
+
+What the host must know after backward (the norm for clipping, whether any gradient is inf or
+nan, and whatever the caller adds, such as a preemption signal) travels in one small float64
+status tensor: one all-reduce over the world, then one host read per step.
+"""
+
+import math
 
 import torch
 
@@ -6,12 +13,11 @@ from megalite.parallel import comm
 from megalite.parallel.comm import Group
 
 
-def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group):
-    """(norm, found_inf): the 2-norm of the `counted` gradient pieces summed over `group`, and
-    whether any piece, `counted` or only `checked`, on any rank of the group is inf or nan.
-
-    One all-reduce carries both, so every rank takes the same skip decision.
-    """
+def step_status(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group,
+                flags=()) -> list[float]:  # fmt: skip
+    """[sum of squares of the `counted` gradient pieces, how many ranks hold a non-finite
+    piece (`counted` or only `checked`), *flags], each summed over `group`: one all-reduce and
+    the step's one read of the device. Every rank gets the same values."""
     dtype = torch.float64
     device = group.device or next((g.device for g in [*counted, *checked]), None)
     sumsq = torch.zeros((), dtype=dtype, device=device)
@@ -19,10 +25,18 @@ def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group:
         sumsq += torch.linalg.vector_norm(g).to(dtype) ** 2
     # A sum is non-finite iff some element is (finite fp32 gradients cannot overflow fp64).
     total = sum((g.sum(dtype=dtype) for g in checked), torch.zeros((), dtype=dtype, device=device))
-    stats = torch.stack([sumsq, (~torch.isfinite(total)).to(dtype)])
-    comm.all_reduce(stats, group)
-    found_inf = bool(stats[1] > 0) or not bool(torch.isfinite(stats[0]))
-    return float(stats[0].sqrt()), found_inf
+    nonfinite = (~torch.isfinite(total) | ~torch.isfinite(sumsq)).to(dtype)
+    status = torch.cat([torch.stack([sumsq, nonfinite]),
+                        torch.tensor(list(flags), dtype=dtype, device=device)])  # fmt: skip
+    comm.all_reduce(status, group)
+    return status.tolist()
+
+
+def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group):
+    """(norm, found_inf): the 2-norm of the `counted` gradient pieces summed over `group`, and
+    whether any piece, `counted` or only `checked`, on any rank of the group is inf or nan."""
+    sumsq, nonfinite = step_status(counted, checked, group)
+    return math.sqrt(sumsq) if math.isfinite(sumsq) else sumsq, nonfinite > 0
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

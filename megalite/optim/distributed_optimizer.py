@@ -8,19 +8,23 @@ per parameter. A step:
   1. finalise gradients: wait for the DP reductions, then sum the gradients each rank holds only
      part of (ParamSpec.grad_sum): over TP (sequence-parallel norms, replicated k/v), over
      `embed` (the tied embedding's two halves on the first and last stage)
-  2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check, in one
-     all-reduce; any non-finite gradient skips the step on every rank
+  2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check and the
+     caller's flags, in one all-reduce and one host read (the only one in a training step);
+     any non-finite gradient skips the step on every rank
   3. unscale (fp16) and clip in one multiply, AdamW on the shards, masters -> parameters
-  4. stage >= 1: all-gather the updated parameter shards into the flat parameter buffer
+  4. stage >= 1: all-gather the updated parameter shards into the flat parameter buffer, by
+     default overlapped with the next forward (each bucket waited for where it is first read)
 
 The AdamW arithmetic is torch.optim.AdamW's single-tensor path, element for element.
 """
+
+import math
 
 import torch
 from torch import nn
 
 from megalite.config import Config
-from megalite.optim.clip_grad import clip_coefficient, global_norm
+from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import GradBuffer, ParamRange
@@ -120,27 +124,32 @@ class DistributedOptimizer:
         self.buffer.zero_grad(microbatches or self.default_microbatches)
         self._finalised = False
 
-    def step(self, lr: float) -> dict:
+    def step(self, lr: float, flags=()) -> dict:
+        """Clip and update; `flags` (floats) are summed over the world in the same reduction
+        as the norm and returned as "flags" (the trainer's preemption signal)."""
         self.finalise_grads()
         buf, o = self.buffer, self.opt_cfg
+        buf.wait_params()  # (normally done already: the forward waited for every bucket)
         grads = [b.shard_grad for b in buf.buckets]
         counted = [g[lo:hi] for g, segs in zip(grads, self._norm) for lo, hi in segs]
         rest = [g[lo:hi] for g, segs in zip(grads, self._rest) for lo, hi in segs]
-        norm, found_inf = global_norm(counted, rest, self.groups.world)
+        sumsq, nonfinite, *flags = step_status(counted, rest, self.groups.world, flags)
+        found_inf = nonfinite > 0
         scale = self.loss_scale
-        norm /= scale
+        norm = (math.sqrt(sumsq) if sumsq >= 0 else sumsq) / scale
+        out = {"grad_norm": norm, "skipped": found_inf, "flags": flags}
         if self.scaler:
             self.scaler.update(found_inf)
+        out["loss_scale"] = self.loss_scale
         if found_inf:
-            return {"grad_norm": norm, "skipped": True, "loss_scale": self.loss_scale}
-
+            return out
         factor = clip_coefficient(norm, o.clip_grad) / scale
         if factor != 1.0:
             for g in grads:
                 g.mul_(factor)
         self._adamw(lr, grads)
-        buf.all_gather_params()
-        return {"grad_norm": norm, "skipped": False, "loss_scale": self.loss_scale}
+        buf.all_gather_params(overlap=o.overlap_param_gather)
+        return out
 
     @torch.no_grad()
     def _adamw(self, lr: float, grads: list[torch.Tensor]):
@@ -167,6 +176,11 @@ class DistributedOptimizer:
                 w[sl].addcdiv_(m, denom, value=-step_size)
             if self.masters:
                 shard.copy_(w)
+
+    def wait_params(self):
+        """Wait for the parameter gathers of the last step (a forward waits for the buckets it
+        reads by itself; whoever reads parameters otherwise calls this first)."""
+        self.buffer.wait_params()
 
     def finalise_grads(self):
         """The DP reduction, then the sums of partial gradients (TP, the tied embedding)."""
@@ -229,6 +243,7 @@ class DistributedOptimizer:
         return out
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        self.buffer.wait_params()  # the caller reads the parameters next (checkpoints)
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.masters:
             kinds["master"] = self.masters
@@ -246,6 +261,7 @@ class DistributedOptimizer:
         """Take this rank's shard of full per-parameter tensors (the inverse of state_tensors).
         Without "master" the masters start from the parameters; with it and fp32 parameters,
         the parameters take the master values."""
+        self.buffer.wait_params()
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for r in self.buffer.ranges:
             name = spec_of(r.param).tied_to or r.name

@@ -11,7 +11,15 @@ A post-accumulate-grad hook moves each parameter's fresh `.grad` into the buffer
 parameter of a bucket has its gradient for the last micro-batch of the step (earlier micro-batches
 only accumulate: no_sync), the bucket's reduction is launched asynchronously, so it overlaps
 the rest of backward. Gradients are divided by the DP size before they are summed (a mean).
-Where gradients live and how a bucket is reduced is the ZeRO stage's (optim/zero.py).
+Where gradients live and how a bucket is reduced is the ZeRO stage's (optim/zero.py). Without a
+gradient buffer (ZeRO-2) a micro-batch's bucket is staged only while it is reduced: it is freed
+as soon as its reduce-scatter lands (at most MAX_IN_FLIGHT + 1 staged at once).
+
+With sharded optimizer state each rank updates its shard of every bucket, then the buckets are
+all-gathered back into the parameter buffer. `all_gather_params(overlap=True)` launches the
+gathers in forward order and returns; a forward pre-hook on each module waits for the buckets
+holding that module's parameters, so the gathers of later layers overlap the forward of earlier
+ones (Megatron's --overlap-param-gather). `wait_params` waits for all (checkpoints).
 
 "DP" here is the group of ranks holding the same parameters (`ProcessGroups.replicas`: dp, or
 the product of every replicated axis).
@@ -72,6 +80,8 @@ class Bucket:
     start: int  # [start, end) in the flat buffers, end - start a multiple of dp
     end: int
     params: list
+    chunk: int = 0  # the model chunk its parameters belong to
+    gather: tuple | None = None  # (work, source) of its parameter all-gather, until waited for
     shard_start: int = 0  # the part of the bucket this rank updates (all of it at stage 0)
     shard_end: int = 0
     dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
@@ -138,6 +148,7 @@ class GradBuffer:
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         bucket_numel = max(1, int(bucket_size_mb * 2**20 / size))
         by_name = dict(params)
+        chunk_of = {n: c for c, named_c in enumerate(named) for n, _ in named_c}
         layout = bucket_layout(
             [[(n, p.numel(), own_bucket(n, p)) for n, p in c] for c in named],
             bucket_numel, dp.size * ALIGN,
@@ -145,7 +156,7 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         self.ranges: list[ParamRange] = []
         for start, end, ranges in layout:
-            b = Bucket(start, end, [by_name[n] for n, _, _ in ranges])
+            b = Bucket(start, end, [by_name[n] for n, _, _ in ranges], chunk_of[ranges[0][0]])
             self.buckets.append(b)
             self.ranges += [ParamRange(n, by_name[n], o, b) for n, o, _ in ranges]
         self.numel = layout[-1][1] if layout else 0
@@ -178,7 +189,36 @@ class GradBuffer:
             r.param.register_post_accumulate_grad_hook(self._on_grad)
         self._grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
         self._in_flight: deque = deque()
+        self.staged_bytes = self.peak_staged_bytes = 0  # gradient buckets staged (no buffer)
+        if self.zero.shard_state and dp.size > 1:
+            self._wait_before_forward(chunks)
         self.zero_grad(1)
+
+    def _wait_before_forward(self, chunks: list[nn.Module]):
+        """Forward pre-hooks that wait for the parameter gathers a module reads: every module
+        waits for the buckets of its subtree; the chunk itself for the parameters of plain
+        `nn.Module` containers (never called: their parent reads them)."""
+        bucket_of = {r.param: r.bucket for r in self.ranges}
+
+        def hook(buckets):
+            def wait(module, args):
+                for b in buckets:
+                    if b.gather is not None:
+                        b.gather[0].wait()
+                        b.gather = None
+
+            return wait
+
+        for chunk in chunks:
+            for name, module in chunk.named_modules():
+                if name and type(module) is not nn.Module:
+                    owned = {bucket_of[p] for p in module.parameters() if p in bucket_of}
+                else:  # the chunk, or a container: its own parameters
+                    owned = {bucket_of[p] for p in module.parameters(recurse=False)
+                             if p in bucket_of}  # fmt: skip
+                if owned:
+                    target = module if name and type(module) is not nn.Module else chunk
+                    target.register_forward_pre_hook(hook(sorted(owned, key=id)))
 
     def _grad_view(self, r: ParamRange) -> torch.Tensor:
         o = r.offset - r.bucket.start
@@ -213,6 +253,8 @@ class GradBuffer:
             )
         if b.grad is None:  # no gradient buffer: stage this pass's bucket
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
+            self.staged_bytes += b.grad.numel() * b.grad.element_size()
+            self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
         view = r.view if r.view is not None else self._grad_view(r)
         if p.grad.data_ptr() != view.data_ptr():
             view.add_(p.grad)
@@ -238,7 +280,10 @@ class GradBuffer:
         self._in_flight.append((work, b, g, out))
         if self.zero.reduce_each_microbatch:
             b.grad = None  # the next micro-batch stages afresh
-            while len(self._in_flight) > MAX_IN_FLIGHT:
+            # free what has landed (without waiting), and wait once too much is in flight
+            while self._in_flight and (
+                len(self._in_flight) > MAX_IN_FLIGHT or _landed(self._in_flight[0][0])
+            ):
                 self._complete(*self._in_flight.popleft())
         else:
             b.launched = True
@@ -250,6 +295,7 @@ class GradBuffer:
             return  # reduced in place
         if self.zero.reduce_each_microbatch:
             b.shard_grad.add_(out)
+            self.staged_bytes -= g.numel() * g.element_size()  # dropped with this tuple
         else:
             b.shard_grad.copy_(out)
 
@@ -273,20 +319,28 @@ class GradBuffer:
     def param_shard(self, b: Bucket) -> torch.Tensor:
         return self.param_buffer[b.shard_start : b.shard_end]
 
-    def all_gather_params(self):
-        """Every rank updated its shards; give every rank every bucket (stage 1/2)."""
+    def all_gather_params(self, overlap: bool = False):
+        """Every rank updated its shards; give every rank every bucket (sharded state). With
+        `overlap` the gathers are launched in forward order and waited for by the modules that
+        read them (or `wait_params`); otherwise waited for here."""
         if not self.zero.shard_state or self.dp.size == 1:
             return
-        works = []
-        for b in self.buckets:
+        forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.start))
+        for b in forward_order:
             # The shard is part of the output: gather from a copy rather than rely on the
             # backend handling overlapping input and output.
             src = self.param_shard(b).clone()
-            works.append(
-                comm.all_gather(self.param_buffer[b.start : b.end], src, self.dp, async_op=True)
-            )
-        for w in works:
-            w.wait()
+            out = self.param_buffer[b.start : b.end]
+            b.gather = (comm.all_gather(out, src, self.dp, async_op=True), src)
+        if not overlap:
+            self.wait_params()
+
+    def wait_params(self):
+        """Wait for every parameter gather still in flight."""
+        for b in self.buckets:
+            if b.gather is not None:
+                b.gather[0].wait()
+                b.gather = None
 
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""
@@ -304,3 +358,7 @@ def grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """Gradients accumulate in fp32 when parameters are bf16/fp16 (micro-batch sums keep their
     bits), in the parameters' dtype otherwise."""
     return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
+
+
+def _landed(work) -> bool:
+    return work is None or work.is_completed()

@@ -1,38 +1,46 @@
 """Runs one rank's schedule (any schedule from schedules.py) over its model chunks.
 
 The actions are interpreted in order, dispatched on their kind (an unknown kind is refused). A
-compute runs chunk `chunks[a.chunk]` on micro-batch `a.mb`; each run of consecutive send/recv
-actions is one `p2p.exchange` batch, waited for as a whole before the next compute, exactly what
-`verify.py` proves deadlock-free. Where the neighbouring virtual stage is on this rank (pp == 1,
-or a placement that turns back) there are no send/recv actions: a chunk's output is handed to
-that chunk directly.
+compute runs chunk `chunks[a.chunk]` on micro-batch `a.mb`. Each run of consecutive send/recv
+actions is posted as one `p2p.post` batch and not waited for; a WAIT blocks until the batch
+holding that receive completed, and posting batch j first waits for batch j - MAX_IN_FLIGHT, so
+sends complete in the background while later computes run: exactly the semantics `verify.py`
+proves deadlock-free. Where the neighbouring virtual stage is on this rank (pp == 1, or a
+placement that turns back) there are no send/recv actions: a chunk's output is handed to that
+chunk directly.
 
 Per (chunk, micro-batch) the executor keeps only what backward needs: the received input
 (a leaf whose .grad becomes the gradient to send back) and the output (the root of backward).
-Once the next stage has an output, its storage is released (Megatron's "deallocate output
-tensor"): the autograd graph keeps whatever it saved itself, and backward is started from the
-empty-shelled output with the received gradient.
+Once an output is posted to the next stage its storage is released (Megatron's "deallocate
+output tensor"): the posted batch keeps the sent tensor alive until it completes, the autograd
+graph keeps whatever it saved itself, and backward is started from the empty-shelled output with
+the received gradient.
 
-With a `timeline` (megalite.training.timeline.Timeline) every compute and every p2p batch is
-recorded as a span; without one nothing else changes.
+Nothing here waits on the device: computes are timed with `Clock` marks (CUDA events on a GPU),
+losses stay on the device, and a `PipelineResult` is read (one all-reduce over pp) only when the
+caller asks, on logging steps. With a `timeline` every compute and every wait is recorded as a
+span; without one nothing else changes.
 """
 
-import time
+from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd import Variable
 
+from megalite.clock import Clock
 from megalite.errors import MegaliteError
 from megalite.parallel import comm
 from megalite.pipeline import p2p
 from megalite.pipeline.schedules import (
     COMM,
+    MAX_IN_FLIGHT,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
+    WAITS,
     B,
     F,
     format_action,
@@ -43,29 +51,87 @@ from megalite.pipeline.schedules import (
 
 @dataclass
 class PipelineResult:
-    """What one step of the pipeline gives the trainer. Loss and first-stage timing are the
-    same on every pipeline rank (one all-reduce over pp), so any rank can log them."""
+    """One step of the pipeline, unread: losses on the device, times as clock marks. Reading
+    `loss`, `losses` or the first-stage figures runs one all-reduce over pp (the last stage's
+    losses and the first stage's timing), so every pipeline rank must read them, at the same
+    step: the trainer does on logging steps."""
 
-    loss: float  # mean over micro-batches of the (unscaled) mean token loss
-    losses: list[float]  # per micro-batch
-    compute_s: float  # this rank: seconds in forward and backward
-    wait_s: float  # this rank: seconds blocked in point-to-point batches
-    step_s: float  # this rank: wall time of run_schedule (before the loss all-reduce)
-    first_stage_compute_s: float
-    first_stage_step_s: float
+    loss_tensor: torch.Tensor  # (m,) float64 on the head's rank, zeros elsewhere
+    spans: list  # (start, end) marks of every compute of this rank
+    start: object  # marks of the whole schedule
+    end: object
+    wait_s: float  # this rank: host seconds blocked waiting for p2p batches
+    clock: Clock
+    pp: object  # the pipeline Group
+    _read: list | None = field(default=None, repr=False)
 
     @property
-    def bubble_measured(self) -> float:
-        """The first stage's idle fraction of the step; in theory (pp-1)/(vpp*m + pp-1)
-        (`schedules.idle_theory`)."""
-        return 1.0 - self.first_stage_compute_s / max(self.first_stage_step_s, 1e-12)
+    def compute_s(self) -> float:
+        """This rank: seconds in forward and backward."""
+        return sum(self.clock.seconds(a, b) for a, b in self.spans)
+
+    @property
+    def step_s(self) -> float:
+        """This rank: the schedule's duration."""
+        return self.clock.seconds(self.start, self.end)
+
+    def _values(self) -> list:
+        if self._read is None:
+            m = self.loss_tensor.numel()
+            summary = torch.zeros(m + 2, dtype=torch.float64, device=self.loss_tensor.device)
+            summary[:m] = self.loss_tensor
+            if self.pp.rank == 0:
+                summary[m:] = torch.tensor([self.compute_s, self.step_s], dtype=torch.float64)
+            comm.all_reduce(summary, self.pp)
+            self._read = summary.tolist()
+        return self._read
+
+    @property
+    def losses(self) -> list[float]:
+        """Per micro-batch (unscaled) mean token loss."""
+        return self._values()[:-2]
+
+    @property
+    def loss(self) -> float:
+        return sum(self.losses) / len(self.losses)
+
+    @property
+    def first_stage_compute_s(self) -> float:
+        return self._values()[-2]
+
+    @property
+    def first_stage_step_s(self) -> float:
+        return self._values()[-1]
 
     @property
     def bubble_ratio(self) -> float:
         """The first stage's idle time over its compute time, comparable to Megatron's
         (pp-1)/(vpp*m) (`schedules.bubble_theory`)."""
-        idle = self.first_stage_step_s - self.first_stage_compute_s
-        return idle / max(self.first_stage_compute_s, 1e-12)
+        return idle_ratio(self.first_stage_compute_s, self.first_stage_step_s)
+
+    @property
+    def bubble_measured(self) -> float:
+        """The first stage's idle share of the step; in theory (pp-1)/(vpp*m + pp-1)
+        (`schedules.idle_theory`)."""
+        return 1.0 - self.first_stage_compute_s / max(self.first_stage_step_s, 1e-12)
+
+
+def idle_ratio(compute_s: float, step_s: float) -> float:
+    """Idle time over compute time: megalite's one definition of the pipeline bubble."""
+    return (step_s - compute_s) / max(compute_s, 1e-12)
+
+
+def first_stage_times(results: list[PipelineResult], pp) -> tuple[float, float]:
+    """(compute, step) seconds of the first pipeline stage summed over several steps (a log
+    interval): one all-reduce over pp. Every pipeline rank calls it with its own results."""
+    t = torch.zeros(2, dtype=torch.float64)
+    if pp.rank == 0:
+        t[0] = sum(r.compute_s for r in results)
+        t[1] = sum(r.step_s for r in results)
+    t = t.to(results[0].loss_tensor.device)
+    comm.all_reduce(t, pp)
+    compute, step = t.tolist()
+    return compute, step
 
 
 def _peer_failure(batch, pp, reason: str) -> str:
@@ -101,9 +167,10 @@ def _release(t: torch.Tensor):
 SPAN = {F: "forward", B: "backward"}  # timeline span names of the compute kinds
 
 
-def _record_batch(timeline, batch, t0: float, t1: float):
+def _record_wait(timeline, batch, t0, t1):
+    """A span of time blocked on a posted batch (its actions in `ops`)."""
     sends = any(a.kind in (SEND_F, SEND_B) for a in batch)
-    recvs = any(a.kind in (RECV_F, RECV_B) for a in batch)
+    recvs = any(a.kind in (RECV_F, RECV_B, *WAITS) for a in batch)
     kind = "send+recv" if sends and recvs else "send" if sends else "recv"
     ops = " ".join(format_action(a, chunks=2) for a in batch)
     timeline.record(kind, t0, t1, chunk=batch[0].chunk, mb=batch[0].mb, ops=ops)
@@ -138,23 +205,25 @@ def run_schedule(
     Backward of micro-batch k starts from loss_k * loss_scale / m, so gradients are those of
     the mean loss (times loss_scale). With forward_only nothing is kept for backward and no
     gradient is computed (the actions must be a forward-only schedule).
-    timeline: when given, receives `record(kind, start, end, ...)` for each compute
-        ("forward"/"backward", chunk, mb), each p2p batch ("send"/"recv"/"send+recv", with its
-        actions in `ops`) and the whole schedule ("schedule").
+    timeline: when given, receives `record(kind, start, end, ...)` (clock marks) for each
+        compute ("forward"/"backward", chunk, mb), each wait ("recv", or "send" for the sends
+        still in flight at the end, with its actions in `ops`) and the whole schedule.
     placement: the schedule's (pp, vpp, rank, chunk) -> virtual stage.
     """
     pp, device = groups.pp, groups.device
+    clock = Clock(device)
     local_next, local_prev = _local_neighbours(pp.size, pp.rank, len(chunks), placement)
     m = len(microbatches)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     inputs = {}  # (chunk, mb) -> input hidden (b, s, h): a leaf that collects its gradient
     outputs = {}  # (chunk, mb) -> output kept as the root of backward (scaled loss on the head)
     grads = {}  # (chunk, mb) -> gradient of that output, received or handed over
     outbox = {}  # (kind, chunk, mb) -> tensor waiting to be sent
+    received = {}  # (kind of the receive, chunk, mb) -> (batch, buffer)
+    batches = deque()  # posted batches not yet known to be complete, oldest first
+    posted = 0
     losses = [None] * m
-    compute_s = wait_s = 0.0
-    sync()
-    start = time.perf_counter()
+    spans, wait_s = [], 0.0
+    start = clock.mark()
 
     def forward(c, k):
         chunk = chunks[c]
@@ -192,32 +261,46 @@ def run_schedule(
         else:
             outbox[SEND_B, c, k] = g.contiguous()
 
-    def communicate(batch):
-        ops, received = [], []
-        for a in batch:
+    def wait(batch, what, op=None):
+        nonlocal wait_s
+        t0 = clock.mark()
+        try:
+            wait_s += batch.wait(op)
+        except RuntimeError as e:  # a timeout, or a peer whose connection closed
+            raise MegaliteError(_peer_failure(what, pp, str(e)), every_rank=True) from e
+        if timeline is not None:
+            _record_wait(timeline, what, t0, clock.mark())
+
+    def post(run):
+        nonlocal posted
+        if len(batches) >= MAX_IN_FLIGHT:  # bound the activations held by sends in flight
+            oldest, what = batches.popleft()
+            wait(oldest, what)
+        ops = []
+        for a in run:
             if a.kind in (SEND_F, SEND_B):
-                ops.append((True, outbox[a.kind, a.chunk, a.mb], a.peer))
+                ops.append((True, outbox.pop((a.kind, a.chunk, a.mb)), a.peer))
+                if a.kind == SEND_F and (a.chunk, a.mb) in outputs:
+                    _release(outputs[a.chunk, a.mb])  # the batch holds the sent tensor now
             else:
                 buf = torch.empty(hidden_shape, dtype=dtype, device=device)
                 ops.append((False, buf, a.peer))
-                received.append((a, buf))
-        try:
-            seconds = p2p.exchange(ops, pp)
-        except (
-            RuntimeError
-        ) as e:  # a timeout, or a peer whose connection closed: it died or stalled
-            raise MegaliteError(_peer_failure(batch, pp, str(e)), every_rank=True) from e
-        for a in batch:
-            if a.kind in (SEND_F, SEND_B):
-                del outbox[a.kind, a.chunk, a.mb]
-                if a.kind == SEND_F and (a.chunk, a.mb) in outputs:
-                    _release(outputs[a.chunk, a.mb])  # the next stage has it now
-        for a, buf in received:
-            if a.kind == RECV_F:
-                inputs[a.chunk, a.mb] = buf.requires_grad_(not forward_only)
-            else:
-                grads[a.chunk, a.mb] = buf
-        return seconds
+        batch = p2p.post(ops, pp)
+        for i, (a, (_, buf, _)) in enumerate(zip(run, ops)):
+            if a.kind in (RECV_F, RECV_B):
+                received[a.kind, a.chunk, a.mb] = (batch, i, buf)
+        batches.append((batch, run))
+        posted += 1
+
+    def take(a):  # a WAIT: the received tensor, once it arrived (its sends complete later)
+        kind = WAITS[a.kind]
+        batch, op, buf = received.pop((kind, a.chunk, a.mb))
+        run = next((run for b, run in batches if b is batch), None)
+        wait(batch, [run[op]] if run else [a], op)
+        if kind == RECV_F:
+            inputs[a.chunk, a.mb] = buf.requires_grad_(not forward_only)
+        else:
+            grads[a.chunk, a.mb] = buf
 
     compute = {F: forward, B: backward}  # dispatch on the kind of a compute action
     i = 0
@@ -227,45 +310,31 @@ def run_schedule(
             j = i
             while j < len(actions) and actions[j].kind in COMM:
                 j += 1
-            t0 = time.perf_counter()
-            wait_s += communicate(actions[i:j])
-            if timeline is not None:
-                _record_batch(timeline, actions[i:j], t0, time.perf_counter())
+            post(actions[i:j])
             i = j
+            continue
+        i += 1
+        if a.kind in WAITS:
+            take(a)
             continue
         if a.kind not in compute:
             raise ValueError(f"the executor cannot run action {a} (kind {a.kind!r})")
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         compute[a.kind](a.chunk, a.mb)
-        sync()
-        t1 = time.perf_counter()
-        compute_s += t1 - t0
+        t1 = clock.mark()
+        spans.append((t0, t1))
         if timeline is not None:
             timeline.record(SPAN[a.kind], t0, t1, chunk=a.chunk, mb=a.mb)
-        i += 1
-    end = time.perf_counter()
-    step_s = end - start
+    while batches:  # the sends still in flight
+        wait(*batches.popleft())
+    end = clock.mark()
     if timeline is not None:
         timeline.record("schedule", start, end)
-    if outputs or outbox or grads or inputs:
-        left = [sorted(d)[:3] for d in (outputs, outbox, grads, inputs) if d]
+    if outputs or outbox or grads or inputs or received:
+        left = [sorted(d)[:3] for d in (outputs, outbox, grads, inputs, received) if d]
         raise RuntimeError(f"the schedule left tensors unused (outputs/sends/grads/inputs): {left}")
-
-    # One all-reduce over pp shares the last stage's losses and the first stage's timing.
     has_head = any(c.has_head for c in chunks)
-    summary = torch.zeros(m + 2, dtype=torch.float64, device=device)
+    loss_tensor = torch.zeros(m, dtype=torch.float64, device=device)
     if has_head:
-        summary[:m] = torch.stack(losses).to(torch.float64)
-    if pp.rank == 0:
-        summary[m:] = torch.tensor([compute_s, step_s], dtype=torch.float64)
-    comm.all_reduce(summary, pp)
-    values = summary.tolist()
-    return PipelineResult(
-        loss=sum(values[:m]) / m,
-        losses=values[:m],
-        compute_s=compute_s,
-        wait_s=wait_s,
-        step_s=step_s,
-        first_stage_compute_s=values[m],
-        first_stage_step_s=values[m + 1],
-    )
+        loss_tensor = torch.stack(losses).to(torch.float64)
+    return PipelineResult(loss_tensor, spans, start, end, wait_s, clock, pp)

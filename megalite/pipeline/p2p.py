@@ -1,10 +1,12 @@
-"""Activation and gradient exchange between pipeline stages: one batch of isend/irecv at a time.
+"""Activation and gradient exchange between pipeline stages: batches posted now, waited for later.
 
 Shapes are known ahead (every tensor between stages is the caller's `hidden_shape`), so there is
-no shape handshake: a receive is just an empty buffer. A batch is posted with
-`batch_isend_irecv` and waited for as a whole before the caller goes on; that is the model
-`verify.py` checks schedules against. Messages between two ranks are matched in posting order
-(gloo and NCCL alike), which the verifier also checks, so no tags are used.
+no shape handshake: a receive is just an empty buffer. A batch of sends and receives is posted
+with `batch_isend_irecv` (`post`) and returns at once; the caller waits for it (`Batch.wait`)
+only when it needs a received tensor, or to bound what is in flight. On NCCL that wait is a
+dependency of the compute stream, not a host wait. Batches complete in posting order and
+messages between two ranks are matched in posting order (gloo and NCCL alike): that is the model
+`verify.py` proves schedules deadlock-free against. No tags are used.
 """
 
 import time
@@ -27,24 +29,53 @@ def _warm_up(group: Group, device: torch.device):
     _ready.add(id(group.pg))
 
 
-def exchange(ops: list[tuple[bool, torch.Tensor, int]], group: Group) -> float:
-    """Post `ops`, a list of (is_send, tensor, peer index in `group`), as one batch and wait for
-    all of them. Receives fill their tensors in place. Returns the seconds spent, and records
-    the bytes sent in the group's ledger."""
-    t0 = time.perf_counter()
+class Batch:
+    """Posted sends and receives; keeps every tensor alive until they complete."""
+
+    def __init__(self, ops, works, group: Group):
+        self.ops, self.works, self.group = ops, works, group
+        self.waited: set[int] = set()  # works already waited for: gloo's p2p works must not be
+        self.done = False  # waited twice (a second wait on a receive waits for another message)
+
+    def wait(self, op: int | None = None) -> float:
+        """Block until operation `op` of the batch (default: every one) completed; returns the
+        seconds blocked. Where the backend fused the batch into one work (NCCL), that is the
+        whole batch anyway."""
+        if self.done:
+            return 0.0
+        t0 = time.perf_counter()
+        whole = op is None or len(self.works) != len(self.ops)
+        for i in range(len(self.works)) if whole else [op]:
+            if i not in self.waited:
+                self.works[i].wait()
+                self.waited.add(i)
+        if whole:
+            self.done, self.ops = True, None  # the tensors may go now
+        seconds = time.perf_counter() - t0
+        self.group.ledger.seconds[self.group.kind] += seconds
+        return seconds
+
+
+def post(ops: list[tuple[bool, torch.Tensor, int]], group: Group) -> Batch:
+    """Post `ops`, a list of (is_send, tensor, peer index in `group`), as one batch. Receives
+    fill their tensors in place once the batch completes. Records the bytes sent."""
     if not ops:
-        return 0.0
-    device = ops[0][1].device
-    _warm_up(group, device)
+        return Batch([], [], group)
+    for _, t, _ in ops:
+        group.check(t)
+    _warm_up(group, ops[0][1].device)
     p2p = [
         dist.P2POp(dist.isend if send else dist.irecv, t, group=group.pg, group_peer=peer)
         for send, t, peer in ops
     ]
-    for work in dist.batch_isend_irecv(p2p):
-        work.wait()
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the received data is needed now
-    seconds = time.perf_counter() - t0
+    works = dist.batch_isend_irecv(p2p)
     sent = sum(t.numel() * t.element_size() for send, t, _ in ops if send)
-    group.ledger.add(group.kind, sent, seconds)
-    return seconds
+    group.ledger.add(group.kind, sent)
+    return Batch(ops, works, group)
+
+
+def exchange(ops: list[tuple[bool, torch.Tensor, int]], group: Group) -> float:
+    """Post `ops` as one batch and wait for all of them; returns the seconds spent."""
+    t0 = time.perf_counter()
+    post(ops, group).wait()
+    return time.perf_counter() - t0

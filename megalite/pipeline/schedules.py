@@ -2,11 +2,17 @@
 
 A schedule is built in two steps. First the *compute order* of one rank: its forwards F and
 backwards B of (chunk, micro-batch). Then `with_comms` inserts the point-to-point actions
-around each compute: the sends of a compute's output and the receive of the next compute's
-input form one batch between the two (Megatron's send_forward_recv_backward and friends).
-The executor posts each run of consecutive send/recv actions as one batch and waits for all of
-it before the next compute; `verify.py` proves, with rendezvous semantics, that this cannot
-deadlock and that every send meets the receive it is meant for.
+around each compute: the sends of a compute's output and the receive of the next segment's
+inputs form one batch between the two (Megatron's send_forward_recv_backward and friends), and
+a WAIT right before each compute whose input comes from another rank. Posting is separate from
+waiting: the executor posts each run of consecutive send/recv actions as one batch and goes on;
+it blocks only at a WAIT (for the batch holding that receive) and, to bound what is in flight,
+before posting a batch while the batch MAX_IN_FLIGHT back is still incomplete; the rest
+completes in the background (sends are never waited for in the step, only at its end). So a
+receive needed by the second compute of a segment (interleaved: a forward, then a backward)
+arrives while the first one runs. `verify.py` proves, under these semantics and with batches
+completing in posting order (NCCL's stream order), that no schedule deadlocks and that every
+send meets the receive it is meant for.
 
 Where the layers live is the schedule's *placement*: chunk c of rank r holds virtual stage
 `placement(pp, vpp, r, c)`; Megatron's interleaving is c*pp + r. Activations flow to virtual
@@ -38,6 +44,8 @@ class Kind(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    WAIT_F = "WAIT_F"  # block until the posted receive of (chunk, mb)'s activation completed
+    WAIT_B = "WAIT_B"  # the same for its gradient
 
     def __str__(self) -> str:
         return self.value
@@ -45,9 +53,14 @@ class Kind(str, enum.Enum):
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+WAIT_F, WAIT_B = Kind.WAIT_F, Kind.WAIT_B
 COMPUTE = (F, B, I, W)
 BACKWARD = (B, I)  # the computes that produce the gradient sent to the previous stage
-COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
+COMM = (SEND_F, RECV_F, SEND_B, RECV_B)  # posted as one batch per run of consecutive actions
+WAITS = {WAIT_F: RECV_F, WAIT_B: RECV_B}  # each wait and the receive it waits for
+# Before posting batch j the executor waits for batch j - MAX_IN_FLIGHT: sends then hold at
+# most that many batches of activations alive, and the verifier models the same rule.
+MAX_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +80,20 @@ def format_action(a: Action, chunks: int = 1) -> str:
     label = f"{a.mb}.{a.chunk}" if chunks > 1 else f"{a.mb}"
     if a.kind in COMPUTE:
         return f"{a.kind}{label}"
+    if a.kind in WAITS:
+        return f"w{a.kind.value[-1]}{label}"
     arrow = ">" if a.kind in (SEND_F, SEND_B) else "<"
     return f"{a.kind.value[0].lower()}{a.kind.value[-1]}{label}{arrow}{a.peer}"
 
 
 def format_actions(actions: list[Action], chunks: int = 1, comms: bool = False) -> str:
     """One rank's schedule on one line: `F0 F1 B0 F2 B1 ...`; with `comms`, each batch of
-    send/recv actions in brackets: `F0 [sF0>1 rB0<1] B0 ...`."""
+    send/recv actions in brackets: `F0 [sF0>1 rB0<1] B0 ...` (waits are implied: right before
+    the compute that reads a received tensor)."""
     out, batch = [], []
     for a in actions:
+        if a.kind in WAITS:
+            continue
         if a.kind in COMM:
             batch.append(format_action(a, chunks))
             continue
@@ -282,7 +300,11 @@ def with_comms(segments, pp: int, vpp: int, rank: int, placement=interleaved_pla
     for seg in segments:
         recvs, sends = zip(*(neighbours(a, pp, vpp, rank, placement) for a in seg))
         batch = pending + [x for x in recvs if x is not None]
-        out += sorted(batch, key=_batch_order) + seg
+        out += sorted(batch, key=_batch_order)
+        for a, recv in zip(seg, recvs):
+            if recv is not None:  # wait for this compute's input right before it
+                out.append(Action(WAIT_F if recv.kind == RECV_F else WAIT_B, a.chunk, a.mb))
+            out.append(a)
         pending = [x for x in sends if x is not None]
     return out + sorted(pending, key=_batch_order)
 

@@ -5,16 +5,20 @@
 - every action is well formed (chunk, micro-batch and peer in range; the peer is the neighbour
   that virtual stage really talks to);
 - on every rank, each (chunk, micro-batch) is forwarded once and backwarded once, its forward
-  before its backward, each compute after the receive of its input (or, with pp == 1, after
-  the local chunk that produces it), each send after the compute that produced its tensor;
+  before its backward, each compute after the wait for the receive of its input (or, when the
+  neighbouring stage is on this rank, after the local compute that produces it), each wait
+  after its receive was posted, each send after the compute that produced its tensor;
 - the k-th send from rank a to rank b is the tensor that b's k-th receive from a expects
   (same kind, micro-batch, and the next or previous virtual stage): point-to-point messages
   between two ranks are matched in posting order on gloo and NCCL alike, and every tensor has
   the same shape, so a mismatch would otherwise corrupt silently;
-- there is no deadlock when the ranks run as the executor runs them: each run of consecutive
-  comm actions is posted as one batch and completes only when every operation in it has met
-  its partner in the peer's currently posted batch (rendezvous: a send never completes on its
-  own, which is stricter than any real backend, so a table that passes cannot hang).
+- there is no deadlock when the ranks run as the executor runs them (schedules.py): each run of
+  consecutive comm actions is posted as one batch without waiting; a rank's batches complete
+  in posting order (a stream), each only when every operation in it has met its partner in the
+  peer's oldest incomplete batch (rendezvous: a send never completes on its own, stricter than
+  any real backend); a rank blocks at a WAIT until the batch holding that receive completed,
+  and before posting batch j until batch j - MAX_IN_FLIGHT completed; at the end of the step it
+  waits for all. A table that passes cannot hang.
 
 It reports, per rank, in a `Report`:
 
@@ -33,10 +37,14 @@ from dataclasses import dataclass
 
 from megalite.pipeline.schedules import (
     COMM,
+    MAX_IN_FLIGHT,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
+    WAIT_B,
+    WAIT_F,
+    WAITS,
     B,
     F,
     format_action,
@@ -111,24 +119,24 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
     """Per-rank order and completeness; returns the peak of live activations."""
     last = pp * vpp - 1
     # state per (chunk, mb) and per kind: seen once at most
-    seen = {kind: set() for kind in (F, B, SEND_F, RECV_F, SEND_B, RECV_B)}
+    seen = {kind: set() for kind in (F, B, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_F, WAIT_B)}
 
     def remote(vs: int) -> int | None:
         """The chunk on this rank holding virtual stage vs, or None when another rank does."""
         r, c = owner(placement, pp, vpp, vs)
         return c if r == rank else None
 
-    def arrived(a, vs: int, comm_kind, local_kind) -> bool:
-        """Has compute a's input from neighbouring virtual stage vs arrived?"""
+    def arrived(a, vs: int, wait_kind, local_kind) -> bool:
+        """Has compute a's input from neighbouring virtual stage vs arrived (waited for)?"""
         c = remote(vs)
-        return (a.chunk, a.mb) in seen[comm_kind] if c is None else (c, a.mb) in seen[local_kind]
+        return (a.chunk, a.mb) in seen[wait_kind] if c is None else (c, a.mb) in seen[local_kind]
 
     live = peak = 0
     for i, a in enumerate(acts):
         where = _where(rank, i, a, vpp)
         if a.kind not in seen:
             raise ScheduleError(f"{where}: unknown action kind {a.kind!r}")
-        if forward_only and a.kind in (B, SEND_B, RECV_B):
+        if forward_only and a.kind in (B, SEND_B, RECV_B, WAIT_B):
             raise ScheduleError(f"{where}: a gradient in a forward-only schedule")
         if not (0 <= a.chunk < vpp and 0 <= a.mb < m):
             raise ScheduleError(f"{where}: chunk or micro-batch out of range (vpp={vpp}, m={m})")
@@ -145,15 +153,21 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
                 raise ScheduleError(f"{where}: its neighbour is on this rank (a local hand-over)")
             if a.peer != want:
                 raise ScheduleError(f"{where}: wrong peer, expected rank {want}")
-        if a.kind == F:
-            if vs > 0 and not arrived(a, vs - 1, RECV_F, F):
+        if a.kind in WAITS:
+            if key not in seen[WAITS[a.kind]]:
+                what = "forward" if a.kind == WAIT_F else "backward"
+                raise ScheduleError(
+                    f"{where}: {what} before its input arrived: it waits for a receive never posted"
+                )
+        elif a.kind == F:
+            if vs > 0 and not arrived(a, vs - 1, WAIT_F, F):
                 raise ScheduleError(f"{where}: forward before its input arrived")
             live += 1
             peak = max(peak, live)
         elif a.kind == B:
             if key not in seen[F]:
                 raise ScheduleError(f"{where}: backward before its forward")
-            if vs < last and not arrived(a, vs + 1, RECV_B, B):
+            if vs < last and not arrived(a, vs + 1, WAIT_B, B):
                 raise ScheduleError(f"{where}: backward before its output gradient arrived")
             live -= 1
         elif a.kind == SEND_F and key not in seen[F]:
@@ -180,30 +194,22 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
 
 def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], list[float]]:
     """Pair sends with receives in posting order per directed rank pair, check the pairs agree,
-    then run the batches with rendezvous semantics, timing them with free communication and
-    computes of cost[kind] / vpp (a chunk holds 1/vpp of a stage's layers). Returns the batch
-    count and the simulated idle fraction of the step, per rank."""
+    then run every rank as the executor does (module docstring), timing it with free
+    communication and computes of cost[kind] / vpp (a chunk holds 1/vpp of a stage's layers).
+    Returns the batch count and the simulated idle fraction of the step, per rank."""
     cost = {k: v / vpp for k, v in cost.items()}
-    # batches[r][j] = list of (action index) posted together; before[r][j] = compute time
-    # between batch j-1 and batch j (the last entry: after the last batch)
-    batches, before, busy, batch_of = [], [], [], {}
+    batches, batch_of, busy = [], {}, []  # batches[r][j]: action indices posted together
     for r, acts in enumerate(table):
-        bs, cur, t, pre = [], None, 0.0, []
+        bs, prev_comm = [], False
         for i, a in enumerate(acts):
             if a.kind in COMM:
-                if cur is None:
-                    cur = []
-                    bs.append(cur)
-                    pre.append(t)
-                    t = 0.0
-                cur.append(i)
+                if not prev_comm:
+                    bs.append([])
+                bs[-1].append(i)
                 batch_of[r, i] = len(bs) - 1
-            else:
-                cur = None
-                t += cost[a.kind]
+            prev_comm = a.kind in COMM
         batches.append(bs)
-        before.append(pre + [t])
-        busy.append(sum(before[-1]))
+        busy.append(sum(cost[a.kind] for a in acts if a.kind in cost))
 
     # static matching: the k-th send a->b meets b's k-th recv from a
     sends, recvs = {}, {}
@@ -237,49 +243,81 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
                 )
             partner[src, s_list[k]] = (dst, r_list[k])
             partner[dst, r_list[k]] = (src, s_list[k])
+    recv_at = {  # (rank, kind of the wait, chunk, mb) -> index of the batch holding the receive
+        (r, k, a.chunk, a.mb): batch_of[r, i]
+        for r, acts in enumerate(table)
+        for i, a in enumerate(acts)
+        for k, rk in WAITS.items()
+        if a.kind == rk
+    }
 
-    # rendezvous simulation over batches (computes never block: their inputs are checked above)
-    pos = [0] * pp  # index of each rank's current batch
-    posted = [False] * pp
-    clock = [0.0] * pp  # simulated time: when the rank posted its current batch / went on
-    done = [0.0] * pp  # when the current batch's last operation met its partner
-    left = [[len(b) for b in bs] for bs in batches]  # unmatched operations per batch
-    matched = set()
-    work = list(range(pp))
-    while work:
-        r = work.pop()
-        while pos[r] < len(batches[r]):
-            j = pos[r]
-            if not posted[r]:
-                posted[r] = True
-                clock[r] += before[r][j]
-                done[r] = clock[r]
-                for i in batches[r][j]:
-                    pr, pi = partner[r, i]
-                    pj = batch_of[pr, pi]
-                    if posted[pr] and pos[pr] == pj:  # the peer is waiting in that very batch
-                        matched.update(((r, i), (pr, pi)))
-                        done[r] = max(done[r], clock[pr])
-                        done[pr] = max(done[pr], clock[r])
-                        left[r][j] -= 1
-                        left[pr][pj] -= 1
-                        if left[pr][pj] == 0:
-                            work.append(pr)
-            if left[r][j]:
-                break  # blocked until a peer posts the partner operations
-            pos[r] += 1
-            posted[r] = False
-            clock[r] = done[r]
-    stuck = [r for r in range(pp) if pos[r] < len(batches[r])]
+    # Each rank runs its actions on a clock; its batches complete in order (`done`), the oldest
+    # incomplete one being its active batch since `since`.
+    pc, clock = [0] * pp, [0.0] * pp
+    posted = [[None] * len(bs) for bs in batches]  # when each batch was posted
+    done = [[None] * len(bs) for bs in batches]  # when each batch completed
+    met = {}  # (rank, action index) -> when the operation met its partner
+
+    def active(r):
+        """(index, since) of rank r's oldest incomplete posted batch, or None."""
+        j = next((j for j, d in enumerate(done[r]) if d is None), None)
+        if j is None or posted[r][j] is None:
+            return None
+        return j, max(posted[r][j], done[r][j - 1] if j else 0.0)
+
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(table):  # run each rank until it blocks
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.kind in COMM:  # post the batch (maybe after bounding what is in flight)
+                    j = batch_of[r, pc[r]]
+                    if j >= MAX_IN_FLIGHT:
+                        if done[r][j - MAX_IN_FLIGHT] is None:
+                            break
+                        clock[r] = max(clock[r], done[r][j - MAX_IN_FLIGHT])
+                    posted[r][j] = clock[r]
+                    pc[r] += len(batches[r][j])
+                elif a.kind in WAITS:
+                    d = done[r][recv_at[r, a.kind, a.chunk, a.mb]]
+                    if d is None:
+                        break
+                    clock[r] = max(clock[r], d)
+                    pc[r] += 1
+                else:
+                    clock[r] += cost[a.kind]
+                    pc[r] += 1
+                progress = True
+        for r in range(pp):  # operations of two active batches meet
+            if (act := active(r)) is None:
+                continue
+            for i in batches[r][act[0]]:
+                pr, pi = partner[r, i]
+                other = active(pr)
+                if (r, i) not in met and other is not None and other[0] == batch_of[pr, pi]:
+                    met[r, i] = met[pr, pi] = max(act[1], other[1])
+        for r in range(pp):  # a batch whose operations all met is complete
+            while (act := active(r)) is not None and all((r, i) in met for i in batches[r][act[0]]):
+                done[r][act[0]] = max([act[1], *(met[r, i] for i in batches[r][act[0]])])
+                progress = True
+    stuck = [r for r in range(pp) if pc[r] < len(table[r]) or None in done[r]]
     if stuck:
         lines = []
         for r in stuck:
-            i = next(i for i in batches[r][pos[r]] if (r, i) not in matched)
+            act = active(r)
+            if act is None:
+                i = pc[r]
+                a = table[r][i]
+                what = "the batch it waits for" if a.kind in WAITS else "an earlier batch"
+                lines.append(f"{_where(r, i, a, vpp)} waits for {what}")
+                continue
+            i = next(i for i in batches[r][act[0]] if (r, i) not in met)
             pr, pi = partner[r, i]
             lines.append(
                 f"{_where(r, i, table[r][i], vpp)} waits for {_where(pr, pi, table[pr][pi], vpp)}"
             )
         raise ScheduleError("deadlock: " + "; ".join(lines))
-    end = [clock[r] + before[r][-1] for r in range(pp)]
+    end = [max([clock[r], *done[r]]) for r in range(pp)]
     step = max(end)
     return [len(bs) for bs in batches], [1.0 - busy[r] / step for r in range(pp)]

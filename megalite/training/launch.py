@@ -4,6 +4,7 @@ The config is validated before torch is even imported, so bad flags fail within 
 """
 
 from megalite.config import parse_args
+from megalite.parallel.axes import AXES
 from megalite.parallel.topology import world_from_env
 from megalite.shape import RunShape, validate
 
@@ -18,9 +19,20 @@ def setup(shape: RunShape, timeout_minutes: float = 10.0):
     return pg.build_groups(shape.topology(), device, timeout_minutes, embed_stages=stages)
 
 
+def planned_world(cfg) -> int:
+    """The world a --dry-run outside torchrun plans for: every axis's configured size, --dp (1
+    when omitted) for data parallelism."""
+    n = cfg.parallel.dp or 1
+    for axis in AXES.values():
+        n *= axis.size(cfg) if axis.size else 1
+    return n
+
+
 def main(argv):
     cfg = parse_args(argv)
     rank, world_size, _ = world_from_env()
+    if cfg.training.dry_run and world_size == 1:  # plan the layout given, from a laptop
+        world_size = planned_world(cfg)
     shape = validate(cfg, world_size)  # before any process group exists
     if cfg.training.dry_run:  # the plan only: no process group, no GPU
         from megalite.training.layouts import print_plan

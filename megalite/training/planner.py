@@ -74,6 +74,13 @@ class Cluster:
     gpu_memory_gib: float = 80.0
     gpus_per_node: int = 8
     usable: float = 0.9  # CUDA context, allocator fragmentation, NCCL buffers, temporaries
+    # For the estimated step time (layouts.step_time): dense peak per GPU at the training
+    # precision (H100/H200 SXM bf16), the MFU the compute reaches, and the bus bandwidth per GPU
+    # inside a node (NVLink) and across nodes (InfiniBand, 200 Gb/s per GPU), in GB/s.
+    peak_tflops: float = 989.0
+    mfu: float = 0.45
+    intra_node_gbps: float = 300.0
+    inter_node_gbps: float = 25.0
 
 
 @dataclass
@@ -85,6 +92,7 @@ class Plan:
     bubble: float  # Megatron's (pp-1)/(vpp*m)
     microbatches: int
     fits: bool = True
+    step_time: float | None = None  # estimated seconds per step (layouts.step_time)
     notes: list = field(default_factory=list)
 
 
@@ -314,15 +322,16 @@ def comm_bytes(
     tp_bytes += _ring("all_reduce", t, sync * g_size) if sync else 0
     out["tp"] = tp_bytes
 
-    # PP: every send of the schedule carries one hidden tensor; one all-reduce of m+2 float64
-    # shares the losses and the first stage's timing.
+    # PP: every send of the schedule carries one hidden tensor (a logging step adds one
+    # all-reduce of m+2 float64: the losses and the first stage's timing).
     schedule = _schedule_name(cfg, lay)
     actions = _schedule(schedule, pp, lay.vpp, microbatches, pp_rank)
     sends = sum(kind in (SEND_F, SEND_B) for kind, _ in actions)
-    out["pp"] = sends * (act // (t if sp else 1)) + _ring("all_reduce", pp, (microbatches + 2) * 8)
+    out["pp"] = sends * (act // (t if sp else 1))
 
     # DP, per bucket: all-reduce (ZeRO 0); reduce-scatter + all-gather of the parameters
-    # (ZeRO 1); a reduce-scatter per micro-batch + all-gather (ZeRO 2). Plus the loss mean.
+    # (ZeRO 1); a reduce-scatter per micro-batch + all-gather (ZeRO 2). Plus the loss mean (a
+    # logging step's).
     dp_bytes = 0
     for start, end, _ in bs:
         n = end - start
@@ -333,7 +342,8 @@ def comm_bytes(
             dp_bytes += passes * _ring("gather", d, n * g_size) + _ring("gather", d, n * e)
     out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
     out["embed"] = _ring("all_reduce", 2, tied * g_size) if tied else 0
-    out["world"] = _ring("all_reduce", t * pp * d, 16)  # gradient norm and inf flag
+    # the step's status: the gradient norm, the inf flag and the preemption flag
+    out["world"] = _ring("all_reduce", t * pp * d, 24)
     return {k: v for k, v in out.items() if v}
 
 

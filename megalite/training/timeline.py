@@ -21,6 +21,7 @@ run_schedule of a step), optimizer.
 import json
 import os
 
+from megalite.clock import Clock
 from megalite.errors import MegaliteError
 
 COMPUTE = ("forward", "backward")
@@ -43,11 +44,14 @@ def parse_steps(spec: str) -> tuple[int, int]:
 class Timeline:
     """The spans of one rank over steps [first, last]."""
 
-    def __init__(self, steps: tuple[int, int], rank: int = 0, coords=None, out_dir: str = "."):
+    def __init__(self, steps: tuple[int, int], rank: int = 0, coords=None, out_dir: str = ".",
+                 clock: Clock | None = None):  # fmt: skip
         self.first, self.last = steps[0], steps[1] - 1
         self.rank, self.coords = rank, coords or {"tp": 0, "pp": 0, "dp": 0}
         self.out_dir = out_dir
         self.spans: list[dict] = []
+        self.clock = clock or Clock("cpu")
+        self.origin = None  # a mark before the first profiled step: every span is after it
         self.step: int | None = None
         self.saved = False
 
@@ -59,29 +63,33 @@ class Timeline:
             return None
         log = cfg.logging
         out_dir = os.path.dirname(os.path.abspath(log.metrics_file)) if log.metrics_file else None
-        return cls(
-            parse_steps(spec),
-            groups.rank,
-            groups.topo.coords(groups.rank),
-            out_dir or log.wandb_dir,
-        )
+        return cls(parse_steps(spec), groups.rank, groups.topo.coords(groups.rank),
+                   out_dir or log.wandb_dir, Clock(groups.device))  # fmt: skip
 
     def at(self, iteration: int) -> "Timeline | None":
         """This timeline while `iteration` (numbered from 1) is profiled, else None."""
         if not self.first <= iteration <= self.last:
             return None
+        if self.origin is None:
+            self.origin = self.clock.mark()
         self.step = iteration
         return self
 
-    def record(self, kind: str, start: float, end: float, **fields):
-        """A span between two time.perf_counter() readings; fields: chunk, mb, ops."""
+    def record(self, kind: str, start, end, **fields):
+        """A span between two marks of the clock (megalite.clock); fields: chunk, mb, ops."""
         self.spans.append({"kind": kind, "step": self.step, "start": start, "end": end, **fields})
 
     def relative_spans(self) -> list[dict]:
-        """The spans in time order, in seconds from the first one's start."""
-        origin = min((s["start"] for s in self.spans), default=0.0)
-        spans = sorted(self.spans, key=lambda s: (s["start"], s["kind"] != "schedule"))
-        return [{**s, "start": s["start"] - origin, "end": s["end"] - origin} for s in spans]
+        """The spans in time order, in seconds from the first one's start (reading the marks: a
+        GPU waits for them here, after the profiled steps)."""
+        if not self.spans:
+            return []
+        sec = self.clock.seconds
+        spans = [{**s, "start": sec(self.origin, s["start"]), "end": sec(self.origin, s["end"])}
+                 for s in self.spans]  # fmt: skip
+        first = min(s["start"] for s in spans)
+        spans = [{**s, "start": s["start"] - first, "end": s["end"] - first} for s in spans]
+        return sorted(spans, key=lambda s: (s["start"], s["kind"] != "schedule"))
 
     # ---- gather and write -------------------------------------------------------------------
 

@@ -23,9 +23,9 @@ from megalite.optim.lr_schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
-from megalite.pipeline.executor import run_schedule
+from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import bubble_theory, get_schedule
+from megalite.pipeline.schedules import bubble_theory, get_schedule, idle_theory
 from megalite.shape import RunShape
 from megalite.training.flops import (
     device_peak_flops,
@@ -65,6 +65,8 @@ class Trainer:
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
+        self.stop = False  # a rank got SIGTERM/SIGINT: save and stop after this step
+        self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
@@ -94,7 +96,10 @@ class Trainer:
     # ---- one step -----------------------------------------------------------------------------
 
     def _microbatches(self, dataset, indices):
-        return [tuple(x.to(self.groups.device) for x in get_batch(dataset, idx)) for idx in indices]
+        device = self.groups.device
+        cuda = device.type == "cuda"  # pinned host memory: the copy does not wait for the device
+        return [tuple((x.pin_memory() if cuda else x).to(device, non_blocking=cuda)
+                      for x in get_batch(dataset, idx)) for idx in indices]  # fmt: skip
 
     def _mean_over_dp(self, values: list[float]) -> list[float]:
         g = self.groups.replicas
@@ -102,10 +107,12 @@ class Trainer:
         comm.all_reduce(t, g)
         return (t / g.size).tolist()
 
-    def train_step(self) -> dict:
+    def train_step(self, log: bool = True) -> dict | None:
+        """One optimizer step. It reads the device once (the optimizer's status: norm, skip,
+        preemption); a logging step (`log`) also reads the loss, the timings of the steps since
+        the last logging step and the memory, and returns the metrics."""
         t = self.cfg.training
         self.groups.ledger.reset()
-        start = time.perf_counter()
         for c in self.chunks:
             c.train()
         batch = self._microbatches(self.data.train, self.sampler.next_batch())
@@ -114,21 +121,31 @@ class Trainer:
         result = run_schedule(self.actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
                               dtype=self.dtype, loss_scale=self.opt.loss_scale, timeline=tl,
                               placement=self.shape.placement)  # fmt: skip
+        self._interval.append(result)
         lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
-        t_opt = time.perf_counter()
-        stats = self.opt.step(lr)
+        t_opt = tl.clock.mark() if tl else None
+        stats = self.opt.step(lr, flags=[float(self.checkpointer.signalled)])
         self.iteration += 1
-        if self.groups.device.type == "cuda":
-            torch.cuda.synchronize()
+        self.stop = stats["flags"][0] > 0  # some rank was signalled: every rank saves and stops
         if tl:
-            tl.record("optimizer", t_opt, time.perf_counter())
-        step_s = time.perf_counter() - start
+            tl.record("optimizer", t_opt, tl.clock.mark())
+        self._count_skips(stats, result)
+        return self._metrics(result, stats, lr) if log else None
+
+    def _metrics(self, result, stats: dict, lr: float) -> dict:
+        """What a logging step reports: the loss, and throughput and the pipeline bubble over
+        the steps since the last logging step (`first_stage_times` reads their clock marks)."""
+        t, p = self.cfg.training, self.shape
         (loss,) = self._mean_over_dp([result.loss])
-        self._count_skips(stats["skipped"], loss, stats["grad_norm"])
-        tokens_per_s = t.global_batch_size * self.shape.model.seq_length / step_s
+        steps = len(self._interval)
+        compute, busy = first_stage_times(self._interval, self.groups.pp)
+        now = time.perf_counter()  # after the reads above: the device has caught up
+        step_s = (now - self._interval_start) / steps
+        self._interval, self._interval_start = [], now
+        tokens_per_s = t.global_batch_size * p.model.seq_length / step_s
         world = self.groups.topo.world_size
-        p = self.shape
-        metrics = {
+        pipelined = p.pp > 1
+        return {
             "iteration": self.iteration,
             "loss": loss,
             "grad_norm": stats["grad_norm"],
@@ -138,8 +155,12 @@ class Trainer:
             "consumed_samples": self.sampler.consumed_samples,
             "mfu": None if self.peak is None else model_flops_per_token(p.model) * tokens_per_s / (self.peak * world),
             "hfu": None if self.peak is None else hardware_flops_per_token(p.model, t.recompute) * tokens_per_s / (self.peak * world),
-            "bubble_measured": result.bubble_ratio if p.pp > 1 else 0.0,
-            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule) if p.pp > 1 else 0.0,
+            # the first stage's idle time over its compute time, over the log interval
+            "bubble_measured": idle_ratio(compute, busy) if pipelined else 0.0,
+            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule) if pipelined else 0.0,
+            # the same idle time as a share of the schedule, and its theory (p-1)/(v*m+p-1)
+            "idle_share": 1 - compute / max(busy, 1e-12) if pipelined else 0.0,
+            "idle_share_theory": idle_theory(p.pp, p.vpp, self.microbatches) if pipelined else 0.0,
             "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
             "comm": self.groups.ledger.snapshot(),
             "optimizer_state_bytes": self.opt.state_bytes(),
@@ -148,10 +169,9 @@ class Trainer:
             "skipped": stats["skipped"],
             "skipped_steps": self.skipped_total,
         }  # fmt: skip
-        return metrics
 
-    def _count_skips(self, skipped: bool, loss: float, grad_norm: float):
-        if not skipped and math.isfinite(loss):
+    def _count_skips(self, stats: dict, result):
+        if not stats["skipped"]:
             self.skipped_in_a_row = 0
             return
         self.skipped_in_a_row += 1
@@ -159,8 +179,8 @@ class Trainer:
         limit = self.cfg.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
             raise MegaliteError(
-                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient (loss {loss}, grad norm "
-                f"{grad_norm}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient (loss {result.loss}, grad norm "
+                f"{stats['grad_norm']}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
             )
 
     def _peak_memory(self) -> int:
@@ -205,25 +225,27 @@ class Trainer:
         )
         with self.checkpointer.catch_preemption():
             while self.iteration < t.train_iters:
+                it = self.iteration + 1
+                evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters)
+                log = evaluate or it % t.log_interval == 0 or it == t.train_iters
                 try:
-                    metrics = self.train_step()
+                    metrics = self.train_step(log)
                 except RuntimeError as e:
                     if not _lost_peer(e):
                         raise
                     raise MegaliteError(self._collective_failure(e), every_rank=True) from e
-                it = self.iteration
-                if t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters):
+                if evaluate:
                     eval_loss = self.evaluate()
                     if eval_loss is not None:
                         metrics["eval_loss"] = eval_loss
                         metrics["eval_ppl"] = math.exp(min(eval_loss, 50))
-                if it % t.log_interval == 0 or it == t.train_iters or "eval_loss" in metrics:
+                if log:
                     self.logger.step(metrics, t.train_iters)
                 if self.timeline:
                     self.timeline.step_done(
                         it, self.groups, self._timeline_meta(), self.logger.wandb
                     )
-                if self.checkpointer.after_step(self.state):  # saved on preemption: stop
+                if self.checkpointer.after_step(self.state, self.stop):  # saved on a signal
                     break
             else:
                 self.checkpointer.finish(self.state())

@@ -52,6 +52,7 @@ def _train(cfg: Config, world: int):
     data = SimpleNamespace(train=_Tokens(), valid=None, tokenizer=None)
     trainer = Trainer(cfg, shape, groups, data=data)
     losses = [trainer.train_step()["loss"] for _ in range(3)]
+    trainer.opt.wait_params()
     params = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
     return losses, params, shape, groups
 

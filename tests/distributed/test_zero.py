@@ -183,6 +183,7 @@ def train(chunks, opt, groups, batches, m, inject=None):
         losses.append(t.item() / dp.size)
         grads.append(opt.full_grads())
         stats.append({**opt.step(LR), **info})
+    opt.wait_params()  # the last step's parameter gathers (a next forward would wait for them)
     return losses, grads, stats
 
 
@@ -372,6 +373,7 @@ def check_tied(groups, m=2, gbs=8):
                     f"{where} loss",
                     1e-12,
                 )
+        opt.wait_params()
         w = chunk.embedding.word.weight if first else chunk.head.weight
         close(w.detach(), e.detach(), f"stage {stage} rank {groups.rank} tied weight")
 

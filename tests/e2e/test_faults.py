@@ -38,8 +38,9 @@ def _poisoned_run(rank, world, prefix, model, save):
     head.forward = poisoned
     params, step = {}, trainer.train_step
 
-    def recorded_step():
-        metrics = step()
+    def recorded_step(log=True):
+        metrics = step(log)
+        trainer.opt.wait_params()
         params[trainer.iteration] = [
             p.detach().clone() for c in trainer.chunks for p in c.parameters()
         ]

@@ -79,6 +79,10 @@ def test_shard_references_work_in_row_slices(monkeypatch):
     for a, b in zip(cross_entropy_shard_stats_ref(logits, labels, 30), whole):
         assert torch.equal(a, b)
     assert torch.equal(cross_entropy_shard_grad_ref(logits, labels, 30, lse, g), grad)
+    # a shard that is all vocabulary padding: no column, max -inf, nothing to add
+    m, s, t = cross_entropy_shard_stats_ref(logits[..., :0], labels, 100)
+    assert (m == float("-inf")).all() and (s == 0).all() and (t == 0).all()
+    assert cross_entropy_shard_grad_ref(logits[..., :0], labels, 100, lse, g).shape == (6, 9, 0)
 
 
 def _vocab_parallel(rank, world, dtype):

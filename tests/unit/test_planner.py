@@ -122,8 +122,12 @@ def big(flavour, layers, hidden, heads, seq, vocab, mbs, gbs, precision="bf16", 
 
 def test_fits_one_gpu_gives_pure_dp():
     cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)  # GPT-2 124M
-    best = layouts.search(cfg, Cluster(gpus=8, gpu_memory_gib=80))[0]
-    assert best.layout == Layout(tp=1, pp=1, dp=8, zero=0)
+    plans = layouts.search(cfg, Cluster(gpus=8, gpu_memory_gib=80))
+    best = plans[0].layout
+    assert (best.tp, best.pp, best.dp) == (1, 1, 8) and best.zero < 2
+    # ZeRO-2 fits with the least memory but reduce-scatters every micro-batch: it ranks below
+    zero2 = next(p for p in plans if p.layout == Layout(dp=8, zero=2))
+    assert zero2.comm["dp"] > 4 * plans[0].comm["dp"] and zero2.step_time > plans[0].step_time
 
 
 def test_too_big_for_a_node_gives_pp_across_nodes():
@@ -131,7 +135,7 @@ def test_too_big_for_a_node_gives_pp_across_nodes():
     cluster = Cluster(gpus=64, gpu_memory_gib=80, gpus_per_node=8)
     plans = layouts.search(cfg, cluster)
     best = plans[0].layout
-    assert best.tp == 8 and best.pp >= 2  # TP fills a node, PP spans nodes
+    assert best.tp <= 8 and best.pp >= 2 and best.tp * best.pp > 8  # TP in a node, PP across
     # nothing fits inside one node: no plan with tp * pp <= 8
     assert all(p.layout.tp * p.layout.pp > 8 for p in plans)
 
@@ -154,4 +158,20 @@ def test_print_plan_needs_no_process_group(capsys):
     cfg.parallel.dp = 8
     layouts.print_plan(cfg, validate(cfg, 8), Cluster(gpus=8, gpu_memory_gib=80))
     out = capsys.readouterr().out
-    assert "layout tp=1 pp=1 dp=8 zero=0" in out and "best first" in out
+    assert "layout tp=1 pp=1 dp=8 zero=0" in out and "fastest first" in out
+    assert "estimated step time" in out
+
+
+def test_dry_run_plans_the_layout_given_from_a_laptop():
+    """Outside torchrun (a world of one) --dry-run plans --tp/--pp/--dp as given."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = ["--dry-run", "--tp", "8", "--pp", "4", "--dp", "2", "--num-layers", "8",
+            "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
+            "--vocab-size", "1000", "--precision", "bf16", "--mbs", "1", "--gbs", "64"]  # fmt: skip
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("layout tp=8 pp=4 dp=2") and "64 GPUs" in r.stdout

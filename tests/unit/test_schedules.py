@@ -7,6 +7,7 @@ from megalite.pipeline.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    WAIT_F,
     Action,
     B,
     F,
@@ -101,7 +102,8 @@ def test_catches_swapped_sends():
     # rank 1 forwards micro-batch 1 before 0: legal locally, but the pairs disagree
     t = _table("gpipe", 2, 1, 3)
     swap = {0: 1, 1: 0, 2: 2}
-    t[1] = [dataclasses.replace(a, mb=swap[a.mb]) if a.kind in (F, RECV_F) else a for a in t[1]]
+    t[1] = [dataclasses.replace(a, mb=swap[a.mb]) if a.kind in (F, RECV_F, WAIT_F) else a
+            for a in t[1]]  # fmt: skip
     with pytest.raises(ScheduleError, match="send #0 from rank 0 to rank 1, but receive #0"):
         verify_table(t, 2, 1, 3)
 
