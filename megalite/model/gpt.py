@@ -7,6 +7,7 @@ Parameter names are logical (global layer indices), the same in every layout.
 
 import math
 import zlib
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -114,12 +115,15 @@ class GPTChunk(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
 
-    def embed(self, ids):  # (b, s) -> (b, s, h) or (b, s/t, h)
+    def embed(self, ids, positions=None):  # (b, s) -> (b, s, h) or (b, s/t, h)
+        """`positions` (b, s): each token's position (inference with a cache), else 0..s-1."""
         x = self.embedding.word(ids)
         if self.cfg.flavour == "gpt2":
-            pos = torch.arange(ids.shape[1], device=ids.device)
-            if self.sp:
-                pos = pos.chunk(self.tp.size)[self.tp.rank]
+            pos = positions
+            if pos is None:
+                pos = torch.arange(ids.shape[1], device=ids.device)
+                if self.sp:
+                    pos = pos.chunk(self.tp.size)[self.tp.rank]
             x = x + self.embedding.position(pos)
         if self.cfg.hidden_dropout and self.training:
             if self.sp:  # rows sharded over TP: different masks per rank
@@ -136,7 +140,13 @@ class GPTChunk(nn.Module):
         x = enter_tp_region(self.final_norm(x), self.tp, self.sp)
         return F.linear(x, self.head_weight())
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, cache=None):
+        """Training and whole-sequence inference; with `cache` (a megalite.generation.KVCache),
+        inference on the new tokens only: x is their ids (b, s) or hidden states (b, s, h),
+        their keys and values join the cache, and the head returns the last position's logits
+        as this rank's vocabulary slice (b, V_padded/t), ungathered."""
+        if cache is not None:
+            return self._forward_cached(x, cache)
         if self.has_embedding:
             x = self.embed(x)
         for layer in self.layers.values():
@@ -153,3 +163,28 @@ class GPTChunk(nn.Module):
         else:
             loss = self.ops.cross_entropy(logits[..., : self.cfg.vocab_size], labels)
         return loss.mean()
+
+    def _forward_cached(self, x, cache):
+        if self.sp:
+            raise RuntimeError("a KV cache needs whole sequences: use chunk.full_sequences()")
+        cache.extend(x.shape[1])  # slots and positions of the new tokens
+        if self.has_embedding:
+            x = self.embed(x, cache.positions)
+        for name, layer in self.layers.items():
+            x = layer(x, cache.layer(name))
+        return self.logits(x[:, -1]) if self.has_head else x
+
+    @contextmanager
+    def full_sequences(self):
+        """Sequence parallelism off (every TP rank holds whole (b, s, h) activations), restored
+        on exit: inference feeds one token at a time, which cannot be split over TP. The
+        weights and the results are the same; only activation memory differs."""
+        saved = [(m, a, getattr(m, a)) for m in self.modules()
+                 for a in ("sp", "sequence_parallel") if isinstance(getattr(m, a, None), bool)]  # fmt: skip
+        for m, a, _ in saved:
+            setattr(m, a, False)
+        try:
+            yield self
+        finally:
+            for m, a, v in saved:
+                setattr(m, a, v)

@@ -3,6 +3,10 @@
 Shapes: h hidden, t TP size, s sequence; hidden states enter and leave a layer as (b, s, h),
 or (b, s/t, h) with sequence parallelism. Heads are split over TP: this rank computes nh/t
 query heads and the key/value heads they need.
+
+Inference with a KV cache passes `kv`, one layer's view of a `megalite.generation.KVCache`:
+x then holds only the new tokens (never sequence-parallel), their keys and values are appended
+to the cache, and attention runs over every cached slot with explicit positions.
 """
 
 import torch
@@ -105,21 +109,39 @@ class Attention(nn.Module):
                 return self.ops.attention(q, k, v, p)
         return self.ops.attention(q, k, v)
 
-    def forward(self, x):
+    def _rotate_at(self, q, k, positions):
+        """RoPE of q and k (b, s, heads, hd) at per-row positions (b, s), in one call: the rows
+        as one long sequence, so the op's (s, d/2) tables are the rows of each position."""
+        b, s = positions.shape
+        pos = positions.reshape(-1)
+        qk = torch.cat([q, k], 2).reshape(1, b * s, -1, q.shape[3])  # (1, b*s, heads, hd)
+        qk = self.ops.rotary(qk, self.cos[pos], self.sin[pos]).view(b, s, -1, q.shape[3])
+        return qk.split([q.shape[2], k.shape[2]], 2)
+
+    def forward(self, x, kv=None):
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         b, s, _ = x.shape
         hd = self.cfg.head_dim
-        q, k, v = (
-            t.unflatten(-1, (-1, hd)) for t in fused_column_linear(x, (self.q, self.k, self.v))
-        )
+        qkv = (self.q, self.k, self.v)
+        # fused: one matmul and one saved input for backward; inference skips the weight copy
+        qkv = fused_column_linear(x, qkv) if kv is None else [f(x) for f in qkv]
+        q, k, v = (t.unflatten(-1, (-1, hd)) for t in qkv)
         if self.kv_group is not None:
             k = k[:, :, self.kv_group : self.kv_group + 1]
             v = v[:, :, self.kv_group : self.kv_group + 1]
-        if self.cfg.flavour == "llama":
+        if self.cfg.flavour == "llama" and kv is not None:
+            q, k = self._rotate_at(q, k, kv.positions)
+        elif self.cfg.flavour == "llama":
             q = self.ops.rotary(q, self.cos[:s], self.sin[:s])
             k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
-        if self.recompute_core and self.training:
+        if kv is not None:
+            k, v = kv.append(k, v)  # (b, kv heads, every cached slot, hd)
+            if s == 1 and kv.k_doc is None:  # one new token, no padding: it sees every slot
+                o = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+            else:  # a query sees the slots up to its own, padding excluded (document id -1)
+                o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc)
+        elif self.recompute_core and self.training:
             o = checkpoint(self._core, q, k, v, use_reentrant=False,
                            context_fn=self.rng.recompute_contexts)  # fmt: skip
         else:
@@ -157,10 +179,12 @@ class MLP(nn.Module):
             device=device,
         )
 
-    def forward(self, x):
+    def forward(self, x, fused=True):
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
         if self.llama:
-            y = self.ops.swiglu(*fused_column_linear(x, (self.gate, self.up)))  # (b, s, f/t)
+            gate_up = (self.gate, self.up)
+            gate_up = fused_column_linear(x, gate_up) if fused else [f(x) for f in gate_up]
+            y = self.ops.swiglu(*gate_up)  # (b, s, f/t)
         else:
             y = self.ops.gelu(self.up(x))
         return self.down(y)
@@ -201,11 +225,13 @@ class TransformerLayer(nn.Module):
                 return F.dropout(x, self.dropout)
         return F.dropout(x, self.dropout)
 
-    def _forward(self, x):
-        x = x + self._drop(self.attention(self.input_norm(x)))
-        return x + self._drop(self.mlp(self.post_attention_norm(x)))
+    def _forward(self, x, kv=None):
+        x = x + self._drop(self.attention(self.input_norm(x), kv))
+        return x + self._drop(self.mlp(self.post_attention_norm(x), fused=kv is None))
 
-    def forward(self, x):
+    def forward(self, x, kv=None):
+        if kv is not None:  # inference: nothing to recompute
+            return self._forward(x, kv)
         if self.recompute == "full" and self.training:
             return checkpoint(self._forward, x, use_reentrant=False,
                               context_fn=self.rng.recompute_contexts)  # fmt: skip

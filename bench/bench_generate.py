@@ -1,0 +1,194 @@
+"""Generation speed: megalite's KV cache against transformers `generate` and the old no-cache loop,
+and at tp2*pp2 the time per new token at a short and a long context.
+
+    .venv/bin/python bench/bench_generate.py [--flavour llama] [--layers 4] [--hidden 256]
+        [--heads 8] [--groups 4] [--vocab 8192] [--seq 1024] [--prompt 64] [--new 64]
+        [--batch 1 4] [--rounds 5] [--threads 1] [--contexts 64 512] [--skip-parallel]
+
+One process: a random transformers model (LlamaForCausalLM or GPT2LMHeadModel, fp32, sdpa)
+and the same weights in one megalite `GPTChunk` (checkpoint.hf.from_hf). Greedy generation of
+--new tokens after --prompt random tokens (batch b: b prompts of that length), timed
+interleaved round by round (the order rotates), after one warm-up round:
+
+- megalite: `megalite.generation.generate` (prefill, then one token per step with the cache);
+- transformers: `model.generate(do_sample=False, use_cache=True)` with its default cache;
+- no-cache: the loop tools/generate.py ran before the cache (the whole context every token).
+
+Reported: median tokens/s (new tokens x batch / time, prefill included) by wall clock and by
+the process's CPU time (on a shared machine the CPU time is the steadier of the two), and
+megalite's speed-up: the median of the per-round ratios variant time / megalite time (> 1:
+megalite is faster). The tokens of the three are compared (fp32: a near-tie could differ; the
+tests compare in fp64).
+
+Parallel (4 gloo processes, tests/spawn.py, one thread each): tp2*pp2 of the same weights;
+time per new token = (t(1 + n) - t(1)) / n at each context in --contexts (prefill excluded),
+with the cache and with the no-cache path (`use_cache=False`, the whole context every token).
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.checkpoint.hf import from_hf, model_config_from_hf  # noqa: E402
+from megalite.generation import generate  # noqa: E402
+from megalite.model.gpt import GPTChunk  # noqa: E402
+from megalite.parallel.groups import build_groups, single_process_groups  # noqa: E402
+from megalite.parallel.topology import Topology  # noqa: E402
+from megalite.pipeline.partition import rank_chunks  # noqa: E402
+from tests.spawn import spawn  # noqa: E402
+
+
+def hf_model(a):
+    import transformers
+
+    torch.manual_seed(0)
+    if a.flavour == "gpt2":
+        c = transformers.GPT2Config(vocab_size=a.vocab, n_positions=a.seq, n_embd=a.hidden,
+                                    n_layer=a.layers, n_head=a.heads,
+                                    activation_function="gelu_pytorch_tanh")  # fmt: skip
+        m = transformers.GPT2LMHeadModel(c)
+    else:
+        c = transformers.LlamaConfig(
+            vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3,
+            num_hidden_layers=a.layers, num_attention_heads=a.heads,
+            num_key_value_heads=a.groups, max_position_embeddings=a.seq, tie_word_embeddings=False,
+        )  # fmt: skip
+        m = transformers.LlamaForCausalLM(c)
+    return m.eval()
+
+
+@torch.no_grad()
+def old_loop(chunk, ids, n):
+    """tools/generate.py before the cache: the (cropped) context again for every token."""
+    ids, window = ids, chunk.cfg.seq_length
+    for _ in range(n):
+        t = chunk(ids[:, -window:])[:, -1].argmax(-1, keepdim=True)  # (b, 1)
+        ids = torch.cat([ids, t], 1)
+    return ids[:, -n:].tolist()
+
+
+def _variants(a, m, chunk, groups, ids) -> dict:
+    """name -> a function generating a.new tokens greedily after ids (b, prompt)."""
+    return {
+        "megalite": lambda: generate([chunk], groups, ids.tolist(), a.new),
+        "transformers": lambda: m.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=a.new,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[:, a.prompt :].tolist(),  # fmt: skip
+        "no-cache": lambda: old_loop(chunk, ids, a.new),
+    }
+
+
+def one_process(a, m, cfg, state):
+    chunk = GPTChunk(cfg)
+    chunk.load_full_state(state)
+    chunk.eval()
+    groups = single_process_groups()
+    for b in a.batch:
+        ids = torch.randint(0, a.vocab, (b, a.prompt), generator=torch.Generator().manual_seed(b))
+        runs = _variants(a, m, chunk, groups, ids)
+        wall, cpu, out = {k: [] for k in runs}, {k: [] for k in runs}, {}
+        names = list(runs)
+        for r in range(a.rounds + 1):
+            for k in names[r % 3 :] + names[: r % 3]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                out[k] = runs[k]()
+                if r:  # round 0 warms up
+                    wall[k].append(time.perf_counter() - t0)
+                    cpu[k].append(time.process_time() - c0)
+        same = out["megalite"] == out["transformers"] == out["no-cache"]
+        print(f"\n## One process, batch {b}: prompt {a.prompt}, {a.new} new tokens "
+              f"(tokens equal: {'yes' if same else 'NO'})\n")  # fmt: skip
+        print("| variant | tokens/s (wall) | tokens/s (CPU) | megalite speed-up, wall | CPU |")
+        print("| --- | --- | --- | --- | --- |")
+        for k in names:
+            ratios = [statistics.median(x / y for x, y in zip(t[k], t["megalite"]))
+                      for t in (wall, cpu)]  # fmt: skip
+            tps = [b * a.new / statistics.median(t[k]) for t in (wall, cpu)]
+            print(f"| {k} | {tps[0]:.1f} | {tps[1]:.1f} | **{ratios[0]:.2f}x** | "
+                  f"**{ratios[1]:.2f}x** |")  # fmt: skip
+
+
+def _parallel(rank, world, a, cfg, state):
+    torch.set_num_threads(1)
+    groups = build_groups(Topology(tp=2, pp=2, dp=1), torch.device("cpu"))
+    chunks = [
+        GPTChunk(cfg, groups.tp, **kw) for kw in rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
+    ]
+    for c in chunks:
+        c.load_full_state(state)
+    res = {}
+    for cache, n in ((True, a.steps), (False, max(2, a.steps // 4))):
+        for ctx in a.contexts:
+            ids = torch.randint(0, a.vocab, (1, ctx), generator=torch.Generator().manual_seed(ctx))
+            per = []
+            for r in range(a.rounds + 1):
+                t = []
+                for steps in (1, 1 + n):
+                    t0 = time.perf_counter()
+                    generate(chunks, groups, ids.tolist(), steps, use_cache=cache)
+                    t.append(time.perf_counter() - t0)
+                if r:
+                    per.append((t[1] - t[0]) / n)
+            res[(cache, ctx)] = per
+    return res
+
+
+def parallel(a, cfg, state):
+    res = spawn(_parallel, 4, a, cfg, state, timeout=3600)[0]
+    lo, hi = min(a.contexts), max(a.contexts)
+    print("\n## tp2*pp2 (4 processes): time per new token, prefill excluded\n")
+    print("| path | " + " | ".join(f"context {c} (ms)" for c in a.contexts) + f" | {hi} / {lo} |")
+    print("| --- | " + " | ".join("---" for _ in a.contexts) + " | --- |")
+    for cache in (True, False):
+        med = {c: statistics.median(res[(cache, c)]) for c in a.contexts}
+        ratio = statistics.median(x / y for x, y in zip(res[(cache, hi)], res[(cache, lo)]))
+        cells = " | ".join(f"{1000 * med[c]:.1f}" for c in a.contexts)
+        print(f"| {'KV cache' if cache else 'no cache'} | {cells} | **{ratio:.2f}x** |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--flavour", choices=("gpt2", "llama"), default="llama")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--steps", type=int, default=16, help="new tokens timed per parallel run")
+    p.add_argument("--skip-parallel", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    m = hf_model(a)
+    cfg = model_config_from_hf(m.config.to_dict())
+    state = from_hf(m.state_dict(), cfg)
+    print(f"# bench_generate: {a.flavour}, {a.layers} layers, h {a.hidden}, {a.heads} heads "
+          f"({a.groups} kv), vocab {a.vocab}, fp32, {a.threads} thread(s); torch "
+          f"{torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    one_process(a, m, cfg, state)
+    if not a.skip_parallel:
+        parallel(a, cfg, state)
+
+
+if __name__ == "__main__":
+    main()

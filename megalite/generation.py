@@ -1,0 +1,323 @@
+"""Generation with a KV cache at any tensor/pipeline layout: the cache, sampling over vocabulary
+shards, and the loop that walks the pipeline once per new token.
+
+    g = torch.Generator().manual_seed(0)  # its own: no other RNG is touched
+    tokens = generate(chunks, groups, [[1, 5, 9], [1, 7]], 32,
+                      Sampling(temperature=0.8, top_k=50, top_p=0.95), g, eos_id=2)
+
+`chunks` are this rank's model chunks (the trainer's, or those tools/generate.py loads), `groups`
+its ProcessGroups; every rank of the (tp, pp) replica calls it with the same arguments and gets
+the same token lists back. Prompts of different lengths are left-padded into one batch: row i
+has pad[i] padding slots, then its tokens; a token's position is its slot minus pad[i], and
+padding is masked out of attention (its document id is -1), so each row is generated exactly as
+it would be alone. One forward over the prompts fills the cache (prefill), then each step feeds
+one token per row through the pipeline: stage after stage (p2p), the head's TP ranks sample from
+their vocabulary slices, and the head's pipeline rank broadcasts the tokens to the others. The
+host reads the tokens once per step (to stop at EOS or a stop condition); nothing else waits.
+
+Sampling follows transformers' order: temperature, top-k, then top-p over the renormalised
+top-k. Across vocabulary shards nothing of vocabulary size is gathered: greedy gathers each
+shard's best (value, index), top-k each shard's k best values, top-p finds the nucleus
+threshold by a search over the float's bits (six all-reduces of (b, 4095) masses), and the
+token is drawn by inverse CDF: one uniform per row from the caller's generator, located in
+vocabulary order across the shards. Every TP rank draws the same uniforms and ends with the same
+all-reduced token, and the result does not depend on the layout (up to float rounding).
+"""
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite.errors import MegaliteError
+from megalite.parallel import comm
+from megalite.parallel.comm import Group
+from megalite.pipeline.p2p import exchange
+
+# ---- the cache -----------------------------------------------------------------------------
+
+
+class KVCache:
+    """The keys and values of the tokens one model chunk has seen, for a left-padded batch.
+
+    `pad` (b,): padding slots at the start of each row; `capacity`: slots per row. The chunk
+    calls `extend(s)` before a forward of s new tokens, then each attention layer appends to
+    `layer(name)`: buffers (b, kv heads, capacity, hd), allocated at the first write.
+    """
+
+    def __init__(self, pad: torch.Tensor, capacity: int, padded: bool = True):
+        self.pad, self.capacity, self.padded = pad, capacity, padded  # padded: any pad > 0
+        self.length = 0  # slots written (a host int: known without asking the device)
+        self.layers: dict[str, LayerKV] = {}
+
+    def extend(self, s: int):
+        """Slots, positions and document ids of the next s tokens (every row)."""
+        start, end = self.length, self.length + s
+        if end > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} slots cannot take {end}")
+        slots = torch.arange(end, device=self.pad.device)
+        self.q_slot, self.k_slot = slots[start:], slots  # (s,), (end,)
+        self.positions = (slots[start:] - self.pad[:, None]).clamp(min=0)  # (b, s)
+        self.q_doc = self.k_doc = None  # no padding: causal by slot is all the mask there is
+        if self.padded:
+            doc = -(slots < self.pad[:, None]).long()  # (b, end): -1 padding, 0 tokens
+            self.q_doc, self.k_doc = doc[:, start:], doc  # (b, s), (b, end)
+        self.start, self.length = start, end
+
+    def layer(self, name: str) -> "LayerKV":
+        if name not in self.layers:
+            self.layers[name] = LayerKV(self)
+        return self.layers[name]
+
+
+class LayerKV:
+    """One layer's buffers; reads the step's positions and mask ids from its cache."""
+
+    def __init__(self, cache: KVCache):
+        self.cache, self.k, self.v = cache, None, None
+
+    def __getattr__(self, name):  # positions, q_slot, k_slot, q_doc, k_doc
+        return getattr(self.__dict__["cache"], name)
+
+    def append(self, k, v):
+        """k, v (b, kv heads, s, hd) of the new tokens -> every slot so far (b, kvh, length, hd)."""
+        c = self.cache
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        self.k[:, :, c.start : c.length] = k
+        self.v[:, :, c.start : c.length] = v
+        return self.k[:, :, : c.length], self.v[:, :, : c.length]
+
+
+# ---- sampling over vocabulary shards -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0: greedy (the likeliest token); else sample from softmax(logits / T),
+    restricted to the top_k likeliest (0: all) and then to the top_p nucleus (1.0: all)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def check(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise MegaliteError(
+                f"bad sampling temperature={self.temperature} top_k={self.top_k} "
+                f"top_p={self.top_p}; use temperature >= 0, top_k >= 0, 0 < top_p <= 1"
+            )
+
+
+GREEDY = Sampling()
+# The nucleus search splits its bracket 4096 ways per round: 6 rounds narrow the 62 bits of the
+# doubles in [0, 1] to one value (widths 2^62 -> 2^50 -> 2^38 -> 2^26 -> 2^14 -> 5 -> 1).
+_PROBES, _ROUNDS = 4095, 6
+_ONE = torch.tensor(1.0, dtype=torch.float64).view(torch.int64).item()
+
+
+def _gathered(t: torch.Tensor, tp: Group) -> torch.Tensor:
+    """(tp, *t.shape): every TP rank's t, in rank (= vocabulary) order."""
+    if tp.size == 1:
+        return t[None]
+    out = t.new_empty((tp.size * t.shape[0], *t.shape[1:]))
+    comm.all_gather(out, t, tp)
+    return out.view(tp.size, *t.shape)
+
+
+def _argmax(logits, start, tp) -> torch.Tensor:
+    """The first index of the largest logit over all shards, as torch.argmax on the whole."""
+    v, i = logits.max(-1)  # (b,) each; max returns the first maximal index
+    best = _gathered(torch.stack([v.double(), (i + start).double()], -1), tp)  # (tp, b, 2)
+    top = best[..., 0].max(0).values  # (b,)
+    idx = torch.where(best[..., 0] == top, best[..., 1], float("inf")).min(0).values
+    return idx.long()
+
+
+def _kth_largest(logits, k, tp) -> torch.Tensor:
+    """(b, 1): the k-th largest logit over all shards (each contributes its k best)."""
+    local = logits.topk(min(k, logits.shape[-1]), dim=-1).values  # (b, k')
+    cand = _gathered(local, tp).permute(1, 0, 2).flatten(1)  # (b, tp*k')
+    return cand.topk(min(k, cand.shape[-1]), dim=-1).values[:, -1:]
+
+
+def _softmax(logits, tp) -> torch.Tensor:
+    """Probabilities (fp64) of this shard under the softmax over every shard."""
+    m = logits.max(-1, keepdim=True).values
+    comm.all_reduce(m, tp, op=dist.ReduceOp.MAX)
+    e = (logits.double() - m.double()).exp()
+    z = e.sum(-1, keepdim=True)
+    comm.all_reduce(z, tp)
+    return e / z
+
+
+def _nucleus_floor(probs, top_p, tp) -> torch.Tensor:
+    """(b, 1) q*: the smallest probability in the top-p nucleus. A token is kept when the mass
+    of the likelier tokens is below top_p; equivalently q* is the largest q whose mass at or
+    above it, M(q), reaches top_p. M falls as q rises and only changes at token values, so
+    searching the int64 bits of non-negative doubles (ordered as the values) finds q* exactly:
+    each round all-reduces M at 4095 probes and keeps the bracket [lo: M >= p, hi: M < p)."""
+    asc = probs.sort(-1).values  # (b, V/t)
+    above = torch.cat([asc.flip(-1).cumsum(-1).flip(-1), asc.new_zeros(asc.shape[0], 1)], -1)
+    b = probs.shape[0]
+    lo = torch.zeros(b, dtype=torch.int64, device=probs.device)
+    hi = torch.full_like(lo, _ONE + 1)  # nothing is above 1
+    j = torch.arange(1, _PROBES + 1, device=probs.device)
+    for _ in range(_ROUNDS):
+        width = (hi - lo + _PROBES) // (_PROBES + 1)
+        probes = torch.minimum(lo[:, None] + j * width[:, None], hi[:, None] - 1)  # (b, P)
+        mass = above.gather(1, torch.searchsorted(asc, probes.view(torch.float64)))
+        comm.all_reduce(mass, tp)
+        n = (mass >= top_p).sum(-1, keepdim=True)  # probes reaching p: a prefix
+        lo = torch.where(n > 0, probes.gather(1, (n - 1).clamp(min=0)), lo[:, None])[:, 0]
+        hi = torch.where(n < _PROBES, probes.gather(1, n.clamp(max=_PROBES - 1)), hi[:, None])
+        hi = hi[:, 0]
+    return lo.view(torch.float64)[:, None]
+
+
+def _draw(probs, u, start, tp) -> torch.Tensor:
+    """The token at cumulative mass u * total in vocabulary order, across shards (inverse CDF)."""
+    cum = probs.cumsum(-1)  # (b, V/t)
+    mass = _gathered(cum[:, -1].contiguous(), tp)  # (tp, b)
+    ends = mass.cumsum(0)
+    target = u * ends[-1]  # (b,)
+    # the shard holding the target: the first whose end passes it (never one without mass)
+    last = tp.size - 1 - (mass > 0).flip(0).long().argmax(0)
+    r = torch.minimum((ends <= target).sum(0), last)  # (b,)
+    t = target - (ends - mass).gather(0, r[None])[0]
+    i = torch.searchsorted(cum, t[:, None], right=True)
+    last_kept = torch.searchsorted(cum, cum[:, -1:].contiguous())  # where the mass stops growing
+    i = torch.minimum(i, last_kept)[:, 0]
+    token = torch.where(r == tp.rank, i + start, -1)
+    comm.all_reduce(token, tp, op=dist.ReduceOp.MAX)
+    return token
+
+
+def sample(logits, tp: Group, vocab_size: int, sampling: Sampling, generator) -> torch.Tensor:
+    """Token ids (b,) from this rank's vocabulary slice of the logits (b, V_padded/t); the same
+    ids on every TP rank. Consumes b uniforms of `generator` unless greedy."""
+    start = tp.rank * logits.shape[-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if start + logits.shape[-1] > vocab_size:  # padding rows of the vocabulary are never drawn
+        real = torch.arange(start, start + logits.shape[-1], device=logits.device) < vocab_size
+        logits = logits.masked_fill(~real, float("-inf"))
+    if sampling.greedy:
+        return _argmax(logits, start, tp)
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        logits = logits.masked_fill(logits < _kth_largest(logits, sampling.top_k, tp), -torch.inf)
+    probs = _softmax(logits, tp)
+    if sampling.top_p < 1.0:
+        probs = probs.masked_fill(probs < _nucleus_floor(probs, sampling.top_p, tp), 0.0)
+    u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
+    return _draw(probs, u.to(logits.device), start, tp)
+
+
+# ---- the pipeline loop ---------------------------------------------------------------------
+
+
+def context_length(cfg) -> int:
+    """Positions the model has: learned ones (gpt2) or its rotary tables (llama)."""
+    if cfg.flavour == "gpt2" and cfg.max_position_embeddings:
+        return cfg.max_position_embeddings
+    return cfg.seq_length
+
+
+def check_prompts(prompts, cfg):
+    """Bad input, named: an empty prompt, or one the model's context cannot hold."""
+    n = context_length(cfg)
+    if not prompts:
+        raise MegaliteError("no prompt given")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise MegaliteError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
+        if len(p) > n:
+            raise MegaliteError(
+                f"prompt {i} has {len(p)} tokens but the model's context is {n}; shorten it"
+            )
+
+
+def _route(chunks, pp: Group) -> list[tuple[int, int]]:
+    """(pipeline rank, chunk index) in the order a token visits them: by the layers they hold,
+    whatever the schedule's placement (interleaved, V-shaped)."""
+    keys = [(not c.has_embedding, min(map(int, c.layers), default=-1), c.has_head) for c in chunks]
+    every = comm.all_gather_object(keys, pp)
+    return [(r, i) for _, r, i in sorted((k, r, i) for r, ks in enumerate(every)
+                                         for i, k in enumerate(ks))]  # fmt: skip
+
+
+def _through_pipeline(chunks, route, pp: Group, ids, caches, h_dtype):
+    """ids (b, s) through every chunk in pipeline order; the head's local logits on its ranks."""
+    x, me = None, pp.rank
+    for n, (r, i) in enumerate(route):
+        if r != me:
+            continue
+        chunk = chunks[i]
+        if chunk.has_embedding:
+            x = ids
+        elif route[n - 1][0] != me:  # from the previous stage (else handed over locally)
+            x = torch.empty(*ids.shape, chunk.cfg.hidden_size, dtype=h_dtype, device=ids.device)
+            exchange([(False, x, route[n - 1][0])], pp)
+        x = chunk(x, cache=caches[i])
+        if n + 1 < len(route) and route[n + 1][0] != me:
+            exchange([(True, x, route[n + 1][0])], pp)
+    return x if chunks[route[-1][1]].has_head and route[-1][0] == me else None
+
+
+@torch.no_grad()
+def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
+             sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
+             eos_id: int | None = None, stop=None, use_cache: bool = True,
+             pad_id: int = 0) -> list[list[int]]:  # fmt: skip
+    """The new token ids of each prompt, on every rank of the (tp, pp) replica.
+
+    A row ends at `eos_id` (kept), when `stop(its new ids)` is true, after `max_new_tokens`, or
+    when the model's context is full. `generator` (CPU; default seeded 0) is the only RNG used.
+    `use_cache=False` recomputes the whole context at each step (the baseline it replaces).
+    The chunks are put in eval mode without sequence parallelism, and restored after.
+    """
+    sampling.check()
+    cfg = chunks[0].cfg
+    check_prompts(prompts, cfg)
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    tp, pp, device = groups.tp, groups.pp, groups.device
+    route = _route(chunks, pp)
+    head = route[-1][0]
+    b, longest = len(prompts), max(len(p) for p in prompts)
+    steps = min(max_new_tokens, context_length(cfg) - longest + 1)  # the last token is not fed
+    pads = [longest - len(p) for p in prompts]
+    pad, padded = torch.tensor(pads, device=device), any(pads)
+    seq = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=device)
+    h_dtype = next(chunks[0].parameters()).dtype
+    out, done = [[] for _ in prompts], [False] * b
+    with ExitStack() as stack:
+        for c in chunks:  # restored on the way out, also on an error
+            stack.enter_context(c.full_sequences())
+            stack.callback(c.train, c.training)
+            c.eval()
+        caches = [KVCache(pad, longest + steps - 1, padded) for _ in chunks]
+        new = seq
+        for step in range(steps):
+            if not use_cache:  # the whole context again, into a fresh cache
+                new = seq = seq if step == 0 else torch.cat([seq, new], 1)
+                caches = [KVCache(pad, seq.shape[1], padded) for _ in chunks]
+            logits = _through_pipeline(chunks, route, pp, new, caches, h_dtype)
+            if logits is not None:
+                tokens = sample(logits, tp, cfg.vocab_size, sampling, generator)
+            else:
+                tokens = torch.empty(b, dtype=torch.int64, device=device)
+            comm.broadcast(tokens, head, pp)
+            for i, t in enumerate(tokens.tolist()):  # the one host read per step
+                if not done[i]:
+                    out[i].append(t)
+                    done[i] = t == eos_id or bool(stop and stop(out[i]))
+            if all(done):
+                break
+            new = tokens[:, None]  # (b, 1)
+    return out

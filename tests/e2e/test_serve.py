@@ -1,0 +1,74 @@
+"""tools/generate.py and tools/serve.py under torchrun at tp=2: one printed answer, one served
+request, a clean shutdown. The tokens must be the one-process generation's (fp64)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from tests.e2e.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(checkpoint dir, tokenizer, one-process greedy ids of PROMPT): a random HF GPT-2."""
+    from megalite.generation import generate
+    from megalite.parallel.groups import single_process_groups
+    from tests.unit.test_checkpoint_hf import convert, hf_model
+    from tests.unit.test_generation import gen_tool, train_tokenizer
+
+    d = tmp_path_factory.mktemp("serve")
+    tok = train_tokenizer(d)
+    hf_model("gpt2", seed=2).save_pretrained(d / "hf", safe_serialization=True)
+    convert.main([str(d / "hf"), str(d / "ml"), "--to", "megalite"])
+    chunk, t = gen_tool.load(d / "ml", tok)
+    chunk = chunk.double()
+    ids = t.encode(PROMPT)
+    with torch.no_grad():
+        new = generate([chunk], single_process_groups(), [ids], 6)[0]
+    return str(d / "ml"), tok, ids, new, t.decode(new)
+
+
+PROMPT = "def f(x):"
+
+
+def _torchrun(tool, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            f"tools/{tool}.py", *args]  # fmt: skip
+
+
+def test_generate_and_serve_under_torchrun(model):
+    path, tok, ids, new, text = model
+    flags = ["--load", path, "--tokenizer-model", tok, "--tp", "2", "--dtype", "fp64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        _torchrun("generate", *flags, "--prompt", PROMPT, "--max-new-tokens", "6", "--greedy",
+                  "--json"), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = r.stdout.splitlines()  # printed once, by rank 0
+    assert json.loads(line)["new_ids"] == new
+    server = subprocess.Popen(_torchrun("serve", *flags, "--port", "0"), cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        first = server.stdout.readline()  # "serving on http://127.0.0.1:PORT (pid N: ...)"
+        assert first.startswith("serving on "), (first, server.stderr.read()[-3000:])
+        url, pid = first.split()[2], int(first.split("(pid ")[1].split(":")[0])
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 6, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, method="POST")
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert json.loads(resp.read())["choices"][0]["text"] == text
+        os.kill(pid, signal.SIGTERM)  # rank 0 releases rank 1; both exit 0, so torchrun does
+        assert server.wait(timeout=120) == 0
+        assert "megalite serve: stopped" in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
