@@ -133,8 +133,14 @@ class OptimizerConfig:
     clip_grad: float = opt(1.0, "clip the global gradient norm to this (0: off)")
     zero_stage: int = opt(
         0,
-        "0: replicated optimizer; 1: sharded optimizer state; 2: also sharded gradients",
-        choices=(0, 1, 2),
+        "0: replicated optimizer; 1: sharded optimizer state; 2: also sharded gradients; "
+        "3: also sharded parameters, gathered layer by layer",
+        choices=(0, 1, 2, 3),
+    )
+    zero3_keep_params: bool = opt(
+        False,
+        "ZeRO-3: keep each layer's gathered parameters from its forward to its backward "
+        "(less traffic, more memory); with pp they are kept for the whole step",
     )
     bucket_size_mb: float = opt(25.0, "gradient bucket size for the data-parallel reduction")
     overlap_param_gather: bool = opt(

@@ -192,7 +192,7 @@ def _local_neighbours(pp: int, rank: int, n_chunks: int, placement):
 def run_schedule(
     actions, chunks, groups, microbatches, *, hidden_shape, dtype,
     forward_only: bool = False, loss_scale: float = 1.0, timeline=None,
-    placement=interleaved_placement,
+    placement=interleaved_placement, observe=None,
 ) -> PipelineResult:  # fmt: skip
     """Run this rank's `actions` (from `schedules.get_schedule`) over `chunks` (its model chunks,
     each with `has_embedding` / `has_head`, called as `chunk(x, labels=None)`).
@@ -209,6 +209,8 @@ def run_schedule(
         compute ("forward"/"backward", chunk, mb), each wait ("recv", or "send" for the sends
         still in flight at the end, with its actions in `ops`) and the whole schedule.
     placement: the schedule's (pp, vpp, rank, chunk) -> virtual stage.
+    observe: when given, called as `observe(index, action)` before each action runs (a hang
+        report names the action a rank was in).
     """
     pp, device = groups.pp, groups.device
     clock = Clock(device)
@@ -306,6 +308,8 @@ def run_schedule(
     i = 0
     while i < len(actions):
         a = actions[i]
+        if observe is not None:
+            observe(i, a)
         if a.kind in COMM:  # a maximal run of send/recv actions is one batch
             j = i
             while j < len(actions) and actions[j].kind in COMM:
