@@ -134,7 +134,7 @@ def load_model(chunks, tp, ckpt: Checkpoint):
     """Copy this rank's slices of the model weights into the chunks (any layout)."""
     check_model(chunks, tp, ckpt)
     for name, p, spec in _params(chunks):
-        p.copy_(_read_padded(ckpt, name, spec.region(tp.rank), p.shape))
+        p.copy_(_read_padded(ckpt, name, spec.region(), p.shape))
 
 
 def _load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint):
@@ -151,7 +151,7 @@ def _load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint):
             raise MegaliteError(
                 f"checkpoint {ckpt.dir} lacks the optimizer state of {name}; the index is incomplete"
             )
-        region = spec.region(tp.rank)
+        region = spec.region()
         state[name] = {k: _read_padded(ckpt, opt_name(k, name), region, p.shape) for k in kinds}
     optimizer.load_state_tensors(state)
     if scalars is not None:
@@ -257,7 +257,7 @@ class Checkpointer:
         for name, p, spec in _params(self.chunks):
             if spec.tied_to or (spec.split_dim is None and tp.rank != 0):
                 continue  # tied copies are the first stage's tensor; TP replicas are written once
-            region = spec.region(tp.rank)
+            region = spec.region()
             rows = region[0][1] - region[0][0]  # fewer than p.shape[0] where vocabulary padding is
             out[name] = (p[:rows], region, spec.shape)
             for kind, t in opt_state[name].items():

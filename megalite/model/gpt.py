@@ -103,7 +103,7 @@ class GPTChunk(nn.Module):
             # padding rows (never a target) stay zero: only the real vocabulary is drawn
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.source.encode()))
             full = torch.randn(spec.shape, generator=g) * s
-            p.data.copy_(spec.local(full, self.tp.rank))
+            p.data.copy_(spec.local(full))
 
     def load_full_state(self, state: dict):
         """Copy in whole logical tensors (any vocabulary padding): pad or trim the vocabulary to
@@ -111,7 +111,7 @@ class GPTChunk(nn.Module):
         for p in self.parameters():
             spec = spec_of(p)
             with torch.no_grad():
-                p.copy_(spec.local(state[spec.source], self.tp.rank))
+                p.copy_(spec.local(state[spec.source]))
 
     # ---- forward ----------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ class ParamSpec:
     split_dim: int | None = None  # dim cut into contiguous equal parts along `split_axis`
     split_axis: str = "tp"
     split_size: int = 1  # ranks along split_axis (1: not split)
+    split_index: int = 0  # this rank's part along split_axis
     # Groups over which each rank holds only part of this gradient, summed after the data-
     # parallel reduction: "tp" (norms under sequence parallelism, k/v heads replicated over
     # TP), "embed" (the two halves of a tied word embedding on different pipeline stages).
@@ -34,10 +35,11 @@ class ParamSpec:
     no_weight_decay: bool = False
     vocab_dim: int | None = None  # rows of the vocabulary (padding past the real size)
 
-    def region(self, index: int) -> list[tuple[int, int]]:
-        """This rank's part of the global tensor: (lo, hi) per dim, for the rank at `index`
-        along split_axis. Vocabulary rows past the real size are outside the global tensor,
-        so the region may be shorter than the local tensor (or empty)."""
+    def region(self, index: int | None = None) -> list[tuple[int, int]]:
+        """This rank's part of the global tensor: (lo, hi) per dim (another rank's with
+        `index` along split_axis). Vocabulary rows past the real size are outside the global
+        tensor, so the region may be shorter than the local tensor (or empty)."""
+        index = self.split_index if index is None else index
         region = [(0, n) for n in self.local_shape]
         if self.split_dim is not None:
             n = self.local_shape[self.split_dim]
@@ -48,9 +50,10 @@ class ParamSpec:
             region[self.vocab_dim] = (min(lo, v), min(hi, v))
         return region
 
-    def local(self, full: torch.Tensor, index: int) -> torch.Tensor:
+    def local(self, full: torch.Tensor, index: int | None = None) -> torch.Tensor:
         """This rank's local tensor cut from a whole logical tensor (any vocabulary padding:
         trimmed or zero-padded to this layout's)."""
+        index = self.split_index if index is None else index
         if self.vocab_dim is not None:
             d = self.vocab_dim
             rows = self.local_shape[d] * (self.split_size if self.split_dim == d else 1)
@@ -74,11 +77,12 @@ class ParamSpec:
         return self.split_dim is not None or tp_rank == 0
 
 
-def mark(param: nn.Parameter, split_dim=None, split_size=1, **fields) -> nn.Parameter:
+def mark(param: nn.Parameter, split_dim=None, split_size=1, split_index=0, **fields):
     """Attach how a new parameter is sharded (a layer calls this; the model names it later)."""
+    split = split_dim is not None
     param._spec = ParamSpec(
-        local_shape=tuple(param.shape), split_dim=split_dim,
-        split_size=split_size if split_dim is not None else 1, **fields,
+        local_shape=tuple(param.shape), split_dim=split_dim, split_size=split_size if split else 1,
+        split_index=split_index if split else 0, **fields,
     )  # fmt: skip
     return param
 

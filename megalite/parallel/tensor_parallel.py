@@ -20,7 +20,8 @@ def shard_spec(group: Group, split_dim=None, partial_grad=False, **fields) -> di
     """mark()'s arguments for a tensor split along `split_dim` over the TP group (None: whole
     on every rank; `partial_grad`: each rank computes part of its gradient, summed over TP)."""
     sync = ("tp",) if partial_grad and group.size > 1 else ()
-    return {"split_dim": split_dim, "split_size": group.size, "grad_sum": sync, **fields}
+    return {"split_dim": split_dim, "split_size": group.size, "split_index": group.rank,
+            "grad_sum": sync, **fields}  # fmt: skip
 
 
 def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:

@@ -34,7 +34,8 @@ def _param(full: torch.Tensor, tp: Group, dim=None, sync_tp=False, tied=None, **
     if tied:
         fields["grad_sum"] = ("embed",)
         fields["tied_to"] = "embedding.word.weight" if tied == "copy" else None
-    return mark(nn.Parameter(t.clone()), split_dim=dim, split_size=tp.size, **fields)
+    return mark(nn.Parameter(t.clone()), split_dim=dim, split_size=tp.size, split_index=tp.rank,
+                **fields)  # fmt: skip
 
 
 class Block(nn.Module):
