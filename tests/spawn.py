@@ -29,8 +29,9 @@ def _entry(rank, world_size, tmp, fn, args):
         result = fn(rank, world_size, *args)
         with open(f"{tmp}/out.{rank}", "wb") as fh:
             torch.save(result, fh)  # read back with weights_only: no pickle code runs
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (unless fn tore it down itself)
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:
         with open(f"{tmp}/err.{rank}", "w") as fh:
             fh.write(traceback.format_exc())

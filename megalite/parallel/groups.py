@@ -158,10 +158,22 @@ def build_groups(
     return ProcessGroups(topo, rank, device, groups, embed, world, ledger)
 
 
-def destroy(barrier: bool = False):
-    """Tear down torch.distributed. `barrier` (a clean finish): wait until every rank is done,
-    since gloo aborts a rank whose peer closes its connections while it still tears down."""
+def destroy(groups: ProcessGroups | None = None, barrier: bool = False):
+    """Tear down torch.distributed, on every rank in the same order; safe to call again.
+    `barrier` (a clean finish): wait until every rank is done, since gloo aborts a rank whose
+    peer closes its connections while it still tears down.
+
+    Then `groups` lets go of its process groups: destroy_process_group only forgets torch's own
+    references (gloo has no shutdown), and a gloo group joins its worker threads when the last
+    one goes. That must happen while the interpreter is whole: a worker still releasing the
+    tensors of a finished collective needs the GIL, and asking for it during finalization ends
+    the thread with pthread_exit, whose unwinding through torch's noexcept release calls
+    std::terminate ("terminate called without an active exception", SIGABRT)."""
     if dist.is_initialized():
         if barrier and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+    if groups is not None:
+        for g in (groups.world, groups.embed, *reversed(groups.groups.values())):
+            if g is not None:  # (embed: a middle pipeline stage has none)
+                g.pg = None  # the last reference: the group joins its threads now

@@ -3,6 +3,8 @@
 The config is validated before torch is even imported, so bad flags fail within a second.
 """
 
+import atexit
+
 from megalite.config import parse_args
 from megalite.parallel.axes import AXES
 from megalite.parallel.topology import world_from_env
@@ -46,6 +48,9 @@ def main(argv):
 
     resume_path(cfg)  # a missing checkpoint fails now, also before any process group
     groups = setup(shape, cfg.parallel.distributed_timeout_minutes)
+    # However the run ends, its groups' threads are joined before the interpreter finalizes
+    # (pg.destroy); on an error only after the message is out (a join can wait on a stuck peer).
+    atexit.register(pg.destroy, groups)
     try:
         if groups.rank == 0:
             print(groups.topo.describe(), flush=True)
@@ -55,6 +60,6 @@ def main(argv):
             trainer.eval_only()
         else:
             trainer.train()
-        pg.destroy(barrier=True)
+        pg.destroy(groups, barrier=True)
     finally:
         pg.destroy()
