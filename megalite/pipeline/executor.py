@@ -43,10 +43,13 @@ from megalite.pipeline.schedules import (
     WAITS,
     B,
     F,
+    I,
+    W,
     format_action,
     interleaved_placement,
     owner,
 )
+from megalite.pipeline.split_backward import input_grad
 
 
 @dataclass
@@ -164,7 +167,8 @@ def _release(t: torch.Tensor):
         t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
-SPAN = {F: "forward", B: "backward"}  # timeline span names of the compute kinds
+# timeline span names of the compute kinds
+SPAN = {F: "forward", B: "backward", I: "backward-input", W: "backward-weight"}
 
 
 def _record_wait(timeline, batch, t0, t1):
@@ -221,6 +225,7 @@ def run_schedule(
     grads = {}  # (chunk, mb) -> gradient of that output, received or handed over
     outbox = {}  # (kind, chunk, mb) -> tensor waiting to be sent
     received = {}  # (kind of the receive, chunk, mb) -> (batch, buffer)
+    later = {}  # (chunk, mb) -> the weight-gradient half of a split backward (W)
     batches = deque()  # posted batches not yet known to be complete, oldest first
     posted = 0
     losses = [None] * m
@@ -254,14 +259,31 @@ def run_schedule(
             out.backward()
         else:
             _backward(out, grads.pop((c, k)))
-        if chunk.has_embedding:
-            return
+        if not chunk.has_embedding:
+            pass_back(c, k)
+
+    def pass_back(c, k):  # the input's gradient, to the previous stage
         x = inputs.pop((c, k))
         g = x.grad if x.grad is not None else torch.zeros_like(x)  # (b, s, h)
         if local_prev[c] is not None:
             grads[local_prev[c], k] = g
         else:
             outbox[SEND_B, c, k] = g.contiguous()
+
+    def backward_input(c, k):  # I: the input gradient now, the weight gradients kept for W
+        chunk = chunks[c]
+        if chunk.has_embedding:  # no input gradient to pass on: the whole backward is W's
+            later[c, k] = lambda: backward(c, k)
+            return
+        out = outputs.pop((c, k))
+        grad = None if chunk.has_head else grads.pop((c, k))
+        later[c, k] = input_grad(out, grad, inputs[c, k], chunk.parameters())
+        if out._base is None:
+            out.detach_()  # what only the input gradient needed can go
+        pass_back(c, k)
+
+    def backward_weight(c, k):  # W
+        later.pop((c, k))()
 
     def wait(batch, what, op=None):
         nonlocal wait_s
@@ -304,7 +326,8 @@ def run_schedule(
         else:
             grads[a.chunk, a.mb] = buf
 
-    compute = {F: forward, B: backward}  # dispatch on the kind of a compute action
+    # dispatch on the kind of a compute action
+    compute = {F: forward, B: backward, I: backward_input, W: backward_weight}
     i = 0
     while i < len(actions):
         a = actions[i]
@@ -334,8 +357,8 @@ def run_schedule(
     end = clock.mark()
     if timeline is not None:
         timeline.record("schedule", start, end)
-    if outputs or outbox or grads or inputs or received:
-        left = [sorted(d)[:3] for d in (outputs, outbox, grads, inputs, received) if d]
+    if outputs or outbox or grads or inputs or received or later:
+        left = [sorted(d)[:3] for d in (outputs, outbox, grads, inputs, received, later) if d]
         raise RuntimeError(f"the schedule left tensors unused (outputs/sends/grads/inputs): {left}")
     has_head = any(c.has_head for c in chunks)
     loss_tensor = torch.zeros(m, dtype=torch.float64, device=device)

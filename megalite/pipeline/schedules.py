@@ -26,6 +26,7 @@ the planner and the timeline all read the registry.
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from megalite.errors import MegaliteError
 
@@ -60,7 +61,7 @@ COMM = (SEND_F, RECV_F, SEND_B, RECV_B)  # posted as one batch per run of consec
 WAITS = {WAIT_F: RECV_F, WAIT_B: RECV_B}  # each wait and the receive it waits for
 # Before posting batch j the executor waits for batch j - MAX_IN_FLIGHT: sends then hold at
 # most that many batches of activations alive, and the verifier models the same rule.
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,9 @@ class Schedule:
     placement: Callable = interleaved_placement  # (pp, vpp, rank, chunk) -> virtual stage
     cost: dict = field(default_factory=lambda: {F: 1.0, B: 2.0, I: 1.0, W: 1.0})  # per stage
     doc: str = ""
+    # (pp, vpp, m) -> every rank's actions with their communication, for a schedule that
+    # places its own (default: with_comms around the segments of `build`)
+    table: Callable | None = None
 
 
 SCHEDULES: dict[str, Schedule] = {}
@@ -328,10 +332,65 @@ def get_schedule(
 ) -> list[Action]:
     """The actions of pipeline rank `rank`. `forward_only` (evaluation): the schedule's
     forwards in the same order, with their communication, and no backward."""
-    segments = compute_order(name, pp, vpp, microbatches, rank)
-    if forward_only:
-        segments = [[a] for seg in segments for a in seg if a.kind == F]
-    return with_comms(segments, pp, vpp, rank, SCHEDULES[name].placement)
+    compute_order(name, pp, vpp, microbatches, rank)  # checks the shape (one clear error)
+    return list(_table(name, pp, vpp, microbatches, forward_only)[rank])
+
+
+@lru_cache(maxsize=512)
+def _table(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool) -> tuple:
+    """Every rank's actions: computes, their communication, and receives posted in the order
+    the peer sends (`align_receives`)."""
+    s = SCHEDULES[name]
+    if s.table is not None:  # forward only: the forwards keep their (lockstep) places
+        keep = (F, SEND_F, RECV_F, WAIT_F) if forward_only else tuple(Kind)
+        table = [[a for a in acts if a.kind in keep] for acts in s.table(pp, vpp, microbatches)]
+        return tuple(tuple(acts) for acts in align_receives(table))
+    table = []
+    for r in range(pp):
+        segments = s.build(pp, vpp, microbatches, r)
+        if forward_only:
+            segments = [[a] for seg in segments for a in seg if a.kind == F]
+        table.append(with_comms(segments, pp, vpp, r, s.placement))
+    return tuple(tuple(acts) for acts in align_receives(table))
+
+
+def align_receives(table: list[list[Action]]) -> list[list[Action]]:
+    """Messages between two ranks are matched in posting order, so a rank must post its
+    receives from a peer in the order the peer sends. Where one directed pair of ranks carries
+    two streams (a V placement: activations of chunk 0 and gradients of chunk 1 both go from
+    rank r to r+1), the consumer may need them in another order: such a receive is posted
+    earlier, beside the one that comes first (its wait stays before its compute)."""
+    sent = {}  # (sender, receiver) -> the messages in sending order: (kind, chunk-free key)
+    for r, acts in enumerate(table):
+        for a in acts:
+            if a.kind in (SEND_F, SEND_B):
+                sent.setdefault((r, a.peer), []).append(a)
+    out = []
+    for r, acts in enumerate(table):
+        # each receive, by the send it matches: the message (kind, mb) from the peer's chunk
+        recv_of = {}
+        for a in acts:
+            if a.kind in (RECV_F, RECV_B):
+                recv_of.setdefault((a.peer, a.kind, a.mb), []).append(a)
+        expected = {peer: list(sent.get((peer, r), [])) for peer in {a.peer for a in acts if a.peer is not None}}
+        done, new = set(), []
+        for a in acts:
+            if a.kind not in (RECV_F, RECV_B):
+                new.append(a)
+                continue
+            if id(a) in done:
+                continue
+            queue = expected[a.peer]
+            while True:  # post every receive the peer sends before this one, then this one
+                s = queue.pop(0)
+                kind = RECV_F if s.kind == SEND_F else RECV_B
+                match = next(x for x in recv_of[a.peer, kind, s.mb] if id(x) not in done)
+                done.add(id(match))
+                new.append(match)
+                if match is a:
+                    break
+        out.append(new)
+    return out
 
 
 def bubble_theory(pp: int, vpp: int, microbatches: int, name: str | None = None) -> float:
@@ -343,3 +402,7 @@ def bubble_theory(pp: int, vpp: int, microbatches: int, name: str | None = None)
 def idle_theory(pp: int, vpp: int, microbatches: int) -> float:
     """The same bubble as a fraction of the whole step: (pp-1)/(vpp*m + pp-1)."""
     return (pp - 1) / (vpp * microbatches + pp - 1)
+
+
+# The zero-bubble schedules register themselves (their builders live in zero_bubble.py).
+from megalite.pipeline import zero_bubble  # noqa: E402, F401

@@ -47,6 +47,8 @@ from megalite.pipeline.schedules import (
     WAITS,
     B,
     F,
+    I,
+    W,
     format_action,
     get_schedule,
     interleaved_placement,
@@ -119,24 +121,26 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
     """Per-rank order and completeness; returns the peak of live activations."""
     last = pp * vpp - 1
     # state per (chunk, mb) and per kind: seen once at most
-    seen = {kind: set() for kind in (F, B, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_F, WAIT_B)}
+    seen = {kind: set() for kind in (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_F, WAIT_B)}
 
     def remote(vs: int) -> int | None:
         """The chunk on this rank holding virtual stage vs, or None when another rank does."""
         r, c = owner(placement, pp, vpp, vs)
         return c if r == rank else None
 
-    def arrived(a, vs: int, wait_kind, local_kind) -> bool:
+    def arrived(a, vs: int, wait_kind, local_kinds) -> bool:
         """Has compute a's input from neighbouring virtual stage vs arrived (waited for)?"""
         c = remote(vs)
-        return (a.chunk, a.mb) in seen[wait_kind] if c is None else (c, a.mb) in seen[local_kind]
+        if c is None:
+            return (a.chunk, a.mb) in seen[wait_kind]
+        return any((c, a.mb) in seen[k] for k in local_kinds)
 
     live = peak = 0
     for i, a in enumerate(acts):
         where = _where(rank, i, a, vpp)
         if a.kind not in seen:
             raise ScheduleError(f"{where}: unknown action kind {a.kind!r}")
-        if forward_only and a.kind in (B, SEND_B, RECV_B, WAIT_B):
+        if forward_only and a.kind in (B, I, W, SEND_B, RECV_B, WAIT_B):
             raise ScheduleError(f"{where}: a gradient in a forward-only schedule")
         if not (0 <= a.chunk < vpp and 0 <= a.mb < m):
             raise ScheduleError(f"{where}: chunk or micro-batch out of range (vpp={vpp}, m={m})")
@@ -160,25 +164,35 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
                     f"{where}: {what} before its input arrived: it waits for a receive never posted"
                 )
         elif a.kind == F:
-            if vs > 0 and not arrived(a, vs - 1, WAIT_F, F):
+            if vs > 0 and not arrived(a, vs - 1, WAIT_F, (F,)):
                 raise ScheduleError(f"{where}: forward before its input arrived")
             live += 1
             peak = max(peak, live)
-        elif a.kind == B:
+        elif a.kind in (B, I):  # the input gradient: a full backward, or its first half
             if key not in seen[F]:
                 raise ScheduleError(f"{where}: backward before its forward")
-            if vs < last and not arrived(a, vs + 1, WAIT_B, B):
+            if key in seen[B] or key in seen[I]:
+                raise ScheduleError(f"{where}: a second backward of the same micro-batch")
+            if vs < last and not arrived(a, vs + 1, WAIT_B, (B, I)):
                 raise ScheduleError(f"{where}: backward before its output gradient arrived")
+            live -= a.kind == B
+        elif a.kind == W:  # the weight gradients: after the input gradient, frees the activations
+            if key not in seen[I]:
+                raise ScheduleError(f"{where}: weight gradient before its input gradient (I)")
             live -= 1
         elif a.kind == SEND_F and key not in seen[F]:
             raise ScheduleError(f"{where}: sends an activation not computed yet")
-        elif a.kind == SEND_B and key not in seen[B]:
+        elif a.kind == SEND_B and key not in seen[B] and key not in seen[I]:
             raise ScheduleError(f"{where}: sends a gradient not computed yet")
         seen[a.kind].add(key)
     everything = {(c, k) for c in range(vpp) for k in range(m)}
-    for kind in (F,) if forward_only else (F, B):
-        if seen[kind] != everything:
-            missing = sorted(everything - seen[kind])[:4]
+    if not forward_only and seen[I] != seen[W]:
+        missing = sorted(seen[I] ^ seen[W])[:4]
+        raise ScheduleError(f"rank {rank}: an I without its W, or the reverse, for {missing}")
+    backward = seen[B] | seen[I]
+    for kind, got in ((F, seen[F]),) if forward_only else ((F, seen[F]), (B, backward)):
+        if got != everything:
+            missing = sorted(everything - got)[:4]
             raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
     for kind, step in ((SEND_F, 1),) if forward_only else ((SEND_F, 1), (SEND_B, -1)):
         want = set()
@@ -198,6 +212,14 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
     communication and computes of cost[kind] / vpp (a chunk holds 1/vpp of a stage's layers).
     Returns the batch count and the simulated idle fraction of the step, per rank."""
     cost = {k: v / vpp for k, v in cost.items()}
+
+    def seconds(a, r) -> float:
+        """A compute's simulated time. The first virtual stage has no input gradient to pass
+        on: the executor leaves its I empty and does the whole backward in its W."""
+        if a.kind in (I, W) and placement(pp, vpp, r, a.chunk) == 0:
+            return 0.0 if a.kind == I else cost[I] + cost[W]
+        return cost[a.kind]
+
     batches, batch_of, busy = [], {}, []  # batches[r][j]: action indices posted together
     for r, acts in enumerate(table):
         bs, prev_comm = [], False
@@ -209,7 +231,7 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
                 batch_of[r, i] = len(bs) - 1
             prev_comm = a.kind in COMM
         batches.append(bs)
-        busy.append(sum(cost[a.kind] for a in acts if a.kind in cost))
+        busy.append(sum(seconds(a, r) for a in acts if a.kind in cost))
 
     # static matching: the k-th send a->b meets b's k-th recv from a
     sends, recvs = {}, {}
@@ -257,11 +279,12 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
     posted = [[None] * len(bs) for bs in batches]  # when each batch was posted
     done = [[None] * len(bs) for bs in batches]  # when each batch completed
     met = {}  # (rank, action index) -> when the operation met its partner
+    head = [0] * pp  # each rank's oldest incomplete batch
 
     def active(r):
         """(index, since) of rank r's oldest incomplete posted batch, or None."""
-        j = next((j for j, d in enumerate(done[r]) if d is None), None)
-        if j is None or posted[r][j] is None:
+        j = head[r]
+        if j >= len(done[r]) or posted[r][j] is None:
             return None
         return j, max(posted[r][j], done[r][j - 1] if j else 0.0)
 
@@ -286,7 +309,7 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
                     clock[r] = max(clock[r], d)
                     pc[r] += 1
                 else:
-                    clock[r] += cost[a.kind]
+                    clock[r] += seconds(a, r)
                     pc[r] += 1
                 progress = True
         for r in range(pp):  # operations of two active batches meet
@@ -300,6 +323,7 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
         for r in range(pp):  # a batch whose operations all met is complete
             while (act := active(r)) is not None and all((r, i) in met for i in batches[r][act[0]]):
                 done[r][act[0]] = max([act[1], *(met[r, i] for i in batches[r][act[0]])])
+                head[r] += 1
                 progress = True
     stuck = [r for r in range(pp) if pc[r] < len(table[r]) or None in done[r]]
     if stuck:

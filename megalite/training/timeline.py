@@ -24,7 +24,7 @@ import os
 from megalite.clock import Clock
 from megalite.errors import MegaliteError
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "backward-input", "backward-weight")
 P2P = ("send", "recv", "send+recv")
 
 
@@ -148,13 +148,18 @@ def measured_bubble(data: dict) -> float | None:
 
 # ---- drawing ---------------------------------------------------------------------------------
 
-# Forward in blues, backward in greens then oranges (one shade per chunk), p2p waits hatched.
+# Forward in blues, backward (or its input half, I) in greens then oranges (one shade per
+# chunk), the weight half (W) in greys, p2p waits hatched.
 FORWARD = ["#1f5fa8", "#6fa8dc", "#0b3866", "#9fc5e8"]
 BACKWARD = ["#38a34a", "#f0912c", "#1e6b2b", "#c4620f"]
+WEIGHT = ["#7a7a7a", "#b0b0b0", "#4d4d4d", "#d0d0d0"]
+
+
+LETTER = {"forward": "F", "backward": "B", "backward-input": "I", "backward-weight": "W"}
 
 
 def _label(span: dict, chunks: int) -> str:
-    letter = "F" if span["kind"] == "forward" else "B"
+    letter = LETTER[span["kind"]]
     return f"{letter}{span['mb']}" + (f".{span['chunk']}" if chunks > 1 else "")
 
 
@@ -183,7 +188,7 @@ def plot_timeline(data: dict, path: str, title: str | None = None):
                 ax.barh(y, w, left=x0, height=0.8, color="white", edgecolor="#bbbbbb",
                         hatch="///", linewidth=0.5)  # fmt: skip
             elif kind in COMPUTE:
-                shades = FORWARD if kind == "forward" else BACKWARD
+                shades = {"forward": FORWARD, "backward-weight": WEIGHT}.get(kind, BACKWARD)
                 color = shades[s.get("chunk", 0) % len(shades)]
                 ax.barh(y, w, left=x0, height=0.8, color=color, edgecolor="black", linewidth=0.4)
                 if w > end * scale / 60:  # label where it fits
@@ -218,6 +223,8 @@ def plot_timeline(data: dict, path: str, title: str | None = None):
             Patch(color=FORWARD[1], label="forward (chunk 1)"),
             Patch(color=BACKWARD[1], label="backward (chunk 1)"),
         ]
+    if any(s["kind"] == "backward-weight" for r in ranks for s in r["spans"]):
+        legend.append(Patch(color=WEIGHT[0], label="weight gradients (W)"))
     legend += [
         Patch(facecolor="#dddddd", edgecolor="#888888", hatch="xx", label="blocked in send/recv"),
         Patch(facecolor="white", edgecolor="#bbbbbb", hatch="///", label="idle"),

@@ -16,7 +16,7 @@ import torch.nn.functional as Fn
 from megalite.parallel.comm import Group
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import chunk_layers, rank_chunks
-from megalite.pipeline.schedules import get_schedule
+from megalite.pipeline.schedules import SCHEDULES, get_schedule
 from tests.spawn import spawn
 
 VOCAB, H, LAYERS, B, S = 11, 6, 8, 2, 3
@@ -66,8 +66,9 @@ def _reference(microbatches, loss_scale=1.0):
     return sum(x.item() for x in losses) / m, grads
 
 
-def _build(pp, vpp, rank):
-    return [ToyChunk(**kw) for kw in rank_chunks(LAYERS, pp, vpp, rank)]
+def _build(pp, vpp, rank, name="1f1b"):
+    placement = SCHEDULES[name].placement
+    return [ToyChunk(**kw) for kw in rank_chunks(LAYERS, pp, vpp, rank, placement)]
 
 
 def _check(result, chunks, microbatches, loss_scale=1.0):
@@ -86,6 +87,9 @@ CASES = [
     ("1f1b", 1, 6, 4.0),
     ("interleaved", 2, 4, 1.0),
     ("interleaved", 2, 8, 1.0),
+    ("zb-h1", 1, 3, 1.0),  # backward split into I and W
+    ("zb-h1", 1, 6, 4.0),
+    ("zbv", 2, 5, 1.0),  # two chunks per rank in a V
 ]
 
 
@@ -99,9 +103,10 @@ def _run_all(rank, world):
         if name == "interleaved" and m % world:
             continue
         microbatches = _data(m)
-        chunks = _build(world, vpp, rank)
+        chunks = _build(world, vpp, rank, name)
         actions = get_schedule(name, world, vpp, m, rank)
-        kw = {"hidden_shape": (B, S, H), "dtype": torch.float64}
+        kw = {"hidden_shape": (B, S, H), "dtype": torch.float64,
+              "placement": SCHEDULES[name].placement}  # fmt: skip
         groups.ledger.reset()
         result = run_schedule(actions, chunks, groups, microbatches, loss_scale=scale, **kw)
         _check(result, chunks, microbatches, scale)
@@ -109,7 +114,7 @@ def _run_all(rank, world):
         assert groups.ledger.calls["pp"] >= 1 and groups.ledger.bytes["pp"] >= sends * B * S * H * 8
 
         # evaluation: the same loss, no gradients anywhere
-        fresh = _build(world, vpp, rank)
+        fresh = _build(world, vpp, rank, name)
         fwd = get_schedule(name, world, vpp, m, rank, forward_only=True)
         ev = run_schedule(fwd, fresh, groups, microbatches, forward_only=True, **kw)
         assert abs(ev.loss - result.loss) <= TOL
@@ -166,20 +171,22 @@ def _gpt_run(rank, world):
 
     groups = build_groups(Topology(pp=world), torch.device("cpu"))
     # gpt2 ties the word embedding to the head: the two copies' gradients add up
-    for flavour, name, vpp, m in (("llama", "interleaved", 2, 4), ("gpt2", "1f1b", 1, 3)):
+    # gpt2's tied embedding: in a V the embedding and the head are both on rank 0
+    for flavour, name, vpp, m in (("llama", "interleaved", 2, 4), ("gpt2", "1f1b", 1, 3),
+                                  ("gpt2", "zbv", 2, 3), ("llama", "zb-h1", 1, 3)):  # fmt: skip
         cfg, microbatches = _gpt_cfg(flavour), _data(m, seed=1)
         ref = GPTChunk(cfg, dtype=torch.float64)
         ref_loss = sum(ref(t, lab) for t, lab in microbatches) / m
         ref_loss.backward()
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        placement = SCHEDULES[name].placement
         chunks = [
             GPTChunk(cfg, dtype=torch.float64, **kw)
-            for kw in rank_chunks(cfg.num_layers, world, vpp, rank)
+            for kw in rank_chunks(cfg.num_layers, world, vpp, rank, placement)
         ]
         actions = get_schedule(name, world, vpp, m, rank)
-        result = run_schedule(
-            actions, chunks, groups, microbatches, hidden_shape=(B, S, 16), dtype=torch.float64
-        )
+        result = run_schedule(actions, chunks, groups, microbatches, hidden_shape=(B, S, 16),
+                              dtype=torch.float64, placement=placement)  # fmt: skip
         assert abs(result.loss - ref_loss.item()) <= TOL, (flavour, result.loss, ref_loss.item())
         tied = torch.zeros_like(ref_grads["embedding.word.weight"])
         for chunk in chunks:

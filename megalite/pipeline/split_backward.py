@@ -1,0 +1,110 @@
+"""A backward in two halves, for zero-bubble schedules: I (the input gradient, which the
+previous stage waits for) now, W (the weight gradients) later.
+
+The autograd graph of a stage is cut where the gradient towards the input meets the parameters:
+the *intermediate* nodes are those on the path from the input to the output that also lead to a
+parameter (a matmul computes both dX and dW; a norm both dX and dweight). I runs backward from
+the output to the input only, keeping the graph, and records the gradient arriving at each
+intermediate node (a pre-hook); nothing flows to the parameters. W later starts from those
+recorded gradients at the intermediates and runs to the parameters only, so no input gradient
+is computed twice. Parameters whose intermediates overlap are done together. W accumulates
+into `.grad` like any backward, so gradient hooks (the data-parallel buckets) fire then.
+(torch.distributed.pipelining does the same split; this is a small version of the idea.)
+"""
+
+from collections import defaultdict, deque
+
+import torch
+from torch.autograd import Variable
+from torch.autograd.graph import GradientEdge
+
+
+def _node(t: torch.Tensor):
+    """The autograd node that receives t's gradient (a leaf's accumulator, made on demand)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _reachable(starts, edges, stop=()):
+    """Nodes reachable from `starts` along `edges` (node -> nodes), not entering `stop`; and
+    the `stop` nodes that were hit."""
+    seen, hit, queue = set(starts), set(), deque(starts)
+    while queue:
+        for nxt in edges.get(queue.popleft(), ()):
+            if nxt in stop:
+                hit.add(nxt)
+            elif nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return seen, hit
+
+
+def _run(tensors, grads, inputs, keep_graph: bool):
+    """Backward from `tensors` (tensors or gradient edges) into the `.grad` of `inputs` only.
+    The engine call accepts a released output (empty storage: the executor frees sent outputs)."""
+    Variable._execution_engine.run_backward(
+        tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=keep_graph,
+        create_graph=False, inputs=tuple(inputs), allow_unreachable=True, accumulate_grad=True,
+    )  # fmt: skip
+
+
+def input_grad(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params):
+    """I: x.grad from out's gradient `grad` (None: out is a scalar loss); returns W, a function
+    that computes the parameters' gradients later (once)."""
+    root = out.grad_fn
+    params = [p for p in params if p.requires_grad]
+    if root is None or not params:
+        return lambda: None
+    # the graph from the output down, and the reverse edges (node -> the nodes that feed it)
+    down, up, queue = {}, defaultdict(list), deque([root])
+    seen = {root}
+    while queue:
+        n = queue.popleft()
+        down[n] = [f for f, _ in n.next_functions if f is not None]
+        for f in down[n]:
+            up[f].append(n)
+            if f not in seen:
+                seen.add(f)
+                queue.append(f)
+    on_path, _ = _reachable([_node(x)], up)  # between the input and the output
+    groups = {}  # intermediate node -> its group {"params", "nodes"}
+    for p in params:
+        _, hit = _reachable([_node(p)], up, stop=on_path)
+        group = {"params": {id(p): p}, "nodes": set(hit)}
+        for n in hit:  # parameters sharing an intermediate are one group
+            other = groups.get(n)
+            if other is not None and other is not group:
+                group["params"].update(other["params"])
+                group["nodes"] |= other["nodes"]
+                for m in other["nodes"]:
+                    groups[m] = group
+            groups[n] = group
+    saved, handles = {}, []
+    for n in groups:
+        handles.append(n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads)))
+    try:
+        _run([out], [torch.ones_like(out) if grad is None else grad], [x], keep_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    unique = list({id(g): g for g in groups.values()}.values())
+
+    def weights():
+        for group in unique:
+            nodes = [n for n in group["nodes"] if n in saved]
+            edges = [(GradientEdge(n, i), g) for n in nodes for i, g in enumerate(saved[n])
+                     if g is not None]  # fmt: skip
+            if not edges:
+                continue
+            # with several intermediates, one may lie below another: the gradient it recorded
+            # is already its whole gradient, so what flows into it now is replaced by that
+            clamps = [n.register_prehook(lambda grads, n=n: saved[n]) for n in nodes]
+            try:
+                _run([e for e, _ in edges], [g for _, g in edges], group["params"].values(), False)
+            finally:
+                for h in clamps:
+                    h.remove()
+        saved.clear()
+
+    return weights
