@@ -13,6 +13,13 @@ LAYOUTS = {
     "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),
     "tp2-pp2": (4, ["--tp", "2", "--pp", "2"]),
     "tp2-pp2-dp2-vpp2-zero1": (8, ["--tp", "2", "--pp", "2", "--vpp", "2", "--zero-stage", "1"]),
+    # zero-bubble schedules: the backward split in I and W
+    "pp2-zbv": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "zbv"]),
+    "tp2-pp2-dp2-zbh1": (8, ["--tp", "2", "--pp", "2", "--pp-schedule", "zb-h1"]),
+    # flags whose arithmetic is that of one process too
+    "dp2-zero2-recompute-selective": (2, ["--zero-stage", "2", "--recompute", "selective"]),
+    "pp2-gpipe-recompute-full": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--recompute", "full"]),
+    "tp2-pp2-order-pp-tp-dp": (4, ["--tp", "2", "--pp", "2", "--order", "pp-tp-dp"]),
 }
 
 
