@@ -372,7 +372,10 @@ def align_receives(table: list[list[Action]]) -> list[list[Action]]:
         for a in acts:
             if a.kind in (RECV_F, RECV_B):
                 recv_of.setdefault((a.peer, a.kind, a.mb), []).append(a)
-        expected = {peer: list(sent.get((peer, r), [])) for peer in {a.peer for a in acts if a.peer is not None}}
+        expected = {
+            peer: list(sent.get((peer, r), []))
+            for peer in {a.peer for a in acts if a.peer is not None}
+        }
         done, new = set(), []
         for a in acts:
             if a.kind not in (RECV_F, RECV_B):

@@ -191,7 +191,11 @@ def _zb_h1_check(pp, vpp, m):
 
 
 def _zbv_check(pp, vpp, m):
-    return None if vpp == 2 else f"the zbv schedule runs two chunks per rank in a V: --vpp 2, not {vpp}"
+    return (
+        None
+        if vpp == 2
+        else f"the zbv schedule runs two chunks per rank in a V: --vpp 2, not {vpp}"
+    )
 
 
 register_schedule(Schedule(
