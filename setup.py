@@ -14,10 +14,23 @@ setup(
         "megalite.data",
         "megalite.checkpoint",
         "megalite.training",
+        "megalite.cli",
         "megalite.kernels",
     ],
     # kernels/ is shipped as megalite.kernels: a top-level `kernels` package already exists on PyPI.
     package_dir={"megalite.kernels": "kernels"},
+    # The scripts (pretrain_gpt.py, tools/*.py) are thin wrappers of these commands.
+    entry_points={
+        "console_scripts": [
+            "megalite-train = megalite.cli.train:cli",
+            "megalite-preprocess = megalite.cli.preprocess:cli",
+            "megalite-convert = megalite.cli.convert:cli",
+            "megalite-generate = megalite.cli.generate:cli",
+            "megalite-plan = megalite.cli.plan:cli",
+            "megalite-serve = megalite.cli.serve:cli",
+            "megalite-diagnose-hang = megalite.training.hang:cli",
+        ]
+    },
     install_requires=[
         "torch>=2.4",
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",

@@ -2,7 +2,7 @@
 sentencepiece model and a Hugging Face byte-level BPE (tokenizer.json) of the same vocabulary
 side by side, and the cost of fetching a training sample.
 
-    python bench/bench_data.py [--repeats 3] [--json out.json]
+    python bench/bench_data.py [--repeats 5] [--json out.json] [--summary PATH]
 
 Everything runs on the built-in corpus, prepared in a temporary directory. Each figure is the
 best of --repeats runs (the machine may be shared; the best run is the least disturbed one).
@@ -22,6 +22,9 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.data import corpus
 from megalite.data.gpt_dataset import GPTDataset
 from megalite.data.indexed_dataset import IndexedDataset
@@ -108,6 +111,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--summary", help="write the headline figures as JSON here (run_all.py)")
     args = ap.parse_args()
     out = {"cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,6 +175,7 @@ def main():
         out["get_batch_us_mbs8_seq128"] = best(lambda: batch_us(ds), args.repeats)
 
     base = out["plain_encode_mb_s"]
+    print(f"machine: {machine()}")
     print(f"corpus: {out['corpus_files']} files, {out['corpus_mb']:.2f} MB, {tokens} tokens")
     print(
         f"prepare: corpus {out['corpus_s']:.2f} s, tokenizer training {out['tokenizer_train_s']:.1f} s"
@@ -192,6 +197,16 @@ def main():
         print(f"{k:28s} {out[k]:8.2f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    how = f"bench_data.py, best of {args.repeats} interleaved rounds"
+    figures = [
+        figure(
+            f"preprocess_data.py tokens/s, {w} worker(s), vs a plain sentencepiece loop",
+            round(out[f"tool_{w}w_mb_s"] / base, 2),
+            how=how,
+        )
+        for w in (1, 2)
+    ] + [figure("sample fetch, seq 1024", round(out["fetch_us_seq1024"], 1), unit="us", how=how)]
+    write_summary(args.summary, "bench_data", figures, " ".join(sys.argv))
 
 
 if __name__ == "__main__":

@@ -1,65 +1,92 @@
 """Data parallelism side by side: megalite ZeRO 0/1/2 against torch DDP and FSDP2 at dp=2.
 
-    .venv/bin/python bench/bench_dp.py [--layers 8] [--hidden 512] [--steps 10]
+    .venv/bin/python bench/bench_dp.py [--layers 8] [--hidden 256] [--heads 4] [--seq 256]
+        [--vocab 2048] [--gbs 32] [--mbs 4] [--bucket-mb 4] [--rounds 5] [--block 2]
+        [--methods ddp zero0 zero1 zero2 fsdp2] [--summary PATH]
 
-Each configuration runs in a fresh pair of gloo processes (CPU, one thread each) on the same
-fp32 MLP stack, 2 micro-batches per step, AdamW with clipping at 1.0. Reported per rank:
+Two gloo processes on CPU (tests/spawn.py, one thread each) hold one model per method, all the
+same `GPTChunk` (llama flavour, torch reference ops, fp32) with the same initial weights, and
+train on the same data (each rank its own half of the global batch, in gbs/(2*mbs) micro-batches).
+A step: zero the gradients, forward + backward of every micro-batch (loss / m), clip the global
+norm at 1.0, AdamW (lr 1e-4, betas 0.9/0.95, weight decay 0.1 except norms):
 
-- step time: median over the timed steps, best of the rounds (zero_grad, forward/backward of every micro-batch,
-  optimizer step with clipping);
-- persistent bytes: the storage of parameters, gradients and optimizer state this rank holds
-  after a step, counted tensor by tensor (unique storages). torch has no CPU allocator
-  statistics, so this is the honest, exact measure of what a method keeps;
-- peak RSS growth: the process's maximum resident set (getrusage) minus its RSS before the
-  model was built: includes activations, transient buffers and allocator slack, so it is an
-  upper bound, noisy at this size.
+- megalite zero0/1/2: the pipeline executor at pp=1 (what the trainer runs) and
+  `DistributedOptimizer` (flat buffers; ZeRO-1/2 gather the updated parameters overlapped with
+  the next forward, as by default);
+- ddp: `DistributedDataParallel(gradient_as_bucket_view=True)`, `no_sync()` on all but the last
+  micro-batch, torch.optim.AdamW(foreach=True; `--torch-adamw fused|single` for the others),
+  clip_grad_norm_(foreach=True);
+- fsdp2: `fully_shard` per layer and the root, `reshard_after_forward=False`, and the
+  parameters kept gathered from one micro-batch to the next (`set_reshard_after_backward(False)`
+  until the last): one parameter all-gather per step and a reduce-scatter per micro-batch, as
+  megalite's ZeRO-2 does; the same foreach AdamW and clipping on its DTensors.
 
-A second table builds megalite's optimizer on bf16 parameters (no step) and compares its
-buffers with the ZeRO formulas: bf16 parameters with fp32 gradients and fp32 masters + moments
-take 2 + 4 + 12 = 18 bytes per parameter at stage 0, 6 + 12/d at stage 1, 2 + 16/d at stage 2.
+Gradient buckets are --bucket-mb on every side (DDP's bucket_cap_mb, megalite's bucket size;
+FSDP2 communicates per layer). The methods take turns in one pair of processes: each round runs
+--block consecutive steps of every method (the order rotates), after warm-up rounds; a method's
+step time is its block's time / block, the slower rank's, median over rounds. One first step of
+each on the same batch must give the same loss, or the benchmark stops.
+
+The optimizer is not the same code on both sides: megalite's `DistributedOptimizer` runs its
+own AdamW over flat buffers (in slices), torch's `AdamW` runs over the parameters (foreach: a
+few multi-tensor kernels). So each step is also split in two and timed per rank: the optimizer
+phase (global norm, clipping, AdamW update; for megalite `opt.step`, which also launches ZeRO-1/2's
+parameter gather) and the rest (forward, backward and the data-parallel communication and its
+waits). The headline "vs DDP" / "vs FSDP2" figures compare the rest: data parallelism itself,
+whatever either optimizer costs; the whole-step and optimizer-only ratios are printed beside.
+
+Also reported: the bytes of parameters, gradients and optimizer state each rank keeps (counted
+storage by storage); megalite's exposed DP wait (the time `finalise_grads` blocks for the
+reductions still in flight after backward) as a share of its step; ZeRO-2's peak gradient
+bytes (`GradBuffer.peak_staged_bytes` plus the shard accumulators) against the formula
+4N/dp + (MAX_IN_FLIGHT + 1) staged buckets; and megalite's buffers for bf16 parameters against
+the ZeRO bytes-per-parameter formulas.
 """
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.config import Config  # noqa: E402
+from megalite.kernels import TORCH_OPS  # noqa: E402
+
+from bench._common import figure, machine, write_summary  # noqa: E402
+from megalite.config import Config, ModelConfig  # noqa: E402
+from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
+from megalite.parallel.data_parallel import MAX_IN_FLIGHT  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
-from megalite.parallel.specs import mark  # noqa: E402
+from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
+from megalite.pipeline.executor import run_schedule  # noqa: E402
+from megalite.pipeline.schedules import get_schedule  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
-M = 2  # micro-batches per step
+LR, WD, BETAS, EPS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
+# torch.optim.AdamW's implementations (CPU: the single-tensor loop is torch's default there)
+ADAMW_IMPL = {"foreach": dict(foreach=True), "fused": dict(fused=True),
+              "single": dict(foreach=False)}  # fmt: skip
+METHODS = ("ddp", "zero0", "zero1", "zero2", "fsdp2")
+LABEL = {
+    "ddp": "torch DDP",
+    "zero0": "megalite ZeRO-0",
+    "zero1": "megalite ZeRO-1",
+    "zero2": "megalite ZeRO-2",
+    "fsdp2": "torch FSDP2 (reshard_after_forward=False)",
+}
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def build(layers, hidden, dtype=torch.float32):
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)]
-    model = nn.Sequential(*mods).to(dtype)
-    for n, p in model.named_parameters():
-        mark(p, no_weight_decay=n.endswith("bias"))
-    return model
+def model_config(a) -> ModelConfig:
+    return ModelConfig(
+        flavour="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        seq_length=a.seq, vocab_size=a.vocab,
+    )  # fmt: skip
 
 
 def storage_bytes(tensors) -> int:
@@ -76,101 +103,185 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def adam_state(opt):
-    return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+def _megalite_cfg(a, m, stage, precision="fp32") -> Config:
+    cfg = Config()
+    cfg.model = m
+    o = cfg.optimizer
+    o.zero_stage, o.clip_grad, o.weight_decay, o.bucket_size_mb = stage, CLIP, WD, a.bucket_mb
+    o.adam_beta1, o.adam_beta2 = BETAS
+    o.adam_eps = EPS
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = a.mbs, a.gbs
+    cfg.training.precision = precision
+    return cfg
 
 
-def _run(rank, world, method, layers, hidden, batch, steps):
-    torch.set_num_threads(1)
-    base = rss_bytes()
-    model = build(layers, hidden)
-    gen = torch.Generator().manual_seed(rank)
-    data = [torch.randn(batch, hidden, generator=gen) for _ in range(2 * M)]
+def megalite_side(a, m, groups, stage):
+    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
+    opt = DistributedOptimizer([model], groups, _megalite_cfg(a, m, stage))
+    micro = a.gbs // (2 * a.mbs)
+    actions = get_schedule("1f1b", 1, 1, micro, 0)
+    shape = (a.mbs, a.seq, a.hidden)
 
-    if method.startswith("megalite"):
-        groups = build_groups(Topology(dp=world), torch.device("cpu"))
-        cfg = Config()
-        cfg.optimizer.zero_stage = int(method[-1])
-        cfg.optimizer.clip_grad = 1.0
-        cfg.training.global_batch_size = M * world * batch
-        cfg.training.micro_batch_size = batch
-        opt = DistributedOptimizer([model], groups, cfg)
-        fwd = model
-
-        def step():
-            opt.zero_grad()
-            for k in range(M):
-                (F.mse_loss(fwd(data[k]), data[M + k]) / M).backward()
-            opt.step(1e-4)
-
-        def persistent():
-            buf = opt.buffer
-            grads = [buf.grad_buffer] if buf.grad_buffer is not None else []
-            grads += [b.shard_grad for b in buf.buckets] if buf.stage == 2 else []
-            return storage_bytes([buf.param_buffer, *grads]) + opt.state_bytes()
-
-    else:
-        if method == "ddp":
-            fwd = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=25)
-        else:
-            mesh = init_device_mesh("cpu", (world,))
-            for mod in model:
-                if isinstance(mod, nn.Linear):
-                    fully_shard(mod, mesh=mesh)
-            fwd = fully_shard(model, mesh=mesh)
-        decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
-        other = [p for n, p in model.named_parameters() if n.endswith("bias")]
-        opt = torch.optim.AdamW(
-            [{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=1e-4, foreach=False
-        )
-
-        def step():
-            opt.zero_grad(set_to_none=False)
-            for k in range(M):
-                last = k == M - 1
-                if method == "ddp" and not last:
-                    with fwd.no_sync():
-                        (F.mse_loss(fwd(data[k]), data[M + k]) / M).backward()
-                else:
-                    (F.mse_loss(fwd(data[k]), data[M + k]) / M).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if hasattr(norm, "full_tensor"):
-                norm.full_tensor()
-            opt.step()
-
-        def persistent():
-            ps = list(model.parameters())
-            return storage_bytes(ps + [p.grad for p in ps] + adam_state(opt))
-
-    times = []
-    for i in range(steps + 3):
+    def step(batch):
+        opt.zero_grad(len(batch))
+        r = run_schedule(actions, [model], groups, batch, hidden_shape=shape, dtype=torch.float32)
         t0 = time.perf_counter()
-        step()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    n = sum(p.numel() for p in build(layers, hidden).parameters())
-    return {
-        "step_s": statistics.median(times),
-        "persistent": persistent(),
-        "peak_rss_growth": peak - base,
-        "params": n,
-    }
+        opt.finalise_grads()  # the DP reductions still in flight after backward
+        t1 = time.perf_counter()
+        step.wait_s += t1 - t0
+        opt.step(LR)  # the global norm, clipping, AdamW (and ZeRO-1/2's gather launch)
+        step.opt_s += time.perf_counter() - t1
+        return r
+
+    def persistent():
+        buf = opt.buffer
+        grads = [buf.grad_buffer] if buf.grad_buffer is not None else []
+        grads += [] if buf.zero.grad_buffer else [b.shard_grad for b in buf.buckets]
+        return storage_bytes([buf.param_buffer, *grads]) + opt.state_bytes()
+
+    step.wait_s = step.opt_s = 0.0
+    step.persistent, step.opt, step.finish = persistent, opt, opt.wait_params
+    step.loss = lambda r: r.loss
+    return step
 
 
-def _formula(rank, world, layers, hidden):
-    """megalite's buffers for bf16 parameters (fp32 grads, masters, moments), per stage."""
+def torch_side(a, m, method):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
+    decay = [p for p in model.parameters() if not spec_of(p).no_weight_decay]
+    other = [p for p in model.parameters() if spec_of(p).no_weight_decay]
+    if method == "ddp":
+        fwd = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=a.bucket_mb)
+    else:
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fwd = fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        decay = [p for p in model.parameters() if p.dim() >= 2]  # DTensors now (no specs):
+        other = [p for p in model.parameters() if p.dim() < 2]  # the norms are the 1-d ones
+    params = decay + other
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=EPS, **ADAMW_IMPL[a.torch_adamw],
+    )  # fmt: skip
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k, (tokens, labels) in enumerate(batch):
+            last = k == len(batch) - 1
+            if method == "ddp" and not last:
+                with fwd.no_sync():
+                    loss = fwd(tokens, labels)
+                    (loss / len(batch)).backward()
+            else:
+                if method == "fsdp2":  # keep the parameters gathered until the last micro-batch
+                    fwd.set_reshard_after_backward(last)
+                loss = fwd(tokens, labels)
+                (loss / len(batch)).backward()
+            total += loss.detach()
+        t1 = time.perf_counter()
+        norm = torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        opt.step()
+        step.opt_s += time.perf_counter() - t1
+        return total / len(batch)
+
+    def persistent():
+        ps = list(model.parameters())
+        state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        state = [v for v in state if v.numel() > 1]  # not the step counters
+        return storage_bytes(ps + [p.grad for p in ps] + state)
+
+    step.opt_s = 0.0
+    step.persistent, step.finish = persistent, lambda: None
+    step.loss = lambda r: float(r)
+    return step
+
+
+def _batches(a, m, rank, n):
+    g = torch.Generator().manual_seed(100 + rank)
+    micro = a.gbs // (2 * a.mbs)
+    out = []
+    for _ in range(n):
+        toks = torch.randint(0, m.vocab_size, (micro, a.mbs, a.seq + 1), generator=g)
+        out.append([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks])
+    return out
+
+
+def _slowest(x: float) -> float:
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run(rank, world, a):
+    torch.set_num_threads(1)
+    m = model_config(a)
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
+    steps = {}
+    for method in a.methods:
+        if method.startswith("zero"):
+            steps[method] = megalite_side(a, m, groups, int(method[-1]))
+        else:
+            steps[method] = torch_side(a, m, method)
+    batches = _batches(a, m, rank, 2)
+    out = {"check": {}}
+    for name, step in steps.items():  # the same first step everywhere: the same loss
+        out["check"][name] = step.loss(step(batches[0]))
+        step.finish()
+    times = {k: [] for k in steps}
+    opt_times = {k: [] for k in steps}  # clip + optimizer update
+    rest_times = {k: [] for k in steps}  # everything else: forward, backward, DP communication
+    order = list(steps)
+    for r in range(a.warmup + a.rounds):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            step = steps[name]
+            dist.barrier()
+            o0 = step.opt_s
+            t0 = time.perf_counter()
+            for i in range(a.block):
+                step(batches[(r + i) % 2])
+            step.finish()  # the block ends when its parameter gathers have landed
+            t = (time.perf_counter() - t0) / a.block
+            o = (step.opt_s - o0) / a.block
+            t, o, rest = _slowest(t), _slowest(o), _slowest(t - o)
+            if r >= a.warmup:
+                times[name].append(t)
+                opt_times[name].append(o)
+                rest_times[name].append(rest)
+    out["times"], out["opt_times"], out["rest_times"] = times, opt_times, rest_times
+    out["persistent"] = {k: s.persistent() for k, s in steps.items()}
+    out["params"] = sum(p.numel() for p in GPTChunk(m, ops=TORCH_OPS).parameters())
+    ran = 1 + (a.warmup + a.rounds) * a.block
+    out["wait_s"] = {k: s.wait_s / ran for k, s in steps.items() if hasattr(s, "wait_s")}
+    if "zero2" in steps:
+        buf = steps["zero2"].opt.buffer
+        sizes = sorted((b.numel * 4 for b in buf.buckets), reverse=True)
+        out["zero2"] = {
+            "peak_staged": buf.peak_staged_bytes,
+            "shards": sum(b.shard_grad.numel() * b.shard_grad.element_size() for b in buf.buckets),
+            "numel": buf.numel,
+            "buckets": sizes,
+        }
+    out["bf16"] = _formula(a, m, groups)
+    return out
+
+
+def _formula(a, m, groups):
+    """megalite's buffers for bf16 parameters (fp32 gradients, masters, moments), per stage."""
     out = {}
     for stage in (0, 1, 2):
-        model = build(layers, hidden, torch.bfloat16)
-        cfg = Config()
-        cfg.optimizer.zero_stage = stage
-        cfg.training.precision = "bf16"
-        opt = DistributedOptimizer([model], groups, cfg)
+        model = GPTChunk(m, ops=TORCH_OPS, dtype=torch.bfloat16)
+        opt = DistributedOptimizer([model], groups, _megalite_cfg(a, m, stage, "bf16"))
         buf = opt.buffer
         grads = buf.grad_buffer.numel() * 4 if buf.grad_buffer is not None else 0
-        grads += sum(b.shard_grad.numel() * 4 for b in buf.buckets) if stage == 2 else 0
+        grads += 0 if buf.zero.grad_buffer else sum(b.shard_grad.numel() * 4 for b in buf.buckets)
         out[stage] = {
             "params": buf.param_buffer.numel() * 2,
             "grads": grads,
@@ -180,57 +291,121 @@ def _formula(rank, world, layers, hidden):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8, help="samples per micro-batch per rank")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after 3 warm-up)")
-    ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
-    shape = (args.layers, args.hidden, args.batch, args.steps)
-    results = {}
-    # The machine is shared: methods take turns, round after round, and each keeps its best
-    # round's median step time, so a noisy neighbour penalises no method in particular.
-    for _ in range(args.rounds):
-        for method in ("ddp", "megalite-zero0", "megalite-zero1", "megalite-zero2", "fsdp2"):
-            per_rank = spawn(_run, 2, method, *shape, timeout=600)
-            r = {
-                "step_s": max(r["step_s"] for r in per_rank),
-                "persistent": max(r["persistent"] for r in per_rank),
-                "peak_rss_growth": max(r["peak_rss_growth"] for r in per_rank),
-                "params": per_rank[0]["params"],
-            }
-            if method in results:
-                r["step_s"] = min(r["step_s"], results[method]["step_s"])
-            results[method] = r
-            print(method, json.dumps(r), flush=True)
-    n = results["ddp"]["params"]
-    ddp = results["ddp"]
-    print(f"\nfp32 MLP, {n / 1e6:.2f}M parameters, dp=2, {M} micro-batches of {args.batch}")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--gbs", type=int, default=32, help="samples per step over both ranks")
+    ap.add_argument("--mbs", type=int, default=4, help="samples per micro-batch")
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block", type=int, default=2, help="consecutive steps per method per round")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--torch-adamw", default="foreach", choices=list(ADAMW_IMPL),
+                    help="torch.optim.AdamW implementation on the DDP and FSDP2 sides")  # fmt: skip
+    ap.add_argument("--summary", help="write the headline figures as JSON here")
+    a = ap.parse_args(argv)
+    if a.gbs % (2 * a.mbs):
+        raise SystemExit(f"--gbs {a.gbs} must be a multiple of 2 x --mbs {a.mbs}")
+    m = model_config(a)
+    micro = a.gbs // (2 * a.mbs)
+    print(f"machine: {machine()}")
+    print(f"model: llama L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} "
+          f"ffn={m.ffn} V={m.vocab_size} s={m.seq_length}, fp32; dp=2 (2 gloo processes x 1 "
+          f"thread), gbs {a.gbs} = 2 ranks x {micro} micro-batches x {a.mbs}; buckets "
+          f"{a.bucket_mb} MB", flush=True)  # fmt: skip
+    res = spawn(run, 2, a, timeout=3600)
+    r0 = res[0]
+    print("check (first step, same batch, rank 0 loss):",
+          ", ".join(f"{k} {v:.6f}" for k, v in r0["check"].items()))  # fmt: skip
+    losses = list(r0["check"].values())
+    if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+        raise SystemExit("the methods do not compute the same loss; the comparison is void")
+    n = r0["params"]
+    med = {k: statistics.median(v) for k, v in r0["times"].items()}
+    tokens = a.gbs * a.seq
+    ref = {"zero0": "ddp", "zero1": "ddp", "zero2": "fsdp2"}
+
+    def ratio(k, base, which="times"):  # base's time over k's: > 1 means k is faster
+        return statistics.median(b / x for x, b in zip(r0[which][k], r0[which][base]))
+
+    med_opt = {k: statistics.median(v) for k, v in r0["opt_times"].items()}
+    med_rest = {k: statistics.median(v) for k, v in r0["rest_times"].items()}
+    print(f"\nstep time: median over {a.rounds} rounds of {a.block} steps (slower rank), "
+          f"{tokens} tokens per step; torch sides: torch.optim.AdamW({a.torch_adamw}); "
+          f"'optimizer' = global norm + clipping + AdamW update, 'rest' = step - optimizer "
+          f"(forward, backward, the DP communication and its waits)")  # fmt: skip
+    print("| method | s/step | optimizer s | rest s | tokens/s | speed vs DDP: step | "
+          "rest only | optimizer only | vs FSDP2: step | rest only | persistent MB/rank | "
+          "bytes/param | exposed DP wait |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for k in r0["times"]:
+        pers = max(r["persistent"][k] for r in res)
+        wait = r0["wait_s"].get(k)
+        vs = [
+            f"{ratio(k, b, w):.3f}x" if b in med else "n/a"
+            for b, w in (("ddp", "times"), ("ddp", "rest_times"), ("ddp", "opt_times"),
+                         ("fsdp2", "times"), ("fsdp2", "rest_times"))
+        ]  # fmt: skip
+        print(f"| {LABEL[k]} | {med[k]:.3f} | {med_opt[k]:.3f} | {med_rest[k]:.3f} | "
+              f"{tokens / med[k]:.0f} | {' | '.join(vs)} | {pers / 2**20:.1f} | {pers / n:.2f} | "
+              f"{'n/a' if wait is None else f'{wait / med[k]:.1%}'} |")  # fmt: skip
     print(
-        "| method | step time (s) | vs DDP | persistent MB/rank | bytes/param | peak RSS growth MB |"
+        "(speed = the other method's time / this one's, median of per-round ratios; 'rest "
+        "only' compares the steps without their optimizer phase: data parallelism itself, "
+        "since megalite's flat-buffer AdamW and torch's AdamW are different implementations)"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
-    for method, r in results.items():
-        print(
-            f"| {method} | {r['step_s']:.4f} | {r['step_s'] / ddp['step_s']:.2f}x | "
-            f"{r['persistent'] / 2**20:.1f} | {r['persistent'] / n:.2f} | "
-            f"{r['peak_rss_growth'] / 2**20:.1f} |"
-        )
-    f = spawn(_formula, 2, args.layers, args.hidden)[0]
-    d = 2
-    formula = {0: 18, 1: 6 + 12 / d, 2: 2 + 16 / d}
+    figures = []
+    targets = {"zero0": 1.0, "zero2": 1.2}
+    for k, base in ref.items():
+        if k in med and base in med:
+            x = ratio(k, base, "rest_times")
+            t = targets.get(k)
+            figures.append(figure(
+                f"DP=2, {LABEL[k]} vs {LABEL[base]}, step without the optimizer phase",
+                round(x, 3),
+                target=None if t is None else f">= {t}x", met=None if t is None else x >= t,
+                how=f"bench_dp.py, median of {a.rounds} interleaved per-round ratios",
+            ))  # fmt: skip
+            figures.append(figure(
+                f"DP=2, {LABEL[k]} vs {LABEL[base]}, whole step (torch AdamW {a.torch_adamw})",
+                round(ratio(k, base), 3),
+                how=f"bench_dp.py, median of {a.rounds} interleaved per-round ratios",
+            ))  # fmt: skip
+    if "zero2" in r0:
+        z = r0["zero2"]
+        for r in res:  # the larger rank
+            if r["zero2"]["peak_staged"] > z["peak_staged"]:
+                z = r["zero2"]
+        bound = z["numel"] * 4 // 2 + sum(z["buckets"][: MAX_IN_FLIGHT + 1])
+        peak = z["peak_staged"] + z["shards"]
+        print(f"\nZeRO-2 gradient bytes per rank: shard accumulators {z['shards']:,} B "
+              f"(4N/dp = {z['numel'] * 4 // 2:,}) + peak staged {z['peak_staged']:,} B "
+              f"= {peak:,} B; bound 4N/dp + the {MAX_IN_FLIGHT + 1} largest buckets "
+              f"{bound:,} B -> {peak / bound:.3f} of the bound; {len(z['buckets'])} buckets, "
+              f"largest {z['buckets'][0]:,} B; ZeRO-0/1 keep 4N = {z['numel'] * 4:,} B "
+              f"({peak / (z['numel'] * 4):.2f}x of it)")  # fmt: skip
+        figures.append(figure(
+            "ZeRO-2 peak gradient bytes per rank / (4N/dp + (MAX_IN_FLIGHT+1) buckets)",
+            round(peak / bound, 3), unit="", target="<= 1", met=peak <= bound,
+            how="GradBuffer.peak_staged_bytes + shard accumulators, after the timed steps",
+        ))  # fmt: skip
+    f = r0["bf16"]
+    formula = {0: 18, 1: 6 + 12 / 2, 2: 2 + 16 / 2}
     print("\nbf16 parameters, fp32 gradients/masters/moments, megalite buffers per rank (d=2)")
     print("| stage | params B/param | grads B/param | state B/param | total | ZeRO formula |")
     print("| --- | --- | --- | --- | --- | --- |")
     for stage, r in f.items():
-        n = r["n"]
-        total = (r["params"] + r["grads"] + r["state"]) / n
-        print(
-            f"| {stage} | {r['params'] / n:.3f} | {r['grads'] / n:.3f} | {r['state'] / n:.3f} | "
-            f"{total:.3f} | {formula[stage]:.3f} |"
-        )
+        k = r["n"]
+        total = (r["params"] + r["grads"] + r["state"]) / k
+        print(f"| {stage} | {r['params'] / k:.3f} | {r['grads'] / k:.3f} | "
+              f"{r['state'] / k:.3f} | {total:.3f} | {formula[int(stage)]:.3f} |")  # fmt: skip
+    print(f"load average after: {os.getloadavg()}")
+    write_summary(a.summary, "bench_dp", figures, " ".join(sys.argv))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._common import figure, write_summary  # noqa: E402
 from megalite.checkpoint.hf import from_hf, model_config_from_hf  # noqa: E402
 from megalite.generation import generate  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
@@ -91,7 +92,9 @@ def _variants(a, m, chunk, groups, ids) -> dict:
     }
 
 
-def one_process(a, m, cfg, state):
+def one_process(a, m, cfg, state) -> list:
+    """Prints a table per batch size; returns the headline figures."""
+    figures = []
     chunk = GPTChunk(cfg)
     chunk.load_full_state(state)
     chunk.eval()
@@ -119,6 +122,12 @@ def one_process(a, m, cfg, state):
             tps = [b * a.new / statistics.median(t[k]) for t in (wall, cpu)]
             print(f"| {k} | {tps[0]:.1f} | {tps[1]:.1f} | **{ratios[0]:.2f}x** | "
                   f"**{ratios[1]:.2f}x** |")  # fmt: skip
+            if k == "transformers":
+                figures.append(figure(
+                    f"generation tokens/s (CPU time) vs transformers generate, batch {b}",
+                    round(ratios[1], 2), target=">= 1.0x", met=ratios[1] >= 1.0,
+                    how=f"bench_generate.py, median of {a.rounds} per-round ratios"))  # fmt: skip
+    return figures
 
 
 def _parallel(rank, world, a, cfg, state):
@@ -146,7 +155,7 @@ def _parallel(rank, world, a, cfg, state):
     return res
 
 
-def parallel(a, cfg, state):
+def parallel(a, cfg, state) -> list:
     res = spawn(_parallel, 4, a, cfg, state, timeout=3600)[0]
     lo, hi = min(a.contexts), max(a.contexts)
     print("\n## tp2*pp2 (4 processes): time per new token, prefill excluded\n")
@@ -157,6 +166,11 @@ def parallel(a, cfg, state):
         ratio = statistics.median(x / y for x, y in zip(res[(cache, hi)], res[(cache, lo)]))
         cells = " | ".join(f"{1000 * med[c]:.1f}" for c in a.contexts)
         print(f"| {'KV cache' if cache else 'no cache'} | {cells} | **{ratio:.2f}x** |")
+        if cache:
+            figures = [figure(f"tp2*pp2 time per new token, context {hi} / {lo}, KV cache",
+                              round(ratio, 2), target="<= 1.5x", met=ratio <= 1.5,
+                              how=f"bench_generate.py, median of {a.rounds} rounds")]  # fmt: skip
+    return figures
 
 
 def main():
@@ -176,6 +190,7 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
     p.add_argument("--steps", type=int, default=16, help="new tokens timed per parallel run")
     p.add_argument("--skip-parallel", action="store_true")
+    p.add_argument("--summary", help="write the headline figures as JSON here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     m = hf_model(a)
@@ -185,9 +200,10 @@ def main():
           f"({a.groups} kv), vocab {a.vocab}, fp32, {a.threads} thread(s); torch "
           f"{torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
-    one_process(a, m, cfg, state)
+    figures = one_process(a, m, cfg, state)
     if not a.skip_parallel:
-        parallel(a, cfg, state)
+        figures += parallel(a, cfg, state)
+    write_summary(a.summary, "bench_generate", figures, " ".join(sys.argv))
 
 
 if __name__ == "__main__":

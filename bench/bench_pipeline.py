@@ -1,13 +1,28 @@
-"""Pipeline schedules side by side, and megalite's interleaved 1F1B next to torch's.
+"""Pipeline schedules side by side, and megalite's 1F1B and interleaved 1F1B next to torch's.
 
-    python bench/bench_pipeline.py [--pp 4] [--microbatches 8] [--steps 5]
+    python bench/bench_pipeline.py [--pp 2] [--microbatches 8] [--micro-batch 4] [--seq 256]
+        [--layers 8] [--hidden 256] [--vocab 2048] [--steps 5] [--summary PATH]
+        [--timeline-dir DIR] [--only LABEL ...]
 
-Runs pp gloo processes on CPU (or NCCL on GPUs) over the real GPTChunk (llama flavour, 8 layers
-by default so that pp=4, vpp=2 gives one layer per virtual stage). For each of GPipe, 1F1B and
-interleaved (vpp=2) it reports the median step time and the first stage's measured bubble
-(idle fraction of the step) next to the theory (pp-1)/(vpp*m + pp-1); then the same model and
-split (chunk c of rank r = virtual stage c*pp+r) under torch.distributed.pipelining's
-ScheduleInterleaved1F1B. Prints a markdown table.
+Runs pp gloo processes on CPU (or NCCL on GPUs; one thread each) over the real GPTChunk (llama
+flavour, fp32). Each rank builds every variant over the same weights (the same seed):
+
+- megalite GPipe, 1F1B, interleaved (vpp=2), ZB-H1 and ZB-V, run by the pipeline executor;
+- torch.distributed.pipelining's Schedule1F1B (one stage per rank) and ScheduleInterleaved1F1B
+  (chunk c of rank r = virtual stage c*pp + r, megalite's split), the loss a cross entropy over
+  the head's logits;
+- the zero-bubble schedules: megalite's zb-h1 and zbv against torch's
+  ScheduleInterleavedZeroBubble (interleaved placement) and ScheduleZBVZeroBubble (the same V
+  placement as megalite's zbv: chunk 0 at stage r, chunk 1 at 2pp-1-r).
+
+A step is one schedule (forward and backward of every micro-batch, with the p2p exchange) plus
+zeroing the gradients; no optimizer (the same for both). The variants take turns, one step each
+per round (1 warm-up round, then --steps rounds), so that all see the same machine; a step's
+time is the slowest rank's. For each megalite run the first stage's measured bubble (idle share
+of the step, `PipelineResult.bubble_measured`) is given beside its theory (pp-1)/(vpp*m + pp-1),
+and, from a `megalite.training.timeline.Timeline` recorded during the timed steps, its exposed
+communication: the share of the first stage's schedule spent blocked in p2p waits (the
+receives it waited for and the sends still in flight at the end). Prints markdown tables.
 """
 
 import argparse
@@ -26,19 +41,27 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._common import figure, machine, write_summary  # noqa: E402
+from megalite.clock import Clock  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.pipeline.executor import run_schedule  # noqa: E402
 from megalite.pipeline.partition import rank_chunks  # noqa: E402
-from megalite.pipeline.schedules import bubble_theory, get_schedule, idle_theory  # noqa: E402
+from megalite.pipeline.schedules import (  # noqa: E402
+    SCHEDULES,
+    bubble_theory,
+    get_schedule,
+    idle_theory,
+)
+from megalite.training.timeline import COMPUTE, P2P, Timeline  # noqa: E402
 
 
 def _cfg(a):
     return ModelConfig(
-        flavour="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=4,
-        seq_length=a.seq, vocab_size=a.vocab, make_vocab_size_divisible_by=64,
+        flavour="llama", num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        seq_length=a.seq, vocab_size=a.vocab,
     )  # fmt: skip
 
 
@@ -58,19 +81,21 @@ def _sync(device):
 
 
 def _megalite(a, groups, rank, name, vpp):
-    """A function running one step; returns the first stage's measured bubble."""
+    """A function running one step; returns the PipelineResult."""
     cfg, device = _cfg(a), groups.device
-    chunks = [GPTChunk(cfg, dtype=torch.float32, device=device, **kw)
-              for kw in rank_chunks(a.layers, a.pp, vpp, rank)]  # fmt: skip
+    placement = SCHEDULES[name].placement
+    chunks = [GPTChunk(cfg, dtype=torch.float32, device=device, seed=1234, **kw)
+              for kw in rank_chunks(a.layers, a.pp, vpp, rank, placement)]  # fmt: skip
     data = _data(a, device)
     actions = get_schedule(name, a.pp, vpp, a.microbatches, rank)
     shape = (a.micro_batch, a.seq, a.hidden)
 
-    def step():
-        r = run_schedule(actions, chunks, groups, data, hidden_shape=shape, dtype=torch.float32)
+    def step(timeline=None):
+        r = run_schedule(actions, chunks, groups, data, hidden_shape=shape, dtype=torch.float32,
+                         timeline=timeline, placement=placement)  # fmt: skip
         for c in chunks:
             c.zero_grad(set_to_none=True)
-        return r.bubble_measured
+        return r
 
     return step
 
@@ -86,34 +111,80 @@ class _TorchStage(nn.Module):
         return self.chunk(x)
 
 
-def _torch_interleaved(a, groups, rank, vpp):
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+def _torch(a, groups, rank, vpp, kind="1f1b"):
+    """torch's schedule `kind` (1f1b: Schedule1F1B or, at vpp 2, ScheduleInterleaved1F1B;
+    zb: ScheduleInterleavedZeroBubble; zbv: ScheduleZBVZeroBubble, chunks in megalite's V)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     cfg, device = _cfg(a), groups.device
-    kws = rank_chunks(a.layers, a.pp, vpp, rank)
+    placement = SCHEDULES["zbv" if kind == "zbv" else "interleaved"].placement
+    kws = rank_chunks(a.layers, a.pp, vpp, rank, placement)
     stages = [
-        PipelineStage(_TorchStage(GPTChunk(cfg, dtype=torch.float32, device=device, **kw)),
-                      c * a.pp + rank, a.pp * vpp, device, group=groups.pp.pg)
+        PipelineStage(_TorchStage(GPTChunk(cfg, dtype=torch.float32, device=device, seed=1234, **kw)),
+                      placement(a.pp, vpp, rank, c), a.pp * vpp, device, group=groups.pp.pg)
         for c, kw in enumerate(kws)
     ]  # fmt: skip
 
     def loss_fn(logits, target):  # (b, s, V), (b, s)
         return Fn.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
-    schedule = ScheduleInterleaved1F1B(stages, a.microbatches, loss_fn=loss_fn)
+    if kind == "1f1b" and vpp == 1:
+        schedule = schedules.Schedule1F1B(stages[0], a.microbatches, loss_fn=loss_fn)
+    else:
+        cls = {"1f1b": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble",
+               "zbv": "ScheduleZBVZeroBubble"}[kind]  # fmt: skip
+        schedule = getattr(schedules, cls)(stages, a.microbatches, loss_fn=loss_fn)
     data = _data(a, device)
     tokens = torch.cat([t for t, _ in data])  # the schedule splits along dim 0 again
     labels = torch.cat([lab for _, lab in data])
-    args = (tokens,) if rank == 0 else ()
-    kwargs = {"target": labels} if rank == a.pp - 1 else {}
+    holds = {placement(a.pp, vpp, rank, c) for c in range(vpp)}  # this rank's virtual stages
+    args = (tokens,) if 0 in holds else ()
+    kwargs = {"target": labels} if a.pp * vpp - 1 in holds else {}
 
-    def step():
+    def step(timeline=None):
         schedule.step(*args, **kwargs)
         for s in stages:
             s.submod.zero_grad(set_to_none=True)
         return None
 
     return step
+
+
+def _exposed(tl: Timeline) -> list[dict]:
+    """Per profiled step of this rank: schedule seconds, compute seconds, p2p-wait seconds."""
+    out = {}
+    for s in tl.relative_spans():
+        d = out.setdefault(s["step"], {"schedule": 0.0, "compute": 0.0, "wait": 0.0})
+        dt = s["end"] - s["start"]
+        if s["kind"] == "schedule":
+            d["schedule"] += dt
+        elif s["kind"] in COMPUTE:
+            d["compute"] += dt
+        elif s["kind"] in P2P:
+            d["wait"] += dt
+    return [out[k] for k in sorted(out)]
+
+
+def _save_timeline(a, label, ranks):
+    """timeline_<run>.json and .png (megalite.training.timeline's format) in a.timeline_dir."""
+    from megalite.training.timeline import plot_timeline
+
+    first = min(s["start"] for r in ranks for s in r["spans"])
+    for r in ranks:  # each rank's clock from its own first span: align the starts
+        r["spans"] = [{**s, "start": s["start"] - first, "end": s["end"] - first}
+                      for s in r["spans"]]  # fmt: skip
+    vpp = 2 if "interleaved" in label else 1
+    name = label.split()[1].lower()
+    data = {"version": 1, "steps": [1, 2], "ranks": ranks,
+            "meta": {"title": f"{label}, pp={a.pp} m={a.microbatches} (one step, CPU gloo)",
+                     "bubble_theory": bubble_theory(a.pp, vpp, a.microbatches)}}  # fmt: skip
+    os.makedirs(a.timeline_dir, exist_ok=True)
+    with open(os.path.join(a.timeline_dir, f"timeline_{name}.json"), "w") as fh:
+        json.dump(data, fh)
+    try:
+        plot_timeline(data, os.path.join(a.timeline_dir, f"timeline_{name}.png"))
+    except ImportError:
+        pass
 
 
 def _worker(rank, a, tmp):
@@ -128,29 +199,59 @@ def _worker(rank, a, tmp):
         ("megalite GPipe", 1, _megalite(a, groups, rank, "gpipe", 1)),
         ("megalite 1F1B", 1, _megalite(a, groups, rank, "1f1b", 1)),
         ("megalite interleaved vpp=2", 2, _megalite(a, groups, rank, "interleaved", 2)),
-        ("torch ScheduleInterleaved1F1B vpp=2", 2, _torch_interleaved(a, groups, rank, 2)),
+        ("torch Schedule1F1B", 1, _torch(a, groups, rank, 1)),
+        ("torch ScheduleInterleaved1F1B vpp=2", 2, _torch(a, groups, rank, 2)),
+        ("megalite zb-h1", 1, _megalite(a, groups, rank, "zb-h1", 1)),
+        ("megalite zbv", 2, _megalite(a, groups, rank, "zbv", 2)),
+        ("torch ScheduleInterleavedZeroBubble vpp=2", 2, _torch(a, groups, rank, 2, "zb")),
+        ("torch ScheduleZBVZeroBubble", 2, _torch(a, groups, rank, 2, "zbv")),
     ]
+    runs = [r for r in runs if a.only is None or any(o in r[0] for o in a.only)]
+    timelines = {label: Timeline((1, 10**9), rank, clock=Clock(device)) for label, _, _ in runs}
     # round robin, so that every run sees the same (shared, noisy) machine
-    times, bubbles = [[] for _ in runs], [[] for _ in runs]
+    times, bubbles, waits = ([[] for _ in runs] for _ in range(3))
     for rnd in range(a.warmup + a.steps):
-        for i, (_, _, step) in enumerate(runs):
+        for i, (label, _, step) in enumerate(runs):
+            timed = rnd >= a.warmup
+            tl = timelines[label].at(rnd + 1) if timed and label.startswith("megalite") else None
             dist.barrier()
             t0 = time.perf_counter()
-            bubble = step()
+            r = step(tl)
             _sync(device)
-            if rnd >= a.warmup:
-                times[i].append(time.perf_counter() - t0)
-                bubbles[i].append(bubble)
-    rows = [
-        {"run": label, "vpp": vpp, "step_s": statistics.median(t),
-         "bubble": None if b[0] is None else statistics.median(b)}
-        for (label, vpp, _), t, b in zip(runs, times, bubbles)
-    ]  # fmt: skip
-    # the slowest rank's step time counts; bubbles are already the first stage's
-    slowest = torch.tensor([r["step_s"] for r in rows], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    for r, t in zip(rows, slowest.tolist()):
-        r["step_s"] = t
+            elapsed = time.perf_counter() - t0
+            if timed:
+                times[i].append(elapsed)
+                # every pp rank reads the result: its figures are one all-reduce over pp
+                bubbles[i].append(None if r is None else r.bubble_measured)
+                waits[i].append(None if r is None else r.wait_s / max(r.step_s, 1e-12))
+    rows = []
+    for (label, vpp, _), t, b, w in zip(runs, times, bubbles, waits):
+        exposed = _exposed(timelines[label]) if label.startswith("megalite") else []
+        rows.append({
+            "run": label, "vpp": vpp, "times": t,
+            "bubble": None if b[0] is None else statistics.median(b),
+            "wait_share": None if w[0] is None else statistics.median(w),
+            "exposed": None if not exposed else statistics.median(
+                e["wait"] / e["schedule"] for e in exposed),
+            "compute_share": None if not exposed else statistics.median(
+                e["compute"] / e["schedule"] for e in exposed),
+        })  # fmt: skip
+    if a.timeline_dir:  # every rank's spans of the last timed step, per megalite run
+        for label, _, _ in runs:
+            if not label.startswith("megalite"):
+                continue
+            tl = timelines[label]
+            spans = [s for s in tl.relative_spans() if s["step"] == a.warmup + a.steps]
+            mine = {"rank": rank, "coords": {"tp": 0, "pp": rank, "dp": 0}, "spans": spans}
+            ranks = [None] * a.pp
+            dist.all_gather_object(ranks, mine)
+            if rank == 0:
+                _save_timeline(a, label, ranks)
+    # the slowest rank's step time counts, step by step; bubble and exposure: the first stage's
+    for r in rows:
+        t = torch.tensor(r["times"], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        r["times"] = t.tolist()
     if rank == 0:
         with open(f"{tmp}/rows.json", "w") as fh:
             json.dump(rows, fh)
@@ -160,32 +261,77 @@ def _worker(rank, a, tmp):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--only", nargs="+", help="run only the variants whose label contains one of these"
+    )
+    p.add_argument("--summary", help="write the headline figures as JSON here")
+    p.add_argument(
+        "--timeline-dir", help="write each megalite run's last step as timeline_*.json/png"
+    )
     a = p.parse_args(argv)
+    print(f"machine: {machine()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(a, tmp), nprocs=a.pp, start_method="spawn")
         with open(f"{tmp}/rows.json") as fh:
             rows = json.load(fh)
-    base = rows[1]["step_s"]  # 1F1B
+    tokens = a.microbatches * a.micro_batch * a.seq
+    by = {r["run"]: r for r in rows}
+    med = {r["run"]: statistics.median(r["times"]) for r in rows}
+    base = med.get("megalite 1F1B", next(iter(med.values())))
     print(f"pp={a.pp} m={a.microbatches} micro-batch={a.micro_batch} seq={a.seq} "
-          f"hidden={a.hidden} layers={a.layers} | {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| run | step (s) | vs 1F1B | bubble measured | idle theory | (pp-1)/(vpp*m) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"hidden={a.hidden} layers={a.layers} vocab={a.vocab}: {tokens} tokens per step; "
+          f"median of {a.steps} rounds; load average after {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print("| run | step (s) | tokens/s | vs megalite 1F1B | bubble measured | idle theory | "
+          "exposed p2p wait | compute share |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        v = r["vpp"]
-        measured = "n/a" if r["bubble"] is None else f"{r['bubble']:.3f}"
-        print(f"| {r['run']} | {r['step_s']:.3f} | {r['step_s'] / base:.2f} | {measured} | "
-              f"{idle_theory(a.pp, v, a.microbatches):.3f} | "
-              f"{bubble_theory(a.pp, v, a.microbatches):.3f} |")  # fmt: skip
+        v, t = r["vpp"], med[r["run"]]
+
+        def pct(x):
+            return "n/a" if x is None else f"{x:.1%}"
+
+        bubble = "n/a" if r["bubble"] is None else f"{r['bubble']:.3f}"
+        print(f"| {r['run']} | {t:.3f} | {tokens / t:.0f} | {t / base:.2f} | {bubble} | "
+              f"{idle_theory(a.pp, v, a.microbatches):.3f} | {pct(r['exposed'])} | "
+              f"{pct(r['compute_share'])} |")  # fmt: skip
+    print(f"(Megatron's bubble (pp-1)/(vpp*m): {bubble_theory(a.pp, 1, a.microbatches):.3f} at "
+          f"vpp=1, {bubble_theory(a.pp, 2, a.microbatches):.3f} at vpp=2; exposed p2p wait from "
+          "the Timeline, cross-check PipelineResult.wait_s/step_s: "
+          + ", ".join(f"{r['run']} {r['wait_share']:.1%}" for r in rows if r["wait_share"] is not None)
+          + ")")  # fmt: skip
+    figures = []
+    pairs = [("megalite 1F1B", "torch Schedule1F1B"),
+             ("megalite interleaved vpp=2", "torch ScheduleInterleaved1F1B vpp=2"),
+             ("megalite zbv", "torch ScheduleZBVZeroBubble"),
+             ("megalite zbv", "torch ScheduleInterleavedZeroBubble vpp=2")]  # fmt: skip
+    for ours, theirs in pairs:
+        if ours in by and theirs in by:
+            x = statistics.median(b / o for o, b in zip(by[ours]["times"], by[theirs]["times"]))
+            print(f"{ours} vs {theirs}: tokens/s ratio {x:.3f}x (median of per-round ratios; "
+                  f"ratio of medians {med[theirs] / med[ours]:.3f}x)")  # fmt: skip
+            goal = 1.0 if "zbv" in ours else 1.1  # the issues' targets
+            figures.append(figure(
+                f"pp={a.pp} tokens/s, {ours} vs {theirs}", round(x, 3), target=f">= {goal}x",
+                met=x >= goal, how=f"bench_pipeline.py, median of {a.steps} per-round ratios",
+            ))  # fmt: skip
+    for r in rows:
+        if r["exposed"] is not None:
+            figures.append(figure(
+                f"pp={a.pp} {r['run']}: first stage's schedule blocked in p2p waits",
+                round(r["exposed"], 3), unit="share",
+                how="Timeline spans send/recv over the schedule span, median of timed steps",
+            ))  # fmt: skip
+    write_summary(a.summary, "bench_pipeline", figures, " ".join(sys.argv))
 
 
 if __name__ == "__main__":

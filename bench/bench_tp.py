@@ -1,7 +1,7 @@
 """Tensor parallelism side by side: megalite at tp=2 against torch DTensor TP, same model.
 
-    .venv/bin/python bench/bench_tp.py [--layers 4] [--hidden 512] [--heads 8] [--groups 4]
-        [--vocab 8192] [--seq 128] [--mbs 2] [--micro 2] [--rounds 6]
+    .venv/bin/python bench/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
+        [--vocab 2048] [--seq 256] [--mbs 4] [--micro 8] [--rounds 5] [--summary PATH]
 
 Two gloo processes on CPU (tests/spawn.py: forkserver, file:// rendezvous, one thread each) run
 four variants of one training step, interleaved round by round (the order rotates each round),
@@ -15,14 +15,19 @@ after warm-up rounds:
   parallelised with `parallelize_module` (ColwiseParallel q/k/v/gate/up, RowwiseParallel
   out/down, a vocab-sharded embedding, a ColwiseParallel head with Shard(-1) logits and
   `loss_parallel()`); with SP, torchtitan's plan (SequenceParallel norms, PrepareModuleInput
-  Shard(1) -> Replicate, RowwiseParallel output Shard(1)). torch.optim.AdamW on the DTensor
-  parameters and clipping through torch.nn.utils.get_total_norm (`clip` below: without SP the
-  norm weights stay plain tensors, which clip_grad_norm_ cannot stack with DTensors).
+  Shard(1) -> Replicate, RowwiseParallel output Shard(1)). torch.optim.AdamW(foreach=True) on
+  the DTensor parameters and clipping through torch.nn.utils.get_total_norm (`clip` below:
+  without SP the norm weights stay plain tensors, which clip_grad_norm_ cannot stack with
+  DTensors).
 
 Both load the same logical weights; one step on the same batch first checks the losses agree.
-Reported: each variant's median step time (the slower rank's per step), the ratios, and
-megalite's TP traffic from its `CommLedger` (bus bytes per rank, group kind "tp") against the
-formula, broken down by origin; torch's collectives per step (calls and bus bytes) seen by a TorchDispatchMode.
+Reported: each variant's median step time (the slower rank's per step) and the ratios; the bytes
+each variant actually put on the wire in one step (TCP payload sent per rank, from the kernel's
+per-socket counters, bench/_common.py `tcp_bytes`); megalite's TP traffic as its `CommLedger`
+books it (bus bytes per rank, group kind "tp"), broken down by origin and checked against the
+formula 8(t-1)/t*b*s*h per layer (a check of the ledger's bookkeeping, not a measurement of
+traffic: the wire figure is the measurement); torch's collectives per step (calls and bus
+bytes) seen by a TorchDispatchMode.
 """
 
 import argparse
@@ -42,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
+from bench._common import figure, machine, tcp_bytes, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.model.layers import rotary_tables  # noqa: E402
@@ -241,6 +247,7 @@ def torch_side(m, a, full_state, mesh, sp):
         lr=LR,
         betas=BETAS,
         eps=EPS,
+        foreach=True,
     )
 
     def step(batch):
@@ -294,6 +301,17 @@ def run(rank, world, a):
         with CollectiveCounter() as counter:
             steps[name](batches[1])
         out["torch_comm"][name] = {k: (c, b, sorted(z)) for k, (c, b, z) in counter.by.items()}
+
+    # bytes on the wire in one step of each variant: TCP payload this rank sent and received
+    out["wire"] = {}
+    for name, step in steps.items():
+        dist.barrier()
+        time.sleep(0.2)
+        s0 = tcp_bytes()
+        step(batches[1])
+        time.sleep(0.2)  # the last segments leave the socket
+        s1 = tcp_bytes()
+        out["wire"][name] = (s1[0] - s0[0], s1[1] - s0[1])
 
     times = {k: [] for k in steps}
     order = list(steps)
@@ -420,20 +438,21 @@ def ledger_by_origin(step, groups, batch):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--mbs", type=int, default=2)
-    ap.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--summary", help="write the headline figures as JSON here")
     a = ap.parse_args()
     t = 2
     m = model_config(a)
-    print(f"tp=2 on CPU gloo, 2 processes x 1 thread; load average {os.getloadavg()}")
+    print(f"machine: {machine()}; tp=2 on CPU gloo, 2 processes x 1 thread")
     print(f"model: llama L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} "
           f"kv={m.heads_kv} ffn={m.ffn} V={m.vocab_size} s={m.seq_length}; {a.micro} micro-batches "
           f"of {a.mbs} per step, fp32")  # fmt: skip
@@ -446,37 +465,58 @@ def main():
         raise SystemExit("the variants do not compute the same loss; the comparison is void")
 
     med = {k: statistics.median(v) for k, v in r0["times"].items()}
-    print(f"\nstep time, median of {a.rounds} interleaved rounds (slower rank per step):")
-    print("| variant | median s/step | min | max | megalite / torch |")
-    print("| --- | --- | --- | --- | --- |")
-    for k, v in r0["times"].items():
-        ref = med["torch-sp" if k.endswith("sp") else "torch"]
-        print(f"| {k} | {med[k]:.4f} | {min(v):.4f} | {max(v):.4f} | {med[k] / ref:.3f}x |")
+    tokens = a.micro * a.mbs * m.seq_length
     pair = {
         sp: statistics.median(
-            x / y
-            for x, y in zip(r0["times"]["megalite" + sp], r0["times"]["torch" + sp])
+            y / x for x, y in zip(r0["times"]["megalite" + sp], r0["times"]["torch" + sp])
         )
         for sp in ("", "-sp")
     }  # fmt: skip
-    print(
-        f"median of per-round ratios megalite/torch: no SP {pair['']:.3f}x, SP {pair['-sp']:.3f}x"
-    )
+    print(f"\nstep time, median of {a.rounds} interleaved rounds (slower rank per step), "
+          f"{tokens} tokens per step:")  # fmt: skip
+    print("| variant | median s/step | min | max | tokens/s | megalite speed vs torch |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for k, v in r0["times"].items():
+        sp = "-sp" if k.endswith("sp") else ""
+        vs = f"**{pair[sp]:.3f}x**" if k.startswith("megalite") else "1.000x"
+        print(f"| {k} | {med[k]:.4f} | {min(v):.4f} | {max(v):.4f} | {tokens / med[k]:.0f} | "
+              f"{vs} |")  # fmt: skip
+    print("(speed = torch's step time / megalite's, median of the per-round ratios; ratio of "
+          f"medians: no SP {med['torch'] / med['megalite']:.3f}x, "
+          f"SP {med['torch-sp'] / med['megalite-sp']:.3f}x)")  # fmt: skip
 
-    # traffic against the formula
+    # measured: bytes on the wire (TCP payload per rank) against what each side books
+    booked = {n: sum(v["bytes"] for v in r0["traffic"][n]["total"].values())
+              for n in ("megalite", "megalite-sp")}  # fmt: skip
+    booked.update({n: sum(x[1] for x in r0["torch_comm"][n].values())
+                   for n in ("torch", "torch-sp")})  # fmt: skip
+    wire = {n: max(r["wire"][n][0] for r in res) for n in r0["wire"]}
+    print("\nbytes on the wire in one step (TCP payload sent, the larger rank; measured with the "
+          "kernel's per-socket counters) against the bus bytes each side books:")  # fmt: skip
+    print("| variant | wire bytes sent | booked bus bytes | wire / booked | wire vs torch |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in wire:
+        ref = wire["torch-sp" if n.endswith("sp") else "torch"]
+        print(f"| {n} | {wire[n]:,} | {booked[n]:,} | {wire[n] / booked[n]:.3f} | "
+              f"{wire[n] / ref:.3f}x |")  # fmt: skip
+
+    # the ledger's bookkeeping against the formula (not a traffic measurement)
     b, s, h, L = a.mbs, m.seq_length, m.hidden_size, m.num_layers
     el = 4  # fp32
     bsh = b * s * h
     layer_formula = (
         8 * (t - 1) / t * bsh * el
     )  # bytes per layer, forward + backward, per micro-batch
-    print("\nmegalite TP traffic per step (bus bytes per rank, ledger kind 'tp'):")
+    print("\nmegalite's ledger (bus bytes it books per rank, kind 'tp') checked against the "
+          "formula; this checks the bookkeeping, the wire table above is the measurement:")  # fmt: skip
+    ledger_ok = []
     for name in ("megalite", "megalite-sp"):
         tr = r0["traffic"][name]
         total = tr["total"].get("tp", {"bytes": 0, "calls": 0})
         by = tr["by"]
         layers = sum(sum(v) for k, v in by.items() if k.startswith("layer "))
         per_layer = layers / L / a.micro
+        ledger_ok.append(per_layer / layer_formula)
         print(f"  {name}: total {total['bytes']:,} B in {total['calls']} calls "
               f"(other kinds: {({k: v['bytes'] for k, v in tr['total'].items() if k != 'tp'})})")  # fmt: skip
         print(f"    layers: {layers:,} B = {per_layer:,.0f} B per layer per micro-batch; "
@@ -493,6 +533,22 @@ def main():
             f"  {k}: total {total:,} B in {sum(x[0] for x in v.values())} calls; "
             + "; ".join(f"{op} {c} calls {nb:,} B (sizes {z})" for op, (c, nb, z) in v.items())
         )
+    how = f"bench_tp.py, median of {a.rounds} interleaved per-round ratios"
+    figures = [
+        figure("TP=2 tokens/s, megalite vs DTensor TP", round(pair[""], 3), target=">= 1.4x",
+               met=pair[""] >= 1.4, how=how),
+        figure("TP=2 tokens/s with SP, megalite vs DTensor TP + SP", round(pair["-sp"], 3),
+               target=">= 1.4x", met=pair["-sp"] >= 1.4, how=how),
+        figure("TP=2 bytes on the wire per step, megalite vs DTensor", round(wire["megalite"] / wire["torch"], 3),
+               how="TCP payload sent per rank in one step (kernel socket counters)"),
+        figure("TP=2 bytes on the wire per step with SP, megalite vs DTensor",
+               round(wire["megalite-sp"] / wire["torch-sp"], 3),
+               how="TCP payload sent per rank in one step (kernel socket counters)"),
+        figure("TP ledger bytes per layer / 8(t-1)/t*b*s*h (bookkeeping check, not traffic)",
+               round(max(ledger_ok), 4), target="1.0", met=all(abs(x - 1) < 1e-3 for x in ledger_ok),
+               how="CommLedger kind tp, layers only"),
+    ]  # fmt: skip
+    write_summary(a.summary, "bench_tp", figures, " ".join(sys.argv))
     print(f"load average after: {os.getloadavg()}")
 
 

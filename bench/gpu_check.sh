@@ -1,57 +1,145 @@
 #!/usr/bin/env bash
-# Kernel check on one GPU (sized for an H200, ~9 minutes): install, the gpu-marked kernel tests
-# (bf16 and full-size shapes), the benchmark table, then the training MFU of a 1B Llama shape
-# with --kernels triton and torch. Results land in $OUT (default bench_out/).
+# The GPU-only checks, on one GPU, in about 8 minutes (BUDGET_S, installs included). In order
+# of importance, each under a timeout cut to what is left of the budget, so the script ends in
+# time whatever hangs, and each reported PASS / FAIL / TIMEOUT at the end:
 #
-# The GPU machine has no internet: put the wheels it lacks (liger-kernel and, if missing there,
-# the test extras) in a folder and point WHEELS at it, e.g. on a networked machine
+#   install      megalite into this python (keeping the machine's CUDA torch), liger-kernel if
+#                a wheel is reachable
+#   kernels_bf16 pytest -m gpu tests/kernels: every Triton kernel compiled, in bf16 and at full
+#                size, against its plain-torch reference (forward and backward)
+#   nccl_1rank   torchrun --nproc_per_node 1 pretrain_gpt.py: the trainer on CUDA through the
+#                real NCCL process group (TCP rendezvous, tp=pp=dp=1), --kernels triton, bf16
+#   multirank    bench/gpu_trainer_check.py multirank: tp2, pp2 and dp2 + ZeRO-1 with both ranks
+#                on the one GPU (over gloo with CUDA tensors: NCCL refuses two ranks on one
+#                device), losses checked against a one-rank run
+#   syncs        bench/gpu_trainer_check.py syncs: host syncs per training step
+#                (torch.cuda.set_sync_debug_mode) and the step time
+#   mfu_triton, mfu_torch
+#                llama-1b shape, bf16, 10 steps: MFU and tokens/s with --kernels triton / torch
+#   kernels_table  bench/kernels.py: Triton vs eager / torch.compile / Liger, with what is left
+#
+# Results in $OUT (default bench_out/): gpu_check.log (everything printed), multirank.json,
+# syncs.json, kernels.json, nccl_1rank.jsonl, mfu_triton.jsonl, mfu_torch.jsonl.
+#
+# The GPU machine may have no internet: put the wheels it lacks (liger-kernel, the test extras)
+# in a folder and point WHEELS at it, e.g. on a networked machine
 #   pip download liger-kernel pytest pytest-timeout hypothesis --no-deps -d wheels/
-# Without liger-kernel the benchmark still runs and its Liger rows read "n/a".
+# Without liger-kernel the kernel table still runs and its Liger rows read "n/a".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-wheels}
 OUT=${OUT:-bench_out}
+BUDGET_S=${BUDGET_S:-480}
 mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+deadline=$((SECONDS + BUDGET_S))
+declare -A status=()
+order=()
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# cap N: N seconds, or what is left of the budget when that is less (at least 5)
+cap() {
+    local left=$((deadline - SECONDS))
+    if [ "$left" -lt "$1" ]; then echo $((left > 5 ? left : 5)); else echo "$1"; fi
+}
+
+# run NAME SECONDS CMD...: CMD under a timeout of at most SECONDS, its output into the log;
+# its exit status is kept in status[NAME] (124: timed out)
+run() {
+    local name=$1 secs rc
+    secs=$(cap "$2")
+    shift 2
+    say "== $name (timeout ${secs} s, $((deadline - SECONDS)) s of the budget left)"
+    timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 124 ] && say "$name: timed out after ${secs} s"
+    status[$name]=$rc
+    order+=("$name")
+}
+
+# metrics FILE LABEL: the median MFU and tokens/s of a metrics file's last 6 logged steps
+metrics() {
+    $PY - "$1" "$2" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])][-6:]
+if not rows:
+    sys.exit(f"{sys.argv[1]}: no logged step")
+loss = [r["loss"] for r in rows]
+mfu = statistics.median(r.get("mfu") or 0.0 for r in rows)
+tps = statistics.median(r["tokens_per_s"] for r in rows)
+print(f"{sys.argv[2]}: MFU {mfu:.1%}, {tps:,.0f} tokens/s (median of the last {len(rows)} "
+      f"logged steps), losses {[round(x, 3) for x in loss]}")
+if not all(x == x and abs(x) < 1e4 for x in loss):
+    sys.exit(f"{sys.argv[2]}: non-finite loss")
+EOF
+}
 
 pip_args=(--quiet --disable-pip-version-check --no-build-isolation)
 [ -d "$WHEELS" ] && pip_args+=(--no-index --find-links "$WHEELS")
 # Keep the machine's CUDA build of torch: if the full install cannot resolve offline, install
 # megalite alone (the kernels need only torch and triton, which a GPU image already has).
-$PY -m pip install "${pip_args[@]}" -e '.[test]' 2>/dev/null ||
-    $PY -m pip install "${pip_args[@]}" --no-deps -e . ||
-    { echo "could not install megalite"; exit 1; }
-$PY -m pip install "${pip_args[@]}" --no-deps liger-kernel 2>/dev/null ||
-    echo "liger-kernel not installed: its benchmark rows will read n/a"
-$PY -c "import liger_kernel" 2>/dev/null && echo "liger-kernel importable" || echo "liger-kernel not importable"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+install() {
+    $PY -m pip install "${pip_args[@]}" -e '.[test]' 2>/dev/null ||
+        $PY -m pip install "${pip_args[@]}" --no-deps -e . ||
+        { echo "could not install megalite"; return 1; }
+    $PY -m pip install "${pip_args[@]}" --no-deps liger-kernel 2>/dev/null ||
+        echo "liger-kernel not installed: its benchmark rows will read n/a"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+}
+run install 90 bash -c "$(declare -p PY pip_args); $(declare -f install); install"
+[ "${status[install]}" -eq 0 ] || { say "FAIL install: stopping"; exit 1; }
 
-echo "== pytest -m gpu tests/kernels"
-timeout 240 $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
-test_rc=${PIPESTATUS[0]}
+run kernels_bf16 120 $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider
 
-echo "== bench/kernels.py"
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout 300 $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels.md"
-bench_rc=${PIPESTATUS[0]}
+# A world of one through torchrun: NCCL with a TCP rendezvous, as on a cluster.
+rm -f "$OUT/nccl_1rank.jsonl"
+run nccl_1rank 90 $PY -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
+    --config configs/tiny.yaml --kernels triton --precision bf16 --train-iters 20 \
+    --eval-interval 0 --log-interval 5 --wandb-mode disabled --metrics-file "$OUT/nccl_1rank.jsonl"
+if [ "${status[nccl_1rank]}" -eq 0 ]; then
+    metrics "$OUT/nccl_1rank.jsonl" nccl_1rank 2>&1 | tee -a "$LOG" || status[nccl_1rank]=1
+fi
 
-echo "== model MFU: llama-1b shape, bf16, one GPU, --kernels triton vs torch"
-mfu_rc=0
+run multirank 100 $PY bench/gpu_trainer_check.py multirank --device cuda --steps 3 \
+    --timeout 45 --out "$OUT"
+
+run syncs 60 $PY bench/gpu_trainer_check.py syncs --device cuda --steps 5 --out "$OUT"
+
+# Model MFU: llama-1b shape, bf16, one GPU; the median of the last 6 of 10 logged steps (the
+# first ones include compilation and warm-up).
 for k in triton torch; do
     rm -f "$OUT/mfu_$k.jsonl"
-    timeout 150 $PY pretrain_gpt.py --config configs/llama-1b.yaml --kernels "$k" --train-iters 12 \
-        --micro-batch-size 4 --global-batch-size 16 --eval-interval 0 --log-interval 1 \
-        --wandb-mode disabled --metrics-file "$OUT/mfu_$k.jsonl" 2>&1 | tail -4 || mfu_rc=1
-    # the median of the last 8 steps (the first ones include compilation and warm-up)
-    $PY - "$OUT/mfu_$k.jsonl" "$k" <<'PY' || mfu_rc=1
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][-8:]
-mfu = statistics.median(r["mfu"] for r in rows)
-tps = statistics.median(r["tokens_per_s"] for r in rows)
-print(f"kernels={sys.argv[2]}: MFU {mfu:.1%}, {tps:,.0f} tokens/s (median of the last {len(rows)} steps)")
-PY
+    run "mfu_$k" 80 $PY pretrain_gpt.py --config configs/llama-1b.yaml --kernels "$k" \
+        --train-iters 10 --micro-batch-size 4 --global-batch-size 16 --eval-interval 0 \
+        --log-interval 1 --wandb-mode disabled --metrics-file "$OUT/mfu_$k.jsonl"
+    if [ "${status[mfu_$k]}" -eq 0 ]; then
+        metrics "$OUT/mfu_$k.jsonl" "kernels=$k" 2>&1 | tee -a "$LOG" || status[mfu_$k]=1
+    fi
 done
 
-echo "pytest exit $test_rc, bench exit $bench_rc, mfu exit $mfu_rc"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$mfu_rc" -eq 0 ]
+# The kernel table last: it takes what is left of the budget (BENCH_ARGS narrows it, e.g.
+# BENCH_ARGS="--impls megalite eager").
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+run kernels_table 300 $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
+
+say "== summary ($SECONDS s of a ${BUDGET_S} s budget)"
+failed=0
+for name in "${order[@]}"; do
+    rc=${status[$name]}
+    if [ "$rc" -eq 0 ]; then
+        say "PASS    $name"
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        say "TIMEOUT $name (exit $rc)"
+        failed=1
+    else
+        say "FAIL    $name (exit $rc)"
+        failed=1
+    fi
+done
+[ "$failed" -eq 0 ] && say "gpu_check: all passed" || say "gpu_check: FAILED (see $LOG)"
+exit "$failed"

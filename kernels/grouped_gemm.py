@@ -214,6 +214,9 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
         raise ValueError(
             f"grouped_mm: offsets {bounds} must rise from 0 to T={x.shape[0]} without falling"
         )
-    # An empty expert contributes a (0, n) block; autograd then gives it a zero dw[e].
-    parts = [x[lo:hi] @ w[e].T for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    # An empty expert contributes a (0, n) block; autograd then gives it a zero dw[e]. split and
+    # unbind, not x[lo:hi] and w[e]: their backward is one cat / stack, where indexing builds a
+    # zero tensor of the whole x and w per expert (E times the weights' traffic on CPU).
+    sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    parts = [xe @ we.T for xe, we in zip(x.split(sizes), w.unbind(0))]
     return torch.cat(parts)

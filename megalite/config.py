@@ -59,6 +59,41 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "separate output layer (default: tied for gpt2, untied for llama)"
     )
+    # ---- mixture of experts (docs/moe.md); dense when num_experts is None ----
+    num_experts: int | None = opt(None, "MoE: experts per MoE layer (default: dense MLPs)")
+    moe_router_topk: int = opt(2, "MoE: experts each token is routed to (k)")
+    moe_ffn_hidden_size: int | None = opt(None, "MoE: width of each expert (default: ffn)")
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "MoE: width of a shared expert every token also passes through (default: none)"
+    )
+    moe_layer_freq: int = opt(1, "MoE: every k-th layer is an MoE layer (layers 0, k, 2k, ...)")
+    moe_aux_loss_coeff: float = opt(
+        0.0, "MoE: load-balancing loss coefficient (Switch/GShard: E * sum_e f_e P_e)"
+    )
+    moe_z_loss_coeff: float = opt(0.0, "MoE: router z-loss coefficient (mean logsumexp^2)")
+    moe_router_pre_softmax: bool = opt(
+        False,
+        "MoE: weights are the softmax over all experts, not renormalised over the top-k "
+        "(default: renormalised, as Mixtral)",
+    )
+    moe_router_enable_expert_bias: bool = opt(
+        False,
+        "MoE: auxiliary-loss-free balancing: a per-expert bias on the top-k choice (DeepSeek-V3)",
+    )
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "MoE: expert bias step per optimizer step, towards the mean load"
+    )
+    moe_expert_capacity_factor: float | None = opt(
+        None,
+        "MoE: drop routed tokens past capacity_factor * tokens * k / experts per expert "
+        "(default: dropless)",
+    )
+    moe_token_drop_policy: str = opt(
+        "position",
+        "MoE: which assignments past capacity are dropped: position (first choices before "
+        "second ones, then earlier sequence positions first)",
+        choices=("position",),
+    )
 
     @property
     def heads_kv(self) -> int:
@@ -82,6 +117,14 @@ class ModelConfig:
             return self.flavour == "gpt2"
         return not self.untie_embeddings_and_output_weights
 
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i holds experts instead of a dense MLP."""
+        return bool(self.num_experts) and i % self.moe_layer_freq == 0
+
     def padded_vocab_size(self, tp: int = 1) -> int:
         m = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // m) * m
@@ -98,7 +141,18 @@ class ParallelConfig:
         "--virtual-pipeline-model-parallel-size",
     )
     dp: int | None = opt(
-        None, "data-parallel size (default: world size / (tp*pp))", "--data-parallel-size"
+        None, "data-parallel size (default: world size / (tp*cp*pp))", "--data-parallel-size"
+    )
+    cp: int = opt(
+        1,
+        "context-parallel size: each sample's sequence split over cp ranks (long contexts)",
+        "--context-parallel-size",
+    )
+    cp_comm_type: str = opt(
+        "p2p",
+        "context-parallel attention: p2p (ring: K/V blocks passed round the cp ranks) or a2a "
+        "(all-to-all: heads exchanged for the sequence, Ulysses)",
+        choices=("p2p", "a2a"),
     )
     order: str = opt(
         DEFAULT_ORDER,
@@ -106,6 +160,15 @@ class ParallelConfig:
     )
     sequence_parallel: bool = opt(
         False, "shard norm/dropout activations along the sequence over TP"
+    )
+    ep: int = opt(
+        1,
+        "expert-parallel size: experts split over ep ranks of tp*dp (it divides tp*dp, not the "
+        "world)",
+        "--expert-model-parallel-size",
+    )
+    etp: int = opt(
+        1, "expert tensor-parallel size (only 1: experts whole)", "--expert-tensor-parallel-size"
     )
     pp_schedule: str | None = opt(
         None,
@@ -182,6 +245,11 @@ class DataConfig:
     data_cache_dir: str = opt(
         "data_cache", "where the built-in corpus and its tokenizer are cached"
     )
+    reset_position_ids: bool = opt(False, "positions restart at 0 after each end-of-document token")
+    reset_attention_mask: bool = opt(
+        False, "tokens attend within their own document only (packed samples)"
+    )
+    eod_mask_loss: bool = opt(False, "no loss on the end-of-document tokens")
 
 
 @dataclass
@@ -208,6 +276,30 @@ class TrainingConfig:
     dry_run: bool = opt(False, "print the memory/communication plan and exit (no process group)")
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
     debug: bool = opt(False, "show full tracebacks on errors")
+    exit_duration_in_mins: float | None = opt(
+        None,
+        "save and exit 0 once the run has trained this long (set it below the job's time limit "
+        "minus a save's duration; a resubmitted job resumes)",
+    )
+    exit_interval: int | None = opt(None, "save and exit 0 at the first iteration divisible by N")
+    spike_threshold: float = opt(
+        0.0,
+        "skip a step whose loss is more than Z standard deviations above the mean of the recent "
+        "steps, like a non-finite step (0: off)",
+    )
+    spike_window: int = opt(50, "recent steps the loss-spike guard compares with")
+    spike_min_steps: int = opt(10, "steps of history before the loss-spike guard acts")
+    spike_rerun: bool = opt(
+        False,
+        "re-run a spiking step once: the same loss again is a data spike (skipped), another "
+        "one points at a hardware fault (warned about, the re-run's step kept)",
+    )
+    straggler_threshold: float = opt(
+        1.2,
+        "warn when a rank's compute time per step is at least this many times its peers' median "
+        "at every one of --straggler-window logging steps (0: off)",
+    )
+    straggler_window: int = opt(3, "consecutive logging steps a straggler must be slow at")
 
 
 @dataclass
@@ -218,6 +310,23 @@ class CheckpointConfig:
     load: str | None = opt(None, "checkpoint directory to resume from")
     save_interval: int = opt(0, "save every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "checkpoints kept in --save (oldest removed)")
+    async_save: bool = opt(
+        False,
+        "gather and copy to host in the step, write the files in the background (one save in "
+        "flight; the next save and the end of training wait for it)",
+    )
+    finetune: bool = opt(
+        False,
+        "load --load's weights only: iteration 0, fresh optimizer and data position (a restart "
+        "with a checkpoint in --save resumes from that instead)",
+    )
+    load_optim: bool = opt(True, "load the optimizer state (--no-load-optim: a fresh one)")
+    load_rng: bool = opt(True, "restore the RNG states (--no-load-rng: re-seed)")
+    use_checkpoint_args: bool = opt(
+        False,
+        "accepted for Megatron compatibility: the model architecture is always taken from the "
+        "loaded checkpoint where no model flag gives it",
+    )
 
 
 @dataclass
@@ -231,6 +340,11 @@ class LoggingConfig:
     wandb_dir: str = opt("runs", "where W&B writes its files")
     tensorboard_dir: str | None = opt(
         None, "also write the logged scalars as TensorBoard event files here (needs tensorboard)"
+    )
+    hang_report_dir: str | None = opt(
+        None,
+        "where each surviving rank writes hang-rank<N>.json when a peer stalls (default: beside "
+        "--metrics-file, else --save)",
     )
 
 
@@ -387,8 +501,9 @@ def build_parser(prog="pretrain_gpt.py") -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv=None) -> Config:
-    """Defaults, then the YAML of --config, then the flags given."""
+def parse_args(argv=None, given: set | None = None) -> Config:
+    """Defaults, then the YAML of --config, then the flags given. `given`, when passed, receives
+    the fields set by the YAML or a flag ("model.hidden_size", ...), as opposed to defaults."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
@@ -406,7 +521,12 @@ def parse_args(argv=None) -> Config:
     args = vars(ns)
     if "config" in args:
         path = args.pop("config")
-        _apply(cfg, load_yaml(path), source=f"config file {path}")
+        d = load_yaml(path)
+        _apply(cfg, d, source=f"config file {path}")
+        if given is not None:
+            given.update(f"{sec}.{k}" for sec, v in d.items() for k in v)
+    if given is not None:
+        given.update(args)
     for dest, value in args.items():
         sec, name = dest.split(".")
         setattr(getattr(cfg, sec), name, value)

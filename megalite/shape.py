@@ -30,6 +30,8 @@ class RunShape:
     micro_batch_size: int
     global_batch_size: int
     model: ModelConfig  # the user's model section, its vocabulary filled in once known
+    ep: int = 1  # expert-parallel size: a second decomposition of tp*dp, not an axis of its own
+    etp: int = 1
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
@@ -44,7 +46,11 @@ class RunShape:
         return "-".join(a for a, _ in self.sizes)
 
     def topology(self) -> Topology:
-        return Topology(self.order, **dict(self.sizes))
+        """The ranks' layout; with experts, carrying their decomposition (`topo.expert`)."""
+        topo = Topology(self.order, **dict(self.sizes))
+        if self.model.num_experts:
+            topo.expert = topo.experts(self.ep, self.etp)
+        return topo
 
     @property
     def data_parallel(self) -> int:
@@ -64,8 +70,9 @@ class RunShape:
 
     @property
     def hidden_shape(self) -> tuple[int, int, int]:
-        """The tensor between pipeline stages: (b, s, h), (b, s/tp, h) with sequence parallelism."""
-        s = self.model.seq_length
+        """The tensor between pipeline stages: (b, s/cp, h), (b, s/cp/tp, h) with sequence
+        parallelism (cp: this rank's share of each sequence, context parallelism)."""
+        s = self.model.seq_length // self.cp
         return (self.micro_batch_size, s // self.tp if self.sequence_parallel else s,
                 self.model.hidden_size)  # fmt: skip
 
@@ -83,18 +90,25 @@ class RunShape:
 
     def layout(self) -> dict:
         """What a checkpoint records of the layout that wrote it."""
-        return {**dict(self.sizes), "vpp": self.vpp, "world_size": self.world_size}
+        # a newer axis of size 1 goes unrecorded: checkpoints written before it match this layout
+        sizes = {a: n for a, n in self.sizes if n > 1 or a in ("tp", "dp", "pp")}
+        out = {**sizes, "vpp": self.vpp, "world_size": self.world_size}
+        return {**out, "ep": self.ep} if self.ep > 1 else out
 
 
 def _positive(cfg: Config):
     m, p, t = cfg.model, cfg.parallel, cfg.training
     values = {
-        "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "num-layers": m.num_layers,
+        "tp": p.tp, "cp": p.cp, "pp": p.pp, "vpp": p.vpp, "num-layers": m.num_layers,
         "hidden-size": m.hidden_size, "num-attention-heads": m.num_attention_heads,
         "seq-length": m.seq_length, "micro-batch-size": t.micro_batch_size,
         "global-batch-size": t.global_batch_size, "train-iters": t.train_iters,
         "log-interval": t.log_interval, "dp": p.dp, "num-query-groups": m.num_query_groups,
         "ffn-hidden-size": m.ffn_hidden_size, "vocab-size": m.vocab_size,
+        "num-experts": m.num_experts, "moe-router-topk": m.moe_router_topk,
+        "moe-ffn-hidden-size": m.moe_ffn_hidden_size, "moe-layer-freq": m.moe_layer_freq,
+        "moe-shared-expert-intermediate-size": m.moe_shared_expert_intermediate_size,
+        "expert-model-parallel-size": p.ep, "expert-tensor-parallel-size": p.etp,
     }  # fmt: skip
     for name, v in values.items():
         if v is not None and v < 1:
@@ -110,12 +124,14 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     given = 1
     for a, n in sizes.items():
         given *= n if a != INFERRED else 1
-    named = "*".join(a for a in sizes if a != INFERRED)
-    values = "*".join(str(n) for a, n in sizes.items() if a != INFERRED)
+    # the messages name tp and pp, and any other axis given a size (cp=1 goes unsaid)
+    shown = [a for a, n in sizes.items() if a != INFERRED and (n > 1 or a in ("tp", "pp"))]
+    named = "*".join(shown)
+    values = "*".join(str(sizes[a]) for a in shown)
     if world_size % given:
         raise MegaliteError(
             f"world size {world_size} is not divisible by {named}={values}; "
-            f"launch a multiple of {given} processes or change {'/'.join('--' + a for a in sizes if a != INFERRED)}"
+            f"launch a multiple of {given} processes or change {'/'.join('--' + a for a in shown)}"
         )
     if p.dp is not None and p.dp * given != world_size:
         raise MegaliteError(
@@ -141,6 +157,9 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         reason = ax.check(cfg, sizes) if ax.check else None
         if reason:
             raise MegaliteError(reason)
+    reason = _check_experts(cfg, sizes, axes)
+    if reason:
+        raise MegaliteError(reason)
     data = 1
     for a, n in sizes.items():
         data *= n if AXES[a].splits_batch else 1
@@ -168,7 +187,54 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
         model=dataclasses.replace(m),
+        ep=p.ep,
+        etp=p.etp,
     )
+
+
+def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
+    """Why this mixture-of-experts model cannot run at this layout (one sentence), or None.
+    Experts are a second decomposition of each pipeline stage's ranks (Topology.experts)."""
+    m, p = cfg.model, cfg.parallel
+    e, k, ep, tp = m.num_experts, m.moe_router_topk, p.ep, sizes["tp"]
+    if not e:
+        if ep > 1:
+            return f"--ep {ep} needs a mixture-of-experts model; set --num-experts"
+        return None
+    if sizes.get("cp", 1) > 1:  # the balancing loss and capacity are over a TP group's sequence
+        return "mixture-of-experts models do not run with --cp yet; use --cp 1"
+    if p.etp != 1:
+        return (
+            f"--expert-tensor-parallel-size {p.etp} is not supported: experts are whole on "
+            "each rank (etp=1); split them over more ranks with --ep instead"
+        )
+    if k > e:
+        return f"moe_router_topk={k} is larger than num_experts={e}; lower --moe-router-topk"
+    if e % ep:
+        return f"num_experts={e} is not divisible by ep={ep}; use a multiple of {ep} experts"
+    stage = 1
+    for a, n in sizes.items():
+        stage *= n if a != "pp" else 1
+    if stage % ep:
+        shown = [a for a, n in sizes.items() if a != "pp" and (n > 1 or a in ("tp", "dp"))]
+        names, values = "*".join(shown), "*".join(str(sizes[a]) for a in shown)
+        return (
+            f"ep={ep} does not divide {names}={values}, the ranks of a pipeline stage that "
+            f"experts are spread over; choose an ep that divides {stage}"
+        )
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        return f"moe_shared_expert_intermediate_size={shared} is not divisible by tp={tp}"
+    if tp > 1 and m.seq_length % tp:  # each TP rank routes its 1/tp of the sequence
+        return f"seq_length={m.seq_length} is not divisible by tp={tp} (needed by MoE layers)"
+    f = m.moe_expert_capacity_factor
+    if f is not None and f <= 0:
+        return f"--moe-expert-capacity-factor={f} must be positive (omit it for dropless)"
+    try:
+        Topology("-".join(axes), **sizes).experts(ep, p.etp)
+    except ValueError as err:
+        return f"--order {'-'.join(axes)}: {err}"
+    return None
 
 
 def validate(cfg: Config, world_size: int) -> RunShape:
@@ -182,6 +248,15 @@ def validate(cfg: Config, world_size: int) -> RunShape:
               file=sys.stderr)  # fmt: skip
     if o.min_lr > o.lr:
         raise MegaliteError(f"min_lr={o.min_lr} is larger than lr={o.lr}")
+    d = cfg.data
+    if d.reset_attention_mask and cfg.model.attention_dropout > 0:
+        raise MegaliteError(
+            "--reset-attention-mask does not support attention dropout; set --attention-dropout 0"
+        )
     if p.distributed_timeout_minutes <= 0:
         raise MegaliteError("--distributed-timeout-minutes must be positive")
+    if o.zero_stage == 3 and cfg.model.num_experts:
+        raise MegaliteError(
+            "--zero-stage 3 does not shard mixture-of-experts models yet; use --zero-stage 2"
+        )
     return shape

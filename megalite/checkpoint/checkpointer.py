@@ -5,6 +5,9 @@ position's DP rank 0 writes its slices of every logical tensor into one file in 
 directory; rank 0 gathers the index entries and RNG states, writes the index, renames the
 directory into place, updates `latest` (atomically, last) and only then removes checkpoints
 beyond --keep-checkpoints. A save that fails leaves the previous checkpoints as they were.
+With --async-save the gathers and a copy to host memory happen in the step and a background
+thread writes the same files (async_save.py); the next save, a signal and the end of training
+wait for it, and its error stops every rank there.
 
 The checkpointer is handed what it saves (the model chunks, the optimizer, the tokenizer) and a
 `TrainState` (iteration, data position, skipped steps, this rank's RNG); loading returns the
@@ -14,9 +17,10 @@ Load: every rank reads, for each of its parameters, the region of the logical te
 layout needs (safetensors `get_slice`), whatever layout wrote it. Checksums are verified
 before any tensor is read, each file by one rank. A rank's bad-input error is shared with all
 ranks so that every rank stops with the same one line, none waiting in a collective.
+--finetune loads the weights only and starts at iteration 0; --no-load-optim and --no-load-rng
+leave out the optimizer state and the RNG states (not when a restart resumes its own --save).
 """
 
-import base64
 import dataclasses
 import json
 import shutil
@@ -26,15 +30,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint.async_save import BackgroundSave, collect_parts, host_copy, write_part
 from megalite.checkpoint.format import Checkpoint, opt_name
+from megalite.checkpoint.regions import (  # noqa: F401  (check_model, load_model: tools and tests)
+    agreed_errors,
+    all_gather,
+    check_model,
+    decode_rng,
+    encode_rng,
+    load_model,
+    load_optimizer,
+    rank_params,
+)
 from megalite.errors import MegaliteError
-from megalite.parallel import comm
-from megalite.parallel.specs import spec_of
 
 # Fields a checkpoint and a run must agree on beyond the tensor shapes (which are checked one
 # by one): the shapes cannot tell a flavour apart, nor a prefix of the layers.
@@ -55,6 +64,8 @@ def resume_path(cfg) -> str | None:
     """What the run resumes from: --load, else --save when it holds a checkpoint (a restarted
     job continues where it stopped), else nothing. Pure file checks, before any process group."""
     c = cfg.checkpoint
+    if c.finetune and c.save and fmt.has_checkpoint(c.save):
+        return c.save  # a restarted fine-tuning job continues its own run, not --load again
     if c.load:
         fmt.resolve(c.load)  # a missing or empty directory fails here, with one line
         return c.load
@@ -63,117 +74,6 @@ def resume_path(cfg) -> str | None:
     if cfg.training.eval_only:
         raise MegaliteError("--eval-only needs a checkpoint to evaluate; pass --load DIR")
     return None
-
-
-# ---- agreement between ranks ---------------------------------------------------------------------
-
-
-def _world():
-    """The world as a counted group (a world of one without torch.distributed)."""
-    n = dist.get_world_size() if dist.is_initialized() else 1
-    r = dist.get_rank() if dist.is_initialized() else 0
-    return comm.Group("world", list(range(n)), r, dist.group.WORLD if n > 1 else None)
-
-
-def _all_gather(obj, group=None) -> list:
-    # Small Python objects (messages, index entries, RNG states as base64) between our own
-    # processes; nothing read from disk is ever unpickled.
-    return comm.all_gather_object(obj, group or _world())
-
-
-@contextmanager
-def agreed_errors(group=None):
-    """Run a block on every rank; if any rank raises MegaliteError, every rank raises it."""
-    error = None
-    try:
-        yield
-    except MegaliteError as e:
-        error = str(e)
-    errors = [e for e in _all_gather(error, group) if e]
-    if errors:
-        raise MegaliteError(errors[0])
-
-
-# ---- the parameters of a rank and the regions they hold ----------------------------------------
-
-
-def _params(chunks):
-    """(logical tensor, parameter, spec) for every parameter of this rank's chunks; the last
-    stage's tied copy reads the first stage's embedding."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            spec = spec_of(p)
-            yield spec.source, p, spec
-
-
-def _read_padded(ckpt: Checkpoint, name: str, region, shape) -> torch.Tensor:
-    """The region of a tensor, with zero rows added where the local tensor has vocabulary padding."""
-    t = ckpt.read(name, region)
-    if t.shape[0] < shape[0]:
-        t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, shape[0] - t.shape[0]))
-    return t
-
-
-def check_model(chunks, tp, ckpt: Checkpoint):
-    """Every parameter of these chunks is in the checkpoint with the global shape it needs."""
-    for name, _, spec in _params(chunks):
-        if not ckpt.has(name):
-            raise MegaliteError(
-                f"checkpoint {ckpt.dir} has no tensor {name}; it holds another model "
-                "(check --num-layers, the flavour and --untie-embeddings-and-output-weights)"
-            )
-        if list(ckpt.shape(name)) != list(spec.shape):
-            raise MegaliteError(
-                f"tensor {name} has shape {list(ckpt.shape(name))} in checkpoint {ckpt.dir} but "
-                f"{list(spec.shape)} in this model; use the model flags the checkpoint was trained with"
-            )
-
-
-@torch.no_grad()
-def load_model(chunks, tp, ckpt: Checkpoint):
-    """Copy this rank's slices of the model weights into the chunks (any layout)."""
-    check_model(chunks, tp, ckpt)
-    for name, p, spec in _params(chunks):
-        p.copy_(_read_padded(ckpt, name, spec.region(), p.shape))
-
-
-def _load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint):
-    """The moments (and masters) of this rank's parameters, or a fresh optimizer whose masters
-    start from the loaded weights when the checkpoint has none (e.g. converted from HF)."""
-    scalars = ckpt.index.get("optimizer")
-    state = {}
-    for name, p, spec in _params(chunks):
-        if scalars is None:
-            state[name] = {k: torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
-            continue
-        kinds = [k for k in fmt.OPTIMIZER_KINDS if ckpt.has(opt_name(k, name))]
-        if "exp_avg" not in kinds or "exp_avg_sq" not in kinds:
-            raise MegaliteError(
-                f"checkpoint {ckpt.dir} lacks the optimizer state of {name}; the index is incomplete"
-            )
-        region = spec.region()
-        state[name] = {k: _read_padded(ckpt, opt_name(k, name), region, p.shape) for k in kinds}
-    optimizer.load_state_tensors(state)
-    if scalars is not None:
-        optimizer.load_scalar_state(scalars)
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def _encode_rng(rng: dict) -> dict:
-    return {k: (None if v is None else [_b64(t) for t in v] if isinstance(v, list) else _b64(v))
-            for k, v in rng.items()}  # fmt: skip
-
-
-def _decode_rng(d: dict) -> dict:
-    return {k: (None if v is None else [_unb64(t) for t in v] if isinstance(v, list) else _unb64(v))
-            for k, v in d.items() if k != "rank"}  # fmt: skip
 
 
 # ---- the trainer's checkpointing -----------------------------------------------------------------
@@ -190,6 +90,8 @@ class Checkpointer:
         self.log = log
         self.last_saved = None  # iteration of the newest checkpoint in --save
         self._signal = None
+        self._background = BackgroundSave()  # --async-save: the save in flight
+        self._pinned = {}  # --async-save on a GPU: host buffers reused from save to save
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -199,7 +101,14 @@ class Checkpointer:
         return None if path is None else self.load(path)
 
     def load(self, path) -> TrainState:
-        g, tp = self.groups, self.groups.tp
+        """Load a checkpoint into the chunks and optimizer; --finetune (weights only, from
+        iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own."""
+        g, tp, c = self.groups, self.groups.tp, self.cfg.checkpoint
+        # A restart resuming its own --save (another directory than --load) continues in full.
+        own = bool(c.save) and Path(path).resolve() == Path(c.save).resolve() != (
+            Path(c.load).resolve() if c.load else None
+        )
+        finetune = c.finetune and not own
         start = time.perf_counter()
         with agreed_errors(g.world):
             ckpt = Checkpoint(path)
@@ -208,18 +117,26 @@ class Checkpointer:
             self._check_compatible(ckpt)
             check_model(self.chunks, tp, ckpt)
         with agreed_errors(g.world):
-            load_model(self.chunks, tp, ckpt)
-            _load_optimizer(self.chunks, tp, self.optimizer, ckpt)
+            with self.optimizer.gathered_params(write_back=True):  # ZeRO-3 holds shards
+                load_model(self.chunks, tp, ckpt)
+            fresh = finetune or not (c.load_optim or own)
+            load_optimizer(self.chunks, tp, self.optimizer, ckpt, fresh)
         idx = ckpt.index
         same_layout = idx.get("layout") == self.shape.layout()
-        rng = idx["rng"][g.rank] if idx.get("rng") and same_layout else None
+        keep_rng = same_layout and not finetune and (c.load_rng or own)
+        rng = idx["rng"][g.rank] if idx.get("rng") and keep_rng else None
         state = TrainState(ckpt.iteration, int(idx.get("consumed_samples", 0)),
-                           int(idx.get("skipped_steps", 0)), rng and _decode_rng(rng))  # fmt: skip
-        save = self.cfg.checkpoint.save
-        if save and Path(save).resolve() == ckpt.dir.parent.resolve():
+                           int(idx.get("skipped_steps", 0)), rng and decode_rng(rng))  # fmt: skip
+        if finetune:  # weights only: a new run that starts from them
+            state = TrainState()
+        if c.save and Path(c.save).resolve() == ckpt.dir.parent.resolve() and not finetune:
             self.last_saved = ckpt.iteration
-        what = "weights only, fresh optimizer" if idx.get("optimizer") is None else "resuming"
-        rng_note = "" if same_layout else "; another layout, so RNG streams are re-seeded"
+        what = (
+            "weights only, fresh optimizer" if idx.get("optimizer") is None or fresh else "resuming"
+        )
+        what = "fine-tuning from its weights at iteration 0" if finetune else what
+        rng_note = "" if keep_rng or not same_layout else "; RNG streams re-seeded"
+        rng_note = rng_note if same_layout else "; another layout, so RNG streams are re-seeded"
         self.log(
             f"loaded checkpoint {ckpt.dir} (iteration {ckpt.iteration}, {what}{rng_note}) in "
             f"{time.perf_counter() - start:.1f} s"
@@ -254,7 +171,7 @@ class Checkpointer:
         """{index name: (tensor, region, global shape)} of what this (tp, pp) position writes."""
         tp = self.groups.tp
         out = {}
-        for name, p, spec in _params(self.chunks):
+        for name, p, spec in rank_params(self.chunks):
             if spec.tied_to or (spec.split_dim is None and tp.rank != 0):
                 continue  # tied copies are the first stage's tensor; TP replicas are written once
             region = spec.region()
@@ -264,44 +181,135 @@ class Checkpointer:
                 out[opt_name(kind, name)] = (t[:rows], region, spec.shape)
         return out
 
-    def save(self, state: TrainState):
-        g, c = self.groups, self.cfg.checkpoint
-        start = time.perf_counter()
-        it = state.iteration
-        root = Path(c.save)
-        final, tmp = root / fmt.iter_dirname(it), root / f".{fmt.iter_dirname(it)}.tmp"
-        opt_state = self.optimizer.state_tensors()  # collective over DP
-        with agreed_errors(g.world):
-            if g.rank == 0:
+    def _paths(self, iteration: int) -> tuple[Path, Path]:
+        root = Path(self.cfg.checkpoint.save)
+        name = fmt.iter_dirname(iteration)
+        return root / name, root / f".{name}.tmp"
+
+    def _make_tmp(self, tmp: Path):
+        """Rank 0 creates the (empty) temporary directory; every rank learns if it failed."""
+        with agreed_errors(self.groups.world):
+            if self.groups.rank == 0:
                 try:
-                    root.mkdir(parents=True, exist_ok=True)
+                    tmp.parent.mkdir(parents=True, exist_ok=True)
                     shutil.rmtree(tmp, ignore_errors=True)  # a save that died at this iteration
                     tmp.mkdir()
                 except OSError as e:
                     raise MegaliteError(f"cannot create checkpoint directory {tmp}: {e}") from None
+
+    def _meta(self, state: TrainState) -> dict:
+        """The index fields besides files and tensors, taken when the save starts."""
+        return {
+            "format": fmt.FORMAT,
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            "skipped_steps": state.skipped_steps,
+            "optimizer": self.optimizer.scalar_state(),
+            "layout": self.shape.layout(),
+            "zero_stage": self.cfg.optimizer.zero_stage,
+            "config": {**self.cfg.to_dict(), "model": dataclasses.asdict(self.shape.model)},
+        }
+
+    @property
+    def _fname(self) -> str | None:
+        """The file this rank writes: DP rank 0 of each (tp, pp) position writes one."""
+        g = self.groups
+        return (
+            f"model-tp{g.tp.rank:02d}-pp{g.pp.rank:02d}.safetensors"
+            if g.replicas.rank == 0
+            else None
+        )
+
+    def save(self, state: TrainState):
+        """Save `state` and the parts (collective: every rank calls it). With --async-save the
+        files are written in the background: see async_save.py."""
+        if self.cfg.checkpoint.async_save:
+            self._save_async(state)
+        else:
+            self._save_sync(state)
+
+    def _save_sync(self, state: TrainState):
+        g = self.groups
+        start = time.perf_counter()
+        final, tmp = self._paths(state.iteration)
+        opt_state = self.optimizer.state_tensors()  # collective over DP
+        self._make_tmp(tmp)
         entries, files, error = {}, {}, None
-        if g.replicas.rank == 0:
-            fname = f"model-tp{g.tp.rank:02d}-pp{g.pp.rank:02d}.safetensors"
-            try:
-                entries, files = fmt.write_shard(tmp, fname, self._local_tensors(opt_state))
-            except OSError as e:
-                error = f"could not write checkpoint file {tmp / fname} ({e})"
+        with self.optimizer.gathered_params():  # ZeRO-3: whole weights while they are written
+            if self._fname:
+                try:
+                    tensors = self._local_tensors(opt_state)
+                    entries, files = fmt.write_shard(tmp, self._fname, tensors)
+                except OSError as e:
+                    error = f"could not write checkpoint file {tmp / self._fname} ({e})"
         del opt_state
-        rng = {"rank": g.rank, **_encode_rng(state.rng or {})}
-        parts = _all_gather((entries, files, rng, error), g.world)
-        outcome = self._commit(parts, tmp, final, state) if g.rank == 0 else None
-        outcome = _all_gather(outcome, g.world)[0]
+        rng = {"rank": g.rank, **encode_rng(state.rng or {})}
+        parts = all_gather((entries, files, rng, error), g.world)
+        outcome = self._commit(parts, tmp, final, self._meta(state)) if g.rank == 0 else None
+        outcome = all_gather(outcome, g.world)[0]
         if outcome is not None:
             raise MegaliteError(outcome)
-        self.last_saved = it
+        self.last_saved = state.iteration
+        self._log_saved(final, parts, time.perf_counter() - start)
+
+    def _log_saved(self, final: Path, parts, secs: float, how: str = ""):
         nbytes = sum(m["bytes"] for p in parts for m in p[1].values())
-        secs = time.perf_counter() - start
         self.log(
-            f"saved checkpoint {final} ({nbytes / 1e9:.3f} GB) in {secs:.1f} s "
+            f"saved checkpoint {final} ({nbytes / 1e9:.3f} GB) in {secs:.1f} s{how} "
             f"({nbytes / 1e9 / max(secs, 1e-9):.2f} GB/s)"
         )
 
-    def _commit(self, parts, tmp: Path, final: Path, state: TrainState) -> str | None:
+    def _save_async(self, state: TrainState):
+        """The foreground of an asynchronous save: wait for the previous one, gather, copy to
+        host, start the background write. Returns once the step may go on."""
+        g = self.groups
+        self.wait()  # one save in flight at most; its error stops every rank here
+        start = time.perf_counter()
+        final, tmp = self._paths(state.iteration)
+        opt_state = self.optimizer.state_tensors()  # collective over DP, in the foreground
+        self._make_tmp(tmp)
+        fname, tensors, event = self._fname, {}, None
+        with self.optimizer.gathered_params():  # ZeRO-3: whole weights while they are copied
+            if fname:
+                tensors, event = host_copy(self._local_tensors(opt_state), self._pinned)
+        del opt_state
+        rng = {"rank": g.rank, **encode_rng(state.rng or {})}
+        gathered = all_gather((rng, fname is not None), g.world)  # the last collective
+        meta = self._meta(state)
+        timeout = self.cfg.parallel.distributed_timeout_minutes * 60
+
+        def write() -> str | None:  # the background thread: files only, no collective
+            if event is not None:
+                event.synchronize()  # the copies to host memory have landed
+            own = write_part(tmp, fname, tensors, g.rank, g.rank != 0) if fname else ({}, {}, None)
+            tensors.clear()  # the host copies can go
+            if g.rank != 0:
+                return own[2]
+            try:
+                parts = collect_parts(tmp, own, *zip(*gathered), timeout)
+            except OSError as e:
+                parts = [({}, {}, None, str(e))]
+            error = self._commit(parts, tmp, final, meta)
+            if error is None:
+                self._log_saved(final, parts, time.perf_counter() - start, " in the background")
+            return error
+
+        self._background.start(write)
+        self.last_saved = state.iteration
+        self.log(
+            f"saving checkpoint {final} in the background (the step waited {time.perf_counter() - start:.2f} s)"
+        )
+
+    def wait(self):
+        """Wait for the save in flight (if any); every rank raises its error, or none does
+        (collective when a save was in flight, which every rank knows alike)."""
+        if not self._background.busy:
+            return
+        errors = [e for e in all_gather(self._background.wait(), self.groups.world) if e]
+        if errors:
+            raise MegaliteError(errors[0])
+
+    def _commit(self, parts, tmp: Path, final: Path, meta: dict) -> str | None:
         """Rank 0: write the index, move the checkpoint into place, point `latest` at it, prune.
         Returns an error message, or None."""
         c = self.cfg.checkpoint
@@ -312,20 +320,8 @@ class Checkpointer:
             files = {k: v for p in parts for k, v in p[1].items()}
             if self.tokenizer_path is not None:  # generate.py and conversion to HF find it here
                 files.update(fmt.copy_tokenizer(self.tokenizer_path, tmp))
-            config = {**self.cfg.to_dict(), "model": dataclasses.asdict(self.shape.model)}
-            index = {
-                "format": fmt.FORMAT,
-                "iteration": state.iteration,
-                "consumed_samples": state.consumed_samples,
-                "skipped_steps": state.skipped_steps,
-                "optimizer": self.optimizer.scalar_state(),
-                "layout": self.shape.layout(),
-                "zero_stage": self.cfg.optimizer.zero_stage,
-                "config": config,
-                "rng": [p[2] for p in parts],
-                "files": files,
-                "tensors": fmt.merge_entries([p[0] for p in parts]),
-            }
+            index = {**meta, "rng": [p[2] for p in parts], "files": files,
+                     "tensors": fmt.merge_entries([p[0] for p in parts])}  # fmt: skip
             fmt.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
             old = final.with_name(f".{final.name}.old")
             if final.exists():  # the same iteration saved again: keep the old one until replaced
@@ -378,21 +374,30 @@ class Checkpointer:
         so every rank stops at the same step)."""
         return self._signal is not None
 
-    def after_step(self, state_fn, stop: bool) -> bool:
-        """Save when due (`state_fn()` gives the TrainState) or when `stop` (some rank was
-        signalled); returns `stop`."""
+    def after_step(self, state_fn, stop: str | None) -> bool:
+        """Save when due (`state_fn()` gives the TrainState) or when `stop` says why the run
+        stops now (a signal on some rank, a time limit); returns whether it stops."""
         c = self.cfg.checkpoint
         if not c.save:
-            return False
+            if stop:
+                self.log(f"{stop}: stopping (no --save, so nothing is saved)")
+            return bool(stop)
         state = state_fn()
         if stop or (c.save_interval and state.iteration % c.save_interval == 0):
             self.save(state)
         if stop:
-            name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
-            self.log(f"received {name}: saved iteration {state.iteration} to {c.save}; stopping")
-        return stop
+            self.wait()  # the process exits next: the background write must be complete
+            self.log(f"{stop}: saved iteration {state.iteration} to {c.save}; stopping")
+        return bool(stop)
+
+    def stop_reason(self) -> str:
+        """Why a signalled run stops, for the log line."""
+        name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
+        return f"received {name}"
 
     def finish(self, state: TrainState):
-        """The save at the end of training (unless this iteration is saved already)."""
+        """The save at the end of training (unless this iteration is saved already); waits for
+        the background write."""
         if self.cfg.checkpoint.save and self.last_saved != state.iteration:
             self.save(state)
+        self.wait()

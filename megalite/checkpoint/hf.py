@@ -6,6 +6,14 @@ map a state dict one way or the other. megalite pads the vocabulary (to a multip
 GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v into `c_attn`; megalite keeps
 `nn.Linear` (out, in) and separate q, k, v. `export_tokenizer` writes the run's tokenizer so that
 `AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on.
+
+Mixtral (a Llama-flavoured model with experts in every layer, no shared expert, top-k weights
+renormalised): megalite's stacked expert tensors are the ones recent transformers keep in
+memory, `mlp.experts.gate_up_proj` (E, 2f, h: gate rows, then up rows) and `down_proj`
+(E, h, f), with the router as `mlp.gate`. Checkpoints on the hub store one tensor per expert,
+`block_sparse_moe.experts.{j}.w1` (gate), `w3` (up) and `w2` (down), router
+`block_sparse_moe.gate`. Both are read; the per-expert hub layout is written, which every
+transformers version loads (recent ones fuse it on load, and write it back on save).
 """
 
 import json
@@ -20,12 +28,33 @@ from megalite.data.tokenizer import SENTENCEPIECE, load_tokenizer
 from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}  # fmt: skip
+
+
+def _mixtral(cfg: ModelConfig) -> bool:
+    """An MoE model exports as Mixtral; one Mixtral cannot express is refused."""
+    if not cfg.num_experts:
+        return False
+    unsupported = {
+        "the gpt2 flavour": cfg.flavour != "llama",
+        "--moe-layer-freq > 1": cfg.moe_layer_freq != 1,
+        "a shared expert": bool(cfg.moe_shared_expert_intermediate_size),
+        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax,
+        "the expert bias": cfg.moe_router_enable_expert_bias,
+    }
+    why = [k for k, v in unsupported.items() if v]
+    if why:
+        raise MegaliteError(
+            f"this mixture-of-experts model has {', '.join(why)}, which MixtralForCausalLM "
+            "cannot express; it cannot be exported to Hugging Face"
+        )
+    return True
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of the equivalent transformers model."""
-    if cfg.flavour == "gpt2":
+    if cfg.flavour == "gpt2" and not _mixtral(cfg):
         return {
             "architectures": [ARCHITECTURES["gpt2"]],
             "model_type": "gpt2",
@@ -43,7 +72,7 @@ def hf_config(cfg: ModelConfig) -> dict:
             "attn_pdrop": cfg.attention_dropout,
             "tie_word_embeddings": True,
         }
-    return {
+    out = {
         "architectures": [ARCHITECTURES["llama"]],
         "model_type": "llama",
         "vocab_size": cfg.vocab_size,
@@ -62,6 +91,18 @@ def hf_config(cfg: ModelConfig) -> dict:
         "initializer_range": cfg.init_method_std,
         "attention_dropout": cfg.attention_dropout,
     }
+    if _mixtral(cfg):  # Llama's fields with experts (Mixtral has no bias options)
+        del out["attention_bias"], out["mlp_bias"]
+        out.update({
+            "architectures": [ARCHITECTURES["mixtral"]],
+            "model_type": "mixtral",
+            "intermediate_size": cfg.moe_ffn,
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_router_topk,
+            "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+            "sliding_window": None,
+        })  # fmt: skip
+    return out
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -85,8 +126,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if arch == ARCHITECTURES["llama"] or hf.get("model_type") == "llama":
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise MegaliteError("Llama models with attention or MLP biases are not supported")
-        if hf.get("rope_scaling"):
-            raise MegaliteError("Llama models with rope_scaling are not supported")
         return ModelConfig(
             flavour="llama",
             num_layers=hf["num_hidden_layers"],
@@ -97,11 +136,54 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             seq_length=hf.get("max_position_embeddings", 2048),
             vocab_size=hf["vocab_size"],
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-            rotary_base=hf.get("rope_theta", 10000.0),
+            rotary_base=_rope_base(hf, 10000.0, "Llama"),
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         )
+    if arch == ARCHITECTURES["mixtral"] or hf.get("model_type") == "mixtral":
+        return _mixtral_config(hf)
     raise MegaliteError(
-        f"Hugging Face architecture {arch!r} is not supported; megalite converts GPT2LMHeadModel and LlamaForCausalLM"
+        f"Hugging Face architecture {arch!r} is not supported; megalite converts GPT2LMHeadModel, "
+        "LlamaForCausalLM and MixtralForCausalLM"
+    )
+
+
+def _rope_base(hf: dict, default: float, arch: str) -> float:
+    """The RoPE base: at the top of config.json (older transformers) or in rope_parameters
+    (transformers >= 5, which also keeps any scaling there). Scaled RoPE is refused."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise MegaliteError(f"{arch} models with rope scaling are not supported")
+    return params.get("rope_theta", hf.get("rope_theta", default))
+
+
+def _mixtral_config(hf: dict) -> ModelConfig:
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("sliding_window") is not None:
+        raise MegaliteError(
+            f"Mixtral with sliding_window={hf['sliding_window']} is not supported; megalite "
+            "attends over the whole sequence"
+        )
+    if hf.get("head_dim") not in (None, h // heads):
+        raise MegaliteError(
+            f"Mixtral with head_dim={hf['head_dim']} != hidden/heads is not supported"
+        )
+    return ModelConfig(
+        flavour="llama",
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        seq_length=hf.get("max_position_embeddings", 4096),
+        vocab_size=hf["vocab_size"],
+        norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        rotary_base=_rope_base(hf, 1e6, "Mixtral"),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        num_experts=hf["num_local_experts"],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["intermediate_size"],
+        moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
     )
 
 
@@ -133,6 +215,9 @@ def _llama_names(cfg: ModelConfig):
         yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"
         for a, b in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "o_proj")):
             yield m + f"attention.{a}.weight", h + f"self_attn.{b}.weight"
+        if cfg.is_moe_layer(i):  # Mixtral: the router; the experts in _experts_to/_from_hf
+            yield m + "mlp.router.weight", h + "block_sparse_moe.gate.weight"
+            continue
         for a in ("gate", "up", "down"):
             yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight"
     yield "final_norm.weight", "model.norm.weight"
@@ -142,6 +227,7 @@ def _llama_names(cfg: ModelConfig):
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
     """megalite logical tensors (padded vocabulary) -> transformers state dict."""
+    _mixtral(cfg)  # an MoE model Mixtral cannot express is refused before anything is written
     V = cfg.vocab_size
     out = {}
     unpad = set(VOCAB_TENSORS)
@@ -161,6 +247,8 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     else:
         for m, h in _llama_names(cfg):
             out[h] = (state[m][:V] if m in unpad else state[m]).clone()
+        if _mixtral(cfg):
+            out.update(_experts_to_hf(state, cfg))
         if cfg.tied:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -189,11 +277,50 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
                 out[f"layers.{i}.attention.{x}.weight"] = w[j * h_ : (j + 1) * h_].contiguous()
                 out[f"layers.{i}.attention.{x}.bias"] = b[j * h_ : (j + 1) * h_].clone()
     else:
+        fused = cfg.num_experts and "model.layers.0.mlp.experts.gate_up_proj" in hf_state
         for m, h in _llama_names(cfg):
+            if fused:  # recent transformers' in-memory names: the router is mlp.gate
+                h = h.replace("block_sparse_moe.gate.", "mlp.gate.")
             out[m] = get(h).clone()
+        if cfg.num_experts:
+            out.update(_experts_from_hf(hf_state, cfg, get, fused))
     for name in VOCAB_TENSORS:
         if name in out:
             out[name] = F.pad(out[name], (0, 0, 0, pad))
+    return out
+
+
+def _experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
+    """Stacked expert tensors -> the hub's per-expert w1 (gate), w3 (up), w2 (down)."""
+    out, f = {}, cfg.moe_ffn
+    for i in range(cfg.num_layers):
+        gate_up = state[f"layers.{i}.mlp.experts.gate_up.weight"]  # (E, 2f, h)
+        down = state[f"layers.{i}.mlp.experts.down.weight"]  # (E, h, f)
+        for j in range(cfg.num_experts):
+            h = f"model.layers.{i}.block_sparse_moe.experts.{j}."
+            out[h + "w1.weight"] = gate_up[j, :f].clone()
+            out[h + "w3.weight"] = gate_up[j, f:].clone()
+            out[h + "w2.weight"] = down[j].clone()
+    return out
+
+
+def _experts_from_hf(hf_state: dict, cfg: ModelConfig, get, fused: bool) -> dict:
+    """The hub's per-expert tensors, or recent transformers' fused ones -> stacked tensors."""
+    out = {}
+    for i in range(cfg.num_layers):
+        m = f"layers.{i}.mlp.experts."
+        if fused:
+            out[m + "gate_up.weight"] = get(f"model.layers.{i}.mlp.experts.gate_up_proj").clone()
+            out[m + "down.weight"] = get(f"model.layers.{i}.mlp.experts.down_proj").clone()
+            continue
+        h = f"model.layers.{i}.block_sparse_moe.experts."
+        out[m + "gate_up.weight"] = torch.stack(
+            [torch.cat([get(f"{h}{j}.w1.weight"), get(f"{h}{j}.w3.weight")])
+             for j in range(cfg.num_experts)]
+        )  # fmt: skip
+        out[m + "down.weight"] = torch.stack(
+            [get(f"{h}{j}.w2.weight") for j in range(cfg.num_experts)]
+        )
     return out
 
 

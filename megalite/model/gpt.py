@@ -46,13 +46,22 @@ class GPTChunk(nn.Module):
         seed=1234,
         dtype=torch.float32,
         device=None,
+        ep: Group | None = None,
+        cp: Group | None = None,
+        cp_comm_type: str = "p2p",
     ):
+        """`ep`: the expert-parallel group of an MoE model (default: the one build_groups
+        attaches to the TP group, else experts on this rank alone). `cp`: the context-parallel
+        group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
+        its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all)."""
         super().__init__()
         layers = range(cfg.num_layers) if layers is None else layers
         self.cfg, self.tp, self.sp, self.ops = cfg, tp, sequence_parallel and tp.size > 1, ops
         self.has_embedding, self.has_head = has_embedding, has_head
         self.vocab = cfg.padded_vocab_size(tp.size)
-        self.rng = rng = ShardedRNG(seed, tp.rank, torch.device(device or "cpu"))
+        # dropout of sharded activations: a stream per TP rank, and per cp rank (other tokens)
+        shard = tp.rank + tp.size * (cp.rank if cp is not None else 0)
+        self.rng = rng = ShardedRNG(seed, shard, torch.device(device or "cpu"))
         kw = {"dtype": dtype, "device": device}
         if has_embedding:
             self.embedding = nn.Module()
@@ -64,9 +73,13 @@ class GPTChunk(nn.Module):
                 self.embedding.position = nn.Embedding(positions, cfg.hidden_size, **kw)
                 # with sequence parallelism each rank adds positions to its own rows only
                 mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
+        ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, tp, ops, self.sp, rng, recompute, **kw) for i in layers}
-        )
+            {str(i): TransformerLayer(cfg, tp, ops, self.sp, rng, recompute, **kw,
+                                      ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
+                                      cp_comm_type=cp_comm_type)
+             for i in layers}
+        )  # fmt: skip
         if has_head:
             self.final_norm = Norm(cfg, tp, ops, self.sp, **kw)
             if not (cfg.tied and has_embedding):
@@ -97,7 +110,7 @@ class GPTChunk(nn.Module):
             spec = spec_of(p)
             s = (
                 std / math.sqrt(2 * self.cfg.num_layers)
-                if name.endswith(("attention.out.weight", "mlp.down.weight"))
+                if name.endswith(("attention.out.weight", "down.weight"))  # MLPs and experts
                 else std
             )
             # padding rows (never a target) stay zero: only the real vocabulary is drawn
@@ -113,17 +126,27 @@ class GPTChunk(nn.Module):
             with torch.no_grad():
                 p.copy_(spec.local(state[spec.source]))
 
+    def moe_stats(self) -> dict:
+        """{global layer index: (E + 4,) float64 device tensor} of each MoE layer on this rank:
+        running sums since `megalite.model.moe.moe_metrics` last read them (assignments per
+        expert, load-balancing loss, z-loss, dropped assignments, passes). Device tensors: read
+        them on logging steps only; `moe_metrics` reduces them over the ranks and resets them."""
+        from megalite.model.moe import moe_layers
+
+        return {i: m.stats for i, m in moe_layers([self])}
+
     # ---- forward ----------------------------------------------------------------------------
 
     def embed(self, ids, positions=None):  # (b, s) -> (b, s, h) or (b, s/t, h)
-        """`positions` (b, s): each token's position (inference with a cache), else 0..s-1."""
+        """`positions` (b, s): each token's position (inference with a cache, context
+        parallelism, documents), else 0..s-1."""
         x = self.embedding.word(ids)
         if self.cfg.flavour == "gpt2":
             pos = positions
             if pos is None:
                 pos = torch.arange(ids.shape[1], device=ids.device)
-                if self.sp:
-                    pos = pos.chunk(self.tp.size)[self.tp.rank]
+            if self.sp and pos.shape[-1] == ids.shape[1]:  # this TP rank's rows
+                pos = pos.chunk(self.tp.size, -1)[self.tp.rank]
             x = x + self.embedding.position(pos)
         if self.cfg.hidden_dropout and self.training:
             if self.sp:  # rows sharded over TP: different masks per rank
@@ -140,17 +163,19 @@ class GPTChunk(nn.Module):
         x = enter_tp_region(self.final_norm(x), self.tp, self.sp)
         return F.linear(x, self.head_weight())
 
-    def forward(self, x, labels=None, cache=None):
+    def forward(self, x, labels=None, cache=None, shard=None):
         """Training and whole-sequence inference; with `cache` (a megalite.generation.KVCache),
         inference on the new tokens only: x is their ids (b, s) or hidden states (b, s, h),
         their keys and values join the cache, and the head returns the last position's logits
-        as this rank's vocabulary slice (b, V_padded/t), ungathered."""
+        as this rank's vocabulary slice (b, V_padded/t), ungathered. `shard`
+        (context_parallel.Shard): this rank's positions, documents and loss mask, when the
+        tokens are a context-parallel share or packed documents."""
         if cache is not None:
             return self._forward_cached(x, cache)
         if self.has_embedding:
-            x = self.embed(x)
+            x = self.embed(x, None if shard is None else shard.positions)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, shard=shard)
         if not self.has_head:
             return x
         logits = self.logits(x)
@@ -162,6 +187,9 @@ class GPTChunk(nn.Module):
             )
         else:
             loss = self.ops.cross_entropy(logits[..., : self.cfg.vocab_size], labels)
+        if shard is not None and shard.loss_mask is not None:  # (b, s): per-token losses
+            # the step's mean over the tokens with a loss, once averaged over micro-batches and cp
+            return (loss * shard.loss_mask).sum() * shard.loss_weight
         return loss.mean()
 
     def _forward_cached(self, x, cache):

@@ -9,13 +9,17 @@ x then holds only the new tokens (never sequence-parallel), their keys and value
 to the cache, and attention runs over every cached slot with explicit positions.
 """
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.moe import MoELayer
 from megalite.parallel.comm import Group
+from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -66,9 +70,14 @@ class Attention(nn.Module):
         recompute_core,
         dtype=None,
         device=None,
+        cp: Group | None = None,
+        cp_comm_type: str = "p2p",
     ):
+        """`cp`: the context-parallel group (this rank holds s/cp tokens of each sequence;
+        attention spans all of them), by `cp_comm_type` p2p (ring) or a2a."""
         super().__init__()
         self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng
+        self.cp, self.cp_comm_type = cp or Group("cp", [0], 0, device=tp.device), cp_comm_type
         self.cfg, self.recompute_core = cfg, recompute_core
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.heads_kv, cfg.head_dim
         self.heads = nh // tp.size
@@ -102,7 +111,9 @@ class Attention(nn.Module):
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, shard=None):
+        if shard is not None and shard.attention_masked:  # cp > 1 or documents (no dropout)
+            return context_attention(q, k, v, self.cp, shard, self.cp_comm_type, self.ops)
         p = self.cfg.attention_dropout if self.training else 0.0
         if p > 0:
             with self.rng.fork():  # heads are sharded: each rank drops its own
@@ -118,8 +129,10 @@ class Attention(nn.Module):
         qk = self.ops.rotary(qk, self.cos[pos], self.sin[pos]).view(b, s, -1, q.shape[3])
         return qk.split([q.shape[2], k.shape[2]], 2)
 
-    def forward(self, x, kv=None):
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+    def forward(self, x, kv=None, shard=None):
+        """`shard` (context_parallel.Shard): the positions and documents of this rank's tokens
+        when they are not simply 0..s-1 of one document (context parallelism, packed samples)."""
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h); s/cp tokens with cp
         b, s, _ = x.shape
         hd = self.cfg.head_dim
         qkv = (self.q, self.k, self.v)
@@ -131,6 +144,8 @@ class Attention(nn.Module):
             v = v[:, :, self.kv_group : self.kv_group + 1]
         if self.cfg.flavour == "llama" and kv is not None:
             q, k = self._rotate_at(q, k, kv.positions)
+        elif self.cfg.flavour == "llama" and shard is not None:  # true (or in-document) positions
+            q, k = self._rotate_at(q, k, shard.positions)
         elif self.cfg.flavour == "llama":
             q = self.ops.rotary(q, self.cos[:s], self.sin[:s])
             k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
@@ -142,10 +157,10 @@ class Attention(nn.Module):
             else:  # a query sees the slots up to its own, padding excluded (document id -1)
                 o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc)
         elif self.recompute_core and self.training:
-            o = checkpoint(self._core, q, k, v, use_reentrant=False,
+            o = checkpoint(self._core, q, k, v, shard, use_reentrant=False,
                            context_fn=self.rng.recompute_contexts)  # fmt: skip
         else:
-            o = self._core(q, k, v)
+            o = self._core(q, k, v, shard)
         o = o.transpose(1, 2).reshape(b, s, self.heads * hd)  # (b, s, nh/t * hd)
         return self.out(o)
 
@@ -201,7 +216,12 @@ class TransformerLayer(nn.Module):
         recompute,
         dtype=None,
         device=None,
+        ep: Group | None = None,
+        cp: Group | None = None,
+        cp_comm_type: str = "p2p",
     ):
+        """`ep`: the expert-parallel group; given, the layer holds experts instead of an MLP.
+        `cp`, `cp_comm_type`: context parallelism (Attention)."""
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.sp, self.rng, self.dropout, self.recompute = (
@@ -212,10 +232,17 @@ class TransformerLayer(nn.Module):
         )
         self.input_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
         self.attention = Attention(
-            cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw
-        )
+            cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw, cp=cp,
+            cp_comm_type=cp_comm_type,
+        )  # fmt: skip
         self.post_attention_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
-        self.mlp = MLP(cfg, tp, ops, sequence_parallel, **kw)
+        if ep is None:
+            self.mlp = MLP(cfg, tp, ops, sequence_parallel, **kw)
+        else:
+            size = cfg.moe_shared_expert_intermediate_size
+            shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=size)
+            shared = MLP(shared_cfg, tp, ops, sequence_parallel, **kw) if size else None
+            self.mlp = MoELayer(cfg, tp, ep, ops, sequence_parallel, shared, **kw)
 
     def _drop(self, x):
         if not self.training or self.dropout == 0:
@@ -225,14 +252,14 @@ class TransformerLayer(nn.Module):
                 return F.dropout(x, self.dropout)
         return F.dropout(x, self.dropout)
 
-    def _forward(self, x, kv=None):
-        x = x + self._drop(self.attention(self.input_norm(x), kv))
+    def _forward(self, x, kv=None, shard=None):
+        x = x + self._drop(self.attention(self.input_norm(x), kv, shard))
         return x + self._drop(self.mlp(self.post_attention_norm(x), fused=kv is None))
 
-    def forward(self, x, kv=None):
+    def forward(self, x, kv=None, shard=None):
         if kv is not None:  # inference: nothing to recompute
             return self._forward(x, kv)
         if self.recompute == "full" and self.training:
-            return checkpoint(self._forward, x, use_reentrant=False,
+            return checkpoint(self._forward, x, None, shard, use_reentrant=False,
                               context_fn=self.rng.recompute_contexts)  # fmt: skip
-        return self._forward(x)
+        return self._forward(x, shard=shard)

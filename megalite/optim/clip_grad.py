@@ -16,8 +16,8 @@ from megalite.parallel.comm import Group
 def step_status(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group,
                 flags=()) -> list[float]:  # fmt: skip
     """[sum of squares of the `counted` gradient pieces, how many ranks hold a non-finite
-    piece (`counted` or only `checked`), *flags], each summed over `group`: one all-reduce and
-    the step's one read of the device. Every rank gets the same values."""
+    piece (`counted` or only `checked`), *flags (floats or 0-d tensors)], each summed over
+    `group`: one all-reduce and the step's one read of the device. Every rank gets the same values."""
     dtype = torch.float64
     device = group.device or next((g.device for g in [*counted, *checked]), None)
     sumsq = torch.zeros((), dtype=dtype, device=device)
@@ -26,8 +26,9 @@ def step_status(counted: list[torch.Tensor], checked: list[torch.Tensor], group:
     # A sum is non-finite iff some element is (finite fp32 gradients cannot overflow fp64).
     total = sum((g.sum(dtype=dtype) for g in checked), torch.zeros((), dtype=dtype, device=device))
     nonfinite = (~torch.isfinite(total) | ~torch.isfinite(sumsq)).to(dtype)
-    status = torch.cat([torch.stack([sumsq, nonfinite]),
-                        torch.tensor(list(flags), dtype=dtype, device=device)])  # fmt: skip
+    # flags: host floats, or 0-d device tensors (the trainer's loss) joining the same reduction
+    extra = [torch.as_tensor(f, dtype=dtype, device=device).reshape(()) for f in flags]
+    status = torch.stack([sumsq, nonfinite, *extra])
     comm.all_reduce(status, group)
     return status.tolist()
 

@@ -1,4 +1,4 @@
-"""AdamW over DP-sharded flat buffers (ZeRO 0/1/2), with mixed precision and global clipping.
+"""AdamW over DP-sharded flat buffers (ZeRO 0-3), with mixed precision and global clipping.
 
 The optimizer works on the `GradBuffer`'s buckets. Each bucket has this rank's shard (the whole
 bucket at stage 0); the fp32 master weights (only when parameters are bf16/fp16) and the Adam
@@ -12,24 +12,28 @@ per parameter. A step:
      caller's flags, in one all-reduce and one host read (the only one in a training step);
      any non-finite gradient skips the step on every rank
   3. unscale (fp16) and clip in one multiply, AdamW on the shards, masters -> parameters
-  4. stage >= 1: all-gather the updated parameter shards into the flat parameter buffer, by
-     default overlapped with the next forward (each bucket waited for where it is first read)
+  4. stage 1/2: all-gather the updated parameter shards into the flat parameter buffer, by
+     default overlapped with the next forward (each bucket waited for where it is first read);
+     stage 3 keeps the shards, gathered unit by unit where they are used (parallel/zero3.py)
 
 The AdamW arithmetic is torch.optim.AdamW's single-tensor path, element for element.
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from megalite.config import Config
+from megalite.model.moe import set_aux_loss_scale, update_expert_bias
 from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
 from megalite.parallel import comm
-from megalite.parallel.data_parallel import GradBuffer, ParamRange
+from megalite.parallel.data_parallel import GradBuffer, GradBuffers, ParamRange
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.specs import spec_of
+from megalite.parallel.zero3 import Zero3Buffer
 
 # Elements per slice of the element-wise Adam update.
 ADAM_SLICE = 2**18
@@ -62,10 +66,8 @@ class DistributedOptimizer:
             1, t.global_batch_size // (t.micro_batch_size * groups.data.size)
         )
 
-        # Tied halves get a bucket of their own: both stages then shard them identically, so the
-        # sum over `embed` can run on the DP shards.
-        self.buffer = GradBuffer(chunks, groups.replicas, o.zero_stage, o.bucket_size_mb,
-                                 lambda name, p: "embed" in spec_of(p).grad_sum)  # fmt: skip
+        self.chunks, self.model_cfg = chunks, cfg.model
+        self.buffer = _buffers(chunks, groups, o.zero_stage, o.bucket_size_mb, o.zero3_keep_params)
         buf = self.buffer
         self._bucket_index = {b: i for i, b in enumerate(buf.buckets)}
         self.scaler = None
@@ -96,8 +98,11 @@ class DistributedOptimizer:
                 self._decay[i].append(s[:2])
             # Each rank counts its 1/dp of every bucket in the norm, also at stage 0 where it
             # holds all of it: the norm and the inf check can then be summed over the world.
-            n = r.overlap(b.dp_start, b.dp_start + b.numel // buf.dp.size)
-            if n is not None and spec.counted_in_norm(groups.tp.rank):
+            # Expert tensors count on every rank: ep ranks hold different experts, and their
+            # replicas (edp, TP ranks included) count their 1/edp of each expert bucket.
+            n = r.overlap(b.dp_start, b.dp_start + b.numel // buf.group_of(b).size)
+            counted = not spec.tied_to if _is_expert(spec) else spec.counted_in_norm(groups.tp.rank)
+            if n is not None and counted:
                 self._norm[i].append((n[0] - b.shard_start, n[1] - b.shard_start))
         self._decay = [_merge(s) for s in self._decay]
         self._norm = [_merge(s) for s in self._norm]
@@ -121,12 +126,18 @@ class DistributedOptimizer:
 
     def zero_grad(self, microbatches: int | None = None):
         """Start a step; `microbatches` backward passes follow (default: from the config)."""
-        self.buffer.zero_grad(microbatches or self.default_microbatches)
+        m = microbatches or self.default_microbatches
+        self.buffer.zero_grad(m)
+        # MoE auxiliary losses get the gradient backward gives the main loss (executor.py).
+        set_aux_loss_scale(self.chunks, self.loss_scale / m)
         self._finalised = False
 
-    def step(self, lr: float, flags=()) -> dict:
-        """Clip and update; `flags` (floats) are summed over the world in the same reduction
-        as the norm and returned as "flags" (the trainer's preemption signal)."""
+    def step(self, lr: float, flags=(), guard=None) -> dict:
+        """Clip and update; `flags` (floats, or 0-d tensors on the device such as the trainer's
+        loss) are summed over the world in the same reduction as the norm and returned as
+        "flags" (the trainer's preemption signal, time limit and loss). `guard(flags) -> bool`,
+        when given, decides from them before the update: True skips the step like a
+        non-finite one ("skipped" and "spike" set; the loss scale is left as it is)."""
         self.finalise_grads()
         buf, o = self.buffer, self.opt_cfg
         buf.wait_params()  # (normally done already: the forward waited for every bucket)
@@ -135,13 +146,14 @@ class DistributedOptimizer:
         rest = [g[lo:hi] for g, segs in zip(grads, self._rest) for lo, hi in segs]
         sumsq, nonfinite, *flags = step_status(counted, rest, self.groups.world, flags)
         found_inf = nonfinite > 0
+        spike = not found_inf and guard is not None and guard(flags)
         scale = self.loss_scale
         norm = (math.sqrt(sumsq) if sumsq >= 0 else sumsq) / scale
-        out = {"grad_norm": norm, "skipped": found_inf, "flags": flags}
-        if self.scaler:
+        out = {"grad_norm": norm, "skipped": found_inf or spike, "flags": flags, "spike": spike}
+        if self.scaler and not spike:
             self.scaler.update(found_inf)
         out["loss_scale"] = self.loss_scale
-        if found_inf:
+        if found_inf or spike:
             return out
         factor = clip_coefficient(norm, o.clip_grad) / scale
         if factor != 1.0:
@@ -177,6 +189,37 @@ class DistributedOptimizer:
             if self.masters:
                 shard.copy_(w)
 
+    @contextmanager
+    def gathered_params(self, write_back: bool = False):
+        """The parameters whole and readable in the block (collective over DP at ZeRO-3, which
+        gathers them; `write_back`: what the block wrote into them becomes the shards)."""
+        gathered = getattr(self.buffer, "gathered", None)
+        if gathered is None:  # stages 0-2: the flat parameter buffer is whole
+            self.buffer.wait_params()
+            yield
+            return
+        with gathered(write_back):
+            yield
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds for parameters (ZeRO-3: its shards; `param_gathered_peak_bytes`
+        the most held gathered at once in the step), gradients and optimizer state."""
+        buf = self.buffer
+        parts = buf.parts if hasattr(buf, "parts") else [buf]
+        size = lambda t: t.numel() * t.element_size() if t is not None else 0  # noqa: E731
+        out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_state_bytes": self.state_bytes()}
+        for p in parts:
+            if isinstance(p, Zero3Buffer):
+                out["param_bytes"] += sum(size(b.param_shard) for b in p.buckets)
+                out["param_gathered_peak_bytes"] = p.peak_gathered_bytes
+            else:
+                out["param_bytes"] += size(p.param_buffer)
+            if p.grad_buffer is not None:
+                out["grad_bytes"] += size(p.grad_buffer)
+            else:
+                out["grad_bytes"] += sum(size(b.shard_grad) for b in p.buckets)
+        return out
+
     def wait_params(self):
         """Wait for the parameter gathers of the last step (a forward waits for the buckets it
         reads by itself; whoever reads parameters otherwise calls this first)."""
@@ -198,6 +241,8 @@ class DistributedOptimizer:
                     b.copy_(a)
                 continue
             self._sum_over(ranges, getattr(self.groups, group))
+        if self.model_cfg.moe_router_enable_expert_bias:  # every rank: a world all-reduce
+            update_expert_bias(self.chunks, self.groups.world, self.model_cfg.num_layers)
         self._finalised = True
 
     def _views(self, ranges: list[ParamRange]) -> list[torch.Tensor]:
@@ -261,7 +306,10 @@ class DistributedOptimizer:
         """Take this rank's shard of full per-parameter tensors (the inverse of state_tensors).
         Without "master" the masters start from the parameters; with it and fp32 parameters,
         the parameters take the master values."""
-        self.buffer.wait_params()
+        with self.gathered_params(write_back=True):
+            self._load_state_tensors(d)
+
+    def _load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]):
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for r in self.buffer.ranges:
             name = spec_of(r.param).tied_to or r.name
@@ -286,6 +334,36 @@ class DistributedOptimizer:
         self.step_count = int(d["step"])
         if self.scaler and "loss_scale" in d:
             self.scaler.load_state_dict(d)
+
+
+def _is_expert(spec) -> bool:
+    return spec.split_axis == "ep"
+
+
+def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, keep_params=False):
+    """The gradient buffer: dense parameters reduced and sharded over the replicas; with MoE,
+    expert parameters in a buffer of their own over their expert-data-parallel group. Expert
+    gradients hold the tokens of the whole ep group, so they are summed over edp and divided
+    by the replicas (the mean over data-parallel ranks, as dense gradients). ZeRO-3: a
+    Zero3Buffer, its parameters kept gathered for the step under pp (1F1B interleaves
+    micro-batches), from forward to backward with `keep_params`, else freed after each use."""
+    # Tied halves get a bucket of their own: both stages then shard them identically, so the
+    # sum over `embed` can run on the DP shards.
+    own = lambda name, p: "embed" in spec_of(p).grad_sum  # noqa: E731
+    expert = lambda name, p: _is_expert(spec_of(p))  # noqa: E731
+    params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+    if zero_stage == 3:
+        if any(expert(n, p) for n, p in params):
+            raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
+        reshard = "step" if groups.pp.size > 1 else "backward" if keep_params else "forward"
+        return Zero3Buffer(chunks, groups.replicas, reshard, own)
+    if not any(expert(n, p) for n, p in params):
+        return GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own)
+    dense = GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own,
+                       select=lambda n, p: not expert(n, p))  # fmt: skip
+    experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
+                         scale=1.0 / groups.replicas.size)  # fmt: skip
+    return GradBuffers([dense, experts])
 
 
 def build_optimizer(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config):

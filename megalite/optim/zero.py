@@ -9,6 +9,8 @@ instead of branching on the stage number; adding a stage is one more entry.
   stage 2  no whole-model gradient buffer: each micro-batch's bucket is staged, reduce-scattered
            and added into a shard-sized accumulator (m times the DP traffic, 4 (1 - 1/dp)
            bytes per parameter less memory)
+  stage 3  also the parameters: each rank keeps 1/dp of them, gathered unit by unit (a layer)
+           before use and freed after (parallel/zero3.py); gradients as at stage 2
 """
 
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ class ZeroStage:
     shard_state: bool  # optimizer state for this rank's 1/dp of each bucket only
     grad_buffer: bool  # a gradient buffer for the whole model (else per-shard accumulators)
     reduce_each_microbatch: bool  # reduce every micro-batch's gradients as they come
+    shard_params: bool = False  # parameters too: 1/dp each, gathered around their use
 
     def shard(self, numel: int, dp: int) -> int:
         """Elements of a bucket of `numel` this rank updates."""
@@ -38,11 +41,11 @@ class ZeroStage:
     def state_bytes(self, numel: int, dp: int, param_bytes: int, grad_bytes: int) -> dict:
         """Bytes this rank allocates for `numel` (padded) parameter elements: parameters,
         gradients and optimizer state (Adam moments, plus fp32 masters when the parameters are
-        narrower than the gradients)."""
+        narrower than the gradients). Stage 3's gathered units come on top (the planner)."""
         shard = self.shard(numel, dp)
         masters = param_bytes < grad_bytes
         return {
-            "params": numel * param_bytes,
+            "params": (shard if self.shard_params else numel) * param_bytes,
             "grads": (numel if self.grad_buffer else numel // dp) * grad_bytes,
             "optimizer": shard * grad_bytes * (3 if masters else 2),
         }
@@ -52,4 +55,5 @@ ZERO = {
     0: ZeroStage(0, "replicated optimizer", False, True, False),
     1: ZeroStage(1, "sharded optimizer state", True, True, False),
     2: ZeroStage(2, "sharded optimizer state and gradients", True, False, True),
+    3: ZeroStage(3, "sharded optimizer state, gradients and parameters", True, False, True, True),
 }

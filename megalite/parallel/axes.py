@@ -5,7 +5,7 @@ the config field its size comes from).
 An axis says what it means for the rest of megalite:
 
 - `replicated`: the model's parameters are the same on every rank of the axis, so gradients are
-  averaged over it and ZeRO shards over it (dp; context parallelism's cp);
+  averaged over it and ZeRO shards over it (dp, cp);
 - `splits_batch`: ranks along the axis train on different samples (dp), so the sampler and the
   dropout seeds tell them apart;
 - `size(cfg)`: its size from the config; None for the one axis that takes the rest of the world
@@ -74,9 +74,40 @@ def _check_pp(cfg, sizes: dict) -> str | None:
     return None
 
 
+def _check_cp(cfg, sizes: dict) -> str | None:
+    m, p, cp, tp = cfg.model, cfg.parallel, sizes["cp"], sizes["tp"]
+    if cp == 1:
+        return None
+    s = m.seq_length
+    if s % (2 * cp):  # the load-balanced split cuts each sequence into 2*cp chunks
+        return (
+            f"seq_length={s} is not divisible by 2*cp={2 * cp} (context parallelism cuts the "
+            f"sequence into 2*cp chunks); use a multiple of {2 * cp}"
+        )
+    if tp > 1 and (s // cp) % tp and (p.sequence_parallel or m.num_experts):
+        return (
+            f"seq_length/cp={s // cp} is not divisible by tp={tp} (each TP rank holds 1/tp of a "
+            f"context-parallel rank's tokens); use a seq_length divisible by {2 * cp * tp}"
+        )
+    if m.attention_dropout > 0:
+        return f"attention_dropout={m.attention_dropout} is not supported with cp={cp}; set --attention-dropout 0"
+    if p.cp_comm_type == "a2a":  # each rank's heads are split over cp
+        heads = m.num_attention_heads // tp
+        kv = m.heads_kv // tp if m.heads_kv % tp == 0 else 1
+        if heads % cp or kv % cp:
+            return (
+                f"--cp-comm-type a2a splits each TP rank's {heads} query and {kv} key/value heads "
+                f"over cp={cp}, which must divide both; use --cp-comm-type p2p or a smaller --cp"
+            )
+    return None
+
+
 register_axis("tp", "tensor parallel: each layer's weights split over the ranks",
               size=lambda cfg: cfg.parallel.tp, check=_check_tp)  # fmt: skip
 register_axis("dp", "data parallel: replicas training on different samples",
               replicated=True, splits_batch=True)  # fmt: skip
 register_axis("pp", "pipeline parallel: the layers cut into stages",
               size=lambda cfg: cfg.parallel.pp, check=_check_pp)  # fmt: skip
+register_axis("cp", "context parallel: each sample's sequence split over the ranks",
+              replicated=True, splits_batch=False,  # the same samples, other tokens
+              size=lambda cfg: cfg.parallel.cp, check=_check_cp)  # fmt: skip

@@ -18,11 +18,21 @@ import torch.distributed as dist
 
 @dataclass
 class CommLedger:
-    """Bytes, calls and seconds per group kind ("tp", "pp", "dp", ...) since the last reset."""
+    """Bytes, calls and seconds per group kind ("tp", "pp", "dp", ...) since the last reset.
+
+    `entered` is kept apart and never reset: per group kind, how many collectives this rank has
+    entered since the start and the last one's name. It is bumped before the collective can
+    block, so a rank stuck in one names it, and the members of a group can be compared by
+    sequence number (a hang report: megalite/training/hang.py)."""
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
     calls: dict = field(default_factory=lambda: defaultdict(int))
     seconds: dict = field(default_factory=lambda: defaultdict(float))
+    entered: dict = field(default_factory=dict)  # kind -> [sequence number, op name]
+
+    def enter(self, kind: str, op: str):
+        seq = self.entered.get(kind, (0, None))[0] + 1
+        self.entered[kind] = [seq, op]
 
     def add(self, kind: str, nbytes: float, seconds: float = 0.0):
         self.bytes[kind] += int(nbytes)
@@ -73,6 +83,12 @@ class Group:
             )
 
 
+def _enter(group: Group, op: str) -> float:
+    """Note the collective in the ledger's `entered` record before it can block; its start."""
+    group.ledger.enter(group.kind, op)
+    return time.perf_counter()
+
+
 def _record(group: Group, nbytes: float, t0: float):
     group.ledger.add(group.kind, nbytes, time.perf_counter() - t0)
 
@@ -89,7 +105,7 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=Fal
     group.check(t)
     if group.size == 1:
         return None
-    t0 = time.perf_counter()
+    t0 = _enter(group, "all_reduce")
     work = dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
     _record(group, 2 * (group.size - 1) / group.size * _nbytes(t), t0)
     return work
@@ -101,7 +117,7 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group: Group, async_op=False)
     if group.size == 1:
         out.copy_(t)
         return None
-    t0 = time.perf_counter()
+    t0 = _enter(group, "all_gather")
     work = dist.all_gather_single(out, t.contiguous(), group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(out), t0)
     return work
@@ -115,7 +131,7 @@ def reduce_scatter(
     if group.size == 1:
         out.copy_(t)
         return None
-    t0 = time.perf_counter()
+    t0 = _enter(group, "reduce_scatter")
     work = dist.reduce_scatter_single(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(t), t0)
     return work
@@ -126,7 +142,7 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group):
     group.check(t)
     if group.size == 1:
         return
-    t0 = time.perf_counter()
+    t0 = _enter(group, "broadcast")
     dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
     _record(group, _nbytes(t), t0)
 
@@ -136,7 +152,7 @@ def all_gather_object(obj, group: Group) -> list:
     Between our own processes only: nothing read from disk goes through here."""
     if group.size == 1:
         return [obj]
-    t0 = time.perf_counter()
+    t0 = _enter(group, "all_gather_object")
     out = [None] * group.size
     dist.all_gather_object(out, obj, group=group.pg)
     _record(group, (group.size - 1) * len(pickle.dumps(obj)), t0)
@@ -147,7 +163,7 @@ def gather_object(obj, group: Group) -> list | None:
     """Every member's small Python object on the group's first member (None elsewhere)."""
     if group.size == 1:
         return [obj]
-    t0 = time.perf_counter()
+    t0 = _enter(group, "gather_object")
     out = [None] * group.size if group.rank == 0 else None
     dist.gather_object(obj, out, dst=group.ranks[0], group=group.pg)
     _record(group, len(pickle.dumps(obj)), t0)
@@ -256,3 +272,41 @@ def gather_from_sequence(x, group: Group, dim: int = 1):
 def reduce_scatter_to_sequence(x, group: Group, dim: int = 1):
     """(b, s, h) partial sums -> (b, s/t, h) reduced; its backward all-gathers."""
     return x if group.size == 1 else _AlongDim.apply(x, dim, group, _reduce_scatter, _gather)
+
+
+# ---- all-to-all with variable split sizes (expert parallelism) ---------------------------
+
+
+def _all_to_all(x: torch.Tensor, group: Group, out_sizes: list, in_sizes: list) -> torch.Tensor:
+    """Rows x[sum(in_sizes[:j]) : ...] go to member j; out holds the rows from each member in
+    group order (out_sizes[j] of them from member j). Recorded as the bytes of the tensor this
+    rank hands in, its own rows included (what a dispatch moves, whatever the routing)."""
+    group.check(x)
+    x = x.contiguous()
+    out = x.new_empty((sum(out_sizes), *x.shape[1:]))
+    t0 = _enter(group, "all_to_all")
+    dist.all_to_all_single(out, x, out_sizes, in_sizes, group=group.pg)
+    _record(group, _nbytes(x), t0)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all forward; the reverse all-to-all (sizes swapped) backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_sizes, in_sizes):
+        ctx.group, ctx.out_sizes, ctx.in_sizes = group, out_sizes, in_sizes
+        return _all_to_all(x, group, out_sizes, in_sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.group, ctx.in_sizes, ctx.out_sizes), None, None, None
+
+
+def all_to_all(x, group: Group, out_sizes: list[int], in_sizes: list[int]):
+    """Exchange rows of x (n, ...) over the group: in_sizes[j] consecutive rows go to member j,
+    out_sizes[j] rows come back from it (host lists: the receiver must know them beforehand).
+    Autograd-aware: the gradient takes the way back."""
+    if group.size == 1:
+        return x
+    return _AllToAll.apply(x, group, list(out_sizes), list(in_sizes))

@@ -16,10 +16,24 @@ bytes per rank are 1/cp of the whole sequence's.
 
 The blocks are the kernels' `attention_block_fwd` / `attention_block_bwd` / `merge_attention`
 (Triton, or their plain-torch references: exact in fp64).
+
+All-to-all attention (`a2a_attention`, "a2a", DeepSpeed-Ulysses): one all-to-all trades this
+rank's tokens of every head for every token of 1/cp of the heads, ordinary attention runs over
+the whole sequence (in natural order), and a second all-to-all trades back. Three exchanges
+forward (q, k+v, out), their reverses backward; it needs the heads divisible by cp.
+
+Batches (`shard_batch`): every cp rank loads the same samples and keeps its tokens, labels and
+loss mask; what attention and the loss need to know of the whole (every rank's positions and
+document ids, the step's count of tokens with a loss) is computed from the whole samples on
+each rank, so it costs no communication. The document flags (--reset-position-ids,
+--reset-attention-mask, --eod-mask-loss) go through the same `Shard`, with or without cp.
 """
+
+from dataclasses import dataclass, fields
 
 import torch
 
+from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.pipeline import p2p
 
@@ -102,3 +116,125 @@ def ring_attention(q, k, v, group: Group, positions, docs=None, ops=None):
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
     return _RingAttention.apply(q, k, v, group, positions, docs, ops)
+
+
+def _exchange(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """(b, heads, s_loc, d) -> (b, heads/cp, cp*s_loc, d) (dim=1: scatter heads, gather the
+    sequence in group order), or back (dim=2)."""
+    cp = group.size
+    b, h, s, d = x.shape
+    if dim == 1:
+        rows = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # (cp, b, h/cp, s, d): to member j
+        got = comm.all_to_all(rows.reshape(cp, -1), group, [1] * cp, [1] * cp)
+        got = got.reshape(cp, b, h // cp, s, d).permute(1, 2, 0, 3, 4)  # (b, h/cp, cp, s, d)
+        return got.reshape(b, h // cp, cp * s, d)
+    rows = x.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4)  # (cp, b, h, s/cp, d)
+    got = comm.all_to_all(rows.reshape(cp, -1), group, [1] * cp, [1] * cp)
+    return got.reshape(cp, b, h, s // cp, d).transpose(0, 1).reshape(b, cp * h, s // cp, d)
+
+
+def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None):
+    """ring_attention's result by all-to-all (Ulysses): same arguments and result; the heads of
+    q and of k, v must be divisible by the group's size."""
+    if ops is None:
+        from megalite.kernels import TORCH_OPS as ops
+    b, hkv, _, d = k.shape
+    q = _exchange(q, group, 1)  # (b, hq/cp, s, d), tokens in rank order
+    # one exchange for k and v: interleaved per head, so each member gets both of its heads
+    kv = _exchange(torch.stack([k, v], 2).reshape(b, 2 * hkv, -1, d), group, 1)
+    k, v = kv.unflatten(1, (hkv // group.size, 2)).unbind(2)  # (b, hkv/cp, s, d)
+    # rank order -> natural order: the causal mask needs no positions, the plain kernel runs
+    order = positions.reshape(-1).argsort()
+    back = order.argsort()
+    q, k, v = (t[:, :, order] for t in (q, k, v))
+    if docs is None:
+        o = ops.attention(q, k, v)
+    else:
+        d = docs.permute(1, 0, 2).reshape(docs.shape[1], -1)[:, order]  # (b, s)
+        every = positions.reshape(-1)[order]
+        o = ops.attention_masked(q, k, v, every, every, d, d)
+    return _exchange(o[:, :, back], group, 2)  # (b, hq, s/cp, d)
+
+
+def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None):
+    """Causal attention of this rank's tokens over the whole sequence of every rank of `group`,
+    document-masked when the shard has document ids: q (b, hq, s/cp, d), k, v (b, hkv, s/cp, d).
+    At cp = 1 that is masked attention over this rank's sequences."""
+    if ops is None:
+        from megalite.kernels import TORCH_OPS as ops
+    if group.size == 1:
+        pos, doc = shard.index[0], None if shard.docs is None else shard.docs[0]
+        return ops.attention_masked(q, k, v, pos, pos, doc, doc)
+    attend = a2a_attention if comm_type == "a2a" else ring_attention
+    return attend(q, k, v, group, shard.index, shard.docs, ops)
+
+
+@dataclass
+class Shard:
+    """This rank's share of one micro-batch's sequences: what the layers and the loss need
+    beside the token ids and labels (s_loc = s/cp tokens of each sequence)."""
+
+    positions: torch.Tensor  # (b, s_loc) int64: each token's position for the embeddings
+    index: torch.Tensor  # (cp, s_loc) int64: the sequence index of every cp rank's tokens
+    docs: torch.Tensor | None = None  # (cp, b, s_loc) document ids of every cp rank's tokens
+    loss_mask: torch.Tensor | None = None  # (b, s_loc) 1.0 where a token's loss counts
+    # With a loss mask: multiplies this rank's masked loss sum, m·cp / (the unmasked tokens of
+    # the step's m micro-batches, whole sequences), so that averaging over micro-batches and cp
+    # (as the executor and the gradient reduction do) gives sum(losses) / unmasked tokens.
+    loss_weight: torch.Tensor | float = 1.0  # a 0-d float64 tensor with a mask: never read
+
+    @property
+    def attention_masked(self) -> bool:
+        """Attention needs positions or documents (cp > 1, or document masking)."""
+        return self.index.shape[0] > 1 or self.docs is not None
+
+    def to(self, device, non_blocking=False) -> "Shard":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, t in moved.items():
+            if isinstance(t, torch.Tensor):
+                moved[name] = t.to(device, non_blocking=non_blocking)
+        return Shard(**moved)
+
+
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """(b, s) -> (b, s) int64: 0 for the first document of each row, +1 after each end-of-document
+    token (which belongs to the document it ends)."""
+    starts = torch.zeros_like(tokens, dtype=torch.int64)
+    starts[:, 1:] = (tokens[:, :-1] == eod).long()
+    return starts.cumsum(1)
+
+
+def shard_batch(batch, cp: int, rank: int, eod: int | None = None, reset_position_ids=False,
+                reset_attention_mask=False, eod_mask_loss=False) -> list:  # fmt: skip
+    """The micro-batches [(tokens, labels)] of a step, whole samples (b, s) on the host, as this
+    cp rank trains on them: [(tokens, labels)] unchanged when cp = 1 and no document flag is
+    set, else [(tokens, labels, Shard)] with this rank's s/cp tokens of each sample (chunks
+    `rank` and 2cp-1-rank of 2cp). The loss count spans every micro-batch (and every cp rank)."""
+    documents = reset_position_ids or reset_attention_mask or eod_mask_loss
+    if cp == 1 and not documents:
+        return batch
+    if documents and eod is None:
+        raise ValueError("document masking needs the end-of-document token (a tokenizer)")
+    s = batch[0][0].shape[1]
+    index = torch.stack([chunk_positions(s, cp, r) for r in range(cp)])  # (cp, s/cp)
+    mine = index[rank]
+    masks = [(tokens != eod).float() if eod_mask_loss else None for tokens, _ in batch]
+    weight = 1.0
+    if eod_mask_loss:  # a tensor, never read on the host: it travels with the shard
+        counted = sum((tokens != eod).sum() for tokens, _ in batch)
+        weight = len(batch) * cp / counted.clamp(min=1).double()
+    out = []
+    for (tokens, labels), mask in zip(batch, masks):
+        b = tokens.shape[0]
+        positions = torch.arange(s).expand(b, s)
+        docs = None
+        if reset_position_ids or reset_attention_mask:
+            d = document_ids(tokens, eod)
+            if reset_position_ids:  # position within the document: index minus its start
+                first = torch.where(torch.diff(d, dim=1, prepend=d[:, :1] - 1) > 0, positions, 0)
+                positions = positions - first.cummax(1).values
+            docs = torch.stack([d[:, i] for i in index]) if reset_attention_mask else None
+        shard = Shard(positions[:, mine].contiguous(), index, docs,
+                      None if mask is None else mask[:, mine].contiguous(), weight)  # fmt: skip
+        out.append((tokens[:, mine].contiguous(), labels[:, mine].contiguous(), shard))
+    return out

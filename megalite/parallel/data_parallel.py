@@ -90,6 +90,10 @@ class Bucket:
     pending: int = 0  # params without a gradient in this pass yet
     passes: int = 0  # micro-batches whose gradients have all arrived
     launched: bool = False  # stage 0/1: reduction started (no more gradients may arrive)
+    # ZeRO-3 (zero3.py): this rank's parameter shard, and the whole bucket the parameters are
+    # views of (its storage freed between uses)
+    param_shard: torch.Tensor | None = None
+    full: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -133,8 +137,14 @@ class GradBuffer:
         zero_stage: int = 0,
         bucket_size_mb: float = 25.0,
         own_bucket=lambda name, p: False,
+        select=lambda name, p: True,
+        scale: float | None = None,
     ):
-        named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad] for c in chunks]
+        """`select(name, p)`: the parameters this buffer holds (default all); `scale`: what
+        gradients are multiplied by before the sum over `dp` (default 1/dp: a mean over the
+        replicas; expert gradients, summed over fewer ranks than the replicas, take 1/replicas)."""
+        named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad and select(n, p)]
+                 for c in chunks]  # fmt: skip
         params = [x for c in named for x in c]
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
@@ -143,6 +153,9 @@ class GradBuffer:
         if len(set(names)) != len(names):
             raise ValueError("parameter names repeat across chunks; logical names must be unique")
         self.dp, self.zero = dp, ZERO[zero_stage]
+        if self.zero.shard_params:
+            raise ValueError("ZeRO-3 shards the parameters: build a zero3.Zero3Buffer")
+        self.scale = 1.0 / dp.size if scale is None else scale
         self.param_dtype = dtypes.pop()
         self.grad_dtype = grad_dtype(self.param_dtype)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
@@ -272,7 +285,7 @@ class GradBuffer:
 
     def _launch(self, b: Bucket):
         g = b.grad
-        g.mul_(1.0 / self.dp.size)
+        g.mul_(self.scale)
         out = None
         if self.zero.shard_state:
             out = torch.empty(b.shard_end - b.shard_start, dtype=g.dtype, device=g.device)
@@ -306,15 +319,23 @@ class GradBuffer:
     def finish(self):
         """Reduce whatever backward did not launch (unused parameters, fewer passes than
         expected, a partly staged bucket) and wait for every reduction."""
+        self.launch_rest()
+        self.wait()
+
+    def launch_rest(self):
+        """Launch the reductions backward did not (finish() without the wait)."""
         for b in self.buckets:
             if self.zero.reduce_each_microbatch:
                 if b.grad is not None:
                     self._launch(b)
             elif not b.launched:
                 self._launch(b)
-        self.wait()
 
     # ---- ZeRO helpers ---------------------------------------------------------------------
+
+    def group_of(self, b: Bucket) -> Group:
+        """The group a bucket is reduced and sharded over."""
+        return self.dp
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
         return self.param_buffer[b.shard_start : b.shard_end]
@@ -351,6 +372,63 @@ class GradBuffer:
             full = s.new_empty(b.numel)
             comm.all_gather(full, s, self.dp)
             out.append(full)
+        return out
+
+
+class GradBuffers:
+    """Several gradient buffers seen as one by the optimizer, their buckets in order: with
+    experts, the dense parameters reduced (and ZeRO-sharded) over the replicas and the expert
+    parameters over their expert-data-parallel group (`groups.edp`)."""
+
+    def __init__(self, parts: list[GradBuffer]):
+        self.parts = parts
+        self.buckets = [b for p in parts for b in p.buckets]
+        self.ranges = [r for p in parts for r in p.ranges]
+        self._owner = {b: p for p in parts for b in p.buckets}
+        self.param_dtype, self.grad_dtype = parts[0].param_dtype, parts[0].grad_dtype
+        if any(p.param_dtype != self.param_dtype for p in parts):
+            raise ValueError("all parameters must share one dtype")
+
+    def group_of(self, b: Bucket) -> Group:
+        return self._owner[b].dp
+
+    def param_shard(self, b: Bucket) -> torch.Tensor:
+        return self._owner[b].param_shard(b)
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(p.staged_bytes for p in self.parts)
+
+    @property
+    def peak_staged_bytes(self) -> int:
+        return sum(p.peak_staged_bytes for p in self.parts)
+
+    def zero_grad(self, microbatches: int):
+        for p in self.parts:
+            p.zero_grad(microbatches)
+
+    def finish(self):
+        for p in self.parts:  # launch every part's reductions before waiting for any
+            p.launch_rest()
+        self.wait()
+
+    def wait(self):
+        for p in self.parts:
+            p.wait()
+
+    def all_gather_params(self, overlap: bool = False):
+        for p in self.parts:
+            p.all_gather_params(overlap)
+
+    def wait_params(self):
+        for p in self.parts:
+            p.wait_params()
+
+    def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, i = [], 0
+        for p in self.parts:
+            out += p.gather_shards(shards[i : i + len(p.buckets)])
+            i += len(p.buckets)
         return out
 
 

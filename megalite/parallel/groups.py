@@ -15,7 +15,8 @@ from megalite.parallel.topology import Topology, world_from_env
 
 
 class ProcessGroups:
-    """The groups of one rank: one per axis of the topology (`groups.tp`, `groups.dp`, ...), the
+    """The groups of one rank: one per axis of the topology (`groups.tp`, `groups.dp`, ...), with
+    experts `groups.ep` and `groups.edp` (Topology.experts), the
     products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
     same parameters: gradients are reduced and ZeRO-sharded over it), `data` (the ranks training
     on different samples), `embed` (the pipeline stages holding the tied word embedding and the
@@ -29,8 +30,7 @@ class ProcessGroups:
 
     def get(self, expr: str) -> Group:
         """The group along an axis or a product of axes ("dp+cp"); size-1 axes do not count."""
-        big = [a for a in Topology.split(expr) if self.topo.size(a) > 1]
-        key = "+".join(big) if big else Topology.split(expr)[0]
+        key = _key(self.topo, expr)
         if key not in self.groups:
             raise KeyError(f"no {expr} group was built (build_groups(products=...))")
         return self.groups[key]
@@ -66,12 +66,19 @@ class ProcessGroups:
         return self.topo.prev_stage(self.rank)
 
 
+def _key(topo: Topology, expr: str) -> str:
+    """A group's name: its axes of size > 1 in rank order ("dp+cp" and "cp+dp" are one group)."""
+    axes = Topology.split(expr)
+    big = [a for a in topo.axes if a in axes and topo.size(a) > 1]
+    return "+".join(big) if big else axes[0]
+
+
 def single_process_groups(device=None) -> ProcessGroups:
     """A world of one without torch.distributed: every group is this rank alone."""
     device = torch.device(device or "cpu")
     ledger = CommLedger()
     topo = Topology()
-    groups = {a: Group(a, [0], 0, None, ledger, device) for a in topo.axes}
+    groups = {a: Group(a, [0], 0, None, ledger, device) for a in (*topo.axes, "ep", "edp")}
     world = Group("world", [0], 0, None, ledger, device)
     return ProcessGroups(topo, 0, device, groups, Group("embed", [0], 0, None, ledger, device),
                          world, ledger)  # fmt: skip
@@ -147,10 +154,14 @@ def build_groups(
     groups = {a: make(a, topo.groups(a)) for a in topo.axes}
     wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
     for expr in [*products, *wanted]:
-        big = [a for a in Topology.split(expr) if topo.size(a) > 1]
-        key = "+".join(big) if big else Topology.split(expr)[0]
+        key = _key(topo, expr)
         if key not in groups:
             groups[key] = make(key, topo.groups(key))
+    if topo.expert is not None:  # experts: a second decomposition of the same ranks
+        for a in ("ep", "edp"):
+            groups[a] = make(a, topo.expert.groups(a))
+        # The model's expert group when none is passed (GPTChunk(..., ep=None)).
+        groups["tp"].ep = groups["ep"]
     stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
     embed = make("embed", topo.stage_groups(stages))
     world = Group("world", list(range(topo.world_size)), rank,

@@ -1,8 +1,9 @@
 """Pure rank arithmetic over named parallel axes: no torch.distributed, so it is unit-tested alone.
 
 The axes are those registered in axes.py (tp, dp, pp, ...). A rank's coordinates are its digits in a mixed-radix number whose first axis in the order varies
-fastest. With the default order "tp-dp-pp", TP ranks are adjacent (a TP group stays inside a
-node), then DP, and the pipeline stages are farthest apart. Axes of size 1 may be left out of
+fastest. With the default order "tp-cp-dp-pp", TP ranks are adjacent (a TP group stays inside a
+node), then CP (the ring of context parallelism, whose traffic is the next heaviest), then DP, and
+the pipeline stages are farthest apart. Axes of size 1 may be left out of
 an order; they are appended.
 
 The same ranks can be decomposed a second time (`regroup`), as Megatron lays experts out as
@@ -14,7 +15,7 @@ import os
 
 from megalite.parallel.axes import AXES, Axis
 
-DEFAULT_ORDER = "tp-dp-pp"
+DEFAULT_ORDER = "tp-cp-dp-pp"  # an axis of size 1 takes no place: tp-dp-pp ranks unchanged
 
 
 def world_from_env() -> tuple[int, int, int]:
@@ -59,6 +60,7 @@ class Topology:
             self._strides[a] = s
             s *= self.sizes[a]
         self.world_size = s
+        self.expert = None  # the expert decomposition of the same ranks, when the model has experts
 
     def __repr__(self):
         return f"Topology({', '.join(f'{a}={n}' for a, n in self.sizes.items())}, order={self.order!r})"
@@ -90,6 +92,12 @@ class Topology:
 
     def stride(self, axis: str) -> int:
         return self._strides[axis]
+
+    def label(self, rank: int, skip=()) -> str:
+        """'tp 1, dp 0, pp 1': a rank's coordinates along tp, dp, pp and any other axis of size
+        > 1 (those in `skip` left out), for messages."""
+        return ", ".join(f"{a} {i}" for a, i in self.coords(rank).items()
+                         if a not in skip and (self.sizes[a] > 1 or a in ("tp", "dp", "pp")))  # fmt: skip
 
     def coords(self, rank: int) -> dict[str, int]:
         """{'tp': i, 'dp': j, 'pp': k, ...} of a global rank."""
@@ -169,10 +177,32 @@ class Topology:
             )
         return other
 
+    def experts(self, ep: int, etp: int = 1) -> "Topology":
+        """The expert decomposition of these ranks, Megatron's etp-ep-edp-pp: each pipeline
+        stage's tp*dp ranks split into ep groups holding different experts (edp: the ranks
+        holding the same experts), with the dense pipeline groups, so ep divides tp*dp instead
+        of multiplying the world. Consecutive ranks form an ep group, so with the default
+        order experts spread over TP ranks first."""
+        stage = self.world_size // self.sizes["pp"]
+        if stage % (ep * etp):
+            raise ValueError(f"ep*etp={ep}*{etp} does not divide the {stage} ranks of a stage")
+        sizes = {"etp": etp, "ep": ep, "edp": stage // (ep * etp)}
+        for order in ("etp-ep-edp-pp", "pp-etp-ep-edp"):  # pp outermost or innermost
+            try:
+                return self.regroup(order, **sizes)
+            except ValueError:
+                continue
+        raise ValueError(
+            f"experts need the pipeline axis first or last in the rank order, not {self.order!r}"
+        )
+
     def describe(self) -> str:
         head = " ".join(f"{a}={n}" for a, n in self.sizes.items())
         lines = [f"layout: {head} order={self.order}"]
         for a in self.axes:
             if self.sizes[a] > 1 or a in ("tp", "pp", "dp"):
                 lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.groups(a))))
+        if self.expert is not None:
+            for a in ("ep", "edp"):
+                lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.expert.groups(a))))
         return "\n".join(lines)

@@ -203,7 +203,9 @@ def run_schedule(
 
     groups: the `ProcessGroups` (uses `groups.pp` and `groups.device`).
     microbatches: this DP rank's list of (tokens (b, s), labels (b, s)); labels are needed
-        on the head chunk, also with forward_only (the result is a loss).
+        on the head chunk, also with forward_only (the result is a loss). A third element, a
+        `context_parallel.Shard` (this cp rank's positions, documents, loss mask), is handed to
+        every chunk as `shard=`.
     hidden_shape: shape of the tensor between stages, e.g. (b, s, h), (b, s/tp, h) with
         sequence parallelism; dtype: its dtype.
     Backward of micro-batch k starts from loss_k * loss_scale / m, so gradients are those of
@@ -234,12 +236,13 @@ def run_schedule(
 
     def forward(c, k):
         chunk = chunks[c]
-        tokens, labels = microbatches[k]
+        tokens, labels, *shard = microbatches[k]
+        kw = {"shard": shard[0]} if shard else {}
         x = tokens if chunk.has_embedding else inputs[c, k]
         if forward_only:
             inputs.pop((c, k), None)
         with torch.no_grad() if forward_only else nullcontext():
-            y = chunk(x, labels) if chunk.has_head else chunk(x)
+            y = chunk(x, labels, **kw) if chunk.has_head else chunk(x, **kw)
         if chunk.has_head:
             losses[k] = y.detach()
             if not forward_only:

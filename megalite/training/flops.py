@@ -5,7 +5,8 @@ Model FLOPs per token (what the model needs, whatever the implementation does):
     6 N + 12 L h s
 
 N counts matmul parameters: every layer's q, k, v, out and MLP weights plus the output layer
-(vocab x h, the real vocabulary). The input embedding is a lookup, not a matmul, so it adds
+(vocab x h, the real vocabulary); an MoE layer counts its active parameters (router, the k
+experts of a token, the shared expert). The input embedding is a lookup, not a matmul, so it adds
 nothing of its own: a tied embedding counts once, as the output layer. Each matmul parameter
 costs 2 FLOPs per token forward and 4 backward (input and weight gradients): 6 N (Kaplan et al.
 2020, "Scaling laws", C = 6N; Chowdhery et al. 2022, PaLM, appendix B). Attention adds the
@@ -45,11 +46,21 @@ PEAKS = [
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """N: the weights that multiply activations (biases and norms excluded)."""
+    """N: the weights that multiply activations (biases and norms excluded). In a mixture of
+    experts the active ones: per MoE layer the router, the k experts a token passes through
+    and the shared expert, not the E - k others (what a token costs, as Megatron counts)."""
     h, L, hd = cfg.hidden_size, cfg.num_layers, cfg.head_dim
     attn = h * hd * (cfg.num_attention_heads * 2 + cfg.heads_kv * 2)  # q and out; k and v
-    mlp = h * cfg.ffn * (3 if cfg.flavour == "llama" else 2)  # (gate,) up, down
-    return L * (attn + mlp) + cfg.vocab_size * h  # + the output layer (the tied embedding)
+    per = 3 if cfg.flavour == "llama" else 2  # (gate,) up, down
+    mlp = h * cfg.ffn * per
+    n = L * attn + cfg.vocab_size * h  # + the output layer (the tied embedding)
+    for i in range(L):
+        if cfg.is_moe_layer(i):
+            shared = cfg.moe_shared_expert_intermediate_size or 0
+            n += h * cfg.num_experts + h * (cfg.moe_router_topk * cfg.moe_ffn + shared) * per
+        else:
+            n += mlp
+    return n
 
 
 def attention_flops_per_token(cfg: ModelConfig) -> float:

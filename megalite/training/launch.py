@@ -1,9 +1,12 @@
-"""What pretrain_gpt.py runs: parse and validate the config, set up the groups, train.
+"""What pretrain_gpt.py (megalite-train, python -m megalite.train) runs: parse the config, take
+the model from the checkpoint it resumes where no flag gives it, validate, set up the groups,
+train.
 
-The config is validated before torch is even imported, so bad flags fail within a second.
+The config is validated before any process group exists, so bad flags fail within seconds.
 """
 
 import atexit
+import os
 
 from megalite.config import parse_args
 from megalite.parallel.axes import AXES
@@ -31,7 +34,19 @@ def planned_world(cfg) -> int:
 
 
 def main(argv):
-    cfg = parse_args(argv)
+    given = set()  # the fields a flag or the YAML set: the checkpoint's model fills the rest
+    cfg = parse_args(argv, given)
+    c = cfg.checkpoint
+    if not cfg.training.dry_run and (
+        c.load or c.save and os.path.isdir(c.save) or cfg.training.eval_only
+    ):
+        from megalite.checkpoint.checkpointer import resume_path  # (imports torch)
+
+        path = resume_path(cfg)  # a missing checkpoint fails now, before any process group
+        if path is not None:
+            from megalite.checkpoint.args import with_checkpoint_model
+
+            cfg = with_checkpoint_model(cfg, given, path)
     rank, world_size, _ = world_from_env()
     if cfg.training.dry_run and world_size == 1:  # plan the layout given, from a laptop
         world_size = planned_world(cfg)
@@ -42,11 +57,11 @@ def main(argv):
         if rank == 0:
             print_plan(cfg, shape)
         return
-    from megalite.checkpoint.checkpointer import resume_path
     from megalite.parallel import groups as pg
+    from megalite.training.hang import enable_flight_recorder
     from megalite.training.trainer import Trainer
 
-    resume_path(cfg)  # a missing checkpoint fails now, also before any process group
+    enable_flight_recorder(cfg)  # NCCL only: before the process group exists
     groups = setup(shape, cfg.parallel.distributed_timeout_minutes)
     # However the run ends, its groups' threads are joined before the interpreter finalizes
     # (pg.destroy); on an error only after the message is out (a join can wait on a stuck peer).

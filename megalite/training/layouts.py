@@ -43,15 +43,20 @@ def search(cfg: Config, cluster: Cluster, limit: int | None = None) -> list[Plan
     node, PP across nodes), the lowest ZeRO stage that fits (ZeRO-1 moves the bytes ZeRO-0
     moves, so it is chosen as soon as the optimizer state does not fit), then the smaller
     bubble (interleaving) and the lower memory."""
-    n = cluster.gpus
+    # cp stays as given: it sets how many tokens of a sequence a rank holds, the user's choice
+    cp = cfg.parallel.cp
+    n = cluster.gpus // cp if cluster.gpus % cp == 0 else 0
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     plans = []
     for tp in divisors:
         for pp in (p for p in divisors if (n // tp) % p == 0):
             dp = n // (tp * pp)
             for vpp in (1, 2) if pp > 1 else (1,):
+                # ZeRO-3 is planned when asked for (plan()), not searched: it trades traffic
+                # for memory, and the rules above would place it before pipelining
                 for zero in (0, 1, 2) if dp > 1 else (0,):
-                    lay = Layout(vpp, zero, sequence_parallel=tp > 1, tp=tp, pp=pp, dp=dp)
+                    lay = Layout(vpp, zero, sequence_parallel=tp > 1, tp=tp, pp=pp, dp=dp,
+                                 **({"cp": cp} if cp > 1 else {}))  # fmt: skip
                     if _valid(cfg, lay, cluster):
                         p = plan(cfg, lay, cluster, all_stages=False)
                         if p.fits:
@@ -78,8 +83,13 @@ def step_time(cfg: Config, p: Plan, cluster: Cluster) -> float:
     message = t.micro_batch_size * m.seq_length * m.hidden_size * e / (lay.tp if sp else 1)
     tp = seconds(p.comm.get("tp", 0), lay.tp)
     pp = seconds(2 * (lay.pp - 1) * message, cluster.gpus)
-    dp = seconds(p.comm.get("dp", 0) + p.comm.get("embed", 0), lay.tp * lay.dp)
-    return compute * (1 + p.bubble) + tp + pp + 0.1 * dp + max(0.0, 0.9 * dp - compute)
+    dp_bytes = p.comm.get("dp", 0) + p.comm.get("dp_gather", 0) + p.comm.get("embed", 0)
+    cp = lay.sizes.get("cp", 1)
+    dp_bytes += p.comm.get("cp+dp", 0)
+    dp = seconds(dp_bytes, lay.tp * lay.dp * cp)
+    # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
+    cp = seconds(p.comm.get("cp", 0), lay.tp * cp)
+    return compute * (1 + p.bubble) + tp + pp + cp + 0.1 * dp + max(0.0, 0.9 * dp - compute)
 
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -107,12 +117,15 @@ def format_plan(p: Plan, cluster: Cluster | None = None, cfg: Config | None = No
                  f"{'activations':>13}{'total':>11}")  # fmt: skip
     for r, mem in enumerate(p.stages):
         extra = f"  (+{_gib(mem['staged_grads'])} staged)" if mem["staged_grads"] else ""
+        if mem.get("gathered_params"):
+            extra += f"  (+{_gib(mem['gathered_params'])} gathered params)"
         cells = [mem[k] for k in ("params", "grads", "optimizer")]
         lines.append(
             f"  {'stage ' + str(r):<12}" + "".join(f"{_gib(c):>11}" for c in cells)
             + f"{_gib(mem['activations']):>13}{_gib(mem['total']):>11}{extra}"
         )  # fmt: skip
     lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
+    lines += [f"  {note}" for note in p.notes]
     if cluster is not None and cfg is not None:
         lines.append(
             f"  estimated step time {step_time(cfg, p, cluster):.3f} s (assumptions below)"

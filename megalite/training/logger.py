@@ -72,7 +72,7 @@ class Logger:
         if "eval_loss" in metrics:
             parts.append(f"eval {metrics['eval_loss']:.4f} (ppl {metrics['eval_ppl']:.1f})")
         if metrics.get("skipped"):
-            parts.append("SKIPPED (non-finite)")
+            parts.append("SKIPPED (loss spike)" if metrics.get("spike") else "SKIPPED (non-finite)")
         parts.append(f"{_fmt_time(elapsed)} elapsed, ETA {_fmt_time(eta)}")
         print(" | ".join(parts), flush=True)
         self.write(metrics)
@@ -102,8 +102,11 @@ class Logger:
 
 def flatten(metrics: dict) -> dict:
     """The scalars of a metrics row (W&B and TensorBoard log the same): numbers as they are,
-    per-group communication as comm/<group>_bytes and comm/<group>_seconds."""
+    per-group communication as comm/<group>_bytes and comm/<group>_seconds, MoE loads as
+    moe_load/layer<i>_expert<e>."""
     flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+    for layer, loads in (metrics.get("moe_load") or {}).items():  # MoE: each expert's share
+        flat.update({f"moe_load/layer{layer}_expert{e}": x for e, x in enumerate(loads)})
     for kind, v in (metrics.get("comm") or {}).items():
         flat[f"comm/{kind}_bytes"] = v["bytes"]
         flat[f"comm/{kind}_seconds"] = v["seconds"]

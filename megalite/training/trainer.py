@@ -18,9 +18,11 @@ from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch
 from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
+from megalite.model.moe import moe_metrics
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.optim.lr_schedule import lr_at
 from megalite.parallel import comm
+from megalite.parallel.context_parallel import shard_batch
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
 from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule
@@ -32,6 +34,8 @@ from megalite.training.flops import (
     hardware_flops_per_token,
     model_flops_per_token,
 )
+from megalite.training.hang import HangRecorder
+from megalite.training.health import SpikeGuard, StragglerMonitor
 from megalite.training.logger import Logger
 from megalite.training.timeline import Timeline
 
@@ -46,12 +50,14 @@ class Trainer:
         tok = getattr(self.data, "tokenizer", None)
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
         m = shape.model
-        seed_replicated(t.seed, groups.pp.rank, groups.data.rank)
+        # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
+        seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
         ops = kernels.select(t.kernels, groups.device)
         self.dtype = DTYPES[t.precision]
         self.chunks = [
             GPTChunk(m, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops, recompute=t.recompute,
-                     seed=t.seed, dtype=self.dtype, device=groups.device)
+                     seed=t.seed, dtype=self.dtype, device=groups.device, cp=groups.cp,
+                     cp_comm_type=cfg.parallel.cp_comm_type)
             for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, groups.pp.rank, shape.placement)
         ]  # fmt: skip
         self.opt = build_optimizer(self.chunks, groups, cfg)
@@ -65,7 +71,12 @@ class Trainer:
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
-        self.stop = False  # a rank got SIGTERM/SIGINT: save and stop after this step
+        self.spikes_total = 0
+        self.stop = None  # why every rank saves and stops after this step (a signal, a limit)
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
+        self.hang = HangRecorder(cfg, shape, groups, self.microbatches)
+        self.stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
+        self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
         self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
@@ -96,10 +107,15 @@ class Trainer:
     # ---- one step -----------------------------------------------------------------------------
 
     def _microbatches(self, dataset, indices):
-        device = self.groups.device
+        device, d, cp = self.groups.device, self.cfg.data, self.groups.cp
         cuda = device.type == "cuda"  # pinned host memory: the copy does not wait for the device
-        return [tuple((x.pin_memory() if cuda else x).to(device, non_blocking=cuda)
-                      for x in get_batch(dataset, idx)) for idx in indices]  # fmt: skip
+        tok = getattr(self.data, "tokenizer", None)
+        # this cp rank's tokens of each sample (whole samples at cp=1), documents if asked for
+        batch = shard_batch([get_batch(dataset, idx) for idx in indices], cp.size, cp.rank,
+                            tok.eos_id if tok else None, d.reset_position_ids,
+                            d.reset_attention_mask, d.eod_mask_loss)  # fmt: skip
+        return [tuple((x.pin_memory() if cuda and isinstance(x, torch.Tensor) else x)
+                      .to(device, non_blocking=cuda) for x in mb) for mb in batch]  # fmt: skip
 
     def _mean_over_dp(self, values: list[float]) -> list[float]:
         g = self.groups.replicas
@@ -109,28 +125,80 @@ class Trainer:
 
     def train_step(self, log: bool = True) -> dict | None:
         """One optimizer step. It reads the device once (the optimizer's status: norm, skip,
-        preemption); a logging step (`log`) also reads the loss, the timings of the steps since
-        the last logging step and the memory, and returns the metrics."""
+        preemption, time limit and, with the spike guard, the loss); a logging step (`log`)
+        also reads the loss, the timings of the steps since the last logging step and the
+        memory, and returns the metrics. With --spike-rerun a spiking step runs once more."""
         t = self.cfg.training
         self.groups.ledger.reset()
+        batch = self._microbatches(self.data.train, self.sampler.next_batch())
+        lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
+        rerun = self.spikes.on and t.spike_rerun
+        rng = rng_state(self.chunks, self.groups.device) if rerun else None
+        result, stats = self._run(batch, lr)
+        if stats["spike"] and rerun:  # the same batch from the same state: the same loss?
+            first = self.spikes.last
+            set_rng_state(rng, self.chunks, self.groups.device)
+            self._interval.pop()
+            result, stats = self._run(batch, lr)
+            again = self.spikes.last
+            if again == first:
+                what = "the same loss: a data spike, the step stays skipped"
+            else:  # the same computation gave another result: a device or host fault
+                what = "not reproducible, suspect a hardware fault; " + (
+                    "the re-run spiked too and is skipped" if stats["spike"] else "its step is kept"
+                )
+            self.logger.print(
+                f"megalite: warning: loss {first:.4f} at iteration {self.iteration + 1} is above "
+                f"the spike limit; a re-run gave {again:.4f}: {what}"
+            )
+        self.iteration += 1
+        self.stop = self._stop_reason(stats["flags"])
+        self.spikes_total += stats["spike"]
+        self._count_skips(stats, result)
+        if log:
+            self.hang.at(self.iteration, "logging")
+        return self._metrics(result, stats, lr) if log else None
+
+    def _stop_reason(self, flags: list[float]) -> str | None:
+        """Why every rank saves and stops after this step, if it does: the flags are summed
+        over the world, so all ranks see the same ones and stop at the same step."""
+        t = self.cfg.training
+        if flags[0] > 0:  # SIGTERM/SIGINT on some rank
+            return self.checkpointer.stop_reason()
+        if flags[1] > 0:
+            return f"trained for --exit-duration-in-mins {t.exit_duration_in_mins}"
+        if t.exit_interval and self.iteration % t.exit_interval == 0:
+            return f"reached --exit-interval {t.exit_interval}"
+        return None
+
+    def _run(self, batch, lr: float):
+        """The schedule over this rank's chunks, then the optimizer step (with its one read)."""
+        t, it = self.cfg.training, self.iteration + 1
         for c in self.chunks:
             c.train()
-        batch = self._microbatches(self.data.train, self.sampler.next_batch())
         self.opt.zero_grad(len(batch))
-        tl = self.timeline.at(self.iteration + 1) if self.timeline else None
+        tl = self.timeline.at(it) if self.timeline else None
+        self.hang.at(it, "schedule")
         result = run_schedule(self.actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
                               dtype=self.dtype, loss_scale=self.opt.loss_scale, timeline=tl,
-                              placement=self.shape.placement)  # fmt: skip
+                              placement=self.shape.placement, observe=self.hang.observe)  # fmt: skip
         self._interval.append(result)
-        lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
+        self.hang.at(it, "optimizer")
         t_opt = tl.clock.mark() if tl else None
-        stats = self.opt.step(lr, flags=[float(self.checkpointer.signalled)])
-        self.iteration += 1
-        self.stop = stats["flags"][0] > 0  # some rank was signalled: every rank saves and stops
+        limit = t.exit_duration_in_mins
+        time_up = limit is not None and time.monotonic() - self.started >= limit * 60
+        flags, guard = [float(self.checkpointer.signalled), float(time_up)], None
+        if self.spikes.on:  # this rank's mean loss (0 off the last stage), on the device
+            flags.append(result.loss_tensor.mean())
+            heads = self.groups.topo.world_size // self.shape.pp  # the ranks holding a loss
+
+            def guard(values):
+                return self.spikes.check(values[2] / heads)
+
+        stats = self.opt.step(lr, flags=flags, **({"guard": guard} if guard else {}))
         if tl:
             tl.record("optimizer", t_opt, tl.clock.mark())
-        self._count_skips(stats, result)
-        return self._metrics(result, stats, lr) if log else None
+        return result, stats
 
     def _metrics(self, result, stats: dict, lr: float) -> dict:
         """What a logging step reports: the loss, and throughput and the pipeline bubble over
@@ -139,6 +207,7 @@ class Trainer:
         (loss,) = self._mean_over_dp([result.loss])
         steps = len(self._interval)
         compute, busy = first_stage_times(self._interval, self.groups.pp)
+        health = self._stragglers(steps)
         now = time.perf_counter()  # after the reads above: the device has caught up
         step_s = (now - self._interval_start) / steps
         self._interval, self._interval_start = [], now
@@ -163,12 +232,40 @@ class Trainer:
             "idle_share_theory": idle_theory(p.pp, p.vpp, self.microbatches) if pipelined else 0.0,
             "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
             "comm": self.groups.ledger.snapshot(),
-            "optimizer_state_bytes": self.opt.state_bytes(),
+            # bytes per rank: parameters (ZeRO-3: shards, and the most gathered at once),
+            # gradients, optimizer state
+            **self.opt.memory_bytes(),
             "peak_memory_bytes": self._peak_memory(),
             "loss_scale": stats["loss_scale"],
             "skipped": stats["skipped"],
             "skipped_steps": self.skipped_total,
+            "spike": stats["spike"],
+            "spikes": self.spikes_total,
+            **health,
+            **self._moe_metrics(),
         }  # fmt: skip
+
+    def _moe_metrics(self) -> dict:
+        """Per-layer expert load, auxiliary losses and dropped share since the last logging
+        step (one all-reduce over the world and one host read: logging steps only)."""
+        m = self.shape.model
+        if not m.num_experts:
+            return {}
+        return moe_metrics(self.chunks, self.groups.world, m.num_layers, m.num_experts)
+
+    def _stragglers(self, steps: int) -> dict:
+        """Every rank's compute seconds per step since the last logging step (one all-gather
+        over the world, on logging steps only); rank 0 prints a straggler warning when due."""
+        mine = sum(r.compute_s for r in self._interval) / steps  # reads the clock marks
+        world = self.groups.world
+        out = torch.zeros(world.size, dtype=torch.float64, device=self.groups.device)
+        comm.all_gather(
+            out, torch.tensor([mine], dtype=torch.float64, device=self.groups.device), world
+        )
+        health, warning = self.stragglers.update(out.tolist())
+        if warning:
+            self.logger.print(warning)
+        return health
 
     def _count_skips(self, stats: dict, result):
         if not stats["skipped"]:
@@ -178,8 +275,13 @@ class Trainer:
         self.skipped_total += 1
         limit = self.cfg.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
+            spike = (
+                f" or a loss spike (--spike-threshold {self.spikes.threshold})"
+                if self.spikes.on
+                else ""
+            )
             raise MegaliteError(
-                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient (loss {result.loss}, grad norm "
+                f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient{spike} (loss {result.loss}, grad norm "
                 f"{stats['grad_norm']}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
             )
 
@@ -225,31 +327,51 @@ class Trainer:
         )
         with self.checkpointer.catch_preemption():
             while self.iteration < t.train_iters:
-                it = self.iteration + 1
-                evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters)
-                log = evaluate or it % t.log_interval == 0 or it == t.train_iters
                 try:
-                    metrics = self.train_step(log)
-                except RuntimeError as e:
-                    if not _lost_peer(e):
+                    if self._iterate():
+                        break
+                except (RuntimeError, MegaliteError) as e:
+                    lost = self._lost_peer_error(e)
+                    if lost is None:
                         raise
-                    raise MegaliteError(self._collective_failure(e), every_rank=True) from e
-                if evaluate:
-                    eval_loss = self.evaluate()
-                    if eval_loss is not None:
-                        metrics["eval_loss"] = eval_loss
-                        metrics["eval_ppl"] = math.exp(min(eval_loss, 50))
-                if log:
-                    self.logger.step(metrics, t.train_iters)
-                if self.timeline:
-                    self.timeline.step_done(
-                        it, self.groups, self._timeline_meta(), self.logger.wandb
-                    )
-                if self.checkpointer.after_step(self.state, self.stop):  # saved on a signal
-                    break
+                    raise lost from e
             else:
+                self.hang.at(self.iteration, "checkpoint")
                 self.checkpointer.finish(self.state())
         self.logger.finish()
+
+    def _iterate(self) -> bool:
+        """One iteration of the loop: step, evaluation, log, save. True: stop now."""
+        t = self.cfg.training
+        it = self.iteration + 1
+        evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters)
+        log = evaluate or it % t.log_interval == 0 or it == t.train_iters
+        metrics = self.train_step(log)
+        if evaluate:
+            self.hang.at(it, "evaluation")
+            eval_loss = self.evaluate()
+            if eval_loss is not None:
+                metrics["eval_loss"] = eval_loss
+                metrics["eval_ppl"] = math.exp(min(eval_loss, 50))
+        if log:
+            self.logger.step(metrics, t.train_iters)
+        if self.timeline:
+            self.timeline.step_done(it, self.groups, self._timeline_meta(), self.logger.wandb)
+        self.hang.at(it, "checkpoint")
+        return self.checkpointer.after_step(self.state, self.stop)  # saved when stopping
+
+    def _lost_peer_error(self, e: Exception) -> MegaliteError | None:
+        """A collective or p2p wait that timed out or lost its peer: this rank writes its hang
+        report and stops with one line saying so (None: another error)."""
+        cause = e.__cause__ if isinstance(e, MegaliteError) else e
+        if not isinstance(cause, RuntimeError) or not _lost_peer(cause):
+            return None
+        message = str(e) if isinstance(e, MegaliteError) else self._collective_failure(e)
+        path = self.hang.write(message)
+        if path is not None:
+            message += (f"; hang report {path}: once every rank has stopped, tools/diagnose_hang.py "
+                        f"{path.parent} names the rank the others waited on")  # fmt: skip
+        return MegaliteError(message, every_rank=True)
 
     def _timeline_meta(self) -> dict:
         p = self.shape
@@ -261,10 +383,10 @@ class Trainer:
 
     def _collective_failure(self, e: Exception) -> str:
         g = self.groups
-        where = "".join(f"{a} {c}, " for a, c in g.topo.coords(g.rank).items() if a != "pp")
+        where = g.topo.label(g.rank, skip=("pp",))
         reason = (str(e).strip().splitlines() or ["no reason given"])[0][-160:]
         return (
-            f"rank {g.rank} ({where}pipeline stage {g.pp.rank}) gave up in a collective "
+            f"rank {g.rank} ({where}, pipeline stage {g.pp.rank}) gave up in a collective "
             f"of iteration {self.iteration + 1}: another rank died or stalled ({reason}); see its log, or raise "
             "--distributed-timeout-minutes if it was only slow"
         )

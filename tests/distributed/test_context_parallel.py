@@ -1,18 +1,29 @@
-"""Ring attention at cp 2 and 4 against attention over the whole sequence in one process (fp64,
-1e-10): outputs and the gradients of q, k and v, causal and with document masking; the ring
-moves cp-1 K/V blocks per direction and keeps only this rank's tensors for backward."""
+"""Context parallelism against one process (fp64, 1e-10).
+
+Ring and all-to-all attention at cp 2 and 4 against attention over the whole sequence: outputs
+and the gradients of q, k and v, causal and with document masking; the ring moves cp-1 K/V
+blocks per direction and keeps only this rank's tensors for backward. The whole model at cp 2
+(and cp 2 x tp 2), both flavours, both attentions, with packed documents (reset positions,
+document-masked attention, no loss on end-of-document tokens): loss and every gradient as one
+process computes them. Document masking in one process: a packed row gives each document the
+logits it has alone."""
 
 import pytest
 import torch
 from megalite.kernels import attention_masked_ref
 
-from megalite.parallel.context_parallel import chunk_positions, ring_attention
+from megalite.parallel.context_parallel import (
+    a2a_attention,
+    chunk_positions,
+    ring_attention,
+    shard_batch,
+)
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from tests.spawn import spawn
 
 pytestmark = pytest.mark.distributed
-B, HQ, HKV, S, D = 2, 4, 2, 16, 8
+B, HQ, HKV, S, D = 2, 8, 4, 16, 8
 
 
 def _inputs():
@@ -46,6 +57,15 @@ def _ring(rank, world):
         err = (got - ref[:, :, mine]).abs().max().item()
         grads = [(a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(local, full)]
         out.append((err, max(grads), sends_forward, cp.ledger.calls["dp"] - sends_forward))
+        # all-to-all: the same result, three exchanges forward and three back
+        a2a = [t.detach().clone().requires_grad_() for t in local]
+        cp.ledger.reset()
+        got = a2a_attention(*a2a, cp, positions, rank_docs)
+        calls_forward = cp.ledger.calls["dp"]
+        got.backward(dout[:, :, mine])
+        err = (got - ref[:, :, mine]).abs().max().item()
+        grads = [(a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(a2a, full)]
+        out.append((err, max(grads), calls_forward, cp.ledger.calls["dp"] - calls_forward))
     return out, sum(t.numel() * t.element_size() for t in saved[: len(saved) // 2])
 
 
@@ -67,10 +87,12 @@ def test_ring_attention_matches_whole_sequence(cp):
     for rank_out, saved in spawn(_ring, cp):
         # q, k, v, out and lse of this rank's tokens (positions: a few bytes more)
         assert saved <= whole / cp * 1.1, (saved, whole)
-        for err, grad_err, forward_hops, backward_hops in rank_out:
+        for (err, grad_err, forward_hops, backward_hops), a2a in zip(rank_out[::2], rank_out[1::2]):
             assert err <= 1e-10 and grad_err <= 1e-10, (err, grad_err)
             assert forward_hops == cp - 1  # K/V blocks sent on by each rank, forward
             assert backward_hops == cp  # cp-1 with K/V (and dK/dV), one taking dK/dV home
+            assert a2a[0] <= 1e-10 and a2a[1] <= 1e-10, a2a
+            assert a2a[2:] == (3, 3)  # q, k+v and the output; their reverses backward
 
 
 def test_load_balanced_positions():
@@ -79,3 +101,103 @@ def test_load_balanced_positions():
         assert got == list(range(16))
     # rank 0 holds the first and the last chunk: as much causal work as rank 1
     assert chunk_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+EOD = 2
+MODEL_CASES = [  # both flavours: learned positions and rotary (with grouped queries)
+    dict(flavour="gpt2"),
+    dict(flavour="llama", num_query_groups=2),
+]
+
+
+def _packed(b=3, s=16, vocab=301):
+    """Token rows with end-of-document tokens at places of their own (a row may hold one)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (b, s + 1), generator=g)
+    ids[0, [3, 9]] = EOD
+    ids[1:2, 12] = EOD
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _cp_model(rank, world, tp, comm_type):
+    from megalite.config import ModelConfig
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel import comm
+    from megalite.parallel.specs import spec_of
+
+    cp = world // tp
+    groups = build_groups(Topology(tp=tp, cp=cp), torch.device("cpu"))
+    out = []
+    for case in MODEL_CASES:
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                          vocab_size=301, make_vocab_size_divisible_by=8, **case)  # fmt: skip
+        ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
+        model = GPTChunk(cfg, groups.tp, seed=11, dtype=torch.float64, cp=groups.cp,
+                         cp_comm_type=comm_type)  # fmt: skip
+        for documents in (False, True):
+            flags = (documents,) * 3  # reset positions, attention within documents, EOD loss mask
+            batch = [_packed(), _packed(2)]  # two micro-batches: the loss counts span both
+            whole = shard_batch(batch, 1, 0, EOD, *flags)
+            mine = shard_batch(batch, cp, groups.cp.rank, EOD, *flags)
+            for m in (ref, model):
+                m.zero_grad()
+            loss = expected = 0.0
+            for (t, lab, *sh), (rt, rlab, *rsh) in zip(mine, whole):
+                kw = {"shard": sh[0]} if sh else {}
+                rkw = {"shard": rsh[0]} if rsh else {}
+                mb_loss, mb_expected = model(t, lab, **kw) / 2, ref(rt, rlab, **rkw) / 2
+                (mb_loss / cp).backward()  # gradients averaged over cp, as over dp+cp in training
+                mb_expected.backward()
+                loss, expected = loss + mb_loss.detach(), expected + mb_expected.detach()
+            comm.all_reduce(loss, groups.cp)
+            errs = {"loss": (loss / cp - expected).abs().item()}
+            ref_params = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                grad, full, spec = p.grad.clone(), ref_params[name].grad, spec_of(p)
+                comm.all_reduce(grad, groups.cp)
+                if "tp" in spec.grad_sum:
+                    comm.all_reduce(grad, groups.tp)
+                if name in ("embedding.word.weight", "output.weight"):  # padded further at tp > 1
+                    full = torch.nn.functional.pad(full[: cfg.vocab_size],
+                                                   (0, 0, 0, model.vocab - cfg.vocab_size))  # fmt: skip
+                if spec.split_dim is not None:
+                    full = full.chunk(tp, spec.split_dim)[groups.tp.rank]
+                errs[name] = (grad - full).abs().max().item()
+            out.append((case["flavour"], documents, expected.item(), errs))
+    return out
+
+
+@pytest.mark.parametrize("tp,world", [(1, 2), (2, 4)])
+def test_model_matches_one_process(tp, world):
+    comm_types = ["p2p", "a2a"] if tp == 1 else ["p2p"]  # a2a at tp 2: 2 heads, one kv head
+    for comm_type in comm_types:
+        results = spawn(_cp_model, world, tp, comm_type)
+        for rank_out in results:
+            losses = {}
+            for flavour, documents, expected, errs in rank_out:
+                bad = {k: v for k, v in errs.items() if v > 1e-10}
+                assert not bad, (comm_type, flavour, documents, bad)
+                losses[flavour, documents] = expected
+            # the document flags change the loss: the comparison above was not of two no-ops
+            assert losses["gpt2", True] != losses["gpt2", False]
+
+
+def test_documents_see_only_themselves():
+    """A packed row with --reset-position-ids and --reset-attention-mask gives each document the
+    logits it gets alone (one process, both flavours)."""
+    from megalite.config import ModelConfig
+    from megalite.model.gpt import GPTChunk
+
+    for case in MODEL_CASES:
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                          vocab_size=301, **case)  # fmt: skip
+        model = GPTChunk(cfg, seed=5, dtype=torch.float64)
+        tokens, labels = _packed(1)  # documents [0, 4), [4, 10), [10, 16)
+        ((t, _, shard),) = shard_batch([(tokens, labels)], 1, 0, EOD, True, True, False)
+        packed = model(t, shard=shard)
+        for start, stop in ((0, 4), (4, 10), (10, 16)):
+            alone = model(tokens[:, start:stop])
+            assert (packed[:, start:stop] - alone).abs().max().item() <= 1e-10
+        assert (model(tokens)[:, 4:10] - packed[:, 4:10]).abs().max().item() > 1e-3

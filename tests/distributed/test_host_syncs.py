@@ -1,6 +1,8 @@
 """The step never waits on the device: at most one host read per non-logging training step (the
 optimizer's status: gradient norm, skip decision, preemption), at tp2 pp2 dp2 with ZeRO-1,
-interleaved (vpp 2) and bf16; and the counter sees a read planted in the step."""
+interleaved (vpp 2) and bf16, at tp2 dp2 with ZeRO-3 (layers gathered and freed by hooks), and
+at tp2 cp2 with packed documents (ring attention, document ids, the loss normalised by a count
+that is never read); and the counter sees a read planted in the step."""
 
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
-def _trainer(world):
+def _trainer(world, zero=1, pp=2, vpp=2, cp=1):
     from megalite.training.trainer import Trainer
 
     cfg = Config()
@@ -26,13 +28,18 @@ def _trainer(world):
     m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = "llama", 4, 32, 4
     m.seq_length, m.vocab_size = 16, 100
     t.micro_batch_size, t.global_batch_size, t.precision = 1, 8, "bf16"
-    p.tp, p.pp, p.vpp = 2, 2, 2
-    cfg.optimizer.zero_stage = 1
+    p.tp, p.pp, p.vpp, p.cp = 2, pp, vpp, cp
+    tokenizer = None
+    if cp > 1:  # and packed documents: EOD is token 2 (the tokenizer's end of document)
+        d = cfg.data
+        d.reset_position_ids = d.reset_attention_mask = d.eod_mask_loss = True
+        tokenizer = SimpleNamespace(vocab_size=100, eos_id=2, model_path=None)
+    cfg.optimizer.zero_stage = zero
     cfg.logging.wandb_mode = "disabled"
     shape = validate(cfg, world)
     groups = build_groups(shape.topology(), torch.device("cpu"))
     tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
-    data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
+    data = SimpleNamespace(train=tokens, valid=None, tokenizer=tokenizer)
     return Trainer(cfg, shape, groups, data=data)
 
 
@@ -46,8 +53,8 @@ def _steps(trainer) -> HostSyncCounter:
     return counter
 
 
-def _count(rank, world):
-    trainer = _trainer(world)
+def _count(rank, world, zero=1, pp=2, vpp=2, cp=1):
+    trainer = _trainer(world, zero, pp, vpp, cp)
     trainer.train_step(log=True)  # the first step (and a logging one) outside the count
     clean = _steps(trainer)
     step = trainer.opt.step  # now plant a stray read of a device value in the step
@@ -56,7 +63,12 @@ def _count(rank, world):
     return clean.count, [w for w, _ in clean.where], planted.count
 
 
-def test_one_host_read_per_step():
-    for clean, where, planted in spawn(_count, 8, timeout=300):
+@pytest.mark.parametrize(
+    "world,layout",
+    [(8, (1, 2, 2)), (4, (3, 1, 1)), (4, (1, 1, 1, 2))],
+    ids=["zero1-pp2", "zero3-dp2", "cp2-documents"],
+)
+def test_one_host_read_per_step(world, layout):
+    for clean, where, planted in spawn(_count, world, *layout, timeout=300):
         assert clean <= STEPS, where  # one per step: the status read
         assert planted == clean + STEPS  # the counter sees the planted read

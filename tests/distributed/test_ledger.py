@@ -2,8 +2,8 @@
 
 One spawn of two gloo ranks runs every case, each on its own groups: tensor parallelism
 (ledger bytes of GPTChunk forward/backward plus the optimizer's TP sums, with and without
-sequence parallelism, and the activations autograd keeps), data parallelism at ZeRO 0/1/2
-(ledger bytes of the bucket reductions), and the planner's parameter, gradient and optimizer
+sequence parallelism, and the activations autograd keeps), data parallelism at ZeRO 0-3
+(ledger bytes of the bucket reductions; ZeRO-3's gathers as dp_gather), and the planner's parameter, gradient and optimizer
 bytes against DistributedOptimizer's buffers for tp, pp (tied embedding) and dp layouts.
 """
 
@@ -105,6 +105,11 @@ def dp_case(zero: int, rank: int):
     loss_mean = 2 * (d - 1) / d * 8
     if zero == 0:  # all-reduce 2(d-1)/d of each fp32 gradient bucket
         expected = sum(2 * (d - 1) / d * n * 4 for n in sizes)
+    elif zero == 3:  # a reduce-scatter per micro-batch; each unit gathered before its forward
+        expected = sum(M * (d - 1) / d * n * 4 for n in sizes)  # and again before its backward
+        gathers = sum(2 * M * (d - 1) / d * n * 4 for n in sizes)
+        assert got["dp_gather"] == gathers, (got, gathers)
+        assert got["dp_gather"] == planner.comm_bytes(cfg, Layout(dp=2, zero=3), 0, M)["dp_gather"]
     else:  # reduce-scatter (once per micro-batch at ZeRO 2) + all-gather of the parameters
         passes = M if zero == 2 else 1
         expected = sum((passes + 1) * (d - 1) / d * n * 4 for n in sizes)
@@ -123,18 +128,21 @@ def memory_case(cfg: Config):
     grads = nbytes(buf.grad_buffer) if buf.grad_buffer is not None else sum(
         nbytes(b.shard_grad) for b in buf.buckets
     )  # fmt: skip
-    real = {"params": nbytes(buf.param_buffer), "grads": grads, "optimizer": opt.state_bytes()}
+    params = (sum(nbytes(b.param_shard) for b in buf.buckets) if cfg.optimizer.zero_stage == 3
+              else nbytes(buf.param_buffer))  # fmt: skip
+    real = {"params": params, "grads": grads, "optimizer": opt.state_bytes()}
     assert {k: mem[k] for k in real} == real, (lay, cfg.training.precision, mem, real)
     return real
 
 
 def run(rank, world):
     out = {"tp": [tp_case(sp) for sp in (False, True)]}
-    out["dp"] = [dp_case(z, rank) for z in (0, 1, 2)]
+    out["dp"] = [dp_case(z, rank) for z in (0, 1, 2, 3)]
     out["memory"] = [
         memory_case(config(tp=2, sp=True)),
         memory_case(config(pp=2)),  # tied embedding halves in buckets of their own
-        *[memory_case(config(dp=2, zero=z, precision=pr)) for z in (0, 1, 2) for pr in ("fp32", "bf16")],
+        *[memory_case(config(dp=2, zero=z, precision=pr)) for z in (0, 1, 2, 3) for pr in ("fp32", "bf16")],
+        memory_case(config(pp=2, dp=1, zero=3)),  # stage 3 at dp=1: tied halves, units per stage
     ]  # fmt: skip
     return out
 

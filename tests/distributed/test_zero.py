@@ -1,4 +1,4 @@
-"""ZeRO 0/1/2 data parallelism against one process holding the whole batch.
+"""ZeRO 0-3 data parallelism against one process holding the whole batch.
 
 The model is a stack of hand-written TP blocks (column- then row-parallel, a sequence-parallel
 style scale marked `grad_sync_tp`, replicated biases), so one definition runs whole (tp=1, the
@@ -248,8 +248,9 @@ def close(a, b, what, tol=1e-10):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2)):
-    """Train every ZeRO stage on this layout and compare with one process holding the batch."""
+def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2), keep=False):
+    """Train every ZeRO stage on this layout and compare with one process holding the batch
+    (`keep`: --zero3-keep-params)."""
     batches = [batch(s, gbs) for s in range(STEPS)]
     ref = Chunk(dict(enumerate(blocks(n_blocks, single_groups().tp, torch.float64))))
     ref_losses, ref_grads, ref_norms, ref_opt = reference(ref, batches, mse)
@@ -258,9 +259,9 @@ def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2
     state_bytes = {}
     for stage in stages:
         chunks = chunks_fn()
-        opt = DistributedOptimizer(
-            chunks, groups, config(stage, mbs=gbs // m // groups.dp.size, gbs=gbs)
-        )
+        cfg = config(stage, mbs=gbs // m // groups.dp.size, gbs=gbs)
+        cfg.optimizer.zero3_keep_params = keep
+        opt = DistributedOptimizer(chunks, groups, cfg)
         losses, grads, stats = train(chunks, opt, groups, batches, m)
         params = {n: p for c in chunks for n, p in c.named_parameters()}
         where = f"stage {stage} rank {groups.rank}"
@@ -272,18 +273,19 @@ def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2
         for s in range(STEPS):
             for n, g in grads[s].items():
                 close(g, local_slice(ref_grads[s][n], params[n], groups.tp), f"{where} grad {n}")
-        for n, p in params.items():
-            close(
-                p.detach(), local_slice(ref_params[n].detach(), p, groups.tp), f"{where} param {n}"
-            )
+        with opt.gathered_params():  # (ZeRO-3 holds shards: gather them to compare)
+            for n, p in params.items():
+                ref_p = local_slice(ref_params[n].detach(), p, groups.tp)
+                close(p.detach(), ref_p, f"{where} param {n}")
         state = opt.state_tensors()
         for n, p in params.items():
             for k in ("exp_avg", "exp_avg_sq"):
                 close(state[n][k], local_slice(ref_state[n][k], p, groups.tp), f"{where} {k} {n}")
-        # Overlap and no_sync: at stage 0/1 each bucket is reduced once, launched in backward.
+        # Overlap and no_sync: at stage 0/1 each bucket is reduced once, launched in backward;
+        # from stage 2 each micro-batch (ZeRO-3's parameter gathers are counted as dp_gather).
         nb = len(opt.buffer.buckets)
-        assert all(s["launched_in_backward"] for s in stats) or stage == 2
-        assert {s["dp_calls_in_backward"] for s in stats} == {nb * (m if stage == 2 else 1)}
+        assert all(s["launched_in_backward"] for s in stats) or stage >= 2
+        assert {s["dp_calls_in_backward"] for s in stats} == {nb * (m if stage >= 2 else 1)}
         # Checkpoint round trip into a fresh optimizer.
         fresh = DistributedOptimizer(chunks_fn(), groups, config(stage, gbs=gbs))
         fresh.load_state_tensors(state)
@@ -326,14 +328,16 @@ def embedding(seed=1):
     return torch.randn(V, H, generator=gen, dtype=torch.float64)
 
 
-def check_tied(groups, m=2, gbs=8):
+def check_tied(groups, m=2, gbs=8, stages=(0, 1, 2)):
     batches = [token_batch(s, gbs) for s in range(STEPS)]
     e = nn.Parameter(embedding())
     b = blocks(2, single_groups().tp, torch.float64)
     ref = Chunk({0: b[0], 1: b[1]}, embedding=e, head=e)
-    ref_losses, ref_grads, ref_norms, _ = reference(ref, batches, F.cross_entropy)
+    ref_losses, ref_grads, ref_norms, ref_opt = reference(ref, batches, F.cross_entropy)
+    ref_params = dict(ref.named_parameters())  # the tied pair once, as embedding.word.weight
+    as_ref = lambda n: "embedding.word.weight" if n == "head.weight" else n  # noqa: E731
     first, dp = groups.is_first_stage, groups.dp
-    for stage in (0, 1, 2):
+    for stage in stages:
         b = blocks(2, groups.tp, torch.float64)
         if first:
             chunk = Chunk({0: b[0]}, embedding=_param(embedding(), groups.tp, 0, tied="embedding"))
@@ -364,6 +368,8 @@ def check_tied(groups, m=2, gbs=8):
             grads = opt.full_grads()
             where = f"stage {stage} rank {groups.rank} step {s}"
             close(grads[name], ref_grads[s]["embedding.word.weight"], f"{where} tied grad")
+            for n, g in grads.items():
+                close(g, ref_grads[s][as_ref(n)], f"{where} grad {n}")
             assert r.bucket.params == [r.param]
             stats = opt.step(LR)
             close(torch.tensor(stats["grad_norm"]), torch.tensor(ref_norms[s]), f"{where} norm")
@@ -374,9 +380,16 @@ def check_tied(groups, m=2, gbs=8):
                     f"{where} loss",
                     1e-12,
                 )
-        opt.wait_params()
-        w = chunk.embedding.word.weight if first else chunk.head.weight
-        close(w.detach(), e.detach(), f"stage {stage} rank {groups.rank} tied weight")
+        where = f"stage {stage} rank {groups.rank}"
+        with opt.gathered_params():
+            w = chunk.embedding.word.weight if first else chunk.head.weight
+            close(w.detach(), e.detach(), f"{where} tied weight")
+            for n, p in chunk.named_parameters():
+                close(p.detach(), ref_params[as_ref(n)].detach(), f"{where} param {n}")
+        state = opt.state_tensors()  # (the tied copy's state is its twin's)
+        for n in state:
+            for k in ("exp_avg", "exp_avg_sq"):
+                close(state[n][k], ref_opt.state[ref_params[n]][k], f"{where} {k} {n}")
 
 
 @pytest.mark.distributed

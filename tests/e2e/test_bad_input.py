@@ -71,6 +71,10 @@ CASES = [
      "copy.idx"),
     ("vocab-too-small", 1, lambda t, p, m: ["--data-path", p, "--tokenizer-model", m, "--vocab-size", "100"],
      "--vocab-size"),
+    ("cp-vs-seq", 2, lambda t, p, m: ["--cp", "2", "--seq-length", "30"],
+     "seq_length=30 is not divisible by 2*cp=4"),
+    ("cp-a2a-vs-heads", 8, lambda t, p, m: ["--cp", "8", "--cp-comm-type", "a2a"],
+     "--cp-comm-type a2a splits each TP rank's 4 query and 4 key/value heads over cp=8"),
     ("blend-weight-negative", 1, lambda t, p, m: ["--data-path", "-0.5", p, "1.5", p, "--tokenizer-model", m],
      "positive"),
 ]  # fmt: skip

@@ -85,7 +85,10 @@ def _workers(torchrun: subprocess.Popen) -> dict[int, int]:
 def test_a_lost_rank_makes_the_others_exit_naming_it(fault, tiny_data, tmp_path):
     prefix, model = tiny_data
     metrics = tmp_path / "metrics.jsonl"
+    # torchrun stops a dead worker's node-mates within --monitor-interval (0.1 s); the ranks of
+    # other nodes see only the lost peer. A long interval lets this node's survivor play them.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--monitor-interval", "10",
            "pretrain_gpt.py", *TINY, "--data-path", prefix, "--tokenizer-model", model, "--pp", "2",
            "--train-iters", "100000", "--distributed-timeout-minutes", "0.1", "--metrics-file", str(metrics)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

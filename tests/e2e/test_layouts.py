@@ -20,6 +20,21 @@ LAYOUTS = {
     "dp2-zero2-recompute-selective": (2, ["--zero-stage", "2", "--recompute", "selective"]),
     "pp2-gpipe-recompute-full": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--recompute", "full"]),
     "tp2-pp2-order-pp-tp-dp": (4, ["--tp", "2", "--pp", "2", "--order", "pp-tp-dp"]),
+    # ZeRO-3: parameters sharded, gathered layer by layer (kept for the step under pp)
+    "dp2-zero3-recompute-full": (2, ["--zero-stage", "3", "--recompute", "full"]),
+    "dp2-tp2-zero3-sp": (4, ["--tp", "2", "--sequence-parallel", "--zero-stage", "3"]),
+    "dp2-pp2-zero3": (4, ["--pp", "2", "--zero-stage", "3"]),
+    # context parallelism: each sequence split over cp ranks (ring, or all-to-all)
+    "cp2": (2, ["--cp", "2"]),
+    "cp2-tp2-sp": (4, ["--cp", "2", "--tp", "2", "--sequence-parallel"]),
+    "cp2-pp2-a2a": (4, ["--cp", "2", "--pp", "2", "--cp-comm-type", "a2a"]),
+}
+# Packed documents: positions restart, attention stays inside a document, no loss on EOD tokens;
+# compared with one process given the same flags.
+DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+DOCUMENT_LAYOUTS = {
+    "cp2-tp2": (4, ["--cp", "2", "--tp", "2"]),
+    "cp2-pp2-dp2": (8, ["--cp", "2", "--pp", "2", "--zero-stage", "1"]),
 }
 
 
@@ -33,10 +48,27 @@ def baseline(tiny_data, tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(layout, baseline, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def document_baseline(tiny_data, tmp_path_factory, baseline):
     prefix, model = tiny_data
-    nproc, flags = LAYOUTS[layout]
+    rows, _ = pretrain(1, [*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", str(STEPS),
+                           *DOCUMENTS], tmp_path_factory.mktemp("documents"))  # fmt: skip
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == STEPS and losses != baseline  # the flags change what is learnt
+    return losses
+
+
+@pytest.mark.parametrize("layout", list(DOCUMENT_LAYOUTS))
+def test_document_layout_matches_one_process(layout, document_baseline, tiny_data, tmp_path):
+    nproc, flags = DOCUMENT_LAYOUTS[layout]
+    test_layout_matches_one_process(layout, document_baseline, tiny_data, tmp_path,
+                                    (nproc, [*flags, *DOCUMENTS]))  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, baseline, tiny_data, tmp_path, given=None):
+    prefix, model = tiny_data
+    nproc, flags = given or LAYOUTS[layout]
     args = [
         *TINY,
         "--data-path",

@@ -76,9 +76,10 @@ def test_exact_resume_same_layout(reference, tiny_data, tmp_path):
 
 @pytest.mark.parametrize(
     "nproc,layout",
-    [(1, ["--tp", "1"]), (8, ["--tp", "4", "--pp", "2", "--vpp", "2"])],
-    ids=["tp1-pp1-dp1", "tp4-pp2-vpp2"],
-)
+    [(1, ["--tp", "1"]), (8, ["--tp", "4", "--pp", "2", "--vpp", "2"]),
+     (2, ["--zero-stage", "3"])],
+    ids=["tp1-pp1-dp1", "tp4-pp2-vpp2", "dp2-zero3"],
+)  # fmt: skip
 def test_resume_at_another_layout(reference, tiny_data, tmp_path, nproc, layout):
     run, losses = reference
     rows, _ = pretrain(
@@ -87,6 +88,27 @@ def test_resume_at_another_layout(reference, tiny_data, tmp_path, nproc, layout)
     assert [x["iteration"] for x in rows] == [3, 4]
     for step, (a, b) in zip((3, 4), zip([x["loss"] for x in rows], losses[2:])):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs uninterrupted {b}"
+
+
+def test_zero3_checkpoint_resumes_at_stage1_and_dp1(tiny_data, tmp_path):
+    """A ZeRO-3 run (dp=2, parameters sharded) saves the same topology-free checkpoint: it
+    resumes at ZeRO-1 and in one process with its own loss curve."""
+    rows, _ = pretrain(2, _args(tiny_data, "--zero-stage", "3", "--save", str(tmp_path / "run"),
+                                "--save-interval", "2"), tmp_path)  # fmt: skip
+    losses = [r["loss"] for r in rows]
+    whole = sum(t.numel() * 4 for t in _weights(tmp_path / "run"))  # fp32 bytes of the model
+    assert whole <= 2 * rows[0]["param_bytes"] < 1.05 * whole  # half each, plus bucket padding
+    for nproc, layout in ((2, ["--zero-stage", "1"]), (1, [])):
+        load = ["--load", str(tmp_path / "run" / "iter_0000002")]
+        resumed, _ = pretrain(nproc, _args(tiny_data, *layout, *load), tmp_path)
+        assert [x["iteration"] for x in resumed] == [3, 4]
+        for step, (a, b) in zip((3, 4), zip([x["loss"] for x in resumed], losses[2:])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{layout} step {step}: {a} vs zero3 {b}"
+
+
+def _weights(run) -> list:
+    ck = fmt.Checkpoint(run / "iter_0000002")
+    return [ck.read(n) for n in ck.tensors if not n.startswith("optimizer.")]
 
 
 def test_sigterm_saves_and_eval_only(tiny_data, tmp_path):

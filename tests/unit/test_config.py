@@ -78,6 +78,34 @@ BAD = [
         2,
         "needs micro-batches per step (3) to be a multiple of pp=2",
     ),
+    # context parallelism and packed documents
+    (["--cp", "3"], 4, "world size 4 is not divisible by tp*pp*cp=1*1*3"),
+    (["--cp", "2", "--seq-length", "18"], 2, "seq_length=18 is not divisible by 2*cp=4"),
+    (
+        ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "20"],
+        8,
+        "seq_length/cp=10 is not divisible by tp=4",
+    ),
+    (
+        ["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+        2,
+        "attention_dropout=0.1 is not supported with cp=2",
+    ),
+    (
+        ["--cp", "2", "--cp-comm-type", "a2a", "--num-query-groups", "1"],
+        2,
+        "--cp-comm-type a2a splits each TP rank's 4 query and 1 key/value heads over cp=2",
+    ),
+    (
+        ["--reset-attention-mask", "--attention-dropout", "0.1"],
+        1,
+        "--reset-attention-mask does not support attention dropout",
+    ),
+    (
+        ["--num-experts", "4", "--zero-stage", "3"],
+        2,
+        "--zero-stage 3 does not shard mixture-of-experts models yet; use --zero-stage 2",
+    ),
 ]
 
 

@@ -1,0 +1,131 @@
+"""The training stall of a checkpoint save, synchronous against --async-save, side by side.
+
+    .venv/bin/python bench/bench_async_save.py [--layers 12] [--hidden 768] [--seq 128]
+        [--steps 12] [--every 4] [--zero 0 1]
+
+Two gloo processes on CPU (tests/spawn.py, one thread each) train a GPT-2-124M-shaped model
+(12 layers, h=768, vocabulary 50257, 1024 positions; --seq tokens per sample so that a step
+takes seconds, not minutes, on a CPU) at dp=2, for each ZeRO stage given:
+
+- stall per save: the wall time `Checkpointer.save()` holds the training loop, on the slower
+  rank, two saves of each kind. Synchronous: gather, write, hash, fsync, index, rename. Async:
+  the same gather (a collective: it stays in the foreground) and the copy to host memory;
+  the background write's own duration is reported beside it.
+- loop time: --steps steps without saves, then the same steps saving every --every steps
+  (async, then sync), each including its final wait for the last write.
+
+Every figure is measured in the same processes, one after the other, so the ratios compare
+like with like; absolute seconds depend on the machine's load (see docs/bench_async_save.md).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.config import Config  # noqa: E402
+from megalite.parallel.groups import build_groups  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.training.logger import Logger  # noqa: E402
+from tests.spawn import spawn  # noqa: E402
+
+
+def _trainer(root, a, zero):
+    from megalite.training.trainer import Trainer
+
+    cfg = Config()
+    m, t, c = cfg.model, cfg.training, cfg.checkpoint
+    m.num_layers, m.hidden_size, m.num_attention_heads = a.layers, a.hidden, 12
+    m.seq_length, m.max_position_embeddings, m.vocab_size = a.seq, 1024, 50257
+    t.micro_batch_size, t.global_batch_size, t.train_iters = 1, 2, 10**6
+    cfg.optimizer.zero_stage = zero
+    c.save, c.keep_checkpoints = str(root), 1
+    cfg.logging.wandb_mode = "disabled"
+    shape = validate(cfg, dist.get_world_size())
+    groups = build_groups(shape.topology(), torch.device("cpu"))
+    tokens = np.random.default_rng(0).integers(0, 50257, (64, a.seq + 1))
+    tr = Trainer(cfg, shape, groups, data=SimpleNamespace(train=tokens, valid=None, tokenizer=None))
+    tr.logger = Logger(cfg, enabled=False)
+    tr.checkpointer.log = lambda *_: None
+    return tr
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _loop(tr, steps, every, mode):
+    """`steps` steps, saving every `every` (mode: None, "async", "sync"), the last write waited."""
+    ck = tr.checkpointer
+    if mode:
+        tr.cfg.checkpoint.async_save = mode == "async"
+    for _ in range(steps):
+        tr.train_step(log=False)
+        if mode and tr.iteration % every == 0:
+            ck.save(tr.state())
+    ck.wait()
+    tr.opt.wait_params()
+
+
+def _measure(tr, a) -> dict:
+    ck, r = tr.checkpointer, {}
+    r["params"] = sum(p.numel() for c in tr.chunks for p in c.parameters())
+    r["step_s"] = _timed(lambda: tr.train_step(log=False))  # (warm-up, one step)
+    for mode in ("sync", "async", "sync", "async"):
+        tr.cfg.checkpoint.async_save = mode == "async"
+        tr.train_step(log=False)
+        r.setdefault(f"{mode}_stall_s", []).append(_timed(lambda: ck.save(tr.state())))
+        if mode == "async":
+            r.setdefault("async_background_s", []).append(_timed(ck.wait))
+    for mode in (None, "async", "sync"):
+        r[f"loop_{mode or 'nosave'}_s"] = _timed(lambda m=mode: _loop(tr, a.steps, a.every, m))
+    return r
+
+
+def _run(rank, world, root, a):
+    return {f"zero{z}": _measure(_trainer(Path(root) / f"zero{z}", a, z), a) for z in a.zero}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="directory for the checkpoints (default: a temporary one)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--zero", type=int, nargs="+", default=[0, 1])
+    a = ap.parse_args()
+    root = Path(a.out or tempfile.mkdtemp(prefix="bench_async_"))
+    try:
+        per_rank = spawn(_run, 2, str(root), a, timeout=7200)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report = {"load_average": os.getloadavg(), "args": vars(a)}
+    for key, r in per_rank[0].items():  # the slower rank of each figure
+        slow = {k: (max(p[key][k] for p in per_rank) if not isinstance(v, list) else
+                    [max(p[key][k][i] for p in per_rank) for i in range(len(v))])
+                for k, v in r.items()}  # fmt: skip
+        slow["stall_ratio"] = min(slow["async_stall_s"]) / min(slow["sync_stall_s"])
+        slow["loop_ratio_async"] = slow["loop_async_s"] / slow["loop_nosave_s"]
+        slow["loop_ratio_sync"] = slow["loop_sync_s"] / slow["loop_nosave_s"]
+        report[key] = slow
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The model architecture from the checkpoint a run resumes (Megatron's --use-checkpoint-args).
+
+The index of every checkpoint holds the full config of the run that wrote it ("config"; a
+conversion from Hugging Face writes the converted model's). Before `validate()`, a run that
+loads a checkpoint takes from it every model field that neither a flag nor the YAML gave, so
+`--load DIR --data-path ... --tokenizer-model ...` trains the checkpoint's architecture. A given
+field that contradicts the checkpoint ends the run with one line naming both values. Fields
+that do not change the parameters (sequence length, dropout, initialisation, vocabulary
+padding) may differ: they are the run's to choose.
+"""
+
+import copy
+import dataclasses
+
+from megalite.config import Config, ModelConfig
+from megalite.errors import MegaliteError
+
+FREE = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std",
+        "make_vocab_size_divisible_by")  # fmt: skip
+FLAGS = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+
+
+def _effective(m: ModelConfig) -> dict:
+    """What each architecture field means once defaults are resolved: num_query_groups None is
+    the head count, ffn_hidden_size None is the flavour's default, ..."""
+    return {
+        "flavour": m.flavour,
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.heads_kv,
+        "ffn_hidden_size": m.ffn,
+        "max_position_embeddings": (m.max_position_embeddings or m.seq_length)
+        if m.flavour == "gpt2" else None,
+        "vocab_size": m.vocab_size,
+        "norm_epsilon": m.norm_epsilon,
+        "rotary_base": m.rotary_base if m.flavour == "llama" else None,
+        "untie_embeddings_and_output_weights": not m.tied,
+    }  # fmt: skip
+
+
+def _shape_example(tensors: dict, model: ModelConfig) -> str:
+    """' (tensor X has shape A there, B with the flags)' for the first parameter of `model`
+    whose shape differs from the checkpoint's, built on the meta device ('' if none does)."""
+    import torch
+
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.specs import spec_of
+
+    layers = [0] if model.num_layers else []
+    chunk = GPTChunk(model, layers=layers, device=torch.device("meta"))
+    for p in chunk.parameters():
+        spec = spec_of(p)
+        theirs = tensors.get(spec.name, {}).get("shape")
+        if theirs is not None and list(theirs) != list(spec.shape):
+            return f" (tensor {spec.name} has shape {list(theirs)} there, {list(spec.shape)} with the flags)"
+    return ""
+
+
+def with_checkpoint_model(cfg: Config, given: set, path) -> Config:
+    """`cfg` with the model fields not in `given` ("model.<field>") taken from the checkpoint at
+    `path`; refuses a given field whose value contradicts it. `cfg` itself is not changed."""
+    from megalite.checkpoint.format import Checkpoint
+
+    ckpt = Checkpoint(path)
+    stored = ckpt.index.get("config", {}).get("model")
+    if not isinstance(stored, dict):
+        raise MegaliteError(f"{ckpt.dir} records no model config; pass every model flag")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        theirs = Config.from_dict({"model": {k: v for k, v in stored.items() if k in fields}}).model
+    except MegaliteError as e:
+        raise MegaliteError(f"{ckpt.dir}/index.json: {e}") from None
+    if theirs.max_position_embeddings is None and theirs.flavour == "gpt2":
+        theirs.max_position_embeddings = theirs.seq_length  # the table keeps its size
+    out = copy.deepcopy(cfg)
+    for name in fields:
+        if f"model.{name}" not in given:
+            setattr(out.model, name, getattr(theirs, name))
+    if out.model.vocab_size is None:
+        out.model.vocab_size = theirs.vocab_size
+    want, have = _effective(theirs), _effective(out.model)
+    for name in sorted(want, key=lambda n: f"model.{n}" not in given):  # a given one first
+        if have[name] != want[name]:
+            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            example = _shape_example(ckpt.tensors, out.model)
+            raise MegaliteError(
+                f"checkpoint {ckpt.dir} has {name}={want[name]} but this run's {flag} is "
+                f"{have[name]}{example}; "
+                "drop the flag to train the checkpoint's architecture, or load another checkpoint"
+            )
+    return out

@@ -1,0 +1,131 @@
+"""Asynchronous saves (--async-save): the step gathers and copies to host, a thread writes.
+
+What must be gathered is gathered in the foreground, by every rank, as in a synchronous save:
+the optimizer state over DP (`state_tensors()`, a collective) and the RNG states (an
+all_gather_object over the world). The tensors a rank writes are then copied to host memory
+(pinned buffers, reused from save to save, on a GPU: the copies are queued on the stream and
+the step does not wait for them) and the step goes on. A background thread writes the
+safetensors file exactly as a synchronous save does (`format.write_shard`: same bytes, same
+sha256), which releases the GIL while it writes and hashes.
+
+The thread never calls a collective: the training groups belong to the training thread. The
+ranks meet through the checkpoint's temporary directory instead, which every rank already
+writes into: each writer leaves `.rank<N>.json` (its index entries and file checksum, or its
+error) beside its shard, and rank 0's thread waits for those of every writer, removes them, and
+commits exactly as a synchronous save does (index, rename, `latest` last, pruning). A crash at
+any point before the commit leaves the previous `latest` as it was.
+
+At most one save is in flight: the next save, the end of training and a signal wait for it,
+then the ranks agree on its outcome in the foreground (`Checkpointer.wait`), so an error of the
+background write ends the run with one line on every rank.
+"""
+
+import json
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint import format as fmt
+
+POLL_S = 0.05
+
+
+def host_copy(tensors: dict, pinned: dict) -> tuple[dict, object]:
+    """{name: (tensor, region, shape)} with the tensors in host memory the training step will
+    not touch again, and the CUDA event to wait for before reading them (None on CPU).
+
+    On CPU the parameters are copied (the next step updates them in place); the optimizer
+    state from `state_tensors()` is a fresh copy already (it is gathered into new tensors) and
+    is kept as it is. On a GPU everything goes through pinned buffers, reused between saves
+    (the previous save has finished with them when the next one starts)."""
+    out, event = {}, None
+    for name, (t, region, shape) in tensors.items():
+        if t.device.type == "cuda":
+            buf = pinned.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            t = buf
+        elif not name.startswith("optimizer."):
+            t = t.detach().clone()  # (b, ...) the weights: the next step changes them in place
+        out[name] = (t, region, shape)
+    if any(t.device.type == "cuda" for t, _, _ in tensors.values()):
+        event = torch.cuda.Event()
+        event.record()
+    return out, event
+
+
+def _sidecar(tmp: Path, rank: int) -> Path:
+    return tmp / f".rank{rank:05d}.json"
+
+
+def write_part(tmp: Path, fname: str, tensors: dict, rank: int, report: bool) -> tuple:
+    """Write this rank's shard (`format.write_shard`); returns (entries, files, error) and, when
+    `report` (a rank other than 0), leaves them in the rank's sidecar file for rank 0."""
+    entries, files, error = {}, {}, None
+    try:
+        entries, files = fmt.write_shard(tmp, fname, tensors)
+    except OSError as e:
+        error = f"could not write checkpoint file {tmp / fname} ({e})"
+    if report:
+        fmt.write_atomic(_sidecar(tmp, rank), json.dumps([entries, files, error]))
+    return entries, files, error
+
+
+def collect_parts(tmp: Path, own: tuple, rngs: list, writers: list, timeout_s: float) -> list:
+    """Rank 0: [(entries, files, rng, error)] of every rank, in rank order (what a synchronous
+    save gathers), from the writers' sidecar files, which are then removed."""
+    parts, deadline = [], time.monotonic() + timeout_s
+    for rank, (rng, writes) in enumerate(zip(rngs, writers)):
+        if rank == 0:
+            parts.append((own[0], own[1], rng, own[2]))
+        elif not writes:
+            parts.append(({}, {}, rng, None))
+        else:
+            path = _sidecar(tmp, rank)
+            while not path.is_file():
+                if time.monotonic() > deadline:
+                    raise OSError(
+                        f"rank {rank} did not finish writing its file in {timeout_s:.0f} s"
+                    )
+                time.sleep(POLL_S)
+            entries, files, error = json.loads(path.read_text())
+            path.unlink()
+            parts.append((entries, files, rng, error))
+    return parts
+
+
+class BackgroundSave:
+    """One save at a time on a daemon thread (a crash of the process must not wait for it)."""
+
+    def __init__(self):
+        self._thread, self._error = None, None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def start(self, job):
+        assert self._thread is None, "a save is still in flight"
+
+        def run():
+            try:
+                self._error = job()
+            except Exception as e:  # an unexpected error still ends as one line
+                self._error = f"the background save failed: {type(e).__name__}: {e}"
+                traceback.print_exc()
+
+        self._error = None
+        self._thread = threading.Thread(target=run, name="megalite-save", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> str | None:
+        """Block until the save in flight (if any) is done; its error message, or None."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, error = None, self._error
+        return error

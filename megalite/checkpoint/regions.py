@@ -1,0 +1,130 @@
+"""What checkpoints hold of a run, rank by rank: agreement between ranks, the regions of
+the parameters a rank reads and writes, reading them (any layout), RNG states as text.
+
+Used by the Checkpointer (checkpointer.py) and by tools that load a model at a layout
+(megalite/cli/generate.py); every rank reads exactly the slices its parameters need.
+"""
+
+import base64
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint.format import Checkpoint, opt_name
+from megalite.errors import MegaliteError
+from megalite.parallel import comm
+from megalite.parallel.specs import spec_of
+
+# ---- agreement between ranks ---------------------------------------------------------------------
+
+
+def _world():
+    """The world as a counted group (a world of one without torch.distributed)."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    r = dist.get_rank() if dist.is_initialized() else 0
+    return comm.Group("world", list(range(n)), r, dist.group.WORLD if n > 1 else None)
+
+
+def all_gather(obj, group=None) -> list:
+    # Small Python objects (messages, index entries, RNG states as base64) between our own
+    # processes; nothing read from disk is ever unpickled.
+    return comm.all_gather_object(obj, group or _world())
+
+
+@contextmanager
+def agreed_errors(group=None):
+    """Run a block on every rank; if any rank raises MegaliteError, every rank raises it."""
+    error = None
+    try:
+        yield
+    except MegaliteError as e:
+        error = str(e)
+    errors = [e for e in all_gather(error, group) if e]
+    if errors:
+        raise MegaliteError(errors[0])
+
+
+# ---- the parameters of a rank and the regions they hold ----------------------------------------
+
+
+def rank_params(chunks):
+    """(logical tensor, parameter, spec) for every parameter of this rank's chunks; the last
+    stage's tied copy reads the first stage's embedding."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            spec = spec_of(p)
+            yield spec.source, p, spec
+
+
+def _read_padded(ckpt: Checkpoint, name: str, region, shape) -> torch.Tensor:
+    """The region of a tensor, with zero rows added where the local tensor has vocabulary padding."""
+    t = ckpt.read(name, region)
+    if t.shape[0] < shape[0]:
+        t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, shape[0] - t.shape[0]))
+    return t
+
+
+def check_model(chunks, tp, ckpt: Checkpoint):
+    """Every parameter of these chunks is in the checkpoint with the global shape it needs."""
+    for name, _, spec in rank_params(chunks):
+        if not ckpt.has(name):
+            raise MegaliteError(
+                f"checkpoint {ckpt.dir} has no tensor {name}; it holds another model "
+                "(check --num-layers, the flavour and --untie-embeddings-and-output-weights)"
+            )
+        if list(ckpt.shape(name)) != list(spec.shape):
+            raise MegaliteError(
+                f"tensor {name} has shape {list(ckpt.shape(name))} in checkpoint {ckpt.dir} but "
+                f"{list(spec.shape)} in this model; use the model flags the checkpoint was trained with"
+            )
+
+
+@torch.no_grad()
+def load_model(chunks, tp, ckpt: Checkpoint):
+    """Copy this rank's slices of the model weights into the chunks (any layout)."""
+    check_model(chunks, tp, ckpt)
+    for name, p, spec in rank_params(chunks):
+        p.copy_(_read_padded(ckpt, name, spec.region(), p.shape))
+
+
+def load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint, fresh: bool = False):
+    """The moments (and masters) of this rank's parameters, or a fresh optimizer whose masters
+    start from the loaded weights when the checkpoint has none (e.g. converted from HF) or
+    `fresh` (--finetune, --no-load-optim)."""
+    scalars = None if fresh else ckpt.index.get("optimizer")
+    state = {}
+    for name, p, spec in rank_params(chunks):
+        if scalars is None:
+            state[name] = {k: torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
+            continue
+        kinds = [k for k in fmt.OPTIMIZER_KINDS if ckpt.has(opt_name(k, name))]
+        if "exp_avg" not in kinds or "exp_avg_sq" not in kinds:
+            raise MegaliteError(
+                f"checkpoint {ckpt.dir} lacks the optimizer state of {name}; the index is incomplete"
+            )
+        region = spec.region()
+        state[name] = {k: _read_padded(ckpt, opt_name(k, name), region, p.shape) for k in kinds}
+    optimizer.load_state_tensors(state)
+    if scalars is not None:
+        optimizer.load_scalar_state(scalars)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def encode_rng(rng: dict) -> dict:
+    return {k: (None if v is None else [_b64(t) for t in v] if isinstance(v, list) else _b64(v))
+            for k, v in rng.items()}  # fmt: skip
+
+
+def decode_rng(d: dict) -> dict:
+    return {k: (None if v is None else [_unb64(t) for t in v] if isinstance(v, list) else _unb64(v))
+            for k, v in d.items() if k != "rank"}  # fmt: skip

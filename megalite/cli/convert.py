@@ -1,0 +1,196 @@
+"""Convert checkpoints between megalite and Hugging Face transformers.
+
+    python tools/convert_checkpoint.py SRC DST --to hf|megalite [--tp N --pp N --vpp N] [--force]
+
+The source format is detected: a megalite checkpoint (a run directory with `latest`, or one
+iter_* directory with index.json) or a Hugging Face model directory (config.json plus
+model.safetensors or a sharded model.safetensors.index.json).
+
+  megalite -> hf        config.json + model.safetensors for GPT2LMHeadModel / LlamaForCausalLM
+                        (vocabulary padding stripped), plus the run's tokenizer: its
+                        sentencepiece tokenizer.model or Hugging Face tokenizer.json, with a
+                        tokenizer_config.json that AutoTokenizer loads
+  hf -> megalite        a weights-only megalite checkpoint (DST/iter_0000000 + DST/latest):
+                        --load it to fine-tune; the trainer starts a fresh optimizer
+  megalite -> megalite  a verified copy. The format is topology-free, so no resharding is
+                        needed: any layout loads any checkpoint. --tp/--pp/--vpp are checked
+                        against the model (heads, layers divisible) so a bad layout fails here.
+
+Only safetensors and JSON are read (never pickle: pytorch_model.bin is refused). Progress bars
+show on a terminal only.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint import hf
+from megalite.config import Config
+from megalite.errors import MegaliteError, run_main
+from megalite.model.gpt import VOCAB_TENSORS
+from megalite.shape import validate
+
+
+def progress(items, what: str, unit: str = "tensor"):
+    """`items` with a progress bar on stderr when it is a terminal (quiet in logs and pipes)."""
+    return tqdm(items, desc=what, unit=unit, disable=None)
+
+
+def detect(src: Path) -> str:
+    if not src.is_dir():
+        raise MegaliteError(
+            f"{src} does not exist or is not a directory; pass a checkpoint directory"
+        )
+    if fmt.has_checkpoint(src):
+        return "megalite"
+    if (src / "config.json").is_file():
+        return "hf"
+    raise MegaliteError(
+        f"{src} is neither a megalite checkpoint (index.json or latest) nor a Hugging Face model "
+        "(config.json)"
+    )
+
+
+def check_layout(cfg: Config, tp: int, pp: int, vpp: int):
+    """Reject a layout this model cannot take, with validate()'s sentences. The batch fields
+    are set so that only the model-vs-layout checks can fail (cfg is this tool's own)."""
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = tp, pp, vpp
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, pp
+    validate(cfg, tp * pp)
+
+
+# ---- Hugging Face side -----------------------------------------------------------------------
+
+
+def read_hf_config(src: Path) -> dict:
+    try:
+        return json.loads((src / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise MegaliteError(f"{src / 'config.json'} is not valid JSON ({e})") from None
+
+
+def read_hf_weights(src: Path) -> dict:
+    """The state dict of a Hugging Face model directory, from safetensors only."""
+    if (src / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif (src / "model.safetensors.index.json").is_file():
+        weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        raise MegaliteError(
+            f"{src} has no model.safetensors; megalite never loads pickle (pytorch_model.bin): "
+            "save the model with save_pretrained(safe_serialization=True)"
+        )
+    state = {}
+    for f in files:
+        path = src / fmt._safe_name(f, src / "model.safetensors.index.json")
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors' own error types for a bad file
+            raise MegaliteError(f"{path} is not a readable safetensors file ({e})") from None
+    return state
+
+
+def hf_to_megalite(src: Path, dst: Path, args):
+    hf_config = read_hf_config(src)
+    cfg = Config()
+    try:
+        cfg.model = hf.model_config_from_hf(hf_config)  # unsupported architectures raise here
+    except KeyError as e:
+        raise MegaliteError(f"{src / 'config.json'} lacks the field {e}") from None
+    check_layout(cfg, args.tp, args.pp, args.vpp)
+    logical = hf.from_hf(read_hf_weights(src), cfg.model)
+    tensors = {}
+    for name, t in progress(logical.items(), "converting"):
+        if name in VOCAB_TENSORS:
+            t = t[: cfg.model.vocab_size]  # the format stores the real vocabulary
+        tensors[name] = t.contiguous()
+    # a sentencepiece model where the directory has both (Llama's): what megalite always took
+    tokenizer = next((src / n for n in fmt.TOKENIZERS if (src / n).is_file()), None)
+    meta = {
+        "iteration": 0,
+        "consumed_samples": 0,
+        "optimizer": None,  # weights only: a run that loads it starts a fresh optimizer
+        "layout": None,
+        "config": cfg.to_dict(),
+        "rng": None,
+        "source": f"huggingface:{hf_config.get('architectures', ['?'])[0]}",
+    }
+    fmt.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors, meta, tokenizer)
+    fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
+
+
+def megalite_to_hf(src: Path, dst: Path, args):
+    ckpt = fmt.Checkpoint(src)
+    ckpt.verify()
+    cfg = Config.from_dict({"model": ckpt.model_config}).model
+    state = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
+    out = hf.to_hf(state, cfg)
+    if cfg.tied:  # one tensor under two names cannot be saved; transformers re-ties lm_head
+        out.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    config = hf.hf_config(cfg)
+    config["torch_dtype"] = fmt.dtype_name(next(iter(out.values())).dtype)
+    config["bos_token_id"] = config["eos_token_id"] = None  # unknown without a tokenizer
+    if name := fmt.stored_tokenizer(ckpt.files):  # the tokenizer the run trained with
+        config.update(hf.export_tokenizer(ckpt.dir / name, dst))
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def megalite_to_megalite(src: Path, dst: Path, args):
+    ckpt = fmt.Checkpoint(src)
+    cfg = Config.from_dict({"model": ckpt.model_config})
+    check_layout(cfg, args.tp, args.pp, args.vpp)
+    for f in progress(sorted(ckpt.files), "verifying", "file"):
+        ckpt.verify([f])
+    shutil.copytree(ckpt.dir, dst / ckpt.dir.name)
+    fmt.write_atomic(dst / fmt.LATEST, ckpt.dir.name)
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--to", choices=("hf", "megalite"), required=True)
+    p.add_argument("--tp", type=int, default=1, help="layout to check the model against")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--force", action="store_true", help="replace an existing DST")
+    p.add_argument("--debug", action="store_true", help="full tracebacks")
+    args = p.parse_args(argv)
+    source = detect(args.src)
+    if source == "hf" and args.to == "hf":
+        raise MegaliteError(f"{args.src} is already a Hugging Face model; use --to megalite")
+    if args.dst.exists() and not args.force:
+        raise MegaliteError(f"{args.dst} exists; pass --force to replace it")
+    # Written aside and renamed, so a failed conversion leaves an existing DST as it was.
+    tmp = args.dst.with_name(f".{args.dst.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert = {"hf": hf_to_megalite, "megalite": megalite_to_megalite}[source]
+    if source == "megalite" and args.to == "hf":
+        convert = megalite_to_hf
+    try:
+        tmp.mkdir(parents=True)
+        convert(args.src, tmp, args)
+        if args.dst.exists():
+            shutil.rmtree(args.dst)
+        os.replace(tmp, args.dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {args.dst} ({source} -> {args.to})", file=sys.stderr)
+
+
+def cli():
+    """The console entry point megalite-convert."""
+    sys.exit(run_main(main))

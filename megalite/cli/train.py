@@ -1,0 +1,15 @@
+"""megalite-train: pretrain_gpt.py's command (config -> distributed init -> build -> train).
+
+torchrun --nproc_per_node 8 -m megalite.train --config configs/tiny.yaml --tp 2 --pp 2
+megalite-train --help
+"""
+
+import sys
+
+from megalite.errors import run_main
+from megalite.training.launch import main
+
+
+def cli():
+    """The console entry point megalite-train."""
+    sys.exit(run_main(main))

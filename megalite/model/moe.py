@@ -1,0 +1,284 @@
+"""A mixture-of-experts layer in place of the MLP: router, expert dispatch, grouped experts.
+
+Shapes: b micro-batch, s sequence (s/t on this rank), h hidden, E experts (E/ep on this rank),
+k experts per token, f expert width. T = this rank's tokens: each TP rank routes its own 1/t of
+the sequence (its sequence-parallel rows, or its slice of the replicated (b, s, h) input,
+gathered back afterwards), so no token is routed twice; the ranks holding the same sequence
+(`seq`: tp, later tp+cp) agree on whatever the layer computes over a whole sequence (the
+load-balancing loss, the capacity).
+
+- Router: fp32 logits (T, E) = x W_r^T, softmax, top-k (on softmax + the expert bias with the
+  auxiliary-loss-free balancing of DeepSeek-V3), weights renormalised over the k chosen
+  (Mixtral) unless --moe-router-pre-softmax. Its weight is replicated; each TP rank sees only
+  its tokens, so the gradient is summed over TP.
+- Losses (fp32): Switch/GShard load balancing  coeff E sum_e f_e P_e  (f_e: the share of the
+  sequence group's assignments routed to e, P_e: its mean router probability), and the router
+  z-loss  coeff mean_t logsumexp(logits_t)^2. Each rank computes its tokens' share, so the sum
+  over `seq` is the loss of the micro-batch. They join the training loss through
+  `_AttachLoss`: identity on the layer's output forward, the losses' gradient (times the scale
+  of the main loss, loss_scale / micro-batches, set by the optimizer) added in backward, so
+  every pipeline stage back-propagates its own layers' losses with no executor change.
+- Capacity (--moe-expert-capacity-factor c; dropless without it): each expert of a sequence
+  group takes at most ceil(c T_seq k / E) assignments; the drop policy "position" keeps first
+  choices before second ones, and within a choice earlier sequence positions first (the same
+  assignments in every layout). A dropped assignment contributes nothing (the residual and the
+  shared expert still pass the token on).
+- Experts: all local experts in two or three grouped GEMMs (`ops.grouped_mm`) over the
+  assignments sorted by expert; dispatch and combine over ep in parallel/expert_parallel.py.
+  Expert weights are (E/ep, out, in), split over "ep" along dim 0, named by global expert
+  (`layers.{i}.mlp.experts.gate_up.weight` (E, 2f, h): gate rows then up rows; gpt2 flavour
+  `experts.up.weight` (E, f, h); `experts.down.weight` (E, h, f)); no biases.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite.config import ModelConfig
+from megalite.parallel import comm, expert_parallel
+from megalite.parallel.comm import Group
+from megalite.parallel.specs import mark
+from megalite.parallel.tensor_parallel import shard_spec
+
+STATS = 4  # per layer after the E loads: aux loss, z-loss, dropped assignments, passes
+
+
+class _AttachLoss(torch.autograd.Function):
+    """y = x forward; backward passes x's gradient through and gives `loss` the gradient
+    `scale` (what backward of the main loss gives it: loss_scale / micro-batches)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale):
+        ctx.scale, ctx.dtype = scale, loss.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.full((), ctx.scale, dtype=ctx.dtype, device=g.device), None
+
+
+class _Weight(nn.Module):
+    """Holds one stacked expert weight, so its logical name ends in `.weight`."""
+
+    def __init__(self, w: nn.Parameter):
+        super().__init__()
+        self.weight = w
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Group, ep: Group, ops, sequence_parallel: bool,
+                 shared: nn.Module | None = None, dtype=None, device=None):  # fmt: skip
+        super().__init__()
+        self.tp, self.ep, self.ops, self.sp, self.shared = tp, ep, ops, sequence_parallel, shared
+        self.seq = tp  # the ranks that hold one sequence between them
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn
+        self.e, self.k, self.f, self.llama = e, cfg.moe_router_topk, f, cfg.flavour == "llama"
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.pre_softmax, self.capacity_factor = (
+            cfg.moe_router_pre_softmax,
+            cfg.moe_expert_capacity_factor,
+        )
+        self.bias_rate = cfg.moe_router_bias_update_rate
+        self.aux_scale = 1.0  # loss_scale / micro-batches of the step (set by the optimizer)
+        kw = {"dtype": dtype, "device": device}
+        self.router = nn.Module()
+        self.router.weight = mark(nn.Parameter(torch.empty(e, h, **kw)),
+                                  **shard_spec(tp, None, partial_grad=True))  # fmt: skip
+        if e % ep.size:
+            raise ValueError(f"num_experts={e} is not divisible by ep={ep.size}")
+        local = e // ep.size
+        split = {"split_dim": 0, "split_axis": "ep", "split_size": ep.size, "split_index": ep.rank}
+        first = 2 * f if self.llama else f  # gate and up rows, or up alone
+        self.experts = nn.Module()
+        name = "gate_up" if self.llama else "up"
+        w1 = mark(nn.Parameter(torch.empty(local, first, h, **kw)), **split)
+        setattr(self.experts, name, _Weight(w1))
+        self.experts.down = _Weight(mark(nn.Parameter(torch.empty(local, h, f, **kw)), **split))
+        stat_kw = {"dtype": torch.float64, "device": device}
+        # Running sums since moe_stats() last read them: loads (E,), aux, z, dropped, passes.
+        self.register_buffer("stats", torch.zeros(e + STATS, **stat_kw), persistent=False)
+        # Auxiliary-loss-free balancing: a bias on the top-k choice, and the step's loads.
+        bias = cfg.moe_router_enable_expert_bias
+        zeros = torch.zeros(e, dtype=torch.float32, device=device) if bias else None
+        self.register_buffer("expert_bias", zeros, persistent=False)
+        zeros = torch.zeros(e, **stat_kw) if bias else None
+        self.register_buffer("step_load", zeros, persistent=False)
+
+    # ---- routing ------------------------------------------------------------------------------
+
+    def route(self, tokens: torch.Tensor):
+        """tokens (T, h) -> logits and probabilities (T, E), expert indices (T, k), weights
+        (T, k); in fp32 at least, whatever the model's precision."""
+        dtype = torch.promote_types(tokens.dtype, torch.float32)
+        logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype))
+        probs = logits.softmax(-1)
+        choice = probs if self.expert_bias is None else probs + self.expert_bias
+        top = choice.topk(self.k, dim=-1).indices  # (T, k)
+        w = probs.gather(1, top)
+        if not self.pre_softmax:
+            w = w / w.sum(-1, keepdim=True)
+        return logits, probs, top, w
+
+    def _capacity_keep(self, top: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """(T, k) bool: the assignments within capacity (drop policy "position": choice j
+        before j + 1, then sequence position, then the row of the micro-batch; the TP ranks
+        hold consecutive positions, so ranks before this one come first)."""
+        k, e, seq = self.k, self.e, self.seq
+        idx = top.view(b, s, k).permute(2, 1, 0).reshape(k, s * b)  # priority order
+        onehot = torch.zeros(k, s * b, e, dtype=torch.int64, device=top.device)
+        onehot.scatter_(2, idx.unsqueeze(-1), 1)
+        mine = onehot.sum(1)  # (k, E)
+        every = mine.new_empty(seq.size * k, e)
+        comm.all_gather(every, mine, seq)
+        every = every.view(seq.size, k, e)
+        total = every.sum(0)
+        start = total.cumsum(0) - total + every[: seq.rank].sum(0)  # (k, E) ahead of my rows
+        pos = (onehot.cumsum(1) - onehot).gather(2, idx.unsqueeze(-1)).squeeze(-1)  # (k, s*b)
+        capacity = math.ceil(self.capacity_factor * s * b * seq.size * k / e)
+        keep = start.gather(1, idx) + pos < capacity  # (k, s*b)
+        return keep.view(k, s, b).permute(2, 1, 0).reshape(b * s, k)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, x, fused: bool = True):
+        """x (b, s, h), or (b, s/t, h) with sequence parallelism -> the same shape. `fused` is
+        False for inference with a KV cache: every TP rank then routes the whole input."""
+        out = self._routed(x, split=self.tp.size > 1 and not self.sp and fused)
+        if self.shared is not None:
+            out = out + self.shared(x, fused=fused)
+        return out
+
+    def _routed(self, x: torch.Tensor, split: bool) -> torch.Tensor:
+        if split:  # this TP rank's 1/t of the sequence; gathered back at the end
+            x = comm.scatter_to_group(x, self.tp, dim=1)
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)  # (T, h)
+        t, k, e = b * s, self.k, self.e
+        logits, probs, top, w = self.route(tokens)
+        training = self.training and torch.is_grad_enabled()
+        dropping = self.capacity_factor is not None
+        keep = self._capacity_keep(top, b, s) if dropping else None
+        # Assignments a = token * k + choice, sorted by expert (dropped ones last, as expert E).
+        key = top.reshape(-1) if keep is None else top.masked_fill(~keep, e).reshape(-1)
+        order = torch.sort(key, stable=True).indices  # (T k,)
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        p = expert_parallel.plan(counts[:e], self.ep, t * k, dropping)
+        # Each token repeated k times, then permuted: a gather by a permutation, whose backward
+        # (a scatter of distinct rows, then the sum over k) is deterministic.
+        rows = tokens.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, order)
+        local = expert_parallel.dispatch(rows[: p.n_send], p, self.ep)  # (n_recv, h)
+        y = self._experts(local, p.offsets)
+        back = expert_parallel.combine(y, p, self.ep)  # (n_send, h)
+        if p.n_send < t * k:  # dropped assignments come back as zeros
+            back = torch.cat([back, back.new_zeros(t * k - p.n_send, h)])
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(t * k, device=x.device)
+        wk = w if keep is None else w * keep
+        out = (back.index_select(0, unsort).view(t, k, h) * wk.unsqueeze(-1).to(back.dtype)).sum(1)
+        out = out.view(b, s, h)
+        if training:
+            out = self._account(out, logits, probs, top, counts, t)
+        return comm.gather_from_group(out, self.tp, dim=1) if split else out
+
+    def _experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x (n, h) sorted by local expert, offsets (E_local + 1,) -> (n, h)."""
+        mm = self.ops.grouped_mm
+        if self.llama:
+            gate_up = mm(x, self.experts.gate_up.weight, offsets)  # (n, 2f)
+            y = self.ops.swiglu(gate_up[:, : self.f], gate_up[:, self.f :])
+        else:
+            y = self.ops.gelu(mm(x, self.experts.up.weight, offsets))  # (n, f)
+        return mm(y, self.experts.down.weight, offsets)
+
+    def _account(self, out, logits, probs, top, counts, t: int):
+        """Auxiliary losses attached to `out`, and the running statistics (all on the device)."""
+        e, k, seq = self.e, self.k, self.seq
+        n_seq = t * seq.size  # tokens of the sequence group
+        load = torch.zeros(e, dtype=torch.float32, device=out.device)
+        load.scatter_add_(0, top.reshape(-1), torch.ones(top.numel(), device=out.device))
+        aux = z = torch.zeros((), dtype=probs.dtype, device=out.device)
+        if self.aux_coeff:
+            group_load = load.clone()
+            comm.all_reduce(group_load, seq)  # f_e over the whole sequence group
+            # P_e from the softmax over all experts, whatever the top-k saw
+            aux = self.aux_coeff * e / (k * n_seq * n_seq) * (probs.sum(0) * group_load).sum()
+        if self.z_coeff:
+            z = self.z_coeff * torch.logsumexp(logits, -1).square().sum() / n_seq
+        if self.aux_coeff or self.z_coeff:
+            out = _AttachLoss.apply(out, aux + z, self.aux_scale)
+        with torch.no_grad():
+            dropped = top.numel() - counts[:e].sum()
+            passes = torch.full((), 1.0 / seq.size, dtype=torch.float64, device=out.device)
+            extra = torch.stack([aux.detach().double(), z.detach().double(), dropped.double(),
+                                 passes])  # fmt: skip
+            self.stats += torch.cat([load.double(), extra])
+            if self.expert_bias is not None:
+                self.step_load += load
+        return out
+
+
+def moe_layers(chunks):
+    """(global layer index, MoELayer) of these chunks."""
+    for chunk in chunks:
+        for name, layer in getattr(chunk, "layers", {}).items():
+            if isinstance(getattr(layer, "mlp", None), MoELayer):
+                yield int(name), layer.mlp
+
+
+def set_aux_loss_scale(chunks, scale: float):
+    """The gradient the auxiliary losses get in backward: the main loss's (loss_scale / m)."""
+    for _, moe in moe_layers(chunks):
+        moe.aux_scale = scale
+
+
+@torch.no_grad()
+def update_expert_bias(chunks, world: Group, num_layers: int):
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert bias moves by
+    the update rate towards balance, b_e += u sign(mean load - load_e), from the step's loads
+    summed over every rank holding the layer. One all-reduce of (layers, E) over the world
+    (each rank fills its own layers' rows), on the device: no host read."""
+    layers = [(i, m) for i, m in moe_layers(chunks) if m.expert_bias is not None]
+    if not layers:
+        return
+    e = layers[0][1].e
+    loads = torch.zeros(num_layers, e, dtype=torch.float64, device=layers[0][1].stats.device)
+    for i, m in layers:
+        loads[i] = m.step_load
+        m.step_load.zero_()
+    comm.all_reduce(loads, world)
+    for i, m in layers:
+        m.expert_bias += m.bias_rate * torch.sign(loads[i].mean() - loads[i]).float()
+
+
+def moe_metrics(chunks, world: Group, num_layers: int, num_experts: int) -> dict:
+    """What a logging step reports of the MoE layers since the last call: per layer the load
+    (share of the assignments each expert got, before drops), and over all layers the mean
+    load-balancing and z losses per micro-batch, the dropped share and the worst imbalance
+    (max load / mean load). One all-reduce over the world and one host read: call it on
+    logging steps only, on every rank. The running sums restart."""
+    layers = dict(moe_layers(chunks))
+    device = next((m.stats.device for m in layers.values()), world.device)
+    table = torch.zeros(num_layers, num_experts + STATS, dtype=torch.float64, device=device)
+    for i, m in layers.items():
+        table[i] = m.stats
+        m.stats.zero_()
+    comm.all_reduce(table, world)
+    ran = [(i, r) for i, r in enumerate(table.tolist()) if r[-1] > 0]  # MoE layers that ran
+    if not ran:
+        return {}
+    rows = [r for _, r in ran]
+    loads = [r[:num_experts] for r in rows]
+    total = [sum(x) or 1.0 for x in loads]
+    passes = sum(r[-1] for r in rows)
+    return {
+        "moe_aux_loss": sum(r[num_experts] for r in rows) / passes,
+        "moe_z_loss": sum(r[num_experts + 1] for r in rows) / passes,
+        "moe_dropped_share": sum(r[num_experts + 2] for r in rows) / sum(total),
+        "moe_load_imbalance": max(max(x) * num_experts / t for x, t in zip(loads, total)),
+        "moe_load": {
+            str(i): [round(v / t, 4) for v in x] for (i, _), x, t in zip(ran, loads, total)
+        },
+    }

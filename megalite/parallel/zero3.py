@@ -1,0 +1,294 @@
+"""ZeRO-3: every rank keeps 1/dp of each parameter, gathered layer by layer when it is used.
+
+The parameters of a model chunk are grouped in units: one per layer (`chunk.layers[i]`) and one
+"outer" unit for the rest (embedding, final norm, head), read by the chunk around its layers, as
+FSDP wraps each block and the root. A unit is one bucket (a parameter that must be sharded alone,
+a tied half, gets a bucket of its own in its unit), so the optimizer, the norm and checkpoints
+see the same buckets and shards as at stages 1 and 2; the unit is only what is gathered and
+freed together.
+
+Each bucket has its persistent shard (`Bucket.param_shard`, what the optimizer updates) and a
+full flat tensor (`Bucket.full`) that the parameters are views of. Freeing resizes the full
+tensor's storage to zero: autograd keeps the parameters it saved for backward, so only freeing
+the storage itself releases the memory, and gathering back into that same storage before
+backward gives autograd its saved weights again (FSDP's flat parameter does the same; swapping
+`.data` would leave the saved tensors alive, and sharing one buffer between layers would corrupt
+them).
+
+A step, per micro-batch (`reshard` below says what is kept):
+
+  forward   a unit's pre-hook waits for its gather (started earlier as a prefetch, else now)
+            and starts the next unit's; its post-hook frees it and hooks the unit's output, so
+            the gradient reaching that output gathers the unit again (and prefetches the unit
+            before it) before its backward runs
+  backward  once every parameter of a bucket has its gradient, the bucket is reduce-scattered
+            into this rank's shard gradient (stage 2's path, gradients staged only while they
+            are reduced), and once all buckets of the unit are, the unit is freed
+
+Gradient accumulation: each micro-batch is reduce-scattered as it comes (m reduce-scatters of
+every unit per step, no whole-model gradient ever exists), as FSDP2 without no_sync.
+
+Keeping parameters (`reshard`): "forward" frees after forward and after backward (the default,
+2 gathers per unit per micro-batch); "backward" (--zero3-keep-params) keeps them from forward
+to the end of the unit's backward (1 gather); "step" (the default under pp, as torchtitan:
+1F1B interleaves forwards and backwards of different micro-batches) keeps them gathered until
+the step's gradients are reduced (1 gather per step).
+
+Parameter gathers are recorded in the ledger as "<kind>_gather" (e.g. dp_gather), the gradient
+reduce-scatters under the group's own kind, so a step's traffic of each is visible.
+"""
+
+import dataclasses
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megalite.optim.zero import ZERO
+from megalite.parallel import comm
+from megalite.parallel.comm import Group
+from megalite.parallel.data_parallel import ALIGN, Bucket, GradBuffer, ParamRange, grad_dtype
+
+RESHARD = ("forward", "backward", "step")
+
+
+def unit_of(name: str) -> str:
+    """The unit a parameter belongs to, by its name in the chunk: "layers.<i>" or "" (outer)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ""
+
+
+def unit_layout(chunks: list[list[tuple]], pad: int) -> list[tuple]:
+    """Buckets of a ZeRO-3 buffer, in bucket_layout's format [(start, end, [(name, offset,
+    numel)])]: per chunk its outer unit, then its layers in order (forward order); one bucket
+    per unit, an `alone` parameter in a bucket of its own. `chunks`: per chunk [(name, numel,
+    alone)] in registration order. The buffer and the planner both lay units out with this."""
+    out, offset = [], 0
+
+    def close(ranges):
+        nonlocal offset
+        start, placed = offset, []
+        for name, n in ranges:
+            placed.append((name, offset, n))
+            offset += n
+        offset = -(-offset // pad) * pad
+        out.append((start, offset, placed))
+
+    for params in chunks:
+        units: dict[str, list] = {"": []}
+        for name, n, alone in params:
+            units.setdefault(unit_of(name), []).append((name, n, alone))
+        for members in units.values():
+            shared = [(name, n) for name, n, alone in members if not alone]
+            for name, n, alone in members:
+                if alone:
+                    close([(name, n)])
+            if shared:
+                close(shared)
+    return out
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters gathered and freed together: a layer, or a chunk's outer parameters."""
+
+    name: str
+    module: nn.Module  # whose forward uses them (hooked)
+    buckets: list
+    chunk: int
+    gathered: bool = False  # storage allocated (the gather may still be in flight)
+    works: list = field(default_factory=list)  # gathers in flight
+    reduced: int = 0  # buckets reduce-scattered in this backward pass
+
+
+class Zero3Buffer(GradBuffer):
+    """A GradBuffer (the optimizer's view: buckets, shards, shard gradients) whose parameters
+    live as shards, gathered per unit around their use."""
+
+    def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
+                 own_bucket=lambda name, p: False):  # fmt: skip
+        if reshard not in RESHARD:
+            raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
+        named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad] for c in chunks]
+        params = [x for c in named for x in c]
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        names = [n for n, _ in params]
+        if len(set(names)) != len(names):
+            raise ValueError("parameter names repeat across chunks; logical names must be unique")
+        self.dp, self.zero, self.scale = dp, ZERO[3], 1.0 / dp.size
+        self.gather_group = dataclasses.replace(dp, kind=f"{dp.kind}_gather")
+        self.reshard = reshard
+        self.param_dtype = dtypes.pop()
+        self.grad_dtype = grad_dtype(self.param_dtype)
+        device = params[0][1].device
+        layout = unit_layout(
+            [[(n, p.numel(), own_bucket(n, p)) for n, p in c] for c in named], dp.size * ALIGN
+        )
+        by_name = dict(params)
+        chunk_of = {n: c for c, named_c in enumerate(named) for n, _ in named_c}
+        self.buckets, self.ranges, self.units = [], [], []
+        units = {}
+        for start, end, ranges in layout:
+            first = ranges[0][0]
+            c = chunk_of[first]
+            b = Bucket(start, end, [by_name[n] for n, _, _ in ranges], c)
+            shard = b.numel // dp.size
+            b.dp_start = b.shard_start = start + dp.rank * shard
+            b.shard_end = b.shard_start + shard
+            b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
+            b.full = torch.zeros(b.numel, dtype=self.param_dtype, device=device)
+            with torch.no_grad():
+                for n, o, k in ranges:
+                    p = by_name[n]
+                    view = b.full[o - start : o - start + k].view_as(p)
+                    view.copy_(p)
+                    p.data = view  # the model reads the unit's storage (freed between uses)
+                    self.ranges.append(ParamRange(n, p, o, b))
+            b.param_shard = b.full[b.dp_start - start : b.shard_end - start].clone()
+            self.buckets.append(b)
+            key = (c, unit_of(first))
+            if key not in units:
+                module = chunks[c].get_submodule(key[1]) if key[1] else chunks[c]
+                units[key] = Unit(key[1] or "outer", module, [], c, gathered=True)
+                self.units.append(units[key])
+            units[key].buckets.append(b)
+        self.numel = layout[-1][1] if layout else 0
+        self.grad_buffer = None
+        self._unit_of = {b: u for u in self.units for b in u.buckets}
+        self._range_of = {r.param: r for r in self.ranges}
+        self._grad_is_view = False
+        self._in_flight = deque()
+        self.staged_bytes = self.peak_staged_bytes = 0
+        self.gathered_bytes = sum(b.numel * b.full.element_size() for b in self.buckets)
+        self.free_all()  # built whole: from now on each rank holds its shards only
+        self._hook(chunks)
+        for r in self.ranges:
+            r.param.register_post_accumulate_grad_hook(self._on_grad)
+        self.zero_grad(1)
+
+    # ---- gathering and freeing ----------------------------------------------------------
+
+    def _gather(self, u: Unit, wait: bool = True):
+        """Allocate the unit's storage and start gathering its shards into it (a prefetch),
+        and with `wait` wait for them."""
+        if not u.gathered:
+            for b in u.buckets:
+                b.full.untyped_storage().resize_(b.numel * b.full.element_size())
+                u.works.append(comm.all_gather(b.full, b.param_shard, self.gather_group,
+                                               async_op=True))  # fmt: skip
+                self.gathered_bytes += b.numel * b.full.element_size()
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            u.gathered = True
+        if wait:
+            for w in u.works:
+                if w is not None:
+                    w.wait()
+            u.works = []
+
+    def _free(self, u: Unit):
+        if not u.gathered:
+            return
+        self._gather(u, wait=True)  # never release storage a collective still writes
+        for b in u.buckets:
+            b.full.untyped_storage().resize_(0)
+            self.gathered_bytes -= b.numel * b.full.element_size()
+        u.gathered = False
+
+    def free_all(self):
+        for u in self.units:
+            self._free(u)
+
+    def _hook(self, chunks):
+        per_chunk = [[u for u in self.units if u.chunk == c] for c in range(len(chunks))]
+        for order in per_chunk:
+            for i, u in enumerate(order):
+                nxt = order[i + 1] if i + 1 < len(order) else None
+                prev = order[i - 1] if i > 0 else None
+                u.module.register_forward_pre_hook(self._pre_forward(u, nxt))
+                u.module.register_forward_hook(self._post_forward(u, prev))
+
+    def _pre_forward(self, u: Unit, nxt: Unit | None):
+        def hook(module, args):
+            self._gather(u)
+            if nxt is not None:
+                self._gather(nxt, wait=False)  # overlaps this unit's forward
+
+        return hook
+
+    def _post_forward(self, u: Unit, prev: Unit | None):
+        def hook(module, args, output):
+            training = torch.is_grad_enabled()
+            if training:
+                outs = output if isinstance(output, (tuple, list)) else (output,)
+                for t in outs:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward(u, prev))
+            if not training or self.reshard == "forward":
+                self._free(u)
+
+        return hook
+
+    def _pre_backward(self, u: Unit, prev: Unit | None):
+        def hook(grad):
+            self._gather(u)
+            if prev is not None and self.reshard == "forward":
+                self._gather(prev, wait=False)  # backward runs the units in reverse
+
+        return hook
+
+    def _launch(self, b: Bucket):
+        super()._launch(b)
+        u = self._unit_of[b]
+        u.reduced += 1
+        if u.reduced == len(u.buckets):  # the unit's backward is over for this micro-batch
+            u.reduced = 0
+            if self.reshard != "step":
+                self._free(u)
+
+    # ---- the step and the optimizer's interface -------------------------------------------
+
+    def zero_grad(self, microbatches: int):
+        super().zero_grad(microbatches)
+        for u in self.units:
+            u.reduced = 0
+        self.free_all()  # kept from an evaluation or a checkpoint: gathered afresh when used
+        self.peak_gathered_bytes = self.gathered_bytes
+
+    def finish(self):
+        super().finish()
+        self.free_all()  # the step changes the shards: every unit is gathered afresh
+
+    def param_shard(self, b: Bucket) -> torch.Tensor:
+        return b.param_shard
+
+    def all_gather_params(self, overlap: bool = False):
+        """Nothing to do: each unit is gathered where it is used."""
+
+    def wait_params(self):
+        """Nothing in flight outside a forward or backward."""
+
+    @contextmanager
+    def gathered(self, write_back: bool = False):
+        """Every parameter whole in the block (checkpoints, tests); with `write_back` what the
+        block wrote into the parameters becomes this rank's shards. Collective over DP."""
+        for u in self.units:
+            self._gather(u, wait=False)
+        for u in self.units:
+            self._gather(u)
+        try:
+            yield
+            if write_back:
+                with torch.no_grad():
+                    for b in self.buckets:
+                        b.param_shard.copy_(b.full[b.dp_start - b.start : b.shard_end - b.start])
+        finally:
+            self.free_all()
+
+    def live_param_bytes(self) -> int:
+        """Parameter bytes this rank holds now: its shards and the units gathered."""
+        shards = sum(b.param_shard.numel() * b.param_shard.element_size() for b in self.buckets)
+        return shards + sum(b.full.untyped_storage().nbytes() for b in self.buckets)
