@@ -28,12 +28,13 @@ LAYOUTS = {
     "cp2": (2, ["--cp", "2"]),
     "cp2-tp2-sp": (4, ["--cp", "2", "--tp", "2", "--sequence-parallel"]),
     "cp2-pp2-a2a": (4, ["--cp", "2", "--pp", "2", "--cp-comm-type", "a2a"]),
+    "cp2-tp2-pp2": (8, ["--cp", "2", "--tp", "2", "--pp", "2"]),
 }
 # Packed documents: positions restart, attention stays inside a document, no loss on EOD tokens;
 # compared with one process given the same flags.
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 DOCUMENT_LAYOUTS = {
-    "cp2-tp2": (4, ["--cp", "2", "--tp", "2"]),
+    "cp2-tp2-pp2": (8, ["--cp", "2", "--tp", "2", "--pp", "2"]),
     "cp2-pp2-dp2": (8, ["--cp", "2", "--pp", "2", "--zero-stage", "1"]),
 }
 
