@@ -41,6 +41,38 @@ ALIGN = 64
 MAX_IN_FLIGHT = 2
 
 
+class Packer:
+    """Lays buckets end to end in a flat buffer: `out` holds [(start, end, [(name, offset,
+    numel)])], each bucket's `end - start` a multiple of `pad`."""
+
+    def __init__(self, pad: int):
+        self.pad, self.out, self.offset = pad, [], 0
+
+    def close(self, ranges: list[tuple]):
+        """Append one bucket holding `ranges` [(name, numel)] in order."""
+        start, placed = self.offset, []
+        for name, n in ranges:
+            placed.append((name, self.offset, n))
+            self.offset += n
+        self.offset = -(-self.offset // self.pad) * self.pad
+        self.out.append((start, self.offset, placed))
+
+
+def trainable(chunks: list[nn.Module], select=lambda name, p: True) -> tuple[list, torch.dtype]:
+    """Per chunk [(name, parameter)] of the trainable parameters `select` keeps, and their one
+    dtype; refuses mixed dtypes and names repeated across chunks."""
+    named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad and select(n, p)]
+             for c in chunks]  # fmt: skip
+    params = [x for c in named for x in c]
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
+    names = [n for n, _ in params]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names repeat across chunks; logical names must be unique")
+    return named, dtypes.pop()
+
+
 def bucket_layout(chunks: list[list[tuple]], bucket_numel: int, pad: int) -> list[tuple]:
     """Cut parameters into buckets: [(start, end, [(name, offset, numel)])], `end - start` a
     multiple of `pad`. `chunks`: per model chunk, its [(name, numel, alone)] in registration
@@ -48,31 +80,21 @@ def bucket_layout(chunks: list[list[tuple]], bucket_numel: int, pad: int) -> lis
     so early buckets fill and start reducing first); a bucket never spans two chunks, closes
     once it holds `bucket_numel` elements, and an `alone` parameter gets one of its own. The
     gradient buffer and the planner both lay parameters out with this."""
-    out, offset = [], 0
-
-    def close(current):
-        nonlocal offset
-        start, ranges = offset, []
-        for name, n in current:
-            ranges.append((name, offset, n))
-            offset += n
-        offset = -(-offset // pad) * pad
-        out.append((start, offset, ranges))
-
+    pack = Packer(pad)
     for params in chunks:
         current, held = [], 0
         for name, n, alone in reversed(params):
             if current and (alone or held >= bucket_numel):
-                close(current)
+                pack.close(current)
                 current, held = [], 0
             current.append((name, n))
             held += n
             if alone:
-                close(current)
+                pack.close(current)
                 current, held = [], 0
         if current:
-            close(current)
-    return out
+            pack.close(current)
+    return pack.out
 
 
 @dataclass(eq=False)
@@ -143,20 +165,12 @@ class GradBuffer:
         """`select(name, p)`: the parameters this buffer holds (default all); `scale`: what
         gradients are multiplied by before the sum over `dp` (default 1/dp: a mean over the
         replicas; expert gradients, summed over fewer ranks than the replicas, take 1/replicas)."""
-        named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad and select(n, p)]
-                 for c in chunks]  # fmt: skip
+        named, self.param_dtype = trainable(chunks, select)
         params = [x for c in named for x in c]
-        dtypes = {p.dtype for _, p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
-        names = [n for n, _ in params]
-        if len(set(names)) != len(names):
-            raise ValueError("parameter names repeat across chunks; logical names must be unique")
         self.dp, self.zero = dp, ZERO[zero_stage]
         if self.zero.shard_params:
             raise ValueError("ZeRO-3 shards the parameters: build a zero3.Zero3Buffer")
         self.scale = 1.0 / dp.size if scale is None else scale
-        self.param_dtype = dtypes.pop()
         self.grad_dtype = grad_dtype(self.param_dtype)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         bucket_numel = max(1, int(bucket_size_mb * 2**20 / size))

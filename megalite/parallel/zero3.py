@@ -49,7 +49,15 @@ from torch import nn
 from megalite.optim.zero import ZERO
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
-from megalite.parallel.data_parallel import ALIGN, Bucket, GradBuffer, ParamRange, grad_dtype
+from megalite.parallel.data_parallel import (
+    ALIGN,
+    Bucket,
+    GradBuffer,
+    Packer,
+    ParamRange,
+    grad_dtype,
+    trainable,
+)
 
 RESHARD = ("forward", "backward", "step")
 
@@ -65,17 +73,7 @@ def unit_layout(chunks: list[list[tuple]], pad: int) -> list[tuple]:
     numel)])]: per chunk its outer unit, then its layers in order (forward order); one bucket
     per unit, an `alone` parameter in a bucket of its own. `chunks`: per chunk [(name, numel,
     alone)] in registration order. The buffer and the planner both lay units out with this."""
-    out, offset = [], 0
-
-    def close(ranges):
-        nonlocal offset
-        start, placed = offset, []
-        for name, n in ranges:
-            placed.append((name, offset, n))
-            offset += n
-        offset = -(-offset // pad) * pad
-        out.append((start, offset, placed))
-
+    pack = Packer(pad)
     for params in chunks:
         units: dict[str, list] = {"": []}
         for name, n, alone in params:
@@ -84,10 +82,10 @@ def unit_layout(chunks: list[list[tuple]], pad: int) -> list[tuple]:
             shared = [(name, n) for name, n, alone in members if not alone]
             for name, n, alone in members:
                 if alone:
-                    close([(name, n)])
+                    pack.close([(name, n)])
             if shared:
-                close(shared)
-    return out
+                pack.close(shared)
+    return pack.out
 
 
 @dataclass(eq=False)
@@ -111,18 +109,11 @@ class Zero3Buffer(GradBuffer):
                  own_bucket=lambda name, p: False):  # fmt: skip
         if reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
-        named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad] for c in chunks]
+        named, self.param_dtype = trainable(chunks)
         params = [x for c in named for x in c]
-        dtypes = {p.dtype for _, p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
-        names = [n for n, _ in params]
-        if len(set(names)) != len(names):
-            raise ValueError("parameter names repeat across chunks; logical names must be unique")
         self.dp, self.zero, self.scale = dp, ZERO[3], 1.0 / dp.size
         self.gather_group = dataclasses.replace(dp, kind=f"{dp.kind}_gather")
         self.reshard = reshard
-        self.param_dtype = dtypes.pop()
         self.grad_dtype = grad_dtype(self.param_dtype)
         device = params[0][1].device
         layout = unit_layout(
