@@ -126,19 +126,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if arch == ARCHITECTURES["llama"] or hf.get("model_type") == "llama":
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise MegaliteError("Llama models with attention or MLP biases are not supported")
-        return ModelConfig(
-            flavour="llama",
-            num_layers=hf["num_hidden_layers"],
-            hidden_size=hf["hidden_size"],
-            num_attention_heads=hf["num_attention_heads"],
-            num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            ffn_hidden_size=hf["intermediate_size"],
-            seq_length=hf.get("max_position_embeddings", 2048),
-            vocab_size=hf["vocab_size"],
-            norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-            rotary_base=_rope_base(hf, 10000.0, "Llama"),
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        )
+        return _llama_config(hf, "Llama")
     if arch == ARCHITECTURES["mixtral"] or hf.get("model_type") == "mixtral":
         return _mixtral_config(hf)
     raise MegaliteError(
@@ -168,22 +156,32 @@ def _mixtral_config(hf: dict) -> ModelConfig:
         raise MegaliteError(
             f"Mixtral with head_dim={hf['head_dim']} != hidden/heads is not supported"
         )
-    return ModelConfig(
-        flavour="llama",
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=h,
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        seq_length=hf.get("max_position_embeddings", 4096),
-        vocab_size=hf["vocab_size"],
-        norm_epsilon=hf.get("rms_norm_eps", 1e-5),
-        rotary_base=_rope_base(hf, 1e6, "Mixtral"),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+    return _llama_config(
+        hf, "Mixtral", seq=4096, eps=1e-5, rope=1e6,
         num_experts=hf["num_local_experts"],
         moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["intermediate_size"],
         moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+    )  # fmt: skip
+
+
+def _llama_config(hf: dict, arch: str, seq=2048, eps=1e-6, rope=10000.0, **experts):
+    """The ModelConfig of a Llama-style config.json (Llama, or Mixtral with `experts`); the
+    defaults are transformers' for fields the file leaves out."""
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        flavour="llama",
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        seq_length=hf.get("max_position_embeddings", seq),
+        vocab_size=hf["vocab_size"],
+        norm_epsilon=hf.get("rms_norm_eps", eps),
+        rotary_base=_rope_base(hf, rope, arch),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        **experts,
     )
 
 

@@ -98,11 +98,10 @@ class DistributedOptimizer:
                 self._decay[i].append(s[:2])
             # Each rank counts its 1/dp of every bucket in the norm, also at stage 0 where it
             # holds all of it: the norm and the inf check can then be summed over the world.
-            # Expert tensors count on every rank: ep ranks hold different experts, and their
-            # replicas (edp, TP ranks included) count their 1/edp of each expert bucket.
+            # Expert tensors are split, so they count on every rank: ep ranks hold different
+            # experts, and their replicas (edp, TP ranks included) count 1/edp of each bucket.
             n = r.overlap(b.dp_start, b.dp_start + b.numel // buf.group_of(b).size)
-            counted = not spec.tied_to if _is_expert(spec) else spec.counted_in_norm(groups.tp.rank)
-            if n is not None and counted:
+            if n is not None and spec.counted_in_norm(groups.tp.rank):
                 self._norm[i].append((n[0] - b.shard_start, n[1] - b.shard_start))
         self._decay = [_merge(s) for s in self._decay]
         self._norm = [_merge(s) for s in self._norm]
@@ -336,10 +335,6 @@ class DistributedOptimizer:
             self.scaler.load_state_dict(d)
 
 
-def _is_expert(spec) -> bool:
-    return spec.split_axis == "ep"
-
-
 def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, keep_params=False):
     """The gradient buffer: dense parameters reduced and sharded over the replicas; with MoE,
     expert parameters in a buffer of their own over their expert-data-parallel group. Expert
@@ -350,7 +345,7 @@ def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, k
     # Tied halves get a bucket of their own: both stages then shard them identically, so the
     # sum over `embed` can run on the DP shards.
     own = lambda name, p: "embed" in spec_of(p).grad_sum  # noqa: E731
-    expert = lambda name, p: _is_expert(spec_of(p))  # noqa: E731
+    expert = lambda name, p: spec_of(p).expert  # noqa: E731
     params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
     if zero_stage == 3:
         if any(expert(n, p) for n, p in params):

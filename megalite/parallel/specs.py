@@ -69,6 +69,11 @@ class ParamSpec:
         """The logical tensor this parameter holds (its own name, or what it is tied to)."""
         return self.tied_to or self.name
 
+    @property
+    def expert(self) -> bool:
+        """An expert tensor (split over "ep"): reduced over its expert-data-parallel group."""
+        return self.split_axis == "ep"
+
     def counted_in_norm(self, tp_rank: int) -> bool:
         """Each logical element once: sharded tensors on every TP rank, replicated ones on TP
         rank 0 only, a tied copy not at all (its twin counts)."""

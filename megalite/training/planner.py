@@ -153,10 +153,6 @@ def expert_parallel(cfg: Config, lay: Layout) -> tuple[int, int]:
     return ep, max(1, lay.tp * replicas(lay) // ep)
 
 
-def _is_expert(spec) -> bool:
-    return spec.split_axis == "ep"
-
-
 def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
     """[(logical name, numel on this TP rank, gradient summed over TP)] in registration order."""
     specs = chunk_specs(m, tp, layers, has_embedding, has_head, sp)
@@ -176,7 +172,7 @@ def buckets(cfg: Config, lay: Layout, pp_rank: int, experts: bool = False):
     chunks = []
     for kw in rank_chunks(m.num_layers, lay.pp, lay.vpp, pp_rank):
         specs = chunk_specs(m, lay.tp, **kw, sp=lay.sequence_parallel, ep=ep)
-        specs = [x for x in specs if _is_expert(x[2]) == experts]
+        specs = [x for x in specs if x[2].expert == experts]
         chunks.append([(n, k, "embed" in s.grad_sum) for n, k, s in specs])
         sync.update({n: s.grad_sum for n, _, s in specs})
     if lay.zero == 3 and not experts:  # one bucket per unit (a layer), as Zero3Buffer
