@@ -11,7 +11,7 @@ cp group. For each cp:
 - activation bytes per rank: every tensor autograd keeps for backward during one forward
   (saved-tensor hooks, each storage counted once): what context parallelism divides; the
   parameters are the same on every rank and not counted. Beside it, the planner's estimate
-  (`planner.chunk_activations`, torch ops) and the ratio to cp = 1;
+  (`memory.chunk_activations`, torch ops) and the ratio to cp = 1;
 - tokens/s: one forward and backward of the whole sequence, the slowest rank's median over the
   rounds after a warm-up round, and the ratio to cp = 1. On a 2-core machine cp = 4 runs four
   processes on two cores: its throughput is a lower bound, the memory figures are exact;
@@ -34,7 +34,7 @@ from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.context_parallel import shard_batch  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.training import planner  # noqa: E402
+from megalite.training import memory, planner  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def _planned(a, cp: int) -> tuple[float, int]:
     lay = planner.Layout(cp=cp)
     kw = {"layers": list(range(a.layers)), "has_embedding": True, "has_head": True}
     fwd, bwd = planner.cp_layer_bytes(cfg, lay)
-    return planner.chunk_activations(cfg, lay, kw)[0], a.layers * (fwd + bwd)
+    return memory.chunk_activations(cfg, lay, kw)[0], a.layers * (fwd + bwd)
 
 
 def main():

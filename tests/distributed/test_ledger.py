@@ -15,7 +15,7 @@ from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.pipeline.partition import rank_chunks
-from megalite.training import planner
+from megalite.training import memory, planner
 from megalite.training.planner import Layout
 from tests.spawn import spawn
 from tests.unit.test_planner import saved_bytes
@@ -92,7 +92,7 @@ def tp_case(sp: bool):
     # activations autograd keeps on this TP rank for one micro-batch
     measured = saved_bytes(chunks[0], data(0)[0], data(0)[1])
     kw = rank_chunks(L, 1, 1, 0)[0]
-    estimate, _ = planner.chunk_activations(cfg, Layout(tp=2, sequence_parallel=sp), kw)
+    estimate, _ = memory.chunk_activations(cfg, Layout(tp=2, sequence_parallel=sp), kw)
     return got["tp"], measured, estimate
 
 
@@ -122,7 +122,7 @@ def memory_case(cfg: Config):
     groups, chunks, opt = build(cfg)
     p = cfg.parallel
     lay = Layout(1, cfg.optimizer.zero_stage, p.sequence_parallel, tp=p.tp, pp=p.pp, dp=p.dp)
-    mem = planner.state_memory(cfg, lay, groups.pp.rank)
+    mem = memory.state_memory(cfg, lay, groups.pp.rank)
     buf = opt.buffer
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     grads = nbytes(buf.grad_buffer) if buf.grad_buffer is not None else sum(

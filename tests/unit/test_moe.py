@@ -19,7 +19,7 @@ from megalite.model.moe import MoELayer, moe_metrics, update_expert_bias
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import name_parameters
 from megalite.shape import validate
-from megalite.training import flops, planner
+from megalite.training import flops, memory, planner
 from megalite.training.planner import Layout
 
 B, S, H, E, K, F_ = 2, 8, 16, 4, 2, 12
@@ -187,7 +187,7 @@ def test_planner_counts_experts_and_all_to_all():
     chunk = GPTChunk(cfg.model, device=torch.device("meta"), ep=Group("ep", [0, 1], 0))
     experts = sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n)
     assert experts == 2 * (2 * 3 * 24 * 32)  # per layer 2 local experts of 3 (24 x 32) matrices
-    mem = planner.state_memory(cfg, lay, 0)
+    mem = memory.state_memory(cfg, lay, 0)
     assert experts <= mem["expert_numel"] < experts + 2 * 64 * 2  # padded to edp * 64 per bucket
     comm = planner.comm_bytes(cfg, lay, 0, 2)
     tokens = 2 * 16  # b s per rank (tp 1)

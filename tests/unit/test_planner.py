@@ -12,7 +12,7 @@ from megalite.parallel.groups import single_process_groups
 from megalite.parallel.specs import spec_of
 from megalite.pipeline.partition import rank_chunks
 from megalite.shape import validate
-from megalite.training import layouts, planner
+from megalite.training import layouts, memory, planner
 from megalite.training.planner import Cluster, Layout
 
 
@@ -36,7 +36,7 @@ def test_parameters_are_gpt_chunks(flavour, tp, sp):
         chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
         real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
-        assert planner.chunk_params(m, tp, **kw, sp=sp) == real
+        assert memory.chunk_params(m, tp, **kw, sp=sp) == real
 
 
 def saved_bytes(chunk, x, labels) -> int:
@@ -68,7 +68,7 @@ def test_activations_match_saved_tensors(flavour):
         x = torch.randint(500, (b, s)) if kw["has_embedding"] else torch.randn(b, s, h)
         measured = saved_bytes(chunk, x.requires_grad_(x.is_floating_point()),
                                torch.randint(500, (b, s)))  # fmt: skip
-        estimate, _ = planner.chunk_activations(cfg, Layout(), kw)
+        estimate, _ = memory.chunk_activations(cfg, Layout(), kw)
         assert abs(estimate / measured - 1) < 0.2, (kw, estimate, measured)
 
 
@@ -80,9 +80,9 @@ def test_buffers_one_process(precision):
     cfg.training.precision, cfg.optimizer.bucket_size_mb = precision, 0.05
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     opt = DistributedOptimizer([GPTChunk(cfg.model, dtype=dtype)], single_process_groups(), cfg)
-    mem = planner.state_memory(cfg, Layout(), 0)
+    mem = memory.state_memory(cfg, Layout(), 0)
     buf = opt.buffer
-    assert len(buf.buckets) == len(planner.buckets(cfg, Layout(), 0)) > 2
+    assert len(buf.buckets) == len(memory.buckets(cfg, Layout(), 0)) > 2
     assert mem["params"] == buf.param_buffer.numel() * buf.param_buffer.element_size()
     assert mem["grads"] == buf.grad_buffer.numel() * buf.grad_buffer.element_size()
     assert mem["optimizer"] == opt.state_bytes()
@@ -94,15 +94,15 @@ def test_interleaving_penalty():
     cfg = tiny("gpt2", layers=8)
     cfg.training.global_batch_size = 16  # 8 micro-batches of 2
     lay = Layout(pp=2, vpp=2)
-    per_chunk, _ = planner.chunk_activations(cfg, lay, rank_chunks(8, 2, 2, 0)[1])  # no embedding
-    first, _ = planner.chunk_activations(cfg, lay, rank_chunks(8, 2, 2, 0)[0])
+    per_chunk, _ = memory.chunk_activations(cfg, lay, rank_chunks(8, 2, 2, 0)[1])  # no embedding
+    first, _ = memory.chunk_activations(cfg, lay, rank_chunks(8, 2, 2, 0)[0])
     # rank 0 runs F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 ...: after F3.0 five chunk activations
     # are alive (micro-batches 0-3 of chunk 0, 1 of chunk 1): 10 of the 8 layers' worth
     assert planner.peak_activations(cfg, lay, 0, 8) == 4 * first + per_chunk
     one_f_one_b = planner.peak_activations(cfg, Layout(pp=2), 0, 8)
     assert (
         one_f_one_b
-        == 2 * planner.chunk_activations(cfg, Layout(pp=2), rank_chunks(8, 2, 1, 0)[0])[0]
+        == 2 * memory.chunk_activations(cfg, Layout(pp=2), rank_chunks(8, 2, 1, 0)[0])[0]
     )
 
 
