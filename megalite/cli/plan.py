@@ -14,7 +14,7 @@ assumptions). Needs no GPU and no process group.
 import argparse
 import sys
 
-from megalite.config import parse_args
+from megalite.config_read import parse_args
 from megalite.errors import MegaliteError, run_main
 from megalite.shape import validate
 from megalite.training.layouts import print_plan

@@ -8,7 +8,7 @@ The config is validated before any process group exists, so bad flags fail withi
 import atexit
 import os
 
-from megalite.config import parse_args
+from megalite.config_read import parse_args
 from megalite.parallel.axes import AXES
 from megalite.parallel.topology import world_from_env
 from megalite.shape import RunShape, validate

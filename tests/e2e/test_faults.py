@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.config import parse_args
+from megalite.config_read import parse_args
 from megalite.errors import MegaliteError
 from megalite.shape import validate
 from megalite.training import launch

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from megalite.config import parse_args
+from megalite.config_read import parse_args
 from megalite.errors import MegaliteError
 from megalite.shape import validate
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from megalite.checkpoint import format as fmt
-from megalite.config import Config, parse_args
+from megalite.config import Config
+from megalite.config_read import parse_args
 from megalite.data import corpus
 from megalite.data.indexed_dataset import IndexedDataset, build_indexed_dataset
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_kind
