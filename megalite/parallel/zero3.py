@@ -48,16 +48,9 @@ from torch import nn
 
 from megalite.optim.zero import ZERO
 from megalite.parallel import comm
+from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dtype, trainable
 from megalite.parallel.comm import Group
-from megalite.parallel.data_parallel import (
-    ALIGN,
-    Bucket,
-    GradBuffer,
-    Packer,
-    ParamRange,
-    grad_dtype,
-    trainable,
-)
+from megalite.parallel.data_parallel import GradBuffer
 
 RESHARD = ("forward", "backward", "step")
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from megalite.config import Config, ModelConfig
 from megalite.optim.zero import ZERO
-from megalite.parallel.data_parallel import ALIGN, MAX_IN_FLIGHT, bucket_layout
+from megalite.parallel.buckets import ALIGN, bucket_layout
+from megalite.parallel.data_parallel import MAX_IN_FLIGHT
 from megalite.parallel.zero3 import unit_layout, unit_of
 from megalite.pipeline.partition import rank_chunks
 
@@ -82,7 +83,7 @@ def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=Fa
 
 
 def buckets(cfg: Config, lay: Layout, pp_rank: int, experts: bool = False):
-    """The GradBuffer's buckets on this pipeline rank (data_parallel.bucket_layout):
+    """The GradBuffer's buckets on this pipeline rank (buckets.bucket_layout):
     [(start, end, [(name, offset, numel, groups its gradient is summed over)])]. `experts`:
     those of the expert parameters instead (their own buffer, sharded over edp)."""
     m, o = cfg.model, cfg.optimizer

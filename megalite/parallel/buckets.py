@@ -1,0 +1,126 @@
+"""The flat layout every gradient buffer shares: which parameters go in which bucket, where each
+parameter sits, and the dtype gradients accumulate in. Pure bookkeeping: the DP buffer
+(data_parallel.py), the ZeRO-3 buffer (zero3.py) and the planner (training/memory.py) lay
+parameters out with it."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Buckets are padded to a multiple of dp * ALIGN elements so every shard starts aligned.
+ALIGN = 64
+
+
+class Packer:
+    """Lays buckets end to end in a flat buffer: `out` holds [(start, end, [(name, offset,
+    numel)])], each bucket's `end - start` a multiple of `pad`."""
+
+    def __init__(self, pad: int):
+        self.pad, self.out, self.offset = pad, [], 0
+
+    def close(self, ranges: list[tuple]):
+        """Append one bucket holding `ranges` [(name, numel)] in order."""
+        start, placed = self.offset, []
+        for name, n in ranges:
+            placed.append((name, self.offset, n))
+            self.offset += n
+        self.offset = -(-self.offset // self.pad) * self.pad
+        self.out.append((start, self.offset, placed))
+
+
+def trainable(chunks: list[nn.Module], select=lambda name, p: True) -> tuple[list, torch.dtype]:
+    """Per chunk [(name, parameter)] of the trainable parameters `select` keeps, and their one
+    dtype; refuses mixed dtypes and names repeated across chunks."""
+    named = [[(n, p) for n, p in c.named_parameters() if p.requires_grad and select(n, p)]
+             for c in chunks]  # fmt: skip
+    params = [x for c in named for x in c]
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
+    names = [n for n, _ in params]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names repeat across chunks; logical names must be unique")
+    return named, dtypes.pop()
+
+
+def bucket_layout(chunks: list[list[tuple]], bucket_numel: int, pad: int) -> list[tuple]:
+    """Cut parameters into buckets: [(start, end, [(name, offset, numel)])], `end - start` a
+    multiple of `pad`. `chunks`: per model chunk, its [(name, numel, alone)] in registration
+    order; within a chunk the order is reversed (roughly the order backward produces gradients,
+    so early buckets fill and start reducing first); a bucket never spans two chunks, closes
+    once it holds `bucket_numel` elements, and an `alone` parameter gets one of its own. The
+    gradient buffer and the planner both lay parameters out with this."""
+    pack = Packer(pad)
+    for params in chunks:
+        current, held = [], 0
+        for name, n, alone in reversed(params):
+            if current and (alone or held >= bucket_numel):
+                pack.close(current)
+                current, held = [], 0
+            current.append((name, n))
+            held += n
+            if alone:
+                pack.close(current)
+                current, held = [], 0
+        if current:
+            pack.close(current)
+    return pack.out
+
+
+@dataclass(eq=False)
+class Bucket:
+    start: int  # [start, end) in the flat buffers, end - start a multiple of dp
+    end: int
+    params: list
+    chunk: int = 0  # the model chunk its parameters belong to
+    gather: tuple | None = None  # (work, source) of its parameter all-gather, until waited for
+    shard_start: int = 0  # the part of the bucket this rank updates (all of it at stage 0)
+    shard_end: int = 0
+    dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
+    grad: torch.Tensor | None = None  # full-bucket gradient (a buffer view; staged at stage 2)
+    shard_grad: torch.Tensor | None = None  # the reduced gradient of this rank's shard
+    pending: int = 0  # params without a gradient in this pass yet
+    passes: int = 0  # micro-batches whose gradients have all arrived
+    launched: bool = False  # stage 0/1: reduction started (no more gradients may arrive)
+    # ZeRO-3 (zero3.py): this rank's parameter shard, and the whole bucket the parameters are
+    # views of (its storage freed between uses)
+    param_shard: torch.Tensor | None = None
+    full: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class ParamRange:
+    """Where a parameter sits: its name, flat offset and bucket."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    bucket: Bucket
+    view: torch.Tensor | None = None  # its gradient's view of the bucket buffer (stages 0/1)
+
+    def overlap(self, start: int, end: int) -> tuple[int, int, int, int] | None:
+        """(lo, hi, plo, phi): the part of this parameter inside the flat range [start, end),
+        as flat offsets and as offsets into the flattened parameter; None when disjoint."""
+        lo, hi = max(self.offset, start), min(self.offset + self.param.numel(), end)
+        if lo >= hi:
+            return None
+        return lo, hi, lo - self.offset, hi - self.offset
+
+    def shard_slice(self) -> tuple[int, int, int, int] | None:
+        """Like overlap() for this rank's shard, with lo/hi relative to the bucket's shard."""
+        s = self.overlap(self.bucket.shard_start, self.bucket.shard_end)
+        if s is None:
+            return None
+        base = self.bucket.shard_start
+        return s[0] - base, s[1] - base, s[2], s[3]
+
+
+def grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Gradients accumulate in fp32 when parameters are bf16/fp16 (micro-batch sums keep their
+    bits), in the parameters' dtype otherwise."""
+    return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
