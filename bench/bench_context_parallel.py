@@ -15,7 +15,10 @@ cp group. For each cp:
 - tokens/s: one forward and backward of the whole sequence, the slowest rank's median over the
   rounds after a warm-up round, and the ratio to cp = 1. On a 2-core machine cp = 4 runs four
   processes on two cores: its throughput is a lower bound, the memory figures are exact;
-- the bytes each rank sends over cp per step (the CommLedger) and the planner's count.
+- the bytes each rank sends over cp per step (the CommLedger) and the planner's count;
+- the exposed share of the ring: the time each rank waited for ring hops (the timeline's "cp"
+  spans: what the hop left after the block computed while it travelled) over the time of
+  forward and backward, averaged over ranks and rounds.
 """
 
 import argparse
@@ -34,7 +37,7 @@ from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.context_parallel import shard_batch  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.training import memory, planner  # noqa: E402
+from megalite.training import memory, planner, timeline  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
 
@@ -70,18 +73,24 @@ def _rank(rank, world, a):
     ((tokens, labels, *shard),) = shard_batch([(ids[:, :-1], ids[:, 1:])], world, rank)
     kw = {"shard": shard[0]} if shard else {}
     times, saved = [], 0
+    tl = timeline.Timeline((1, a.rounds + 2), rank, groups.topo.coords(rank))
     for r in range(a.rounds + 1):
         model.zero_grad()
         groups.ledger.reset()
         torch.distributed.barrier()
+        groups.ledger.timeline = tl.at(r + 1)  # the ring records the hops it waited for
         t0 = time.perf_counter()
         loss, saved = _saved_bytes(lambda: model(tokens, labels, **kw))
         loss.backward()
+        tl.record("schedule", t0, time.perf_counter())
+        groups.ledger.timeline = None
         t = torch.tensor([time.perf_counter() - t0])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest rank
         if r:  # the first round warms up
             times.append(t.item())
-    return saved, statistics.median(times), groups.ledger.bytes.get("cp", 0)
+    spans = [s for s in tl.relative_spans() if s["step"] > 1]  # after the warm-up round
+    exposed = timeline.exposed_share({"ranks": [{"spans": spans}]})
+    return saved, statistics.median(times), groups.ledger.bytes.get("cp", 0), exposed
 
 
 def _planned(a, cp: int) -> tuple[float, int]:
@@ -116,15 +125,16 @@ def main():
         saved = max(o[0] for o in out)
         step = out[0][1]
         sent = max(o[2] for o in out)
+        exposed = statistics.mean(o[3] for o in out)
         plan_act, plan_sent = _planned(a, cp)
-        rows.append((cp, saved, plan_act, a.seq / step, sent, plan_sent))
+        rows.append((cp, saved, plan_act, a.seq / step, sent, plan_sent, exposed))
     base_mem, base_tps = rows[0][1], rows[0][3]
     head = f"{'cp':>3} {'activations/rank':>17} {'x cp=1':>7} {'planned':>12} {'tokens/s':>9} "
-    print(head + f"{'x cp=1':>7} {'cp bytes/rank':>14} {'planned':>12}")
-    for cp, saved, plan_act, tps, sent, plan_sent in rows:
+    print(head + f"{'x cp=1':>7} {'cp bytes/rank':>14} {'planned':>12} {'cp exposed':>10}")
+    for cp, saved, plan_act, tps, sent, plan_sent, exposed in rows:
         print(f"{cp:>3} {saved / 2**20:>13.1f} MiB {saved / base_mem:>7.3f} "
               f"{plan_act / 2**20:>8.1f} MiB {tps:>9.0f} {tps / base_tps:>7.2f} "
-              f"{sent / 2**20:>10.1f} MiB {plan_sent / 2**20:>8.1f} MiB")  # fmt: skip
+              f"{sent / 2**20:>10.1f} MiB {plan_sent / 2**20:>8.1f} MiB {exposed:>10.1%}")  # fmt: skip
     # not exactly 1/cp: the concatenated q/k/v and gate/up weights that fused_column_linear
     # keeps for backward are the same on every rank
     figures = [
@@ -137,6 +147,9 @@ def main():
     ]
     figures += [figure(f"tokens/s at cp={cp} over cp=1", round(tps / base_tps, 2))
                 for cp, _, _, tps, *_ in rows[1:]]  # fmt: skip
+    figures += [figure(f"ring hops exposed at cp={cp}, share of forward+backward",
+                       round(exposed, 3), how="timeline cp spans / schedule")
+                for cp, *_, exposed in rows[1:]]  # fmt: skip
     write_summary(a.summary, "context_parallel", figures, " ".join(sys.argv))
 
 

@@ -29,6 +29,9 @@ class CommLedger:
     calls: dict = field(default_factory=lambda: defaultdict(int))
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     entered: dict = field(default_factory=dict)  # kind -> [sequence number, op name]
+    # the Timeline of a profiled schedule while it runs (the executor sets it): communication
+    # waited for inside a layer (context parallelism's ring hops) records its waits there
+    timeline: object = None
 
     def enter(self, kind: str, op: str):
         seq = self.entered.get(kind, (0, None))[0] + 1

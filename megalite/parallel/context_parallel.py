@@ -10,9 +10,10 @@ travels around the ring: at step j a rank computes its queries against the block
 j ranks back while the next block is already on its way (asynchronous send/receive, waited for
 only after the computation), and merges the partial results with their log-sum-exps. Nothing
 but this rank's q, k, v, output and log-sum-exp is kept for backward: backward sends the K/V
-blocks around again, each with the gradient of its keys and values accumulating as it goes, and
-a last hop takes that gradient home. So cp-1 K/V transfers per direction, and attention's saved
-bytes per rank are 1/cp of the whole sequence's.
+blocks around again (overlapped the same way) and, on a second ring, the gradient of each
+block's keys and values, accumulating as it goes and waited for only after the next block's
+computation; its last hop takes the gradient home. So cp-1 K/V transfers per direction (plus
+cp of dK/dV backward), and attention's saved bytes per rank are 1/cp of the whole sequence's.
 
 The blocks are the kernels' `attention_block_fwd` / `attention_block_bwd` / `merge_attention`
 (Triton, or their plain-torch references: exact in fp64).
@@ -53,6 +54,17 @@ def _ring_step(group: Group, send: torch.Tensor, recv: torch.Tensor):
     return p2p.post([(True, send, nxt), (False, recv, prev)], group)
 
 
+def _wait(batch, group: Group):
+    """Wait for a ring hop; during a profiled schedule the wait is a "cp" span of the timeline
+    (what the hop left exposed after the block computed meanwhile)."""
+    timeline = group.ledger.timeline
+    if timeline is None:
+        return batch.wait()
+    t0 = timeline.clock.mark()
+    batch.wait()
+    timeline.record("cp", t0, timeline.clock.mark())
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, positions, docs, ops):
@@ -71,7 +83,7 @@ class _RingAttention(torch.autograd.Function):
             )  # fmt: skip
             out, lse = (o, l) if out is None else ops.merge_attention(out, lse, o, l)
             if batch is not None:
-                batch.wait()
+                _wait(batch, group)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, positions, *(() if docs is None else (docs,)))
         ctx.group, ctx.ops = group, ops
@@ -84,28 +96,37 @@ class _RingAttention(torch.autograd.Function):
         group, ops = ctx.group, ctx.ops
         cp, me = group.size, group.rank
         dq = torch.zeros_like(out)
-        # (K, V, dK, dV) of one rank travel together; the last hop takes dK, dV home
-        state = torch.cat([torch.stack([k, v]).to(out.dtype), torch.zeros(2, *k.shape,
-                          dtype=out.dtype, device=k.device)])  # fmt: skip
+        # Two rings: the K/V blocks, as forward (posted before the block that uses the current
+        # one, so the hop overlaps it), and their gradients dK/dV in the accumulation dtype,
+        # each rank adding its share and passing them on (waited for only after the next
+        # block's computation). After cp hops the gradients of this rank's own keys come home.
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(2, *k.shape, dtype=out.dtype, device=k.device)
+        arriving = None  # (batch, tensor) bringing the gradients of the next block's keys
         for step in range(cp):
             src = (me - step) % cp
-            kk, vv = state[0].to(q.dtype), state[1].to(q.dtype)
+            nxt = torch.empty_like(kv) if step < cp - 1 else None
+            batch = _ring_step(group, kv, nxt) if nxt is not None else None
             g_q, g_k, g_v = ops.attention_block_bwd(
-                q, kk, vv, out, lse, dout, positions[me], positions[src],
+                q, kv[0], kv[1], out, lse, dout, positions[me], positions[src],
                 None if docs is None else docs[me], None if docs is None else docs[src],
             )  # fmt: skip
             dq += g_q
-            state[2] += g_k
-            state[3] += g_v
-            if cp > 1:  # cp-1 hops with K/V, the last one with dK, dV only
-                last = step == cp - 1
-                send = state[2:] if last else state
-                nxt = torch.empty_like(send)
-                _ring_step(group, send, nxt).wait()
-                state = nxt if not last else torch.cat([state[:2], nxt])
-        # after cp hops the gradients that arrived are this rank's own keys' and values'
-        dk, dv = state[2].to(k.dtype), state[3].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+            if arriving is not None:
+                _wait(arriving[0], group)
+                dkv = arriving[1]
+            dkv[0] += g_k
+            dkv[1] += g_v
+            if cp > 1:
+                home = torch.empty_like(dkv)
+                arriving = (_ring_step(group, dkv, home), home)
+            if batch is not None:
+                _wait(batch, group)
+                kv = nxt
+        if arriving is not None:
+            _wait(arriving[0], group)
+            dkv = arriving[1]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, group: Group, positions, docs=None, ops=None):

@@ -213,7 +213,8 @@ def run_schedule(
     gradient is computed (the actions must be a forward-only schedule).
     timeline: when given, receives `record(kind, start, end, ...)` (clock marks) for each
         compute ("forward"/"backward", chunk, mb), each wait ("recv", or "send" for the sends
-        still in flight at the end, with its actions in `ops`) and the whole schedule.
+        still in flight at the end, with its actions in `ops`), each ring hop context
+        parallelism waited for ("cp", inside a compute span) and the whole schedule.
     placement: the schedule's (pp, vpp, rank, chunk) -> virtual stage.
     observe: when given, called as `observe(index, action)` before each action runs (a hang
         report names the action a rank was in).
@@ -232,6 +233,7 @@ def run_schedule(
     posted = 0
     losses = [None] * m
     spans, wait_s = [], 0.0
+    groups.ledger.timeline = timeline  # waits inside the layers (ring hops) record there too
     start = clock.mark()
 
     def forward(c, k):
@@ -358,6 +360,7 @@ def run_schedule(
     while batches:  # the sends still in flight
         wait(*batches.popleft())
     end = clock.mark()
+    groups.ledger.timeline = None
     if timeline is not None:
         timeline.record("schedule", start, end)
     if outputs or outbox or grads or inputs or received or later:

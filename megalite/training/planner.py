@@ -170,8 +170,9 @@ def _ring(kind: str, n: int, nbytes: float) -> int:
 
 def cp_layer_bytes(cfg: Config, lay: Layout) -> tuple[int, int]:
     """Bytes one layer's attention sends over cp per micro-batch, (forward, backward). Ring
-    (p2p): cp-1 hops of this rank's K and V forward; backward cp-1 hops of K, V, dK, dV and one
-    of dK, dV home, in the attention's output precision (fp32, fp64 for fp64). All-to-all:
+    (p2p): cp-1 hops of this rank's K and V forward; backward cp-1 hops of K and V again and cp
+    of dK, dV (the last one home) in the attention's output precision (fp32 for bf16/fp16).
+    All-to-all:
     q, k+v and the output forward, their reverses backward (the bytes each rank hands in)."""
     cp = lay.sizes.get("cp", 1)
     if cp == 1:
@@ -183,7 +184,7 @@ def cp_layer_bytes(cfg: Config, lay: Layout) -> tuple[int, int]:
     if cfg.parallel.cp_comm_type == "a2a":
         q = b * m.num_attention_heads // t * s * m.head_dim
         return (2 * q + 2 * kv) * e, (2 * q + 2 * kv) * e
-    return (cp - 1) * 2 * kv * e, ((cp - 1) * 4 * kv + 2 * kv) * max(e, 4)
+    return (cp - 1) * 2 * kv * e, (cp - 1) * 2 * kv * e + cp * 2 * kv * max(e, 4)
 
 
 def comm_bytes(

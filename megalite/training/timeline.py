@@ -14,8 +14,9 @@ latency of each other, and no cross-host clock is needed.
 
 timeline.json: {"version": 1, "steps": [A, B], "meta": {...}, "ranks": [{"rank", "coords":
 {"tp", "pp", "dp"}, "spans": [{"kind", "step", "start", "end", "chunk"?, "mb"?, "ops"?}]}]}
-with kind one of forward, backward, send, recv, send+recv (a p2p batch), schedule (the whole
-run_schedule of a step), optimizer.
+with kind one of forward, backward, send, recv, send+recv (a p2p batch), cp (a ring hop of
+context parallelism waited for, inside a compute span), schedule (the whole run_schedule of a
+step), optimizer.
 """
 
 import json
@@ -137,6 +138,17 @@ def busy_fraction(spans: list[dict]) -> tuple[float, float]:
     return compute, total
 
 
+def exposed_share(data: dict, kind: str = "cp") -> float:
+    """Seconds blocked in `kind` waits over the seconds of the schedules, averaged over ranks:
+    the share of the step that communication left exposed (not hidden behind compute)."""
+    shares = []
+    for r in data["ranks"]:
+        total = sum(s["end"] - s["start"] for s in r["spans"] if s["kind"] == "schedule")
+        waited = sum(s["end"] - s["start"] for s in r["spans"] if s["kind"] == kind)
+        shares.append(waited / total if total > 0 else 0.0)
+    return sum(shares) / len(shares) if shares else 0.0
+
+
 def measured_bubble(data: dict) -> float | None:
     """The first stage's idle time over its compute time during its schedules, as the metrics
     file's `bubble_measured` (comparable with Megatron's (pp-1)/(vpp*m), `bubble_theory`), for
@@ -194,7 +206,7 @@ def plot_timeline(data: dict, path: str, title: str | None = None):
                 if w > end * scale / 60:  # label where it fits
                     ax.text(x0 + w / 2, y, _label(s, chunks), ha="center", va="center",
                             fontsize=7, color="white", clip_on=True)  # fmt: skip
-            elif kind in P2P:
+            elif kind in P2P or kind == "cp":
                 ax.barh(y, w, left=x0, height=0.5, color="#dddddd", edgecolor="#888888",
                         hatch="xx", linewidth=0.4)  # fmt: skip
             elif kind == "optimizer":
@@ -213,6 +225,8 @@ def plot_timeline(data: dict, path: str, title: str | None = None):
         parts.append(f"bubble (first stage idle / compute) {bubble:.1%}")
     if meta.get("bubble_theory") is not None:
         parts.append(f"theory (pp-1)/(vpp*m) {meta['bubble_theory']:.1%}")
+    if any(s["kind"] == "cp" for r in ranks for s in r["spans"]):
+        parts.append(f"cp ring hops exposed {exposed_share(data):.1%} of the schedule")
     ax.set_title("   ".join(parts), fontsize=10)
     legend = [
         Patch(color=FORWARD[0], label="forward (chunk 0)"),
@@ -226,7 +240,12 @@ def plot_timeline(data: dict, path: str, title: str | None = None):
     if any(s["kind"] == "backward-weight" for r in ranks for s in r["spans"]):
         legend.append(Patch(color=WEIGHT[0], label="weight gradients (W)"))
     legend += [
-        Patch(facecolor="#dddddd", edgecolor="#888888", hatch="xx", label="blocked in send/recv"),
+        Patch(
+            facecolor="#dddddd",
+            edgecolor="#888888",
+            hatch="xx",
+            label="blocked in send/recv (or a cp ring hop)",
+        ),  # fmt: skip
         Patch(facecolor="white", edgecolor="#bbbbbb", hatch="///", label="idle"),
     ]
     if any(s["kind"] == "optimizer" for r in ranks for s in r["spans"]):

@@ -90,7 +90,7 @@ def test_ring_attention_matches_whole_sequence(cp):
         for (err, grad_err, forward_hops, backward_hops), a2a in zip(rank_out[::2], rank_out[1::2]):
             assert err <= 1e-10 and grad_err <= 1e-10, (err, grad_err)
             assert forward_hops == cp - 1  # K/V blocks sent on by each rank, forward
-            assert backward_hops == cp  # cp-1 with K/V (and dK/dV), one taking dK/dV home
+            assert backward_hops == 2 * cp - 1  # cp-1 K/V hops; cp of dK/dV, the last one home
             assert a2a[0] <= 1e-10 and a2a[1] <= 1e-10, a2a
             assert a2a[2:] == (3, 3)  # q, k+v and the output; their reverses backward
 
@@ -201,3 +201,36 @@ def test_documents_see_only_themselves():
             alone = model(tokens[:, start:stop])
             assert (packed[:, start:stop] - alone).abs().max().item() <= 1e-10
         assert (model(tokens)[:, 4:10] - packed[:, 4:10]).abs().max().item() > 1e-3
+
+
+def _cp_timeline(rank, world):
+    from megalite.config import ModelConfig
+    from megalite.model.gpt import GPTChunk
+    from megalite.pipeline.executor import run_schedule
+    from megalite.pipeline.schedules import get_schedule
+    from megalite.training import timeline
+
+    groups = build_groups(Topology(cp=world), torch.device("cpu"))
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      vocab_size=301, make_vocab_size_divisible_by=8)  # fmt: skip
+    model = GPTChunk(cfg, seed=11, cp=groups.cp)
+    batch = shard_batch([_packed(), _packed()], world, rank)
+    tl = timeline.Timeline((1, 2), rank, groups.topo.coords(rank))
+    run_schedule(get_schedule("1f1b", 1, 1, 2, 0), [model], groups, batch,
+                 hidden_shape=(3, 16 // world, 32), dtype=torch.float32, timeline=tl.at(1))  # fmt: skip
+    assert groups.ledger.timeline is None  # only while the profiled schedule runs
+    spans = tl.relative_spans()
+    hops = [s for s in spans if s["kind"] == "cp"]
+    computes = [s for s in spans if s["kind"] in timeline.COMPUTE]
+    inside = all(any(c["start"] <= h["start"] <= h["end"] <= c["end"] for c in computes)
+                 for h in hops)  # fmt: skip
+    data = {"ranks": [{"rank": rank, "coords": tl.coords, "spans": spans}]}
+    return len(hops), inside, timeline.exposed_share(data)
+
+
+def test_ring_hops_are_timeline_spans():
+    """A profiled schedule at cp 2 records every ring hop it waited for inside its compute
+    spans: per layer and micro-batch cp-1 forward, cp-1 K/V and cp dK/dV backward."""
+    for hops, inside, share in spawn(_cp_timeline, 2):
+        assert hops == 2 * 2 * (1 + 1 + 2) and inside, (hops, inside)
+        assert 0 < share < 1

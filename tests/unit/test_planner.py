@@ -214,7 +214,7 @@ def test_context_parallel_plan():
         assert one.memory["params"] <= p.memory["params"] <= one.memory["params"] * 1.01
     p = planner.plan(cfg, Layout(tp=2, cp=2))
     # per layer and micro-batch: one hop of K and V (2 x 2 heads x 16 tokens x 8 dims, fp32)
-    # forward, backward one of K, V, dK, dV and one of dK, dV home
+    # forward, backward one of K, V and two of dK, dV (the second one home)
     kv = 2 * 16 * 8 * 4
     ring = 4 * 8 * (2 * kv + 4 * kv + 2 * kv)
     grads = 35072 * 4  # all-reduced over the 2 replicas (cp): 2(n-1)/n of the bytes

@@ -1,0 +1,185 @@
+"""Where a tp=2 step goes: megalite against torch DTensor TP, profiled op by op.
+
+    .venv/bin/python bench/profile_tp.py [bench_tp.py's model flags] [--steps 2]
+
+The same four variants as bench/bench_tp.py (same model, weights, batches and optimizers), two
+gloo processes of one thread each. Each variant runs one warm-up step, then `--steps` steps
+under `torch.profiler` (CPU activities), and every event recorded on the training thread is put
+in one bucket:
+
+- gemm: the own time of matrix products (aten::mm, addmm, bmm, ...): the arithmetic both sides
+  must do;
+- other compute: the own time of every other aten op that computes (attention, norms, SwiGLU,
+  rotary, softmax, AdamW's arithmetic, copies, fills);
+- collectives: the whole time inside a collective or a wait for one (gloo on a shared core:
+  transfer, reduction and waiting for the peer); megalite's collectives wait inside
+  torch.distributed's Python, which the profiler does not see, so this script labels each call
+  of megalite's `comm` functions with `record_function`;
+- dispatch: the own time of everything else that is recorded: DTensor's sharding propagation
+  and redistribution (an aten op around the local op of its name, PythonSubclass,
+  Redistribute), autograd nodes and Python autograd Functions, composite, view and allocation
+  ops;
+- python: the step's wall time outside every recorded op (module calls, hooks, optimizer and
+  schedule bookkeeping).
+
+Per bucket the mean of the two ranks, in seconds per step, and what it implies: the step time
+megalite would need for the 1.4x target against torch's measured step, set against megalite's
+own compute (gemm + other compute), the floor no amount of overlap or dispatch work removes.
+The profiler adds a few microseconds per op to both sides; the unprofiled step time is printed
+beside it.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.kernels import TORCH_OPS  # noqa: E402
+
+from bench._common import machine  # noqa: E402
+from bench.bench_tp import VARIANTS, megalite_side, model_config, torch_side  # noqa: E402
+from megalite.model.gpt import GPTChunk  # noqa: E402
+from megalite.parallel import comm  # noqa: E402
+from megalite.parallel.groups import build_groups  # noqa: E402
+from megalite.parallel.topology import Topology  # noqa: E402
+from tests.spawn import spawn  # noqa: E402
+
+BUCKETS = ("gemm", "other compute", "collectives", "dispatch", "python")
+GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+COMM = ("megalite.comm", "c10d", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
+        "wait_tensor", "record_param_comms", "barrier", "broadcast")  # fmt: skip
+
+
+# aten ops that only dispatch, view or allocate: their own time is bookkeeping, not arithmetic
+NO_ARITHMETIC = {"linear", "matmul", "t", "transpose", "view", "reshape", "_reshape_alias",
+                 "_unsafe_view", "slice", "split", "split_with_sizes", "chunk", "as_strided",
+                 "permute", "expand", "unsqueeze", "squeeze", "select", "narrow", "detach",
+                 "alias", "contiguous", "empty", "empty_like", "empty_strided", "new_empty",
+                 "new_empty_strided", "to", "_to_copy", "lift_fresh", "resize_", "flatten",
+                 "unflatten", "view_as", "unbind", "zeros", "zeros_like", "ones_like"}  # fmt: skip
+
+
+def _is_comm(name: str) -> bool:
+    return any(k in name.lower() for k in COMM)
+
+
+def _wraps(e, depth: int = 3) -> bool:
+    """e dispatches to an op of its own name below it (a DTensor op around the local one)."""
+    return depth > 0 and any(c.name == e.name or _wraps(c, depth - 1) for c in e.cpu_children)
+
+
+def buckets(events, wall: float) -> dict:
+    """Seconds per bucket of the profiled steps (see the module docstring)."""
+    out = dict.fromkeys(BUCKETS, 0.0)
+    thread = max({e.thread for e in events}, key=lambda t: sum(
+        e.cpu_time_total for e in events if e.thread == t and e.cpu_parent is None))  # fmt: skip
+    top = [e for e in events if e.thread == thread and e.cpu_parent is None]
+
+    def walk(e):
+        if _is_comm(e.name):
+            out["collectives"] += e.cpu_time_total / 1e6
+            return
+        arithmetic = e.name.startswith("aten::") and e.name[6:] not in NO_ARITHMETIC
+        if arithmetic and not _wraps(e):
+            out["gemm" if e.name in GEMM else "other compute"] += e.self_cpu_time_total / 1e6
+        else:
+            out["dispatch"] += e.self_cpu_time_total / 1e6
+        for c in e.cpu_children:
+            walk(c)
+
+    for e in top:
+        walk(e)
+    out["python"] = max(0.0, wall - sum(e.cpu_time_total for e in top) / 1e6)
+    return out
+
+
+def _labelled(fn, label):
+    def call(*args, **kw):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kw)
+
+    return call
+
+
+def run(rank, world, a):
+    torch.set_num_threads(1)
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # synchronous at tp
+        setattr(comm, name, _labelled(getattr(comm, name), f"megalite.comm.{name}"))
+    m = model_config(a)
+    groups = build_groups(Topology(tp=world), torch.device("cpu"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = {n: p.detach().clone()
+            for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()}  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, m.vocab_size, (a.micro, a.mbs, m.seq_length + 1), generator=g)
+    batch = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+    steps = {
+        "megalite": megalite_side(m, a, groups, False),
+        "megalite-sp": megalite_side(m, a, groups, True),
+        "torch": torch_side(m, a, full, mesh, False),
+        "torch-sp": torch_side(m, a, full, mesh, True),
+    }
+    out = {}
+    for name, step in steps.items():
+        step(batch)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(batch)
+        plain = time.perf_counter() - t0
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                step(batch)
+            wall = time.perf_counter() - t0
+        per = {k: v / a.steps for k, v in buckets(prof.events(), wall).items()}
+        out[name] = {"buckets": per, "wall": wall / a.steps, "plain": plain}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps per variant")
+    a = ap.parse_args()
+    print(f"machine: {machine()}; tp=2 on CPU gloo, 2 processes x 1 thread")
+    res = spawn(run, 2, a, timeout=1800)
+    mean = {v: {k: statistics.mean(r[v]["buckets"][k] for r in res) for k in BUCKETS}
+            for v in VARIANTS}  # fmt: skip
+    wall = {v: statistics.mean(r[v]["wall"] for r in res) for v in VARIANTS}
+    plain = {v: max(r[v]["plain"] for r in res) for v in VARIANTS}
+    print(f"\nseconds per step (mean of the 2 ranks, {a.steps} profiled steps per variant):")
+    print("| variant | " + " | ".join(BUCKETS) + " | profiled step | unprofiled step |")
+    print("| --- |" + " ---: |" * (len(BUCKETS) + 2))
+    for v in VARIANTS:
+        cells = " | ".join(f"{mean[v][k]:.3f} ({mean[v][k] / wall[v]:.0%})" for k in BUCKETS)
+        print(f"| {v} | {cells} | {wall[v]:.3f} | {plain[v]:.3f} |")
+    print("\nthe 1.4x target against megalite's compute floor (gemm + other compute):")
+    for sp in ("", "-sp"):
+        ours, theirs = "megalite" + sp, "torch" + sp
+        floor = mean[ours]["gemm"] + mean[ours]["other compute"]
+        need = wall[theirs] / 1.4
+        print(f"  {ours}: torch step {wall[theirs]:.3f} s -> 1.4x needs {need:.3f} s; megalite "
+              f"computes {floor:.3f} s and spends {wall[ours] - floor:.3f} s elsewhere "
+              f"(collectives {mean[ours]['collectives']:.3f}); best possible with zero "
+              f"non-compute time: {wall[theirs] / floor:.2f}x; measured {wall[theirs] / wall[ours]:.2f}x")  # fmt: skip
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
