@@ -60,7 +60,7 @@ from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
-from megalite.parallel.data_parallel import MAX_IN_FLIGHT  # noqa: E402
+from megalite.parallel.data_parallel import MAX_IN_FLIGHT, staged_peak  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
@@ -381,11 +381,11 @@ def main(argv=None):
         for r in res:  # the larger rank
             if r["zero2"]["peak_staged"] > z["peak_staged"]:
                 z = r["zero2"]
-        bound = z["numel"] * 4 // 2 + sum(z["buckets"][: MAX_IN_FLIGHT + 1])
+        bound = z["numel"] * 4 // 2 + staged_peak(z["buckets"])
         peak = z["peak_staged"] + z["shards"]
         print(f"\nZeRO-2 gradient bytes per rank: shard accumulators {z['shards']:,} B "
               f"(4N/dp = {z['numel'] * 4 // 2:,}) + peak staged {z['peak_staged']:,} B "
-              f"= {peak:,} B; bound 4N/dp + the {MAX_IN_FLIGHT + 1} largest buckets "
+              f"= {peak:,} B; bound 4N/dp + the {MAX_IN_FLIGHT + 1} largest buckets (staged_peak) "
               f"{bound:,} B -> {peak / bound:.3f} of the bound; {len(z['buckets'])} buckets, "
               f"largest {z['buckets'][0]:,} B; ZeRO-0/1 keep 4N = {z['numel'] * 4:,} B "
               f"({peak / (z['numel'] * 4):.2f}x of it)")  # fmt: skip

@@ -46,6 +46,16 @@ from megalite.parallel.comm import Group
 MAX_IN_FLIGHT = 2
 
 
+def staged_peak(sizes: list[int]) -> int:
+    """The most a rank stages at once at stages 2/3, from its buckets' sizes: MAX_IN_FLIGHT + 1
+    buckets, the largest ones, or with fewer buckets than that some of them twice (the next
+    micro-batch stages a bucket while its previous gradient is still being reduced)."""
+    if not sizes:
+        return 0
+    k = -(-(MAX_IN_FLIGHT + 1) // len(sizes))
+    return sum(sorted(sizes * k, reverse=True)[: MAX_IN_FLIGHT + 1])
+
+
 class GradBuffer:
     """The flat parameter and gradient buffers of one rank, their buckets and DP reduction."""
 
@@ -114,6 +124,7 @@ class GradBuffer:
         self._grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
         self._in_flight: deque = deque()
         self.staged_bytes = self.peak_staged_bytes = 0  # gradient buckets staged (no buffer)
+        self.staged_buckets = 0
         if self.zero.shard_state and dp.size > 1:
             self._wait_before_forward(chunks)
         self.zero_grad(1)
@@ -156,6 +167,7 @@ class GradBuffer:
         self.microbatches = microbatches
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
+        self.staged_bytes = self.staged_buckets = 0  # nothing in flight: what is staged goes
         for b in self.buckets:
             if self.grad_buffer is None:
                 b.shard_grad.zero_()
@@ -176,7 +188,12 @@ class GradBuffer:
                 f"the {self.microbatches} micro-batches this step was started with"
             )
         if b.grad is None:  # no gradient buffer: stage this pass's bucket
+            # at most MAX_IN_FLIGHT + 1 staged at once (being filled or reduced): two buckets
+            # can fill at once where gradients arrive out of layout order, so make room here
+            while self._in_flight and self.staged_buckets > MAX_IN_FLIGHT:
+                self._complete(*self._in_flight.popleft())
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
+            self.staged_buckets += 1
             self.staged_bytes += b.grad.numel() * b.grad.element_size()
             self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
         view = r.view if r.view is not None else self._grad_view(r)
@@ -220,6 +237,7 @@ class GradBuffer:
         if self.zero.reduce_each_microbatch:
             b.shard_grad.add_(out)
             self.staged_bytes -= g.numel() * g.element_size()  # dropped with this tuple
+            self.staged_buckets -= 1
         else:
             b.shard_grad.copy_(out)
 

@@ -146,7 +146,7 @@ class Zero3Buffer(GradBuffer):
         self._range_of = {r.param: r for r in self.ranges}
         self._grad_is_view = False
         self._in_flight = deque()
-        self.staged_bytes = self.peak_staged_bytes = 0
+        self.staged_bytes = self.peak_staged_bytes = self.staged_buckets = 0
         self.gathered_bytes = sum(b.numel * b.full.element_size() for b in self.buckets)
         self.free_all()  # built whole: from now on each rank holds its shards only
         self._hook(chunks)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from megalite.config import Config, ModelConfig
 from megalite.optim.zero import ZERO
 from megalite.parallel.buckets import ALIGN, bucket_layout
-from megalite.parallel.data_parallel import MAX_IN_FLIGHT
+from megalite.parallel.data_parallel import staged_peak
 from megalite.parallel.zero3 import unit_layout, unit_of
 from megalite.pipeline.partition import rank_chunks
 
@@ -116,8 +116,7 @@ def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
     out = zero.state_bytes(numel, replicas(lay), p_size, g_size)
     staged = 0
     if zero.reduce_each_microbatch:  # transient: buckets staged for their reduce-scatter
-        largest = sorted((e - s for s, e, _ in bs), reverse=True)[: MAX_IN_FLIGHT + 1]
-        staged = sum(largest) * g_size
+        staged = staged_peak([e - s for s, e, _ in bs]) * g_size
     expert_numel = 0
     if cfg.model.num_experts:  # the expert buffer: its own buckets, sharded over edp
         es = buckets(cfg, lay, pp_rank, experts=True)
@@ -125,8 +124,7 @@ def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
         ex = zero.state_bytes(expert_numel, expert_parallel(cfg, lay)[1], p_size, g_size)
         out = {k: out[k] + ex[k] for k in out}
         if zero.reduce_each_microbatch:  # the expert buffer stages its own buckets too
-            largest = sorted((e - s for s, e, _ in es), reverse=True)[: MAX_IN_FLIGHT + 1]
-            staged += sum(largest) * g_size
+            staged += staged_peak([e - s for s, e, _ in es]) * g_size
     gathered = 0
     if zero.shard_params:  # whole units alive at once, on top of the shards
         gathered = zero3_units(cfg, lay, pp_rank)[reshard_policy(cfg, lay)][0]
