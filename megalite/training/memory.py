@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from megalite.config import Config, ModelConfig
 from megalite.optim.zero import ZERO
 from megalite.parallel.buckets import ALIGN, bucket_layout
-from megalite.parallel.data_parallel import staged_peak
-from megalite.parallel.zero3 import unit_layout, unit_of
+from megalite.parallel.data_parallel import GradBuffer, staged_peak
+from megalite.parallel.zero3 import Zero3Buffer, unit_layout, unit_of
 from megalite.pipeline.partition import rank_chunks
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
     out = zero.state_bytes(numel, replicas(lay), p_size, g_size)
     staged = 0
     if zero.reduce_each_microbatch:  # transient: buckets staged for their reduce-scatter
-        staged = staged_peak([e - s for s, e, _ in bs]) * g_size
+        in_flight = Zero3Buffer.in_flight if zero.shard_params else GradBuffer.in_flight
+        staged = staged_peak([e - s for s, e, _ in bs], in_flight) * g_size
     expert_numel = 0
     if cfg.model.num_experts:  # the expert buffer: its own buckets, sharded over edp
         es = buckets(cfg, lay, pp_rank, experts=True)
