@@ -245,7 +245,7 @@ def plot_timeline(data: dict, path: str, title: str | None = None):
             edgecolor="#888888",
             hatch="xx",
             label="blocked in send/recv (or a cp ring hop)",
-        ),  # fmt: skip
+        ),
         Patch(facecolor="white", edgecolor="#bbbbbb", hatch="///", label="idle"),
     ]
     if any(s["kind"] == "optimizer" for r in ranks for s in r["spans"]):
