@@ -436,8 +436,8 @@ def ledger_by_origin(step, groups, batch):
 # ---- report ------------------------------------------------------------------------------------
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_args(ap: argparse.ArgumentParser):
+    """The model and batch flags (shared with profile_tp.py)."""
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -446,6 +446,11 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    model_args(ap)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--summary", help="write the headline figures as JSON here")

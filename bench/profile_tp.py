@@ -43,7 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import machine  # noqa: E402
-from bench.bench_tp import VARIANTS, megalite_side, model_config, torch_side  # noqa: E402
+from bench.bench_tp import (  # noqa: E402
+    VARIANTS,
+    megalite_side,
+    model_args,
+    model_config,
+    torch_side,
+)
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
@@ -147,14 +153,7 @@ def run(rank, world, a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--mbs", type=int, default=4)
-    ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
+    model_args(ap)
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per variant")
     a = ap.parse_args()
     print(f"machine: {machine()}; tp=2 on CPU gloo, 2 processes x 1 thread")
