@@ -233,7 +233,7 @@ def run_schedule(
     posted = 0
     losses = [None] * m
     spans, wait_s = [], 0.0
-    groups.ledger.timeline = timeline  # waits inside the layers (ring hops) record there too
+    pp.ledger.timeline = timeline  # (every group's ledger) waits inside layers record there too
     start = clock.mark()
 
     def forward(c, k):
@@ -360,7 +360,7 @@ def run_schedule(
     while batches:  # the sends still in flight
         wait(*batches.popleft())
     end = clock.mark()
-    groups.ledger.timeline = None
+    pp.ledger.timeline = None
     if timeline is not None:
         timeline.record("schedule", start, end)
     if outputs or outbox or grads or inputs or received or later:
