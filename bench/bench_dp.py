@@ -39,7 +39,7 @@ Also reported: the bytes of parameters, gradients and optimizer state each rank 
 storage by storage); megalite's exposed DP wait (the time `finalise_grads` blocks for the
 reductions still in flight after backward) as a share of its step; ZeRO-2's peak gradient
 bytes (`GradBuffer.peak_staged_bytes` plus the shard accumulators) against the formula
-4N/dp + (MAX_IN_FLIGHT + 1) staged buckets; and megalite's buffers for bf16 parameters against
+4N/dp + (in_flight + 1) staged buckets; and megalite's buffers for bf16 parameters against
 the ZeRO bytes-per-parameter formulas.
 """
 
@@ -60,7 +60,7 @@ from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
-from megalite.parallel.data_parallel import MAX_IN_FLIGHT, staged_peak  # noqa: E402
+from megalite.optim.zero import ZERO  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
@@ -381,16 +381,16 @@ def main(argv=None):
         for r in res:  # the larger rank
             if r["zero2"]["peak_staged"] > z["peak_staged"]:
                 z = r["zero2"]
-        bound = z["numel"] * 4 // 2 + staged_peak(z["buckets"])
+        bound = z["numel"] * 4 // 2 + ZERO[2].staged_peak(z["buckets"])
         peak = z["peak_staged"] + z["shards"]
         print(f"\nZeRO-2 gradient bytes per rank: shard accumulators {z['shards']:,} B "
               f"(4N/dp = {z['numel'] * 4 // 2:,}) + peak staged {z['peak_staged']:,} B "
-              f"= {peak:,} B; bound 4N/dp + the {MAX_IN_FLIGHT + 1} largest buckets (staged_peak) "
+              f"= {peak:,} B; bound 4N/dp + the {ZERO[2].in_flight + 1} largest buckets (staged_peak) "
               f"{bound:,} B -> {peak / bound:.3f} of the bound; {len(z['buckets'])} buckets, "
               f"largest {z['buckets'][0]:,} B; ZeRO-0/1 keep 4N = {z['numel'] * 4:,} B "
               f"({peak / (z['numel'] * 4):.2f}x of it)")  # fmt: skip
         figures.append(figure(
-            "ZeRO-2 peak gradient bytes per rank / (4N/dp + (MAX_IN_FLIGHT+1) buckets)",
+            "ZeRO-2 peak gradient bytes per rank / (4N/dp + (in_flight+1) buckets)",
             round(peak / bound, 3), unit="", target="<= 1", met=peak <= bound,
             how="GradBuffer.peak_staged_bytes + shard accumulators, after the timed steps",
         ))  # fmt: skip

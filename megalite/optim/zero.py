@@ -26,6 +26,9 @@ class ZeroStage:
     grad_buffer: bool  # a gradient buffer for the whole model (else per-shard accumulators)
     reduce_each_microbatch: bool  # reduce every micro-batch's gradients as they come
     shard_params: bool = False  # parameters too: 1/dp each, gathered around their use
+    # with reduce_each_microbatch: staged buckets reduced at once at most (a ZeRO-3 unit is a
+    # whole layer: one reduced while the next fills, as FSDP)
+    in_flight: int = 2
 
     def shard(self, numel: int, dp: int) -> int:
         """Elements of a bucket of `numel` this rank updates."""
@@ -50,10 +53,22 @@ class ZeroStage:
             "optimizer": shard * grad_bytes * (3 if masters else 2),
         }
 
+    def staged_peak(self, sizes: list[int]) -> int:
+        """The most a rank stages at once (elements), from its buckets' sizes: in_flight + 1
+        buckets, the largest ones, or with fewer buckets than that some of them twice (the next
+        micro-batch stages a bucket while its previous gradient is still being reduced); none
+        where a gradient buffer holds every micro-batch."""
+        if not self.reduce_each_microbatch or not sizes:
+            return 0
+        k = -(-(self.in_flight + 1) // len(sizes))
+        return sum(sorted(sizes * k, reverse=True)[: self.in_flight + 1])
+
 
 ZERO = {
     0: ZeroStage(0, "replicated optimizer", False, True, False),
     1: ZeroStage(1, "sharded optimizer state", True, True, False),
     2: ZeroStage(2, "sharded optimizer state and gradients", True, False, True),
-    3: ZeroStage(3, "sharded optimizer state, gradients and parameters", True, False, True, True),
+    3: ZeroStage(
+        3, "sharded optimizer state, gradients and parameters", True, False, True, True, in_flight=1
+    ),
 }

@@ -13,8 +13,7 @@ only accumulate: no_sync), the bucket's reduction is launched asynchronously, so
 the rest of backward. Gradients are divided by the DP size before they are summed (a mean).
 Where gradients live and how a bucket is reduced is the ZeRO stage's (optim/zero.py). Without a
 gradient buffer (ZeRO-2) a micro-batch's bucket is staged only while it is reduced: it is freed
-as soon as its reduce-scatter lands (at most `in_flight` + 1 staged at once: MAX_IN_FLIGHT + 1,
-or 2 for ZeRO-3's layer-sized units).
+as soon as its reduce-scatter lands (at most the stage's `in_flight` + 1 staged at once).
 
 With sharded optimizer state each rank updates its shard of every bucket, then the buckets are
 all-gathered back into the parameter buffer. `all_gather_params(overlap=True)` launches the
@@ -43,24 +42,9 @@ from megalite.parallel.buckets import (
 )
 from megalite.parallel.comm import Group
 
-# Stage 2 keeps at most this many staged buckets in flight before waiting for the oldest.
-MAX_IN_FLIGHT = 2
-
-
-def staged_peak(sizes: list[int], in_flight: int = MAX_IN_FLIGHT) -> int:
-    """The most a rank stages at once at stages 2/3, from its buckets' sizes: in_flight + 1
-    buckets, the largest ones, or with fewer buckets than that some of them twice (the next
-    micro-batch stages a bucket while its previous gradient is still being reduced)."""
-    if not sizes:
-        return 0
-    k = -(-(in_flight + 1) // len(sizes))
-    return sum(sorted(sizes * k, reverse=True)[: in_flight + 1])
-
 
 class GradBuffer:
     """The flat parameter and gradient buffers of one rank, their buckets and DP reduction."""
-
-    in_flight = MAX_IN_FLIGHT  # stage 2: reductions of staged buckets in flight at most
 
     def __init__(
         self,
@@ -191,9 +175,9 @@ class GradBuffer:
                 f"the {self.microbatches} micro-batches this step was started with"
             )
         if b.grad is None:  # no gradient buffer: stage this pass's bucket
-            # at most in_flight + 1 staged at once (being filled or reduced): two buckets
+            # at most zero.in_flight + 1 staged (being filled or reduced): two buckets
             # can fill at once where gradients arrive out of layout order, so make room here
-            while self._in_flight and self.staged_buckets > self.in_flight:
+            while self._in_flight and self.staged_buckets > self.zero.in_flight:
                 self._complete(*self._in_flight.popleft())
             b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
             self.staged_buckets += 1
@@ -226,7 +210,7 @@ class GradBuffer:
             b.grad = None  # the next micro-batch stages afresh
             # free what has landed (without waiting), and wait once too much is in flight
             while self._in_flight and (
-                len(self._in_flight) > self.in_flight or _landed(self._in_flight[0][0])
+                len(self._in_flight) > self.zero.in_flight or _landed(self._in_flight[0][0])
             ):
                 self._complete(*self._in_flight.popleft())
         else:

@@ -98,9 +98,6 @@ class Zero3Buffer(GradBuffer):
     """A GradBuffer (the optimizer's view: buckets, shards, shard gradients) whose parameters
     live as shards, gathered per unit around their use."""
 
-    # A unit (a layer) is large: one reduced while the next one's gradients come in, as FSDP
-    in_flight = 1
-
     def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
                  own_bucket=lambda name, p: False):  # fmt: skip
         if reshard not in RESHARD:

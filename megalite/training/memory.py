@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 from megalite.config import Config, ModelConfig
 from megalite.optim.zero import ZERO
 from megalite.parallel.buckets import ALIGN, bucket_layout
-from megalite.parallel.data_parallel import GradBuffer, staged_peak
-from megalite.parallel.zero3 import Zero3Buffer, unit_layout, unit_of
+from megalite.parallel.zero3 import unit_layout, unit_of
 from megalite.pipeline.partition import rank_chunks
 
 if TYPE_CHECKING:
@@ -114,18 +113,14 @@ def state_memory(cfg: Config, lay: Layout, pp_rank: int, bs=None) -> dict:
     numel = bs[-1][1] if bs else 0
     zero = ZERO[lay.zero]
     out = zero.state_bytes(numel, replicas(lay), p_size, g_size)
-    staged = 0
-    if zero.reduce_each_microbatch:  # transient: buckets staged for their reduce-scatter
-        in_flight = Zero3Buffer.in_flight if zero.shard_params else GradBuffer.in_flight
-        staged = staged_peak([e - s for s, e, _ in bs], in_flight) * g_size
+    staged = zero.staged_peak([e - s for s, e, _ in bs]) * g_size  # transient, stages 2/3
     expert_numel = 0
     if cfg.model.num_experts:  # the expert buffer: its own buckets, sharded over edp
         es = buckets(cfg, lay, pp_rank, experts=True)
         expert_numel = es[-1][1] if es else 0
         ex = zero.state_bytes(expert_numel, expert_parallel(cfg, lay)[1], p_size, g_size)
         out = {k: out[k] + ex[k] for k in out}
-        if zero.reduce_each_microbatch:  # the expert buffer stages its own buckets too
-            staged += staged_peak([e - s for s, e, _ in es]) * g_size
+        staged += zero.staged_peak([e - s for s, e, _ in es]) * g_size  # its own buckets too
     gathered = 0
     if zero.shard_params:  # whole units alive at once, on top of the shards
         gathered = zero3_units(cfg, lay, pp_rank)[reshard_policy(cfg, lay)][0]
