@@ -266,28 +266,39 @@ def torch_side(m, a, full_state, mesh, sp):
     return step
 
 
-def run(rank, world, a):
-    torch.set_num_threads(1)
-    m = model_config(a)
-    groups = build_groups(Topology(tp=world), torch.device("cpu"))
+def variants(m, a, world: int) -> tuple:
+    """megalite's process groups and the four step functions (VARIANTS), all loaded with the
+    same logical weights."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    groups = build_groups(Topology(tp=world), torch.device("cpu"))
     mesh = init_device_mesh("cpu", (world,))
     full = {
         n: p.detach().clone() for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()
     }
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(2):
-        toks = torch.randint(0, m.vocab_size, (a.micro, a.mbs, m.seq_length + 1), generator=g)
-        batches.append([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks])
-
-    steps = {
+    return groups, {
         "megalite": megalite_side(m, a, groups, False),
         "megalite-sp": megalite_side(m, a, groups, True),
         "torch": torch_side(m, a, full, mesh, False),
         "torch-sp": torch_side(m, a, full, mesh, True),
     }
+
+
+def make_batches(m, a, n: int) -> list:
+    """n steps of micro-batches [(tokens, labels)], the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        toks = torch.randint(0, m.vocab_size, (a.micro, a.mbs, m.seq_length + 1), generator=g)
+        out.append([(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks])
+    return out
+
+
+def run(rank, world, a):
+    torch.set_num_threads(1)
+    m = model_config(a)
+    groups, steps = variants(m, a, world)
+    batches = make_batches(m, a, 2)
     out = {"check": {k: s(batches[0]) for k, s in steps.items()}}
 
     # traffic of one step of each megalite variant, total and by origin

@@ -40,26 +40,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.kernels import TORCH_OPS  # noqa: E402
-
 from bench._common import machine  # noqa: E402
-from bench.bench_tp import (  # noqa: E402
-    VARIANTS,
-    megalite_side,
-    model_args,
-    model_config,
-    torch_side,
-)
-from megalite.model.gpt import GPTChunk  # noqa: E402
+from bench.bench_tp import VARIANTS, make_batches, model_args, model_config, variants  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
-from megalite.parallel.groups import build_groups  # noqa: E402
-from megalite.parallel.topology import Topology  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
 BUCKETS = ("gemm", "other compute", "collectives", "dispatch", "python")
 GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-COMM = ("megalite.comm", "c10d", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-        "wait_tensor", "record_param_comms", "barrier", "broadcast")  # fmt: skip
+COMM = ("megalite.comm", "c10d", "gloo", "all_reduce", "allreduce", "all_gather", "allgather",
+        "reduce_scatter", "wait_tensor", "record_param_comms", "barrier", "broadcast")  # fmt: skip
 
 
 # aten ops that only dispatch, view or allocate: their own time is bookkeeping, not arithmetic
@@ -118,21 +107,8 @@ def run(rank, world, a):
     for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # synchronous at tp
         setattr(comm, name, _labelled(getattr(comm, name), f"megalite.comm.{name}"))
     m = model_config(a)
-    groups = build_groups(Topology(tp=world), torch.device("cpu"))
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    full = {n: p.detach().clone()
-            for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()}  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, m.vocab_size, (a.micro, a.mbs, m.seq_length + 1), generator=g)
-    batch = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
-    steps = {
-        "megalite": megalite_side(m, a, groups, False),
-        "megalite-sp": megalite_side(m, a, groups, True),
-        "torch": torch_side(m, a, full, mesh, False),
-        "torch-sp": torch_side(m, a, full, mesh, True),
-    }
+    _, steps = variants(m, a, world)
+    (batch,) = make_batches(m, a, 1)
     out = {}
     for name, step in steps.items():
         step(batch)  # warm-up
