@@ -39,7 +39,6 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,9 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import figure, machine, tcp_bytes, write_summary  # noqa: E402
+from bench._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
-from megalite.model.layers import rotary_tables  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
@@ -61,136 +60,6 @@ from tests.spawn import spawn  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 VARIANTS = ("megalite", "megalite-sp", "torch", "torch-sp")
-
-
-# ---- the plain torch model (names = megalite's logical names) ---------------------------------
-
-
-class Attention(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        h, hd = m.hidden_size, m.head_dim
-        self.hd = hd
-        self.q = nn.Linear(h, m.num_attention_heads * hd, bias=False)
-        self.k = nn.Linear(h, m.heads_kv * hd, bias=False)
-        self.v = nn.Linear(h, m.heads_kv * hd, bias=False)
-        self.out = nn.Linear(m.num_attention_heads * hd, h, bias=False)
-        cos, sin = rotary_tables(m)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, x):  # (b, s, h) -> (b, s, h); under TP q/k/v hold this rank's heads
-        b, s = x.shape[:2]
-        q = self.q(x).view(b, s, -1, self.hd)
-        k = self.k(x).view(b, s, -1, self.hd)
-        v = self.v(x).view(b, s, -1, self.hd)
-        q = TORCH_OPS.rotary(q, self.cos[:s], self.sin[:s])
-        k = TORCH_OPS.rotary(k, self.cos[:s], self.sin[:s])
-        o = TORCH_OPS.attention(*(t.transpose(1, 2) for t in (q, k, v)))
-        return self.out(o.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(m.hidden_size, m.ffn, bias=False)
-        self.up = nn.Linear(m.hidden_size, m.ffn, bias=False)
-        self.down = nn.Linear(m.ffn, m.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down(TORCH_OPS.swiglu(self.gate(x), self.up(x)))
-
-
-class Layer(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        self.input_norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon)
-        self.attention = Attention(m)
-        self.post_attention_norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon)
-        self.mlp = MLP(m)
-
-    def forward(self, x):
-        x = x + self.attention(self.input_norm(x))
-        return x + self.mlp(self.post_attention_norm(x))
-
-
-class TorchGPT(nn.Module):
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        V = m.padded_vocab_size(1)
-        self.embedding = nn.Module()
-        self.embedding.word = nn.Embedding(V, m.hidden_size)
-        self.layers = nn.ModuleList(Layer(m) for _ in range(m.num_layers))
-        self.final_norm = nn.RMSNorm(m.hidden_size, eps=m.norm_epsilon)
-        self.output = nn.Linear(m.hidden_size, V, bias=False)
-
-    def forward(self, ids):  # -> logits (b, s, V): a DTensor sharded on the vocabulary under TP
-        x = self.embedding.word(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.output(self.final_norm(x))
-
-
-def parallelize(model: TorchGPT, mesh, sp: bool):
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    if sp:  # torchtitan's plan
-        top = {
-            "embedding.word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "final_norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-            ),
-        }
-        enter = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        layer = {
-            "input_norm": SequenceParallel(),
-            "attention": enter,
-            "attention.out": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_norm": SequenceParallel(),
-            "mlp": enter,
-            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    else:
-        top = {
-            "embedding.word": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        }
-        layer = {"attention.out": RowwiseParallel(), "mlp.down": RowwiseParallel()}
-    for name in ("attention.q", "attention.k", "attention.v", "mlp.gate", "mlp.up"):
-        layer[name] = ColwiseParallel()
-    parallelize_module(model, mesh, top)
-    for blk in model.layers:
-        parallelize_module(blk, mesh, layer)
-    return model
-
-
-def clip(params, max_norm):
-    """torch.nn.utils.clip_grad_norm_ for a mix of DTensor and plain (replicated) parameters:
-    without SP the norms stay plain tensors, and torch's clip cannot stack the two kinds."""
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params if p.grad is not None]
-    dts = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    sq = 0.0
-    if dts:
-        sq += torch.nn.utils.get_total_norm(dts).full_tensor().item() ** 2
-    if plain:
-        sq += torch.nn.utils.get_total_norm(plain).item() ** 2
-    coef = min(1.0, max_norm / (sq**0.5 + 1e-6))
-    if coef < 1.0:
-        for group in (dts, plain):
-            if group:
-                torch._foreach_mul_(group, coef)
-    return sq**0.5
 
 
 # ---- the four variants as step functions -------------------------------------------------------
