@@ -1,12 +1,12 @@
-"""Asynchronous saves (--async-save): the step gathers and copies to host, a thread writes.
+"""Asynchronous saves (--async-save): the step copies to host memory, a thread writes.
 
-What must be gathered is gathered in the foreground, by every rank, as in a synchronous save:
-the optimizer state over DP (`state_tensors()`, a collective) and the RNG states (an
-all_gather_object over the world). The tensors a rank writes are then copied to host memory
-(pinned buffers, reused from save to save, on a GPU: the copies are queued on the stream and
-the step does not wait for them) and the step goes on. A background thread writes the
-safetensors file exactly as a synchronous save does (`format.write_shard`: same bytes, same
-sha256), which releases the GIL while it writes and hashes.
+The tensors a rank writes (its weights and its own part of the optimizer state: nothing is
+gathered over DP) are copied to host memory (pinned buffers, reused from save to save, on a
+GPU: the copies are queued on the stream and the step does not wait for them), the RNG states
+are gathered in the foreground (an all_gather_object over the world), and the step goes on.
+A background thread writes the safetensors file exactly as a synchronous save does
+(`format.write_shard`: same bytes, same sha256), which releases the GIL while it writes and
+hashes.
 
 The thread never calls a collective: the training groups belong to the training thread. The
 ranks meet through the checkpoint's temporary directory instead, which every rank already
@@ -37,10 +37,9 @@ def host_copy(tensors: dict, pinned: dict) -> tuple[dict, object]:
     """{name: (tensor, region, shape)} with the tensors in host memory the training step will
     not touch again, and the CUDA event to wait for before reading them (None on CPU).
 
-    On CPU the parameters are copied (the next step updates them in place); the optimizer
-    state from `state_tensors()` is a fresh copy already (it is gathered into new tensors) and
-    is kept as it is. On a GPU everything goes through pinned buffers, reused between saves
-    (the previous save has finished with them when the next one starts)."""
+    On CPU the tensors are cloned (the next step updates the weights and the optimizer state
+    in place). On a GPU they go through pinned buffers, reused between saves (the previous
+    save has finished with them when the next one starts)."""
     out, event = {}, None
     for name, (t, region, shape) in tensors.items():
         if t.device.type == "cuda":
@@ -49,8 +48,8 @@ def host_copy(tensors: dict, pinned: dict) -> tuple[dict, object]:
                 buf = pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             buf.copy_(t, non_blocking=True)
             t = buf
-        elif not name.startswith("optimizer."):
-            t = t.detach().clone()  # (b, ...) the weights: the next step changes them in place
+        else:
+            t = t.detach().clone()
         out[name] = (t, region, shape)
     if any(t.device.type == "cuda" for t, _, _ in tensors.values()):
         event = torch.cuda.Event()

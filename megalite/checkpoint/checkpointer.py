@@ -1,13 +1,14 @@
 """Saving and resuming training: the distributed side of the checkpoint format (format.py).
 
-Save (every rank takes part): the optimizer state is gathered over DP, then each (tp, pp)
-position's DP rank 0 writes its slices of every logical tensor into one file in a temporary
-directory; rank 0 gathers the index entries and RNG states, writes the index, renames the
-directory into place, updates `latest` (atomically, last) and only then removes checkpoints
-beyond --keep-checkpoints. A save that fails leaves the previous checkpoints as they were.
-With --async-save the gathers and a copy to host memory happen in the step and a background
-thread writes the same files (async_save.py); the next save, a signal and the end of training
-wait for it, and its error stops every rank there.
+Save (every rank takes part): each rank writes one file into a temporary directory: the weights
+where it is the first of the ranks holding them (DP rank 0, TP rank 0 for TP replicas) and
+its own part of the optimizer state, so a ZeRO shard is written by the rank that holds it
+and nothing is gathered over DP. Rank 0 gathers the index entries and RNG states, writes the
+index, renames the directory into place, updates `latest` (atomically, last) and only then
+removes checkpoints beyond --keep-checkpoints. A save that fails leaves the previous
+checkpoints as they were. With --async-save the step copies what it writes to host memory and
+a background thread writes the same files (async_save.py); the next save, a signal and the
+end of training wait for it, and its error stops every rank there.
 
 The checkpointer is handed what it saves (the model chunks, the optimizer, the tokenizer) and a
 `TrainState` (iteration, data position, skipped steps, this rank's RNG); loading returns the
@@ -41,9 +42,11 @@ from megalite.checkpoint.regions import (  # noqa: F401  (check_model, load_mode
     encode_rng,
     load_model,
     load_optimizer,
+    piece_blocks,
     rank_params,
 )
 from megalite.errors import MegaliteError
+from megalite.parallel.specs import spec_of
 
 # Fields a checkpoint and a run must agree on beyond the tensor shapes (which are checked one
 # by one): the shapes cannot tell a flavour apart, nor a prefix of the layers.
@@ -167,19 +170,34 @@ class Checkpointer:
 
     # ---- saving -----------------------------------------------------------------------------
 
-    def _local_tensors(self, opt_state: dict) -> dict:
-        """{index name: (tensor, region, global shape)} of what this (tp, pp) position writes."""
-        tp = self.groups.tp
-        out = {}
+    def _local_tensors(self) -> dict:
+        """{key: (tensor, region, global shape)} of what this rank writes (format.write_shard):
+        the weights where it is the first of the ranks holding them, and its own part of the
+        optimizer state (optimizer.state_pieces: no gather), as blocks of the global tensors."""
+        g, out = self.groups, {}
+        pieces = list(self.optimizer.state_pieces())  # waits for the parameters first
         for name, p, spec in rank_params(self.chunks):
-            if spec.tied_to or (spec.split_dim is None and tp.rank != 0):
-                continue  # tied copies are the first stage's tensor; TP replicas are written once
-            region = spec.region()
-            rows = region[0][1] - region[0][0]  # fewer than p.shape[0] where vocabulary padding is
-            out[name] = (p[:rows], region, spec.shape)
-            for kind, t in opt_state[name].items():
-                out[opt_name(kind, name)] = (t[:rows], region, spec.shape)
+            holders = g.edp if spec.expert else g.replicas
+            if self._written_once(spec) and holders.rank == 0:
+                region = spec.region()
+                rows = region[0][1] - region[0][0]  # < p.shape[0] where vocabulary padding is
+                out[name] = (p[:rows], region, spec.shape)
+        for r, (plo, phi), kinds, writes in pieces:
+            spec = spec_of(r.param)
+            if not (writes and self._written_once(spec)):
+                continue
+            whole = (plo, phi) == (0, r.param.numel())
+            for i, (lo, hi, region) in enumerate(piece_blocks(spec, r.param.shape, plo, phi)):
+                shape = [b - a for a, b in region]
+                for kind, t in kinds.items():
+                    key = opt_name(kind, r.name) + ("" if whole else f"#{i}")
+                    out[key] = (t[lo:hi].view(shape), region, spec.shape)
         return out
+
+    def _written_once(self, spec) -> bool:
+        """Not a copy written elsewhere: tied copies are the first stage's tensor, and TP
+        replicas are written by TP rank 0."""
+        return not spec.tied_to and (spec.split_dim is not None or self.groups.tp.rank == 0)
 
     def _paths(self, iteration: int) -> tuple[Path, Path]:
         root = Path(self.cfg.checkpoint.save)
@@ -211,14 +229,13 @@ class Checkpointer:
         }
 
     @property
-    def _fname(self) -> str | None:
-        """The file this rank writes: DP rank 0 of each (tp, pp) position writes one."""
-        g = self.groups
-        return (
-            f"model-tp{g.tp.rank:02d}-pp{g.pp.rank:02d}.safetensors"
-            if g.replicas.rank == 0
-            else None
-        )
+    def _fname(self) -> str:
+        """The file this rank writes, named by its coordinates: tp and pp, and every other axis
+        of more than one rank (model-tp01-dp00-pp01.safetensors)."""
+        topo = self.groups.topo
+        coords = topo.coords(self.groups.rank).items()
+        name = "-".join(f"{a}{i:02d}" for a, i in coords if a in ("tp", "pp") or topo.sizes[a] > 1)
+        return f"model-{name}.safetensors"
 
     def save(self, state: TrainState):
         """Save `state` and the parts (collective: every rank calls it). With --async-save the
@@ -232,17 +249,16 @@ class Checkpointer:
         g = self.groups
         start = time.perf_counter()
         final, tmp = self._paths(state.iteration)
-        opt_state = self.optimizer.state_tensors()  # collective over DP
         self._make_tmp(tmp)
         entries, files, error = {}, {}, None
         with self.optimizer.gathered_params():  # ZeRO-3: whole weights while they are written
-            if self._fname:
+            tensors = self._local_tensors()
+            if tensors:
                 try:
-                    tensors = self._local_tensors(opt_state)
                     entries, files = fmt.write_shard(tmp, self._fname, tensors)
                 except OSError as e:
                     error = f"could not write checkpoint file {tmp / self._fname} ({e})"
-        del opt_state
+        del tensors
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
         parts = all_gather((entries, files, rng, error), g.world)
         outcome = self._commit(parts, tmp, final, self._meta(state)) if g.rank == 0 else None
@@ -266,13 +282,10 @@ class Checkpointer:
         self.wait()  # one save in flight at most; its error stops every rank here
         start = time.perf_counter()
         final, tmp = self._paths(state.iteration)
-        opt_state = self.optimizer.state_tensors()  # collective over DP, in the foreground
         self._make_tmp(tmp)
-        fname, tensors, event = self._fname, {}, None
         with self.optimizer.gathered_params():  # ZeRO-3: whole weights while they are copied
-            if fname:
-                tensors, event = host_copy(self._local_tensors(opt_state), self._pinned)
-        del opt_state
+            tensors, event = host_copy(self._local_tensors(), self._pinned)
+        fname = self._fname if tensors else None
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
         gathered = all_gather((rng, fname is not None), g.world)  # the last collective
         meta = self._meta(state)

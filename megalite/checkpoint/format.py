@@ -3,7 +3,7 @@
 A checkpoint is a directory (`RUN/iter_0000020/`) holding
 
   index.json            what everything is (below)
-  *.safetensors         the tensor data; a file holds at most one slice of each tensor
+  *.safetensors         the tensor data: slices of the tensors
   tokenizer.model       the tokenizer the run trained with, when it had one: a sentencepiece
   or tokenizer.json     model, or a Hugging Face tokenizers file (the name says which)
 
@@ -16,8 +16,10 @@ and the slices the files hold as index ranges of the global tensor:
                           {"file": "model-tp01-pp00.safetensors", "slice": [[64, 128], [0, 32]]}]}}
 
 Global means: as one process would hold it, with the real vocabulary (no padding rows). Inside
-a file the slice is stored under the tensor's index name. Which slice a rank holds is its
-parameter's `ParamSpec.region` (parallel/specs.py). The index also holds the sha256 of
+a file a slice is stored under the tensor's index name, or under the shard's "key" where a file
+holds several slices of one tensor: a ZeRO shard's part of a parameter is a flat range, which
+is stored as up to 2·ndim−1 rectangular blocks, keyed `<name>#<i>` (checkpointer.py). Which
+slice of a weight a rank holds is its parameter's `ParamSpec.region` (parallel/specs.py). The index also holds the sha256 of
 every file, the iteration, consumed samples, optimizer scalars, the full config and the RNG
 states of every rank. Only JSON and safetensors are ever read: no pickle.
 """
@@ -96,20 +98,23 @@ def _safe_name(name, where: Path) -> str:
 
 
 def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]:
-    """Write {index name: (tensor, region, global shape)} as one safetensors file; returns the
-    index entries
+    """Write {key: (tensor, region, global shape)} as one safetensors file, the key an index
+    name or `<index name>#<i>` for one of several slices of a tensor; returns the index entries
     ({name: {shape, dtype, shards: [...]}}) and the file's {fname: {sha256, bytes}}. Tensors
     with an empty region (a rank's vocabulary slice that is all padding) are left out."""
     entries, data = {}, {}
-    for name, (t, region, glob) in tensors.items():
+    for key, (t, region, glob) in tensors.items():
         if any(hi <= lo for lo, hi in region):
             continue
-        data[name] = t.detach().to("cpu").contiguous()
-        entries[name] = {
-            "shape": list(glob),
-            "dtype": dtype_name(t.dtype),
-            "shards": [{"file": fname, "slice": [list(r) for r in region]}],
-        }
+        data[key] = t.detach().to("cpu").contiguous()
+        name = key.split("#")[0]
+        shard = {"file": fname, "slice": [list(r) for r in region]}
+        if key != name:
+            shard["key"] = key
+        e = entries.setdefault(
+            name, {"shape": list(glob), "dtype": dtype_name(t.dtype), "shards": []}
+        )
+        e["shards"].append(shard)
     path = directory / fname
     save_file(data, str(path))
     os.chmod(path, 0o644)  # safetensors creates 0600 files; checkpoints are shared like any output
@@ -231,7 +236,7 @@ class Checkpoint:
                             f"{self.dir / INDEX}: tensor {name} is in {s['file']}, which the "
                             "index does not list with a checksum; the checkpoint is damaged"
                         )
-                    if len(s["slice"]) != len(e["shape"]):
+                    if len(s["slice"]) != len(e["shape"]) or not isinstance(s.get("key", ""), str):
                         raise ValueError(name)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise MegaliteError(
@@ -304,7 +309,8 @@ class Checkpoint:
                 continue
             src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sl))
             dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, region))
-            part = self._file(s["file"]).get_slice(name)[src] if shape else self._get(s, name)
+            key = s.get("key", name)
+            part = self._file(s["file"]).get_slice(key)[src] if shape else self._get(s, key)
             out[dst] = part
             covered += out[dst].numel()
         if covered != out.numel():
@@ -314,8 +320,8 @@ class Checkpoint:
             )
         return out
 
-    def _get(self, s, name):  # 0-dim tensors cannot be sliced
-        return self._file(s["file"]).get_tensor(name)
+    def _get(self, s, key):  # 0-dim tensors cannot be sliced
+        return self._file(s["file"]).get_tensor(key)
 
     def close(self):
         self._open.clear()

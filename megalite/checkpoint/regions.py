@@ -6,6 +6,7 @@ Used by the Checkpointer (checkpointer.py) and by tools that load a model at a l
 """
 
 import base64
+import math
 from contextlib import contextmanager
 
 import torch
@@ -65,6 +66,46 @@ def _read_padded(ckpt: Checkpoint, name: str, region, shape) -> torch.Tensor:
     if t.shape[0] < shape[0]:
         t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, shape[0] - t.shape[0]))
     return t
+
+
+def flat_blocks(shape, lo: int, hi: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The flat range [lo, hi) of a row-major tensor of `shape` as rectangular blocks, in
+    order: (flat start, (lo, hi) per dim). Each block is a contiguous run of the range: a
+    partial first row, whole rows, a partial last row (rows split the same way, dim by dim)."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [(0, [])]
+    row = math.prod(shape[1:])
+    out, at = [], lo
+    if at % row:  # the first row, from its middle
+        r = at // row
+        end = min(hi, (r + 1) * row)
+        out += [(r * row + s, [(r, r + 1), *reg]) for s, reg in flat_blocks(shape[1:], at - r * row, end - r * row)]  # fmt: skip
+        at = end
+    if (n := (hi - at) // row) > 0:  # whole rows
+        out.append((at, [(at // row, at // row + n), *((0, d) for d in shape[1:])]))
+        at += n * row
+    if at < hi:  # the last row, up to its middle
+        r = at // row
+        out += [(r * row + s, [(r, r + 1), *reg]) for s, reg in flat_blocks(shape[1:], 0, hi - r * row)]  # fmt: skip
+    return out
+
+
+def piece_blocks(spec, shape, plo: int, phi: int) -> list[tuple[int, int, list]]:
+    """The part [plo, phi) of a flattened local parameter of `shape` (a ZeRO shard's part) as
+    blocks of the global tensor: (start, end) in the part and the global region of each.
+    Vocabulary padding rows (past the global tensor) are left out."""
+    region, out = spec.region(), []
+    for start, block in flat_blocks(shape, plo, phi):
+        rows = min(block[0][1], region[0][1] - region[0][0]) - block[0][0] if block else 1
+        if rows <= 0:
+            continue
+        n = rows * math.prod(hi - lo for lo, hi in block[1:])
+        block = block and [(block[0][0], block[0][0] + rows), *block[1:]]
+        glob = [(lo + r[0], hi + r[0]) for (lo, hi), r in zip(block, region)]
+        out.append((start - plo, start - plo + n, glob))
+    return out
 
 
 def check_model(chunks, tp, ckpt: Checkpoint):

@@ -148,3 +148,66 @@ def test_failed_save_keeps_the_previous_and_mismatches_are_named(tmp_path):
     ck.verify()
     assert ck.iteration == 2 and ck.index["consumed_samples"] == 8
     assert len(ck.index["rng"]) == 2 and ck.index["optimizer"]["step"] == 2
+
+
+def _layouts():
+    from tests.distributed.test_moe_training import config as moe_config
+    from tests.tiny import tiny_config
+
+    def tiny(**kw):
+        cfg = tiny_config()
+        cfg.optimizer.bucket_size_mb = 0.004  # a few buckets: shards cut parameters mid-row
+        for k, v in kw.items():
+            setattr(cfg.training if k == "precision" else cfg.optimizer if k == "zero_stage"
+                    else cfg.parallel, k, v)  # fmt: skip
+        return cfg
+
+    return {
+        "tp2 dp2 zero1 bf16": tiny(tp=2, zero_stage=1, precision="bf16"),
+        "dp4 zero2": tiny(zero_stage=2),
+        "pp2 dp2 zero3": tiny(pp=2, zero_stage=3),
+        "moe ep2 over dp4 zero1": moe_config(ep=2, zero_stage=1),  # experts held by edp rank 0
+    }
+
+
+def _written_where_held(rank, world, root):
+    from megalite.checkpoint.regions import rank_params
+    from megalite.training.trainer import Trainer  # noqa: F401  (imported by tiny_trainer)
+    from tests.tiny import tiny_trainer
+
+    out = {}
+    for name, cfg in _layouts().items():
+        cfg.checkpoint.save = f"{root}/{name.replace(' ', '_')}"
+        tr = tiny_trainer(cfg, samples=64)
+        for _ in range(2):
+            tr.train_step(log=False)
+        tr.groups.ledger.reset()
+        tr.checkpointer.save(tr.state())
+        traffic = sorted(tr.groups.ledger.bytes)
+        gathered = tr.opt.state_tensors()  # the reference: the whole state, gathered over DP
+        ck, wrong = fmt.Checkpoint(cfg.checkpoint.save), []
+        with tr.opt.gathered_params():
+            for n, p, spec in rank_params(tr.chunks):
+                region = spec.region()
+                rows = region[0][1] - region[0][0]
+                want = {n: p, **{fmt.opt_name(k, n): t for k, t in gathered.get(n, {}).items()}}
+                for key, t in want.items():
+                    if not torch.equal(ck.read(key, region), t[:rows]):
+                        wrong.append(key)
+        # no element is stored twice: the slices of each optimizer tensor add up to it
+        twice = [n for n, e in ck.tensors.items() if n.startswith("optimizer.") and
+                 sum(np.prod([b - a for a, b in s["slice"]]) for s in e["shards"]) != np.prod(e["shape"])]  # fmt: skip
+        holds_state = {s["file"] for n in ck.names(optimizer=True) for s in ck.tensors[n]["shards"]}
+        out[name] = (traffic, wrong, twice, len(holds_state))
+    return out
+
+
+def test_each_rank_writes_the_optimizer_shard_it_holds(tmp_path):
+    """ZeRO shards are written by the ranks that hold them (no DP gather) and the checkpoint
+    holds exactly the gathered state; experts over DP are written by their own ranks."""
+    for name, (traffic, wrong, twice, writers) in spawn(_written_where_held, 4, str(tmp_path))[0].items():  # fmt: skip
+        # the index and RNG states only (and ZeRO-3's weights, gathered while they are written)
+        assert traffic == (["dp_gather", "world"] if "zero3" in name else ["world"]), name
+        assert not wrong, (name, wrong)
+        assert not twice, (name, twice)
+        assert writers == 4, (name, writers)  # every rank writes a part of the state

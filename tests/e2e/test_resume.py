@@ -164,11 +164,11 @@ def test_bad_checkpoints_fail_with_one_line(reference, tiny_data, tmp_path):
     assert "does not exist" in _fails(tiny_data, tmp_path, "--load", str(tmp_path / "nope"))
     bad = tmp_path / "bad"
     shutil.copytree(run / "iter_0000002", bad)
-    shard = bad / "model-tp01-pp01.safetensors"
+    shard = bad / "model-tp01-dp01-pp01.safetensors"
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x1
     shard.write_bytes(bytes(data))
     line = _fails(tiny_data, tmp_path, "--load", str(bad))
-    assert "model-tp01-pp01.safetensors fails its sha256 checksum" in line
+    assert "model-tp01-dp01-pp01.safetensors fails its sha256 checksum" in line
     line = _fails(tiny_data, tmp_path, "--load", str(run), "--hidden-size", "64")
     assert "has shape" in line and "[512, 32]" in line and "[512, 64]" in line
