@@ -1,9 +1,8 @@
 """Saving and resuming training: the distributed side of the checkpoint format (format.py).
 
-Save (every rank takes part): each rank writes one file into a temporary directory: the weights
-where it is the first of the ranks holding them (DP rank 0, TP rank 0 for TP replicas) and
-its own part of the optimizer state, so a ZeRO shard is written by the rank that holds it
-and nothing is gathered over DP. Rank 0 gathers the index entries and RNG states, writes the
+Save (every rank takes part): each rank writes one file into a temporary directory, with its
+own ZeRO shard of the weights and the optimizer state (DP rank 0 all of them at ZeRO-0, TP
+rank 0 the TP replicas), so nothing is gathered over DP. Rank 0 gathers the index entries and RNG states, writes the
 index, renames the directory into place, updates `latest` (atomically, last) and only then
 removes checkpoints beyond --keep-checkpoints. A save that fails leaves the previous
 checkpoints as they were. With --async-save the step copies what it writes to host memory and
@@ -172,32 +171,21 @@ class Checkpointer:
 
     def _local_tensors(self) -> dict:
         """{key: (tensor, region, global shape)} of what this rank writes (format.write_shard):
-        the weights where it is the first of the ranks holding them, and its own part of the
-        optimizer state (optimizer.state_pieces: no gather), as blocks of the global tensors."""
-        g, out = self.groups, {}
-        pieces = list(self.optimizer.state_pieces())  # waits for the parameters first
-        for name, p, spec in rank_params(self.chunks):
-            holders = g.edp if spec.expert else g.replicas
-            if self._written_once(spec) and holders.rank == 0:
-                region = spec.region()
-                rows = region[0][1] - region[0][0]  # < p.shape[0] where vocabulary padding is
-                out[name] = (p[:rows], region, spec.shape)
-        for r, (plo, phi), kinds, writes in pieces:
+        its own part of the weights and the optimizer state (optimizer.state_pieces: nothing is
+        gathered), as blocks of the global tensors. TP replicas are written by TP rank 0."""
+        out = {}
+        for r, (plo, phi), views, writes in self.optimizer.state_pieces():
             spec = spec_of(r.param)
-            if not (writes and self._written_once(spec)):
+            if not writes or (spec.split_dim is None and self.groups.tp.rank != 0):
                 continue
             whole = (plo, phi) == (0, r.param.numel())
             for i, (lo, hi, region) in enumerate(piece_blocks(spec, r.param.shape, plo, phi)):
                 shape = [b - a for a, b in region]
-                for kind, t in kinds.items():
-                    key = opt_name(kind, r.name) + ("" if whole else f"#{i}")
+                for kind, t in views.items():
+                    key = spec.source if kind == "param" else opt_name(kind, spec.source)
+                    key += "" if whole else f"#{i}"
                     out[key] = (t[lo:hi].view(shape), region, spec.shape)
         return out
-
-    def _written_once(self, spec) -> bool:
-        """Not a copy written elsewhere: tied copies are the first stage's tensor, and TP
-        replicas are written by TP rank 0."""
-        return not spec.tied_to and (spec.split_dim is not None or self.groups.tp.rank == 0)
 
     def _paths(self, iteration: int) -> tuple[Path, Path]:
         root = Path(self.cfg.checkpoint.save)
@@ -250,14 +238,12 @@ class Checkpointer:
         start = time.perf_counter()
         final, tmp = self._paths(state.iteration)
         self._make_tmp(tmp)
-        entries, files, error = {}, {}, None
-        with self.optimizer.gathered_params():  # ZeRO-3: whole weights while they are written
-            tensors = self._local_tensors()
-            if tensors:
-                try:
-                    entries, files = fmt.write_shard(tmp, self._fname, tensors)
-                except OSError as e:
-                    error = f"could not write checkpoint file {tmp / self._fname} ({e})"
+        entries, files, error, tensors = {}, {}, None, self._local_tensors()
+        if tensors:
+            try:
+                entries, files = fmt.write_shard(tmp, self._fname, tensors)
+            except OSError as e:
+                error = f"could not write checkpoint file {tmp / self._fname} ({e})"
         del tensors
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
         parts = all_gather((entries, files, rng, error), g.world)
@@ -283,8 +269,7 @@ class Checkpointer:
         start = time.perf_counter()
         final, tmp = self._paths(state.iteration)
         self._make_tmp(tmp)
-        with self.optimizer.gathered_params():  # ZeRO-3: whole weights while they are copied
-            tensors, event = host_copy(self._local_tensors(), self._pinned)
+        tensors, event = host_copy(self._local_tensors(), self._pinned)
         fname = self._fname if tensors else None
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
         gathered = all_gather((rng, fname is not None), g.world)  # the last collective

@@ -295,12 +295,13 @@ class DistributedOptimizer:
         return {name: {k: gathered[k][name] for k in kinds} for name in gathered["exp_avg"]}
 
     def state_pieces(self):
-        """This rank's optimizer state parameter by parameter, without a collective (what a
-        checkpoint writes): (range, (plo, phi), {kind: 1-D view of the state}, writes) for each
-        parameter with a part in this rank's shards, (plo, phi) that part of the flattened
-        parameter. `writes`: this rank is the one of its DP group to save it: every rank its
-        own part when the state is sharded, DP rank 0 otherwise. Tied copies are left out."""
-        self.buffer.wait_params()  # the caller reads the parameters next (checkpoints)
+        """This rank's part of the weights and the optimizer state, parameter by parameter,
+        without a collective (what a checkpoint writes): (range, (plo, phi), {"param" or an
+        optimizer kind: 1-D view}, writes) for each parameter with a part in this rank's shards,
+        (plo, phi) that part of the flattened parameter. `writes`: this rank is the one of its
+        DP group to save it: every rank its own part when the state is sharded, DP rank 0
+        otherwise. Tied copies are left out."""
+        self.buffer.wait_params()  # the parameter gathers write into the flat buffer
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.masters:
             kinds["master"] = self.masters
@@ -311,7 +312,9 @@ class DistributedOptimizer:
             i, (lo, hi, plo, phi) = self._bucket_index[b], s
             sharded = b.shard_end - b.shard_start < b.numel
             writes = sharded or self.buffer.group_of(b).rank == 0
-            yield r, (plo, phi), {k: v[i][lo:hi] for k, v in kinds.items()}, writes
+            views = {"param": self.buffer.param_shard(b)[lo:hi]}
+            views.update((k, v[i][lo:hi]) for k, v in kinds.items())
+            yield r, (plo, phi), views, writes
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The finalised gradient of every parameter, tied copies included (for tests and
