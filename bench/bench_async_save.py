@@ -12,7 +12,8 @@ takes seconds, not minutes, on a CPU) at dp=2, for each ZeRO stage given:
   the same gather (a collective: it stays in the foreground) and the copy to host memory;
   the background write's own duration is reported beside it.
 - loop time: --steps steps without saves, then the same steps saving every --every steps
-  (async, then sync), each including its final wait for the last write.
+  (async, then sync), each including its final wait for the last write; the steps alone
+  (without that wait) are reported too: what periodic saves cost a long run.
 
 Every figure is measured in the same processes, one after the other, so the ratios compare
 like with like; absolute seconds depend on the machine's load (see docs/bench_async_save.md).
@@ -68,17 +69,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _loop(tr, steps, every, mode):
-    """`steps` steps, saving every `every` (mode: None, "async", "sync"), the last write waited."""
+def _loop(tr, steps, every, mode) -> tuple[float, float, float]:
+    """`steps` steps, saving every `every` (mode: None, "async", "sync"): (seconds of the steps
+    and their saves, seconds then waited for the last write, CPU seconds of the process)."""
     ck = tr.checkpointer
     if mode:
         tr.cfg.checkpoint.async_save = mode == "async"
-    for _ in range(steps):
-        tr.train_step(log=False)
-        if mode and tr.iteration % every == 0:
-            ck.save(tr.state())
-    ck.wait()
-    tr.opt.wait_params()
+    cpu = time.process_time()  # this process's CPU time, every thread (the writer's included)
+    steps_s = _timed(lambda: [_step_and_save(tr, every, mode) for _ in range(steps)])
+    wait_s = _timed(lambda: (ck.wait(), tr.opt.wait_params()))
+    return steps_s, wait_s, time.process_time() - cpu
+
+
+def _step_and_save(tr, every, mode):
+    tr.train_step(log=False)
+    if mode and tr.iteration % every == 0:
+        tr.checkpointer.save(tr.state())
 
 
 def _measure(tr, a) -> dict:
@@ -92,7 +98,10 @@ def _measure(tr, a) -> dict:
         if mode == "async":
             r.setdefault("async_background_s", []).append(_timed(ck.wait))
     for mode in (None, "async", "sync"):
-        r[f"loop_{mode or 'nosave'}_s"] = _timed(lambda m=mode: _loop(tr, a.steps, a.every, m))
+        steps_s, wait_s, cpu_s = _loop(tr, a.steps, a.every, mode)
+        r[f"loop_{mode or 'nosave'}_s"] = steps_s + wait_s
+        r[f"loop_{mode or 'nosave'}_steps_s"] = steps_s  # without the wait for the last write
+        r[f"loop_{mode or 'nosave'}_cpu_s"] = cpu_s
     return r
 
 
@@ -123,6 +132,8 @@ def main():
         slow["stall_ratio"] = min(slow["async_stall_s"]) / min(slow["sync_stall_s"])
         slow["loop_ratio_async"] = slow["loop_async_s"] / slow["loop_nosave_s"]
         slow["loop_ratio_sync"] = slow["loop_sync_s"] / slow["loop_nosave_s"]
+        # the steps alone: what periodic saves cost a long run, the last write waited for apart
+        slow["steps_ratio_async"] = slow["loop_async_steps_s"] / slow["loop_nosave_steps_s"]
         report[key] = slow
     print(json.dumps(report, indent=1))
 

@@ -7,13 +7,12 @@ Two gloo processes on CPU (tests/spawn.py, one thread each) hold a GPT-2-124M-sh
 (12 layers, h=768, vocabulary 50257, 1024 positions) at dp=2 with the ZeRO-1 optimizer; the
 Adam moments are filled with random values (as after training) instead of running a step.
 
-- megalite save: `Checkpointer.save()` (synchronous), everything included: gathering the
-  optimizer state over DP, writing the safetensors shard (DP rank 0 of the single (tp, pp)
-  position writes), fsync, sha256 of each file, the index, the rename and `latest`;
+- megalite save: `Checkpointer.save()` (synchronous), everything included: each rank writes
+  its own ZeRO shard of the weights and the moments (no gather) into its safetensors file,
+  hashed (sha256) as it is written, fsync, the index, the rename and `latest`;
 - megalite load: `Checkpointer.load()`: sha256 verification (each file hashed by one rank),
-  then every rank reads its parameters' slices (memory-mapped): the weights and, as
-  `checkpoint/regions.py load_optimizer` is written now, the full moments of its parameters
-  (at tp = pp = 1: all of them), of which the optimizer keeps its 1/dp shard;
+  then every rank reads its parameters' slices (memory-mapped): the weights and only its own
+  1/dp shard of the moments (`checkpoint/regions.py FlatRead`);
 - DCP, replicated moments: `torch.distributed.checkpoint.save/load` of the same logical
   tensors (weights and the full moments, replicated on both ranks; DCP's planner writes each
   replicated tensor once), timed without the DP gather that produces them (reported on its
@@ -225,7 +224,7 @@ def main():
         read = ", ".join(f"{v:.3f}" for v in x.get("read_GB_per_rank", [])) or "-"
         print(f"| {x['method']} | {x['op']} | {x['GB']:.3f} | {x['seconds']:.2f} | "
               f"{x['GB_per_s']:.3f} | {read} |")  # fmt: skip
-    print(f"of which the DP gather of the optimizer state (in megalite's save only): "
+    print(f"the DP gather that gives DCP its replicated moments (in no save's time): "
           f"{slow['dp_gather_s']:.2f} s")  # fmt: skip
     ratios = {
         "save vs DCP replicated (time ratio DCP / megalite)": slow["dcp_save_s"] / slow["megalite_save_s"],

@@ -1,8 +1,8 @@
 """Asynchronous saves (--async-save): the step copies to host memory, a thread writes.
 
 The tensors a rank writes (its weights and its own part of the optimizer state: nothing is
-gathered over DP) are copied to host memory (pinned buffers, reused from save to save, on a
-GPU: the copies are queued on the stream and the step does not wait for them), the RNG states
+gathered over DP) are copied into host buffers reused from save to save (pinned on a GPU: the
+copies are queued on the stream and the step does not wait for them), the RNG states
 are gathered in the foreground (an all_gather_object over the world), and the step goes on.
 A background thread writes the safetensors file exactly as a synchronous save does
 (`format.write_shard`: same bytes, same sha256), which releases the GIL while it writes and
@@ -21,6 +21,7 @@ background write ends the run with one line on every rank.
 """
 
 import json
+import os
 import threading
 import time
 import traceback
@@ -33,26 +34,22 @@ from megalite.checkpoint import format as fmt
 POLL_S = 0.05
 
 
-def host_copy(tensors: dict, pinned: dict) -> tuple[dict, object]:
-    """{name: (tensor, region, shape)} with the tensors in host memory the training step will
-    not touch again, and the CUDA event to wait for before reading them (None on CPU).
-
-    On CPU the tensors are cloned (the next step updates the weights and the optimizer state
-    in place). On a GPU they go through pinned buffers, reused between saves (the previous
-    save has finished with them when the next one starts)."""
-    out, event = {}, None
+def host_copy(tensors: dict, buffers: dict) -> tuple[dict, object]:
+    """{name: (tensor, region, shape)} with the tensors copied into host buffers the training
+    step will not touch (it updates the weights and the optimizer state in place), and the CUDA
+    event to wait for before reading them (None on CPU). The buffers are kept in `buffers` from
+    save to save (the previous save has finished with them when the next one starts), so a
+    save allocates nothing; on a GPU they are pinned and the copies queued on the stream."""
+    out, cuda = {}, False
     for name, (t, region, shape) in tensors.items():
-        if t.device.type == "cuda":
-            buf = pinned.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            t = buf
-        else:
-            t = t.detach().clone()
-        out[name] = (t, region, shape)
-    if any(t.device.type == "cuda" for t, _, _ in tensors.values()):
-        event = torch.cuda.Event()
+        cuda = t.device.type == "cuda"
+        buf = buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        buf.copy_(t, non_blocking=cuda)
+        out[name] = (buf, region, shape)
+    event = torch.cuda.Event() if cuda else None
+    if event is not None:
         event.record()
     return out, event
 
@@ -97,6 +94,15 @@ def collect_parts(tmp: Path, own: tuple, rngs: list, writers: list, timeout_s: f
     return parts
 
 
+def _yield_cpu():
+    """Give the calling thread the lowest CPU priority (Linux: a thread's nice value is its
+    own), so that the writer runs where training leaves the CPU idle; elsewhere a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 class BackgroundSave:
     """One save at a time on a daemon thread (a crash of the process must not wait for it)."""
 
@@ -111,6 +117,7 @@ class BackgroundSave:
         assert self._thread is None, "a save is still in flight"
 
         def run():
+            _yield_cpu()
             try:
                 self._error = job()
             except Exception as e:  # an unexpected error still ends as one line

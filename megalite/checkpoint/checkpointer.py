@@ -14,7 +14,8 @@ The checkpointer is handed what it saves (the model chunks, the optimizer, the t
 `TrainState` it found, which the trainer applies. It reads no other object's attributes.
 
 Load: every rank reads, for each of its parameters, the region of the logical tensor its
-layout needs (safetensors `get_slice`), whatever layout wrote it. Checksums are verified
+layout needs (safetensors `get_slice`), whatever layout wrote it, and of the optimizer state
+only its own ZeRO shard. Checksums are verified
 before any tensor is read, each file by one rank. A rank's bad-input error is shared with all
 ranks so that every rank stops with the same one line, none waiting in a collective.
 --finetune loads the weights only and starts at iteration 0; --no-load-optim and --no-load-rng
@@ -93,7 +94,7 @@ class Checkpointer:
         self.last_saved = None  # iteration of the newest checkpoint in --save
         self._signal = None
         self._background = BackgroundSave()  # --async-save: the save in flight
-        self._pinned = {}  # --async-save on a GPU: host buffers reused from save to save
+        self._host = {}  # --async-save: host buffers reused from save to save
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -269,7 +270,7 @@ class Checkpointer:
         start = time.perf_counter()
         final, tmp = self._paths(state.iteration)
         self._make_tmp(tmp)
-        tensors, event = host_copy(self._local_tensors(), self._pinned)
+        tensors, event = host_copy(self._local_tensors(), self._host)
         fname = self._fname if tensors else None
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
         gathered = all_gather((rng, fname is not None), g.world)  # the last collective
@@ -280,7 +281,6 @@ class Checkpointer:
             if event is not None:
                 event.synchronize()  # the copies to host memory have landed
             own = write_part(tmp, fname, tensors, g.rank, g.rank != 0) if fname else ({}, {}, None)
-            tensors.clear()  # the host copies can go
             if g.rank != 0:
                 return own[2]
             try:

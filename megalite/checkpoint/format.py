@@ -28,11 +28,11 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megalite.errors import MegaliteError
 
@@ -96,6 +96,27 @@ def _safe_name(name, where: Path) -> str:
 
 # ---- writing -------------------------------------------------------------------------------------
 
+# safetensors' names of the dtypes a checkpoint holds
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+
+
+def _safetensors(data: dict) -> tuple[bytes, list]:
+    """A safetensors file of `data` ({key: contiguous CPU tensor}, stored in this order): its
+    header (8-byte little-endian length, JSON, spaces to a multiple of 8) and the tensors' bytes
+    as arrays over their memory (no copy)."""
+    header, views, at = {}, [], 0
+    for key, t in data.items():
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [at, at + raw.nbytes]}  # fmt: skip
+        views.append(raw)
+        at += raw.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, views
+
 
 def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]:
     """Write {key: (tensor, region, global shape)} as one safetensors file, the key an index
@@ -115,12 +136,19 @@ def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]
             name, {"shape": list(glob), "dtype": dtype_name(t.dtype), "shards": []}
         )
         e["shards"].append(shard)
-    path = directory / fname
-    save_file(data, str(path))
-    os.chmod(path, 0o644)  # safetensors creates 0600 files; checkpoints are shared like any output
-    with open(path, "rb+") as fh:
+    # Written and hashed straight from the tensors' memory, in one pass: hashing and writing
+    # release the GIL, and neither a serialised copy nor a second read of the file is made.
+    path, (head, views) = directory / fname, _safetensors(data)
+    digest = hashlib.sha256(head)
+    with open(path, "wb") as fh:
+        fh.write(head)
+        for v in views:
+            digest.update(v)
+            fh.write(v)
+        fh.flush()
         os.fsync(fh.fileno())
-    return entries, {fname: {"sha256": sha256_file(path), "bytes": path.stat().st_size}}
+    nbytes = len(head) + sum(v.nbytes for v in views)
+    return entries, {fname: {"sha256": digest.hexdigest(), "bytes": nbytes}}
 
 
 def tokenizer_name(src) -> str:

@@ -131,10 +131,26 @@ def load_model(chunks, tp, ckpt: Checkpoint):
         p.copy_(_read_padded(ckpt, name, spec.region(), p.shape))
 
 
+class FlatRead:
+    """A parameter's tensor in a checkpoint, read by flat range of the local tensor: [lo:hi]
+    reads only the blocks of that range (piece_blocks), so a rank loads its ZeRO shard of the
+    optimizer state, not the whole; vocabulary padding rows read as zeros."""
+
+    def __init__(self, ckpt: Checkpoint, name: str, spec, shape):
+        self.ckpt, self.name, self.spec, self.shape = ckpt, name, spec, shape
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        dtype = getattr(torch, self.ckpt.tensors[self.name]["dtype"])
+        out = torch.zeros(s.stop - s.start, dtype=dtype)
+        for lo, hi, region in piece_blocks(self.spec, self.shape, s.start, s.stop):
+            out[lo:hi] = self.ckpt.read(self.name, region).reshape(-1)
+        return out
+
+
 def load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint, fresh: bool = False):
-    """The moments (and masters) of this rank's parameters, or a fresh optimizer whose masters
-    start from the loaded weights when the checkpoint has none (e.g. converted from HF) or
-    `fresh` (--finetune, --no-load-optim)."""
+    """The moments (and masters) of this rank's parameters, only its ZeRO shard of them read
+    (FlatRead), or a fresh optimizer whose masters start from the loaded weights when the
+    checkpoint has none (e.g. converted from HF) or `fresh` (--finetune, --no-load-optim)."""
     scalars = None if fresh else ckpt.index.get("optimizer")
     state = {}
     for name, p, spec in rank_params(chunks):
@@ -146,8 +162,7 @@ def load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint, fresh: bool = False)
             raise MegaliteError(
                 f"checkpoint {ckpt.dir} lacks the optimizer state of {name}; the index is incomplete"
             )
-        region = spec.region()
-        state[name] = {k: _read_padded(ckpt, opt_name(k, name), region, p.shape) for k in kinds}
+        state[name] = {k: FlatRead(ckpt, opt_name(k, name), spec, p.shape) for k in kinds}
     optimizer.load_state_tensors(state)
     if scalars is not None:
         optimizer.load_scalar_state(scalars)

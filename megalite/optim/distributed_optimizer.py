@@ -323,14 +323,17 @@ class DistributedOptimizer:
         return self._per_param([b.shard_grad for b in self.buffer.buckets], skip_tied=False)
 
     @torch.no_grad()
-    def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]):
+    def load_state_tensors(self, d: dict[str, dict]):
         """Take this rank's shard of full per-parameter tensors (the inverse of state_tensors).
+        A value may also be read lazily: any object whose [lo:hi] gives that flat range of the
+        parameter's tensor (a checkpoint reads only this rank's shard: regions.load_optimizer).
         Without "master" the masters start from the parameters; with it and fp32 parameters,
         the parameters take the master values."""
         with self.gathered_params(write_back=True):
             self._load_state_tensors(d)
 
-    def _load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]):
+    def _load_state_tensors(self, d: dict[str, dict]):
+        flat = lambda x: x.reshape(-1) if isinstance(x, torch.Tensor) else x  # noqa: E731
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for r in self.buffer.ranges:
             name = spec_of(r.param).tied_to or r.name
@@ -341,12 +344,12 @@ class DistributedOptimizer:
             if s is not None:
                 lo, hi, plo, phi = s
                 for k, shards in kinds.items():
-                    shards[i][lo:hi].copy_(entry[k].reshape(-1)[plo:phi])
+                    shards[i][lo:hi].copy_(flat(entry[k])[plo:phi])
                 if self.masters:
                     src = entry["master"] if "master" in entry else r.param
-                    self.masters[i][lo:hi].copy_(src.reshape(-1)[plo:phi])
+                    self.masters[i][lo:hi].copy_(flat(src)[plo:phi])
             if not self.masters and "master" in entry:
-                r.param.copy_(entry["master"].reshape(r.param.shape))
+                r.param.copy_(flat(entry["master"])[: r.param.numel()].view(r.param.shape))
 
     def scalar_state(self) -> dict:
         return {"step": self.step_count, **(self.scaler.state_dict() if self.scaler else {})}

@@ -170,6 +170,23 @@ def _layouts():
     }
 
 
+def _optimizer_elements_read(fn, *args) -> int:
+    """Elements of optimizer-state tensors read from checkpoints while `fn(*args)` runs."""
+    real, read = fmt.Checkpoint.read, []
+
+    def counted(ck, name, region=None):
+        t = real(ck, name, region)
+        read.append(t.numel() if name.startswith("optimizer.") else 0)
+        return t
+
+    fmt.Checkpoint.read = counted
+    try:
+        fn(*args)
+    finally:
+        fmt.Checkpoint.read = real
+    return sum(read)
+
+
 def _written_where_held(rank, world, root):
     from megalite.checkpoint.regions import rank_params
     from megalite.training.trainer import Trainer  # noqa: F401  (imported by tiny_trainer)
@@ -198,7 +215,13 @@ def _written_where_held(rank, world, root):
         twice = [n for n, e in ck.tensors.items() if n.startswith("optimizer.") and
                  sum(np.prod([b - a for a, b in s["slice"]]) for s in e["shards"]) != np.prod(e["shape"])]  # fmt: skip
         holds_state = {s["file"] for n in ck.names(optimizer=True) for s in ck.tensors[n]["shards"]}
-        out[name] = (traffic, wrong, twice, len(holds_state))
+        # a fresh run of the same layout loads it back, each rank reading its shard only
+        fresh = tiny_trainer(cfg, samples=64)
+        read = _optimizer_elements_read(fresh.checkpointer.load, cfg.checkpoint.save)
+        again = fresh.opt.state_tensors()
+        lost = [n for n in gathered for k in gathered[n] if not torch.equal(again[n][k], gathered[n][k])]  # fmt: skip
+        total = sum(int(np.prod(ck.shape(n))) for n in ck.names(optimizer=True))
+        out[name] = (traffic, wrong, twice, len(holds_state), lost, read, total)
     return out
 
 
@@ -206,8 +229,12 @@ def test_each_rank_writes_the_shard_it_holds(tmp_path):
     """Every rank writes its own ZeRO shard of the weights and the optimizer state (no DP
     gather, ZeRO-3 included), and the checkpoint holds exactly the whole model and the gathered
     state: no element twice, none missing (experts over DP were lost before)."""
-    for name, (traffic, wrong, twice, writers) in spawn(_written_where_held, 4, str(tmp_path))[0].items():  # fmt: skip
+    results = spawn(_written_where_held, 4, str(tmp_path))
+    for name, (traffic, wrong, twice, writers, lost, _, total) in results[0].items():
         assert traffic == ["world"], (name, traffic)  # the index and RNG states only
         assert not wrong, (name, wrong)
         assert not twice, (name, twice)
         assert writers == 4, (name, writers)  # every rank writes a part of the state
+        assert not lost, (name, lost)  # loaded back exactly
+        if name == "dp4 zero2":  # no TP replicas, no tied copy: each element is read once
+            assert sum(r[name][5] for r in results) == total, name
