@@ -291,7 +291,7 @@ def _formula(a, m, groups):
     return out
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
@@ -308,7 +308,11 @@ def main(argv=None):
     ap.add_argument("--torch-adamw", default="foreach", choices=list(ADAMW_IMPL),
                     help="torch.optim.AdamW implementation on the DDP and FSDP2 sides")  # fmt: skip
     ap.add_argument("--summary", help="write the headline figures as JSON here")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     if a.gbs % (2 * a.mbs):
         raise SystemExit(f"--gbs {a.gbs} must be a multiple of 2 x --mbs {a.mbs}")
     m = model_config(a)

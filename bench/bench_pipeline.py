@@ -259,7 +259,7 @@ def _worker(rank, a, tmp):
     dist.destroy_process_group()
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
@@ -278,7 +278,11 @@ def main(argv=None):
     p.add_argument(
         "--timeline-dir", help="write each megalite run's last step as timeline_*.json/png"
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     print(f"machine: {machine()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(a, tmp), nprocs=a.pp, start_method="spawn")

@@ -69,12 +69,15 @@ def _wraps(e, depth: int = 3) -> bool:
     return depth > 0 and any(c.name == e.name or _wraps(c, depth - 1) for c in e.cpu_children)
 
 
-def buckets(events, wall: float) -> dict:
-    """Seconds per bucket of the profiled steps (see the module docstring)."""
+def buckets(events, wall: float, skip: tuple = ()) -> dict:
+    """Seconds per bucket of the profiled steps (see the module docstring). Top-level events
+    whose name starts with one of `skip` are left out (gloo's records of asynchronous work:
+    they span the time the work was in flight, not time the thread spent)."""
     out = dict.fromkeys(BUCKETS, 0.0)
     thread = max({e.thread for e in events}, key=lambda t: sum(
         e.cpu_time_total for e in events if e.thread == t and e.cpu_parent is None))  # fmt: skip
-    top = [e for e in events if e.thread == thread and e.cpu_parent is None]
+    top = [e for e in events if e.thread == thread and e.cpu_parent is None
+           and not e.name.startswith(skip)]  # fmt: skip
 
     def walk(e):
         if _is_comm(e.name):
