@@ -96,7 +96,7 @@ def main():
     kind, rest = sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2:]
     if kind not in PAIRS:
         raise SystemExit(
-            "usage: profile_peers.py dp|pp [the benchmark's flags] [--profile-steps N]"
+            f"usage: profile_peers.py {'|'.join(PAIRS)} [the benchmark's flags] [--profile-steps N]"
         )
     ap = bench_dp.parser() if kind == "dp" else bench_pipeline.parser()
     ap.add_argument("--profile-steps", type=int, default=2, help="profiled steps per side")
