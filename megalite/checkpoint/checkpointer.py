@@ -2,9 +2,9 @@
 
 Save (every rank takes part): each rank writes one file into a temporary directory, with its
 own ZeRO shard of the weights and the optimizer state (DP rank 0 all of them at ZeRO-0, TP
-rank 0 the TP replicas), so nothing is gathered over DP. Rank 0 gathers the index entries and RNG states, writes the
-index, renames the directory into place, updates `latest` (atomically, last) and only then
-removes checkpoints beyond --keep-checkpoints. A save that fails leaves the previous
+rank 0 the TP replicas), so nothing is gathered over DP. Rank 0 gathers the index entries
+and RNG states, writes the index, renames the directory into place, updates `latest`
+(atomically, last) and only then removes checkpoints beyond --keep-checkpoints. A save that fails leaves the previous
 checkpoints as they were. With --async-save the step copies what it writes to host memory and
 a background thread writes the same files (async_save.py); the next save, a signal and the
 end of training wait for it, and its error stops every rank there.
@@ -15,9 +15,9 @@ The checkpointer is handed what it saves (the model chunks, the optimizer, the t
 
 Load: every rank reads, for each of its parameters, the region of the logical tensor its
 layout needs (safetensors `get_slice`), whatever layout wrote it, and of the optimizer state
-only its own ZeRO shard. Checksums are verified
-before any tensor is read, each file by one rank. A rank's bad-input error is shared with all
-ranks so that every rank stops with the same one line, none waiting in a collective.
+only its own ZeRO shard. Checksums are verified before any tensor is read, each file by one
+rank. A rank's bad-input error is shared with all ranks so that every rank stops with the
+same one line, none waiting in a collective.
 --finetune loads the weights only and starts at iteration 0; --no-load-optim and --no-load-rng
 leave out the optimizer state and the RNG states (not when a restart resumes its own --save).
 """

@@ -19,9 +19,10 @@ Global means: as one process would hold it, with the real vocabulary (no padding
 a file a slice is stored under the tensor's index name, or under the shard's "key" where a file
 holds several slices of one tensor: a ZeRO shard's part of a parameter is a flat range, which
 is stored as up to 2·ndim−1 rectangular blocks, keyed `<name>#<i>` (checkpointer.py). Which
-slice of a weight a rank holds is its parameter's `ParamSpec.region` (parallel/specs.py). The index also holds the sha256 of
-every file, the iteration, consumed samples, optimizer scalars, the full config and the RNG
-states of every rank. Only JSON and safetensors are ever read: no pickle.
+slice of a weight a rank holds is its parameter's `ParamSpec.region` (parallel/specs.py). The
+index also holds the sha256 of every file, the iteration, consumed samples, optimizer
+scalars, the full config and the RNG states of every rank. Only JSON and safetensors are ever
+read: no pickle. The files are valid safetensors files, written by `write_shard` itself.
 """
 
 import hashlib

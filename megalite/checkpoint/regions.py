@@ -77,18 +77,21 @@ def flat_blocks(shape, lo: int, hi: int) -> list[tuple[int, list[tuple[int, int]
     if not shape:
         return [(0, [])]
     row = math.prod(shape[1:])
+
+    def in_row(r, a, b):  # the part [a, b) of row r
+        return [(r * row + s, [(r, r + 1), *reg]) for s, reg in flat_blocks(shape[1:], a, b)]
+
     out, at = [], lo
     if at % row:  # the first row, from its middle
         r = at // row
         end = min(hi, (r + 1) * row)
-        out += [(r * row + s, [(r, r + 1), *reg]) for s, reg in flat_blocks(shape[1:], at - r * row, end - r * row)]  # fmt: skip
+        out += in_row(r, at - r * row, end - r * row)
         at = end
     if (n := (hi - at) // row) > 0:  # whole rows
         out.append((at, [(at // row, at // row + n), *((0, d) for d in shape[1:])]))
         at += n * row
     if at < hi:  # the last row, up to its middle
-        r = at // row
-        out += [(r * row + s, [(r, r + 1), *reg]) for s, reg in flat_blocks(shape[1:], 0, hi - r * row)]  # fmt: skip
+        out += in_row(at // row, 0, hi - at)
     return out
 
 

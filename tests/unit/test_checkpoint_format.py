@@ -1,7 +1,9 @@
 """The checkpoint format without processes: regions, shard assembly, and refusing bad input."""
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from torch import nn
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.format import Checkpoint
+from megalite.checkpoint.regions import flat_blocks, piece_blocks
 from megalite.errors import MegaliteError
 from megalite.model.gpt import VOCAB_TENSORS
 from megalite.parallel import specs
@@ -148,3 +151,25 @@ def test_incomplete_coverage_is_an_error(tmp_path):
     assert ck.read("w", [(0, 4), (0, 4)]).shape == (4, 4)
     with pytest.raises(MegaliteError, match="lacks part of tensor w"):
         ck.read("w")
+
+
+@pytest.mark.parametrize("shape", [(6,), (5, 7), (1, 9), (4, 1), (3, 4, 5), (2, 3, 2, 2)])
+def test_a_flat_range_is_stored_as_blocks_in_order(shape):
+    """Every flat range of a tensor (a ZeRO shard's part of a parameter) is the concatenation
+    of its blocks, each a rectangle starting where the block says, at most 2·ndim−1 of them."""
+    t = torch.arange(math.prod(shape)).view(shape)
+    for lo in range(t.numel()):
+        for hi in range(lo + 1, t.numel() + 1):
+            blocks = flat_blocks(shape, lo, hi)
+            parts = [t[tuple(slice(a, b) for a, b in reg)].reshape(-1) for _, reg in blocks]
+            assert [int(p[0]) for p in parts] == [start for start, _ in blocks]
+            assert torch.cat(parts).tolist() == list(range(lo, hi))
+            assert len(blocks) <= 2 * len(shape) - 1
+
+
+def test_padding_rows_are_left_out_of_the_blocks():
+    """A shard's part of a vocabulary-padded tensor (TP rank 1 of 10 real rows over 2 x 6)
+    keeps only the real rows, at their global place."""
+    spec = SimpleNamespace(region=lambda: [(6, 10), (0, 3)])  # 4 real rows of the local 6
+    got = piece_blocks(spec, (6, 3), 5, 16)  # from row 1 col 2 into the padding
+    assert got == [(0, 1, [(7, 8), (2, 3)]), (1, 7, [(8, 10), (0, 3)])]
