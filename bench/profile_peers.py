@@ -22,19 +22,15 @@ best ratio megalite could reach with no time outside compute at all, set beside 
 """
 
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import bench_dp, bench_pipeline  # noqa: E402
 from bench._common import machine  # noqa: E402
-from bench.profile_tp import BUCKETS, _labelled, buckets  # noqa: E402
-from megalite.parallel import comm  # noqa: E402
+from bench.profile_tp import _labelled, label_comm, profile, table  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.pipeline import p2p  # noqa: E402
@@ -70,26 +66,10 @@ def run(rank, world, kind, a):
     from torch.distributed.pipelining import schedules
 
     torch.set_num_threads(1)
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
-        setattr(comm, name, _labelled(getattr(comm, name), f"megalite.comm.{name}"))
+    label_comm()
     p2p.Batch.wait = _labelled(p2p.Batch.wait, "megalite.comm.p2p_wait")
     schedules._wait_batch_p2p = _labelled(schedules._wait_batch_p2p, "c10d.p2p_wait")
-    out = {}
-    for name, step in _sides(kind, a, rank, world).items():
-        step()  # warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        plain = time.perf_counter() - t0
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(a.profile_steps):
-                step()
-            wall = time.perf_counter() - t0
-        per = {k: v / a.profile_steps for k, v in buckets(prof.events(), wall, ASYNC).items()}
-        out[name] = {"buckets": per, "wall": wall / a.profile_steps, "plain": plain}
-    return out
+    return profile(_sides(kind, a, rank, world), a.profile_steps, ASYNC)
 
 
 def main():
@@ -104,18 +84,7 @@ def main():
     if kind != "dp" and a.pp != 2:
         raise SystemExit(f"profile_peers.py {kind} runs at --pp 2")
     print(f"machine: {machine()}; {kind} on CPU gloo, 2 processes x 1 thread")
-    res = spawn(run, 2, kind, a, timeout=1800)
-    names = list(res[0])
-    mean = {v: {k: statistics.mean(r[v]["buckets"][k] for r in res) for k in BUCKETS}
-            for v in names}  # fmt: skip
-    wall = {v: statistics.mean(r[v]["wall"] for r in res) for v in names}
-    plain = {v: max(r[v]["plain"] for r in res) for v in names}
-    print(f"\nseconds per step (mean of the 2 ranks, {a.profile_steps} profiled steps per side):")
-    print("| side | " + " | ".join(BUCKETS) + " | profiled step | unprofiled step |")
-    print("| --- |" + " ---: |" * (len(BUCKETS) + 2))
-    for v in names:
-        cells = " | ".join(f"{mean[v][k]:.3f} ({mean[v][k] / wall[v]:.0%})" for k in BUCKETS)
-        print(f"| {v} | {cells} | {wall[v]:.3f} | {plain[v]:.3f} |")
+    mean, wall = table(spawn(run, 2, kind, a, timeout=1800), a.profile_steps)
     print("\neach target against megalite's compute floor (gemm + other compute):")
     for ours, theirs, target in PAIRS[kind]:
         floor = mean[ours]["gemm"] + mean[ours]["other compute"]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import machine  # noqa: E402
-from bench.bench_tp import VARIANTS, make_batches, model_args, model_config, variants  # noqa: E402
+from bench.bench_tp import make_batches, model_args, model_config, variants  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
@@ -105,29 +105,57 @@ def _labelled(fn, label):
     return call
 
 
-def run(rank, world, a):
-    torch.set_num_threads(1)
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # synchronous at tp
+def label_comm():
+    """Label every call of megalite's `comm` collectives for the profiler."""
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
         setattr(comm, name, _labelled(getattr(comm, name), f"megalite.comm.{name}"))
-    m = model_config(a)
-    _, steps = variants(m, a, world)
-    (batch,) = make_batches(m, a, 1)
+
+
+def profile(steps: dict, n: int, skip: tuple = ()) -> dict:
+    """{name: {"buckets", "wall", "plain"}} of each `steps[name]()` (a whole training step): one
+    warm-up, one unprofiled step, then `n` profiled steps, per step."""
     out = {}
     for name, step in steps.items():
-        step(batch)  # warm-up
+        step()  # warm-up
         dist.barrier()
         t0 = time.perf_counter()
-        step(batch)
+        step()
         plain = time.perf_counter() - t0
         dist.barrier()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
-            for _ in range(a.steps):
-                step(batch)
+            for _ in range(n):
+                step()
             wall = time.perf_counter() - t0
-        per = {k: v / a.steps for k, v in buckets(prof.events(), wall).items()}
-        out[name] = {"buckets": per, "wall": wall / a.steps, "plain": plain}
+        per = {k: v / n for k, v in buckets(prof.events(), wall, skip).items()}
+        out[name] = {"buckets": per, "wall": wall / n, "plain": plain}
     return out
+
+
+def table(res: list, n: int) -> tuple[dict, dict]:
+    """Print the per-bucket table of `profile`'s results on every rank; returns the mean
+    seconds per bucket and the mean profiled step, per side."""
+    names = list(res[0])
+    mean = {v: {k: statistics.mean(r[v]["buckets"][k] for r in res) for k in BUCKETS}
+            for v in names}  # fmt: skip
+    wall = {v: statistics.mean(r[v]["wall"] for r in res) for v in names}
+    plain = {v: max(r[v]["plain"] for r in res) for v in names}
+    print(f"\nseconds per step (mean of the {len(res)} ranks, {n} profiled steps per side):")
+    print("| side | " + " | ".join(BUCKETS) + " | profiled step | unprofiled step |")
+    print("| --- |" + " ---: |" * (len(BUCKETS) + 2))
+    for v in names:
+        cells = " | ".join(f"{mean[v][k]:.3f} ({mean[v][k] / wall[v]:.0%})" for k in BUCKETS)
+        print(f"| {v} | {cells} | {wall[v]:.3f} | {plain[v]:.3f} |")
+    return mean, wall
+
+
+def run(rank, world, a):
+    torch.set_num_threads(1)
+    label_comm()  # (synchronous at tp)
+    m = model_config(a)
+    _, steps = variants(m, a, world)
+    (batch,) = make_batches(m, a, 1)
+    return profile({k: (lambda s=s: s(batch)) for k, s in steps.items()}, a.steps)
 
 
 def main():
@@ -136,17 +164,7 @@ def main():
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per variant")
     a = ap.parse_args()
     print(f"machine: {machine()}; tp=2 on CPU gloo, 2 processes x 1 thread")
-    res = spawn(run, 2, a, timeout=1800)
-    mean = {v: {k: statistics.mean(r[v]["buckets"][k] for r in res) for k in BUCKETS}
-            for v in VARIANTS}  # fmt: skip
-    wall = {v: statistics.mean(r[v]["wall"] for r in res) for v in VARIANTS}
-    plain = {v: max(r[v]["plain"] for r in res) for v in VARIANTS}
-    print(f"\nseconds per step (mean of the 2 ranks, {a.steps} profiled steps per variant):")
-    print("| variant | " + " | ".join(BUCKETS) + " | profiled step | unprofiled step |")
-    print("| --- |" + " ---: |" * (len(BUCKETS) + 2))
-    for v in VARIANTS:
-        cells = " | ".join(f"{mean[v][k]:.3f} ({mean[v][k] / wall[v]:.0%})" for k in BUCKETS)
-        print(f"| {v} | {cells} | {wall[v]:.3f} | {plain[v]:.3f} |")
+    mean, wall = table(spawn(run, 2, a, timeout=1800), a.steps)
     print("\nthe 1.4x target against megalite's compute floor (gemm + other compute):")
     for sp in ("", "-sp"):
         ours, theirs = "megalite" + sp, "torch" + sp
