@@ -8,8 +8,8 @@ Two gloo processes on CPU (tests/spawn.py, one thread each) train a GPT-2-124M-s
 takes seconds, not minutes, on a CPU) at dp=2, for each ZeRO stage given:
 
 - stall per save: the wall time `Checkpointer.save()` holds the training loop, on the slower
-  rank, two saves of each kind. Synchronous: gather, write, hash, fsync, index, rename. Async:
-  the same gather (a collective: it stays in the foreground) and the copy to host memory;
+  rank, two saves of each kind. Synchronous: each rank writes and hashes its shard, fsync,
+  index, rename. Async: the copy of the shard to host memory and the RNG states' all-gather;
   the background write's own duration is reported beside it.
 - loop time: --steps steps without saves, then the same steps saving every --every steps
   (async, then sync), each including its final wait for the last write; the steps alone
