@@ -245,7 +245,6 @@ class Checkpointer:
                 entries, files = fmt.write_shard(tmp, self._fname, tensors)
             except OSError as e:
                 error = f"could not write checkpoint file {tmp / self._fname} ({e})"
-        del tensors
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
         parts = all_gather((entries, files, rng, error), g.world)
         outcome = self._commit(parts, tmp, final, self._meta(state)) if g.rank == 0 else None

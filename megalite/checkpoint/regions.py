@@ -11,7 +11,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.format import Checkpoint, opt_name
@@ -58,14 +57,6 @@ def rank_params(chunks):
         for p in chunk.parameters():
             spec = spec_of(p)
             yield spec.source, p, spec
-
-
-def _read_padded(ckpt: Checkpoint, name: str, region, shape) -> torch.Tensor:
-    """The region of a tensor, with zero rows added where the local tensor has vocabulary padding."""
-    t = ckpt.read(name, region)
-    if t.shape[0] < shape[0]:
-        t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, shape[0] - t.shape[0]))
-    return t
 
 
 def flat_blocks(shape, lo: int, hi: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -131,13 +122,14 @@ def load_model(chunks, tp, ckpt: Checkpoint):
     """Copy this rank's slices of the model weights into the chunks (any layout)."""
     check_model(chunks, tp, ckpt)
     for name, p, spec in rank_params(chunks):
-        p.copy_(_read_padded(ckpt, name, spec.region(), p.shape))
+        p.copy_(FlatRead(ckpt, name, spec, p.shape)[0 : p.numel()].view(p.shape))
 
 
 class FlatRead:
     """A parameter's tensor in a checkpoint, read by flat range of the local tensor: [lo:hi]
     reads only the blocks of that range (piece_blocks), so a rank loads its ZeRO shard of the
-    optimizer state, not the whole; vocabulary padding rows read as zeros."""
+    optimizer state, not the whole ([0:numel]: the whole local tensor, one block); vocabulary
+    padding rows read as zeros."""
 
     def __init__(self, ckpt: Checkpoint, name: str, spec, shape):
         self.ckpt, self.name, self.spec, self.shape = ckpt, name, spec, shape
