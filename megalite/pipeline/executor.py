@@ -27,6 +27,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
 from megalite.clock import Clock
@@ -79,20 +80,24 @@ class PipelineResult:
         return self.clock.seconds(self.start, self.end)
 
     def _values(self) -> list:
+        """The losses, the first stage's compute seconds and every pp rank's schedule seconds:
+        one all-reduce over pp."""
         if self._read is None:
-            m = self.loss_tensor.numel()
-            summary = torch.zeros(m + 2, dtype=torch.float64, device=self.loss_tensor.device)
+            m, pp = self.loss_tensor.numel(), self.pp
+            summary = torch.zeros(m + 1 + pp.size, dtype=torch.float64)
+            summary[m + 1 + pp.rank] = self.step_s
+            if pp.rank == 0:
+                summary[m] = self.compute_s
+            summary = summary.to(self.loss_tensor.device)
             summary[:m] = self.loss_tensor
-            if self.pp.rank == 0:
-                summary[m:] = torch.tensor([self.compute_s, self.step_s], dtype=torch.float64)
-            comm.all_reduce(summary, self.pp)
+            comm.all_reduce(summary, pp)
             self._read = summary.tolist()
         return self._read
 
     @property
     def losses(self) -> list[float]:
         """Per micro-batch (unscaled) mean token loss."""
-        return self._values()[:-2]
+        return self._values()[: self.loss_tensor.numel()]
 
     @property
     def loss(self) -> float:
@@ -100,11 +105,13 @@ class PipelineResult:
 
     @property
     def first_stage_compute_s(self) -> float:
-        return self._values()[-2]
+        return self._values()[self.loss_tensor.numel()]
 
     @property
     def first_stage_step_s(self) -> float:
-        return self._values()[-1]
+        """The step the first stage's idle time is counted against: the longest schedule of
+        any pp rank (in a V the first stage may finish before the last rank does)."""
+        return max(self._values()[self.loss_tensor.numel() + 1 :])
 
     @property
     def bubble_ratio(self) -> float:
@@ -125,16 +132,16 @@ def idle_ratio(compute_s: float, step_s: float) -> float:
 
 
 def first_stage_times(results: list[PipelineResult], pp) -> tuple[float, float]:
-    """(compute, step) seconds of the first pipeline stage summed over several steps (a log
-    interval): one all-reduce over pp. Every pipeline rank calls it with its own results."""
-    t = torch.zeros(2, dtype=torch.float64)
+    """(compute, step) seconds summed over several steps (a log interval): the first pipeline
+    stage's compute, and each step's longest schedule of any pp rank (`first_stage_step_s`).
+    One all-reduce over pp; every pipeline rank calls it with its own results."""
+    t = torch.tensor([0.0] + [r.step_s for r in results], dtype=torch.float64)
     if pp.rank == 0:
         t[0] = sum(r.compute_s for r in results)
-        t[1] = sum(r.step_s for r in results)
     t = t.to(results[0].loss_tensor.device)
-    comm.all_reduce(t, pp)
-    compute, step = t.tolist()
-    return compute, step
+    comm.all_reduce(t, pp, op=dist.ReduceOp.MAX)
+    compute, *steps = t.tolist()
+    return compute, sum(steps)
 
 
 def _peer_failure(batch, pp, reason: str) -> str:

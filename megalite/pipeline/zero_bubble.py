@@ -11,11 +11,17 @@ the slots where a stage would otherwise idle.
   first and the last stage share rank 0; with 2p chunk activations alive at most (1F1B's
   memory) the bubble is close to zero.
 
-ZB-V is built from one timed simulation of every rank with costs F = I = W = 1 per chunk
-(the first stage's I empty, its W the whole backward: the executor's), each rank taking, whenever it is free, a ready I first (someone waits for it),
-then a ready F if its activation budget allows, else a ready W. Each rank's order of computes
-is read off the simulation; `schedules.with_comms` adds the communication and `verify.py` proves
-the result (matching, no deadlock, the activation bound) for every shape it is run on.
+ZB-V is the paper's pattern (its section 6). Rank r runs, on its chunks c0 (virtual stage r)
+and c1 (stage 2p-1-r): a warm-up of 2(p-r)-1 forwards of c0, then r pairs (F c1, F c0), then
+p-r triples (F c1, I c1, W c1); a steady state of (F c0, I c0, W c0, F c1, I c1, W c1) until
+every forward is done; a cool-down of r pairs (I c0, I c1) whose W's wait, p-r pairs (I c0,
+W c0), then the waiting W's. Every W but the cool-down's follows its own I at once: the pattern
+keeps each rank's work per cycle the same, so it stays close to zero bubble when F, I and W
+differ in cost or a rank holds more (rank 0 holds the embedding and the head), where a
+schedule tuned for F = I = W = 1 idles (docs/pipeline.md has the measurements). With fewer than 2p-1 micro-batches the pattern is built for 2p-1 and the extra ones left out.
+A timed run of the orders (F = I = W = 1) places the communication (`lockstep_table`) and
+`verify.py` proves the result (matching, no deadlock, the activation bound) for every shape it
+is run on.
 """
 
 from functools import lru_cache
@@ -43,63 +49,61 @@ def v_placement(pp: int, vpp: int, rank: int, chunk: int) -> int:
     return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
+def zbv_order(pp: int, vpp: int, microbatches: int, rank: int):
+    """Rank `rank`'s computes in the paper's ZB-V pattern (module docstring)."""
+    p, r, n = pp, rank, max(microbatches, 2 * pp - 1)
+    f0, f1, i0, i1, w0, w1 = ((kind, c) for kind in (F, I, W) for c in (0, 1))
+    seq = [f0] * (2 * (p - r) - 1) + [f1, f0] * r + [f1, i1, w1] * (p - r)
+    forwards0 = 2 * p - r - 1
+    for _ in range(n - p):  # the steady state: one forward of c1 each, so n - p of them
+        if forwards0 < n:
+            seq.append(f0)
+            forwards0 += 1
+        seq += [i0, w0, f1, i1, w1]
+    seq += [i0, i1] * r + [i0, w0] * (p - r)
+    seq += [w1] * (n - seq.count(w1)) + [w0] * (n - seq.count(w0))
+    # each (kind, chunk) runs its micro-batches in order: number them by counting
+    seen, out = {}, []
+    for kind, c in seq:
+        k = seen[kind, c] = seen.get((kind, c), -1) + 1
+        if k < microbatches:
+            out.append([Action(kind, c, k)])
+    return out
+
+
 @lru_cache(maxsize=256)
-def _simulate(pp: int, vpp: int, m: int, placement, budget: tuple) -> tuple:
-    """Every rank's computes in order, as (start, end, Action), from a greedy timed
-    simulation (module docstring). budget[r]: the most chunk activations rank r may hold
-    (forwarded, W not yet done)."""
+def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
+    """Every rank's computes of `build` in order, as (start, end, Action): each starts when its
+    rank is free and its inputs are there (costs `_time`)."""
     stages = pp * vpp
-    at = [owner(placement, pp, vpp, v) for v in range(stages)]  # virtual stage -> (rank, chunk)
-    order = [[] for _ in range(pp)]
-    free = [0.0] * pp  # when each rank is next idle
-    live = [0] * pp
+    orders = [[a for seg in build(pp, vpp, m, r) for a in seg] for r in range(pp)]
+    done, free, pos, out = {}, [0.0] * pp, [0] * pp, [[] for _ in range(pp)]
 
-    def deps(kind, v, k):
-        if kind == F:
-            return [(F, v - 1, k)] if v else []
-        if kind == I:
-            return [(F, v, k)] + ([(I, v + 1, k)] if v < stages - 1 else [])
-        return [(I, v, k)]
+    def deps(a, v):
+        if a.kind == F:
+            return [(F, v - 1, a.mb)] if v else []
+        if a.kind == I:
+            return [(F, v, a.mb)] + ([(I, v + 1, a.mb)] if v < stages - 1 else [])
+        return [(I, v, a.mb)]
 
-    waiting, after = {}, {}  # task -> inputs not done yet; task -> the tasks that need it
-    ready = [{} for _ in range(pp)]  # per rank: task -> when its inputs are all there
-    for v in range(stages):
-        for k in range(m):
-            for kind in (F, I, W):
-                task, need = (kind, v, k), deps(kind, v, k)
-                waiting[task] = len(need)
-                for d in need:
-                    after.setdefault(d, []).append(task)
-                if not need:
-                    ready[at[v][0]][task] = 0.0
-    left = len(waiting)
-    while left:
-        # the rank that can start first picks its next compute among what is ready by then
-        best = None
+    for _ in range(sum(map(len, orders))):
+        best = None  # the rank whose next compute can start first
         for r in range(pp):
-            options = [
-                # I before F before W; the oldest micro-batch first; the deeper stage first
-                (max(t, free[r]), {I: 0, F: 1, W: 2}[kind], k, -v, kind, v)
-                for (kind, v, k), t in ready[r].items()
-                if kind != F or live[r] < budget[r]
-            ]
-            if options:
-                choice = min(options)
-                if best is None or choice[0] < best[1][0]:
-                    best = (r, choice)
+            if pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                v = placement(pp, vpp, r, a.chunk)
+                need = deps(a, v)
+                if all(d in done for d in need):
+                    start = max([free[r]] + [done[d] for d in need])
+                    if best is None or start < best[0]:
+                        best = (start, r, a, v)
         if best is None:
-            raise RuntimeError(f"zero-bubble simulation stuck (pp={pp} vpp={vpp} m={m})")
-        r, (start, _, k, _, kind, v) = best
-        end = start + _time(kind, v)
-        free[r], left = end, left - 1
-        live[r] += 1 if kind == F else -1 if kind == W else 0
-        del ready[r][kind, v, k]
-        order[r].append((start, end, Action(kind, at[v][1], k)))
-        for task in after.get((kind, v, k), []):
-            waiting[task] -= 1
-            if not waiting[task]:
-                ready[at[task[1]][0]][task] = end  # (the last input is the latest one)
-    return tuple(tuple(o) for o in order)
+            raise RuntimeError(f"schedule stuck (pp={pp} vpp={vpp} m={m})")
+        start, r, a, v = best
+        done[a.kind, v, a.mb] = free[r] = end = start + _time(a.kind, v)
+        out[r].append((start, end, a))
+        pos[r] += 1
+    return tuple(tuple(o) for o in out)
 
 
 def _time(kind, vstage: int) -> float:
@@ -158,20 +162,11 @@ def zb_h1_order(pp: int, vpp: int, microbatches: int, rank: int):
     return [[a] for a in out]
 
 
-def _zbv_budget(pp: int, m: int) -> tuple:
-    return tuple(min(2 * pp, 2 * m) for _ in range(pp))
-
-
-def zbv_order(pp: int, vpp: int, microbatches: int, rank: int):
-    timed = _simulate(pp, 2, microbatches, v_placement, _zbv_budget(pp, microbatches))
-    return [[a] for _, _, a in timed[rank]]
-
-
 @lru_cache(maxsize=256)
 def zbv_bubble(pp: int, vpp: int, microbatches: int) -> float:
     """The first stage's idle over compute time when its table runs as the executor runs it
     (verify.py's timed simulation, F = I = W = 1): the paper's ZB-V reaches zero in the
-    steady state; the greedy warm-up and cool-down leave a little."""
+    steady state; the warm-up and cool-down leave a little."""
     from megalite.pipeline.verify import verify_table  # (verify imports this module's registry)
 
     table = zbv_table(pp, 2, microbatches)
@@ -182,8 +177,7 @@ def zbv_bubble(pp: int, vpp: int, microbatches: int) -> float:
 
 
 def zbv_table(pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
-    timed = _simulate(pp, 2, microbatches, v_placement, _zbv_budget(pp, microbatches))
-    return lockstep_table(pp, 2, timed, v_placement)
+    return lockstep_table(pp, 2, _timed(pp, 2, microbatches, v_placement, zbv_order), v_placement)
 
 
 def _zb_h1_check(pp, vpp, m):
@@ -207,7 +201,9 @@ register_schedule(Schedule(
     doc="zero bubble H1: 1F1B's memory, W fills the cool-down (backward split in I and W)",
 ))  # fmt: skip
 register_schedule(Schedule(
-    "zbv", zbv_order, _zbv_check, lambda pp, vpp, m, r: min(2 * pp, 2 * m),
+    "zbv", zbv_order, _zbv_check,
+    # the warm-up's forwards of c0 and c1, and the first F c1 before its W (2p once m >= 2p-1)
+    lambda pp, vpp, m, r: min(m, 2 * pp - r - 1) + min(m, r) + (r < m),
     bubble=zbv_bubble,
     placement=v_placement,
     table=zbv_table,

@@ -150,12 +150,24 @@ def exposed_share(data: dict, kind: str = "cp") -> float:
 
 
 def measured_bubble(data: dict) -> float | None:
-    """The first stage's idle time over its compute time during its schedules, as the metrics
-    file's `bubble_measured` (comparable with Megatron's (pp-1)/(vpp*m), `bubble_theory`), for
-    the rank at pp=0, tp=0, dp=0."""
-    first = next((r for r in data["ranks"] if not any(r["coords"].values())), data["ranks"][0])
-    compute, total = busy_fraction(first["spans"])
-    return None if compute <= 0 else (total - compute) / compute
+    """The first stage's idle time over its compute time, as the metrics file's
+    `bubble_measured` (comparable with Megatron's (pp-1)/(vpp*m), `bubble_theory`), for the
+    rank at pp=0, tp=0, dp=0: its compute against each step's longest schedule among the
+    ranks of its pipeline (`executor.first_stage_times`)."""
+    pipeline = [r for r in data["ranks"]
+                if not any(v for k, v in r["coords"].items() if k != "pp")] or data["ranks"]  # fmt: skip
+    first = next((r for r in pipeline if not r["coords"].get("pp")), pipeline[0])
+    compute = busy_fraction(first["spans"])[0]
+    per_rank = {}  # (rank, step) -> its schedule seconds
+    for r in pipeline:
+        for s in r["spans"]:
+            if s["kind"] == "schedule":
+                key = r["rank"], s["step"]
+                per_rank[key] = per_rank.get(key, 0.0) + s["end"] - s["start"]
+    longest = {}  # step -> the longest of the pipeline's ranks
+    for (_, step), seconds in per_rank.items():
+        longest[step] = max(longest.get(step, 0.0), seconds)
+    return None if compute <= 0 else (sum(longest.values()) - compute) / compute
 
 
 # ---- drawing ---------------------------------------------------------------------------------

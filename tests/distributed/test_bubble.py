@@ -4,7 +4,7 @@ Every chunk sleeps t per forward and, in backward, t for the input gradient (I) 
 weight gradients (W), the two in separate autograd nodes so that a split backward really runs
 them apart (a full backward B sleeps 2t). The real executor runs each schedule at pp 4 and the
 logged figure (`first_stage_times` + `idle_ratio`: the first stage's idle over compute time,
-as the metrics file reports it) is compared with the schedule's theory: (p-1)/(v m) for GPipe,
+its idle counted against the step's longest schedule, as the metrics file reports it) is compared with the schedule's theory: (p-1)/(v m) for GPipe,
 1F1B and interleaved, (p-1)/3m for ZB-H1 (a third of 1F1B's), a few percent for ZB-V; the median of three steps.
 """
 

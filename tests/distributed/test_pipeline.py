@@ -120,8 +120,8 @@ def _run_all(rank, world):
         assert abs(ev.loss - result.loss) <= TOL
         assert all(p.grad is None for c in fresh for p in c.parameters())
         assert 0.0 <= ev.bubble_measured < 1.0
-        out.append((name, vpp, m, result.loss, result.bubble_measured))
-    # every rank reports the same loss and first-stage bubble
+        out.append((name, vpp, m, result.loss, result.bubble_measured, result.first_stage_step_s,
+                    result.step_s))  # fmt: skip
     return out
 
 
@@ -129,8 +129,12 @@ def _run_all(rank, world):
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_one_process(pp):
     results = spawn(_run_all, pp)
-    assert all(r == results[0] for r in results)
     assert len(results[0]) == len(CASES)
+    for case in zip(*results):
+        # every rank reports the same loss and first-stage bubble, its idle time counted
+        # against the longest schedule of any rank (in a V the first stage ends early)
+        assert all(c[:6] == case[0][:6] for c in case)
+        assert case[0][5] == max(c[6] for c in case)
 
 
 def test_single_process_executor():
