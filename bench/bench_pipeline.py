@@ -19,7 +19,8 @@ A step is one schedule (forward and backward of every micro-batch, with the p2p 
 zeroing the gradients; no optimizer (the same for both). The variants take turns, one step each
 per round (1 warm-up round, then --steps rounds), so that all see the same machine; a step's
 time is the slowest rank's. For each megalite run the first stage's measured bubble (idle share
-of the step, `PipelineResult.bubble_measured`) is given beside its theory (pp-1)/(vpp*m + pp-1),
+of the step, `PipelineResult.bubble_measured`) is given beside its schedule's theory as a share
+of the step ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; torch's rows show that formula),
 and, from a `megalite.training.timeline.Timeline` recorded during the timed steps, its exposed
 communication: the share of the first stage's schedule spent blocked in p2p waits (the
 receives it waited for and the sends still in flight at the end). Prints markdown tables.
@@ -304,10 +305,13 @@ def main(argv=None):
         def pct(x):
             return "n/a" if x is None else f"{x:.1%}"
 
-        bubble = "n/a" if r["bubble"] is None else f"{r['bubble']:.3f}"
+        bubble, theory = "n/a", idle_theory(a.pp, v, a.microbatches)
+        if r["bubble"] is not None:  # a megalite run: its schedule's own theory, as a share
+            bubble = f"{r['bubble']:.3f}"
+            x = bubble_theory(a.pp, v, a.microbatches, r["run"].split()[1].lower())
+            theory = x / (1 + x)
         print(f"| {r['run']} | {t:.3f} | {tokens / t:.0f} | {t / base:.2f} | {bubble} | "
-              f"{idle_theory(a.pp, v, a.microbatches):.3f} | {pct(r['exposed'])} | "
-              f"{pct(r['compute_share'])} |")  # fmt: skip
+              f"{theory:.3f} | {pct(r['exposed'])} | {pct(r['compute_share'])} |")  # fmt: skip
     print(f"(Megatron's bubble (pp-1)/(vpp*m): {bubble_theory(a.pp, 1, a.microbatches):.3f} at "
           f"vpp=1, {bubble_theory(a.pp, 2, a.microbatches):.3f} at vpp=2; exposed p2p wait from "
           "the Timeline, cross-check PipelineResult.wait_s/step_s: "
