@@ -340,34 +340,36 @@ def run_schedule(
 
     # dispatch on the kind of a compute action
     compute = {F: forward, B: backward, I: backward_input, W: backward_weight}
-    i = 0
-    while i < len(actions):
-        a = actions[i]
-        if observe is not None:
-            observe(i, a)
-        if a.kind in COMM:  # a maximal run of send/recv actions is one batch
-            j = i
-            while j < len(actions) and actions[j].kind in COMM:
-                j += 1
-            post(actions[i:j])
-            i = j
-            continue
-        i += 1
-        if a.kind in WAITS:
-            take(a)
-            continue
-        if a.kind not in compute:
-            raise ValueError(f"the executor cannot run action {a} (kind {a.kind!r})")
-        t0 = clock.mark()
-        compute[a.kind](a.chunk, a.mb)
-        t1 = clock.mark()
-        spans.append((t0, t1))
-        if timeline is not None:
-            timeline.record(SPAN[a.kind], t0, t1, chunk=a.chunk, mb=a.mb)
-    while batches:  # the sends still in flight
-        wait(*batches.popleft())
-    end = clock.mark()
-    pp.ledger.timeline = None
+    try:
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if observe is not None:
+                observe(i, a)
+            if a.kind in COMM:  # a maximal run of send/recv actions is one batch
+                j = i
+                while j < len(actions) and actions[j].kind in COMM:
+                    j += 1
+                post(actions[i:j])
+                i = j
+                continue
+            i += 1
+            if a.kind in WAITS:
+                take(a)
+                continue
+            if a.kind not in compute:
+                raise ValueError(f"the executor cannot run action {a} (kind {a.kind!r})")
+            t0 = clock.mark()
+            compute[a.kind](a.chunk, a.mb)
+            t1 = clock.mark()
+            spans.append((t0, t1))
+            if timeline is not None:
+                timeline.record(SPAN[a.kind], t0, t1, chunk=a.chunk, mb=a.mb)
+        while batches:  # the sends still in flight
+            wait(*batches.popleft())
+        end = clock.mark()
+    finally:  # (also when a step fails: the ledger must not keep this step's timeline)
+        pp.ledger.timeline = None
     if timeline is not None:
         timeline.record("schedule", start, end)
     if outputs or outbox or grads or inputs or received or later:

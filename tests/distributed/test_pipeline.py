@@ -210,3 +210,16 @@ def _gpt_run(rank, world):
 def test_gpt_chunks_match_one_process():
     pytest.importorskip("megalite.model.gpt")
     spawn(_gpt_run, 2)
+
+
+def test_a_failing_step_leaves_no_timeline_behind():
+    """The executor lends its timeline to the pipeline group's ledger for the step; a step that
+    raises must take it back, or the next step's waits would be recorded into it."""
+    groups = SimpleNamespace(pp=Group("pp", [0], 0), device=torch.device("cpu"))
+    chunks = _build(1, 1, 0)
+    chunks[0].layers["0"].register_forward_hook(lambda *_: 1 / 0)
+    actions = get_schedule("1f1b", 1, 1, 2, 0)
+    with pytest.raises(ZeroDivisionError):
+        run_schedule(actions, chunks, groups, _data(2), hidden_shape=(B, S, H), dtype=None,
+                     timeline=object())  # fmt: skip
+    assert groups.pp.ledger.timeline is None
