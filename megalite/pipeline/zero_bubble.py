@@ -18,10 +18,10 @@ every forward is done; a cool-down of r pairs (I c0, I c1) whose W's wait, p-r p
 W c0), then the waiting W's. Every W but the cool-down's follows its own I at once: the pattern
 keeps each rank's work per cycle the same, so it stays close to zero bubble when F, I and W
 differ in cost or a rank holds more (rank 0 holds the embedding and the head), where a
-schedule tuned for F = I = W = 1 idles (docs/pipeline.md has the measurements). With fewer than 2p-1 micro-batches the pattern is built for 2p-1 and the extra ones left out.
-A timed run of the orders (F = I = W = 1) places the communication (`lockstep_table`) and
-`verify.py` proves the result (matching, no deadlock, the activation bound) for every shape it
-is run on.
+schedule tuned for F = I = W = 1 idles (docs/pipeline.md has the measurements). With fewer
+than 2p-1 micro-batches the pattern is built for 2p-1 and the extra ones left out. A timed
+run of the orders (F = I = W = 1) places the communication (`lockstep_table`) and `verify.py`
+proves the result (matching, no deadlock, the activation bound) for every shape it is run on.
 """
 
 from functools import lru_cache
@@ -54,12 +54,8 @@ def zbv_order(pp: int, vpp: int, microbatches: int, rank: int):
     p, r, n = pp, rank, max(microbatches, 2 * pp - 1)
     f0, f1, i0, i1, w0, w1 = ((kind, c) for kind in (F, I, W) for c in (0, 1))
     seq = [f0] * (2 * (p - r) - 1) + [f1, f0] * r + [f1, i1, w1] * (p - r)
-    forwards0 = 2 * p - r - 1
-    for _ in range(n - p):  # the steady state: one forward of c1 each, so n - p of them
-        if forwards0 < n:
-            seq.append(f0)
-            forwards0 += 1
-        seq += [i0, w0, f1, i1, w1]
+    for i in range(n - p):  # the steady state: one forward of c1 each, so n - p of them
+        seq += [f0] * (2 * p - r - 1 + i < n) + [i0, w0, f1, i1, w1]
     seq += [i0, i1] * r + [i0, w0] * (p - r)
     seq += [w1] * (n - seq.count(w1)) + [w0] * (n - seq.count(w0))
     # each (kind, chunk) runs its micro-batches in order: number them by counting
