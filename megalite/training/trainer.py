@@ -27,7 +27,7 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
 from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import bubble_theory, get_schedule, idle_theory
+from megalite.pipeline.schedules import bubble_theory, get_schedule
 from megalite.shape import RunShape
 from megalite.training.flops import (
     device_peak_flops,
@@ -214,6 +214,7 @@ class Trainer:
         tokens_per_s = t.global_batch_size * p.model.seq_length / step_s
         world = self.groups.topo.world_size
         pipelined = p.pp > 1
+        theory = bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule) if pipelined else 0.0
         return {
             "iteration": self.iteration,
             "loss": loss,
@@ -226,10 +227,11 @@ class Trainer:
             "hfu": None if self.peak is None else hardware_flops_per_token(p.model, t.recompute) * tokens_per_s / (self.peak * world),
             # the first stage's idle time over its compute time, over the log interval
             "bubble_measured": idle_ratio(compute, busy) if pipelined else 0.0,
-            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule) if pipelined else 0.0,
-            # the same idle time as a share of the schedule, and its theory (p-1)/(v*m+p-1)
+            "bubble_theory": theory,
+            # the same idle time as a share of the schedule, and its theory ((p-1)/(v*m+p-1)
+            # for 1F1B and interleaved)
             "idle_share": 1 - compute / max(busy, 1e-12) if pipelined else 0.0,
-            "idle_share_theory": idle_theory(p.pp, p.vpp, self.microbatches) if pipelined else 0.0,
+            "idle_share_theory": theory / (1 + theory),
             "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
             "comm": self.groups.ledger.snapshot(),
             # bytes per rank: parameters (ZeRO-3: shards, and the most gathered at once),
