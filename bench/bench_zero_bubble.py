@@ -29,7 +29,7 @@ from megalite.pipeline.schedules import SCHEDULES, bubble_theory, get_schedule  
 from tests.distributed import test_bubble  # noqa: E402 (its sleeping stage)
 from tests.spawn import spawn  # noqa: E402
 
-CASES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]
+CASES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]
 
 
 def _worker(rank, world, m, t, rounds):

@@ -10,6 +10,10 @@ the slots where a stage would otherwise idle.
 - `zbv`: two chunks per rank in a V (chunk 0 at virtual stage r, chunk 1 at 2p-1-r), so the
   first and the last stage share rank 0; with 2p chunk activations alive at most (1F1B's
   memory) the bubble is close to zero.
+- `dualpipev`: DeepSeek-V3's DualPipeV on the same V, m >= 2p: after the warm-up each rank
+  pairs a forward of one chunk with a whole backward (B) of the other (run one after the
+  other: the overlap of their communication DualPipe adds on GPUs is not built), and splits
+  the last backwards in I and W again; 2p + 1 chunk activations, ZB-V's bubble.
 
 ZB-V is the paper's pattern (its section 6). Rank r runs, on its chunks c0 (virtual stage r)
 and c1 (stage 2p-1-r): a warm-up of 2(p-r)-1 forwards of c0, then r pairs (F c1, F c0), then
@@ -20,8 +24,9 @@ keeps each rank's work per cycle the same, so it stays close to zero bubble when
 differ in cost or a rank holds more (rank 0 holds the embedding and the head), where a
 schedule tuned for F = I = W = 1 idles (docs/pipeline.md has the measurements). With fewer
 than 2p-1 micro-batches the pattern is built for 2p-1 and the extra ones left out. A timed
-run of the orders (F = I = W = 1) places the communication (`lockstep_table`) and `verify.py`
-proves the result (matching, no deadlock, the activation bound) for every shape it is run on.
+run of the orders (F = I = W = 1, B = 2) places the communication (`lockstep_table`) and
+`verify.py` proves the result (matching, no deadlock, the activation bound) for every shape it
+is run on.
 """
 
 from functools import lru_cache
@@ -33,6 +38,7 @@ from megalite.pipeline.schedules import (
     WAIT_B,
     WAIT_F,
     Action,
+    B,
     F,
     I,
     Schedule,
@@ -67,6 +73,36 @@ def zbv_order(pp: int, vpp: int, microbatches: int, rank: int):
     return out
 
 
+def dualpipev_order(pp: int, vpp: int, microbatches: int, rank: int):
+    """Rank `rank`'s computes in DualPipeV's order (module docstring). B is a whole backward;
+    the F and B written side by side in the steady state run one after the other."""
+    p, r, m = pp, rank, microbatches
+    f0, f1, b0, b1, i0, i1, w = (F, 0), (F, 1), (B, 0), (B, 1), (I, 0), (I, 1), (W, None)
+    seq = [f0] * (2 * (p - r - 1)) + [f0, f1] * (r + 1) + [i1, w, f1] * (p - r - 1)
+    seq += [f0, b1, f1, b0] * (m - 2 * p + r + 1) + [b1, f1, b0] * (p - r - 1)
+    half, split = (r + 1) // 2, False  # the last backwards: whole ones, then halves
+    for i in range(r + 1):
+        split |= i == half and r % 2 == 1
+        seq.append(i1 if split else b1)
+        split |= i == half and r % 2 == 0
+        seq.append(i0 if split else b0)
+    seq += [w, i0 if split else b0] * (p - r - 1) + [w] * (r + 1)
+    # forwards and backwards (B or I) run their micro-batches in order; a W takes the oldest
+    # I still without its W, if there is one
+    forwards, backwards, pending, out = [0, 0], [0, 0], [], []
+    for kind, c in seq:
+        if kind == W:
+            if pending:
+                out.append([Action(W, *pending.pop(0))])
+            continue
+        count = forwards if kind == F else backwards
+        out.append([Action(kind, c, count[c])])
+        if kind == I:
+            pending.append((c, count[c]))
+        count[c] += 1
+    return out
+
+
 @lru_cache(maxsize=256)
 def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
     """Every rank's computes of `build` in order, as (start, end, Action): each starts when its
@@ -78,7 +114,7 @@ def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
     def deps(a, v):
         if a.kind == F:
             return [(F, v - 1, a.mb)] if v else []
-        if a.kind == I:
+        if a.kind in (I, B):  # (a B of the next stage counts as its I)
             return [(F, v, a.mb)] + ([(I, v + 1, a.mb)] if v < stages - 1 else [])
         return [(I, v, a.mb)]
 
@@ -97,24 +133,30 @@ def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
             raise RuntimeError(f"schedule stuck (pp={pp} vpp={vpp} m={m})")
         start, r, a, v = best
         done[a.kind, v, a.mb] = free[r] = end = start + _time(a.kind, v)
+        if a.kind == B:  # a whole backward is its I and its W
+            done[I, v, a.mb] = done[W, v, a.mb] = end
         out[r].append((start, end, a))
         pos[r] += 1
     return tuple(tuple(o) for o in out)
 
 
 def _time(kind, vstage: int) -> float:
-    """F = I = W = 1, but the first virtual stage has no input gradient to pass on: the
-    executor leaves its I empty and does the whole backward in its W (as verify.py models)."""
-    if vstage == 0 and kind != F:
-        return 0.0 if kind == I else 2.0
-    return 1.0
+    """F = I = W = 1 and B = 2, but the first virtual stage has no input gradient to pass on:
+    the executor leaves its I empty and does the whole backward in its W (as verify.py
+    models)."""
+    if kind == B or (vstage == 0 and kind == W):
+        return 2.0
+    return 0.0 if vstage == 0 and kind == I else 1.0
 
 
 def lockstep_table(pp: int, vpp: int, timed: tuple, placement) -> list[list[Action]]:
     """Every rank's actions from a timed simulation, the communication in lockstep: a message
     is posted by its sender and its receiver in the batch at the time it is produced (every
     rank posts the batches of the same times in the same order), so no two ranks can wait on
-    each other; a WAIT comes right before the compute that reads the message."""
+    each other; a WAIT comes right before the compute that reads the message. The batches of
+    messages produced while a compute runs are posted before it, after its WAIT: not in the
+    batch its input comes in (a batch completes whole), not after it (the sender's later
+    batches would wait)."""
     batches = [{} for _ in range(pp)]  # rank -> time -> [comm actions]
     for r, events in enumerate(timed):
         for _, end, a in events:
@@ -129,12 +171,14 @@ def lockstep_table(pp: int, vpp: int, timed: tuple, placement) -> list[list[Acti
     table = []
     for r, events in enumerate(timed):
         acts, times = [], sorted(batches[r])
-        for start, _, a in events:
+        for start, end, a in events:
             while times and times[0] <= start:
                 acts += sorted(batches[r][times.pop(0)], key=_batch_order)
             recv, _ = neighbours(a, pp, vpp, r, placement)
             if recv is not None:
                 acts.append(Action(WAIT_F if recv.kind == RECV_F else WAIT_B, a.chunk, a.mb))
+            while times and times[0] < end:  # receives of messages sent while this runs
+                acts += sorted(batches[r][times.pop(0)], key=_batch_order)
             acts.append(a)
         for t in times:
             acts += sorted(batches[r][t], key=_batch_order)
@@ -158,34 +202,50 @@ def zb_h1_order(pp: int, vpp: int, microbatches: int, rank: int):
     return [[a] for a in out]
 
 
-@lru_cache(maxsize=256)
-def zbv_bubble(pp: int, vpp: int, microbatches: int) -> float:
-    """The first stage's idle over compute time when its table runs as the executor runs it
-    (verify.py's timed simulation, F = I = W = 1): the paper's ZB-V reaches zero in the
-    steady state; the warm-up and cool-down leave a little."""
-    from megalite.pipeline.verify import verify_table  # (verify imports this module's registry)
+def v_table(build):
+    """Every rank's actions of a V schedule built by `build`: its computes timed (`_timed`),
+    the communication in lockstep."""
 
-    table = zbv_table(pp, 2, microbatches)
-    report = verify_table(table, pp, 2, microbatches, placement=v_placement,
-                          cost={F: 1.0, I: 1.0, W: 1.0})  # fmt: skip
-    idle = report.idle[0]
-    return idle / (1 - idle)
+    def table(pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
+        return lockstep_table(pp, 2, _timed(pp, 2, microbatches, v_placement, build), v_placement)
+
+    return table
 
 
-def zbv_table(pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
-    return lockstep_table(pp, 2, _timed(pp, 2, microbatches, v_placement, zbv_order), v_placement)
+def v_bubble(build):
+    """The first stage's idle over compute time of a V schedule's table run as the executor
+    runs it (verify.py's timed simulation, F = I = W = 1, B = 2), its idle counted against the
+    longest rank: ZB-V reaches zero in the steady state, and the warm-up and cool-down leave a
+    little."""
+
+    @lru_cache(maxsize=256)
+    def bubble(pp: int, vpp: int, microbatches: int) -> float:
+        from megalite.pipeline.verify import verify_table  # (verify imports the registry)
+
+        report = verify_table(v_table(build)(pp, 2, microbatches), pp, 2, microbatches,
+                              placement=v_placement, cost={F: 1.0, B: 2.0, I: 1.0, W: 1.0})  # fmt: skip
+        idle = report.idle[0]
+        return idle / (1 - idle)
+
+    return bubble
 
 
 def _zb_h1_check(pp, vpp, m):
     return None if vpp == 1 else f"the zb-h1 schedule runs one chunk per rank, not --vpp {vpp}"
 
 
-def _zbv_check(pp, vpp, m):
-    return (
-        None
-        if vpp == 2
-        else f"the zbv schedule runs two chunks per rank in a V: --vpp 2, not {vpp}"
-    )
+def _v_check(name):
+    def check(pp, vpp, m):
+        if vpp != 2:
+            return f"the {name} schedule runs two chunks per rank in a V: --vpp 2, not {vpp}"
+        if name == "dualpipev" and m < 2 * pp:
+            return (
+                f"the dualpipev schedule needs at least 2*pp={2 * pp} micro-batches per step, "
+                f"not {m}; raise --global-batch-size"
+            )
+        return None
+
+    return check
 
 
 register_schedule(Schedule(
@@ -197,12 +257,21 @@ register_schedule(Schedule(
     doc="zero bubble H1: 1F1B's memory, W fills the cool-down (backward split in I and W)",
 ))  # fmt: skip
 register_schedule(Schedule(
-    "zbv", zbv_order, _zbv_check,
+    "zbv", zbv_order, _v_check("zbv"),
     # the warm-up's forwards of c0 and c1, and the first F c1 before its W (2p once m >= 2p-1)
     lambda pp, vpp, m, r: min(m, 2 * pp - r - 1) + min(m, r) + (r < m),
-    bubble=zbv_bubble,
+    bubble=v_bubble(zbv_order),
     placement=v_placement,
-    table=zbv_table,
+    table=v_table(zbv_order),
     cost={F: 1.0, I: 1.0, W: 1.0},
     doc="zero bubble V: two chunks per rank in a V (--vpp 2), ~no bubble at 1F1B's memory",
+))  # fmt: skip
+register_schedule(Schedule(
+    "dualpipev", dualpipev_order, _v_check("dualpipev"), lambda pp, vpp, m, r: 2 * pp + 1,
+    bubble=v_bubble(dualpipev_order),
+    placement=v_placement,
+    table=v_table(dualpipev_order),
+    cost={F: 1.0, B: 2.0, I: 1.0, W: 1.0},
+    doc="DualPipeV (DeepSeek-V3): a V (--vpp 2) whose steady state pairs an F with a B "
+    "(run one after the other), m >= 2*pp",
 ))  # fmt: skip

@@ -78,7 +78,7 @@ def _measure(rank, world, cases):
 def test_measured_bubble_matches_theory():
     world = 4
     cases = [("gpipe", 1, 4), ("1f1b", 1, 4), ("1f1b", 1, 6), ("interleaved", 2, 4),
-             ("zb-h1", 1, 4), ("zbv", 2, 4)]  # fmt: skip
+             ("zb-h1", 1, 4), ("zbv", 2, 4), ("dualpipev", 2, 8)]  # fmt: skip
     measured = spawn(_measure, world, cases, timeout=240)[0]
     for name, vpp, m in cases:
         theory = bubble_theory(world, vpp, m, name)

@@ -90,6 +90,7 @@ CASES = [
     ("zb-h1", 1, 3, 1.0),  # backward split into I and W
     ("zb-h1", 1, 6, 4.0),
     ("zbv", 2, 5, 1.0),  # two chunks per rank in a V
+    ("dualpipev", 2, 8, 2.0),  # a V, whole and split backwards
 ]
 
 

@@ -31,6 +31,8 @@ def shapes():
             yield "1f1b", pp, 1, m
             yield "zb-h1", pp, 1, m
             yield "zbv", pp, 2, m
+            if m >= 2 * pp:
+                yield "dualpipev", pp, 2, m
             if m % pp == 0:
                 for vpp in range(2, 5):
                     yield "interleaved", pp, vpp, m
