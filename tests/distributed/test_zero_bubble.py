@@ -2,10 +2,11 @@
 
 - W is real: after I the parameters have no gradient yet (only the stage input has one); after
   W they hold exactly the gradient a full backward gives.
-- In fp64, ZB-H1, ZB-V and DualPipeV steps at pp 2 and 4, with dp2 at ZeRO 0/1/2 and with tp2, equal one
-  process (loss, gradients, parameters after the step) within 1e-10: the data-parallel hooks,
-  buckets and reduce-scatters, the tied embedding (on one rank in a V) and loss scaling all stay
-  right when W runs late (loss scaling with W late: tests/distributed/test_pipeline.py).
+- In fp64, ZB-H1, ZB-V and DualPipeV steps at pp 2 and 4, with dp2 at ZeRO 0/1/2 and with
+  tp2, equal one process (loss, gradients, parameters after the step) within 1e-10: the
+  data-parallel hooks, buckets and reduce-scatters, the tied embedding (on one rank in a V) and
+  loss scaling all stay right when W runs late (loss scaling with W late:
+  tests/distributed/test_pipeline.py).
 """
 
 import pytest

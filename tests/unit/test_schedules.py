@@ -99,6 +99,10 @@ def test_bad_shapes_are_clear_errors():
         get_schedule("1f1b", 2, 2, 4, 0)
     with pytest.raises(MegaliteError, match="vpp >= 2"):
         get_schedule("interleaved", 2, 1, 4, 0)
+    with pytest.raises(MegaliteError, match=r"at least 2\*pp=8 micro-batches"):
+        get_schedule("dualpipev", 4, 2, 6, 0)
+    with pytest.raises(MegaliteError, match="two chunks per rank in a V: --vpp 2, not 1"):
+        get_schedule("zbv", 4, 1, 8, 0)
 
 
 def _table(name, pp, vpp, m):
