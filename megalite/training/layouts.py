@@ -112,7 +112,7 @@ def _bytes(n: float) -> str:
 
 def format_plan(p: Plan, cluster: Cluster | None = None, cfg: Config | None = None) -> str:
     lines = [f"layout {p.layout}: {p.microbatches} micro-batches per step, "
-             f"bubble (pp-1)/(vpp*m) = {p.bubble:.1%}"]  # fmt: skip
+             f"bubble in theory (first stage idle / compute) = {p.bubble:.1%}"]  # fmt: skip
     lines.append(f"  {'per rank':<12}{'params':>11}{'grads':>11}{'optimizer':>11}"
                  f"{'activations':>13}{'total':>11}")  # fmt: skip
     for r, mem in enumerate(p.stages):

@@ -99,7 +99,7 @@ class Plan:
     memory: dict  # bytes on the fullest pipeline rank: params, grads, optimizer, activations, total
     stages: list  # the same dict for every pipeline rank
     comm: dict  # bytes per step sent by the busiest rank, per group kind
-    bubble: float  # Megatron's (pp-1)/(vpp*m)
+    bubble: float  # the schedule's theory: Megatron's (pp-1)/(vpp*m) for 1F1B and interleaved
     microbatches: int
     fits: bool = True
     step_time: float | None = None  # estimated seconds per step (layouts.step_time)
