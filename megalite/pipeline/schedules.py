@@ -207,6 +207,15 @@ def _interleaved_check(pp, vpp, m):
     return None
 
 
+def compute_seconds(kind: Kind, vstage: int, cost: dict) -> float:
+    """A compute's time in a timed run of a schedule: cost[kind], but the first virtual stage
+    has no input gradient to pass on: the executor leaves its I empty and does the whole
+    backward in its W."""
+    if vstage == 0 and kind in (I, W):
+        return 0.0 if kind == I else cost[I] + cost[W]
+    return cost[kind]
+
+
 def megatron_bubble(pp: int, vpp: int, microbatches: int) -> float:
     """Megatron's bubble: the first stage's idle time over its compute time, (pp-1)/(vpp*m)."""
     return (pp - 1) / (vpp * microbatches)

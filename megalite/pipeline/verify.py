@@ -49,6 +49,7 @@ from megalite.pipeline.schedules import (
     F,
     I,
     W,
+    compute_seconds,
     format_action,
     get_schedule,
     interleaved_placement,
@@ -214,11 +215,7 @@ def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], lis
     cost = {k: v / vpp for k, v in cost.items()}
 
     def seconds(a, r) -> float:
-        """A compute's simulated time. The first virtual stage has no input gradient to pass
-        on: the executor leaves its I empty and does the whole backward in its W."""
-        if a.kind in (I, W) and placement(pp, vpp, r, a.chunk) == 0:
-            return 0.0 if a.kind == I else cost[I] + cost[W]
-        return cost[a.kind]
+        return compute_seconds(a.kind, placement(pp, vpp, r, a.chunk), cost)
 
     batches, batch_of, busy = [], {}, []  # batches[r][j]: action indices posted together
     for r, acts in enumerate(table):

@@ -44,6 +44,7 @@ from megalite.pipeline.schedules import (
     Schedule,
     W,
     _batch_order,
+    compute_seconds,
     neighbours,
     owner,
     register_schedule,
@@ -64,13 +65,7 @@ def zbv_order(pp: int, vpp: int, microbatches: int, rank: int):
         seq += [f0] * (2 * p - r - 1 + i < n) + [i0, w0, f1, i1, w1]
     seq += [i0, i1] * r + [i0, w0] * (p - r)
     seq += [w1] * (n - seq.count(w1)) + [w0] * (n - seq.count(w0))
-    # each (kind, chunk) runs its micro-batches in order: number them by counting
-    seen, out = {}, []
-    for kind, c in seq:
-        k = seen[kind, c] = seen.get((kind, c), -1) + 1
-        if k < microbatches:
-            out.append([Action(kind, c, k)])
-    return out
+    return _numbered(seq, microbatches)
 
 
 def dualpipev_order(pp: int, vpp: int, microbatches: int, rank: int):
@@ -87,26 +82,37 @@ def dualpipev_order(pp: int, vpp: int, microbatches: int, rank: int):
         split |= i == half and r % 2 == 0
         seq.append(i0 if split else b0)
     seq += [w, i0 if split else b0] * (p - r - 1) + [w] * (r + 1)
-    # forwards and backwards (B or I) run their micro-batches in order; a W takes the oldest
-    # I still without its W, if there is one
+    return _numbered(seq, m)
+
+
+def _numbered(seq, microbatches: int) -> list[list[Action]]:
+    """A rank's computes from (kind, chunk) tokens: the forwards of a chunk, and its backwards
+    (B or I), take its micro-batches in order; a W takes the oldest I still without its W, of
+    its chunk (of any chunk where the token's chunk is None), if there is one. Micro-batches
+    from `microbatches` on are left out."""
     forwards, backwards, pending, out = [0, 0], [0, 0], [], []
     for kind, c in seq:
         if kind == W:
-            if pending:
-                out.append([Action(W, *pending.pop(0))])
+            i = next((i for i, (pc, _) in enumerate(pending) if c in (None, pc)), None)
+            if i is not None:
+                out.append([Action(W, *pending.pop(i))])
             continue
         count = forwards if kind == F else backwards
-        out.append([Action(kind, c, count[c])])
-        if kind == I:
-            pending.append((c, count[c]))
-        count[c] += 1
+        k, count[c] = count[c], count[c] + 1
+        if k < microbatches:
+            out.append([Action(kind, c, k)])
+            if kind == I:
+                pending.append((c, k))
     return out
+
+
+UNIT = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}  # the costs the V schedules are timed and verified at
 
 
 @lru_cache(maxsize=256)
 def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
     """Every rank's computes of `build` in order, as (start, end, Action): each starts when its
-    rank is free and its inputs are there (costs `_time`)."""
+    rank is free and its inputs are there (costs `UNIT`)."""
     stages = pp * vpp
     orders = [[a for seg in build(pp, vpp, m, r) for a in seg] for r in range(pp)]
     done, free, pos, out = {}, [0.0] * pp, [0] * pp, [[] for _ in range(pp)]
@@ -132,21 +138,12 @@ def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
         if best is None:
             raise RuntimeError(f"schedule stuck (pp={pp} vpp={vpp} m={m})")
         start, r, a, v = best
-        done[a.kind, v, a.mb] = free[r] = end = start + _time(a.kind, v)
+        done[a.kind, v, a.mb] = free[r] = end = start + compute_seconds(a.kind, v, UNIT)
         if a.kind == B:  # a whole backward is its I and its W
             done[I, v, a.mb] = done[W, v, a.mb] = end
         out[r].append((start, end, a))
         pos[r] += 1
     return tuple(tuple(o) for o in out)
-
-
-def _time(kind, vstage: int) -> float:
-    """F = I = W = 1 and B = 2, but the first virtual stage has no input gradient to pass on:
-    the executor leaves its I empty and does the whole backward in its W (as verify.py
-    models)."""
-    if kind == B or (vstage == 0 and kind == W):
-        return 2.0
-    return 0.0 if vstage == 0 and kind == I else 1.0
 
 
 def lockstep_table(pp: int, vpp: int, timed: tuple, placement) -> list[list[Action]]:
@@ -223,7 +220,7 @@ def v_bubble(build):
         from megalite.pipeline.verify import verify_table  # (verify imports the registry)
 
         report = verify_table(v_table(build)(pp, 2, microbatches), pp, 2, microbatches,
-                              placement=v_placement, cost={F: 1.0, B: 2.0, I: 1.0, W: 1.0})  # fmt: skip
+                              placement=v_placement, cost=UNIT)  # fmt: skip
         idle = report.idle[0]
         return idle / (1 - idle)
 
@@ -234,14 +231,16 @@ def _zb_h1_check(pp, vpp, m):
     return None if vpp == 1 else f"the zb-h1 schedule runs one chunk per rank, not --vpp {vpp}"
 
 
-def _v_check(name):
+def _v_check(name, per_stage: int = 0):
+    """A V schedule's shape check: --vpp 2, and at least `per_stage`·pp micro-batches."""
+
     def check(pp, vpp, m):
         if vpp != 2:
             return f"the {name} schedule runs two chunks per rank in a V: --vpp 2, not {vpp}"
-        if name == "dualpipev" and m < 2 * pp:
+        if m < per_stage * pp:
             return (
-                f"the dualpipev schedule needs at least 2*pp={2 * pp} micro-batches per step, "
-                f"not {m}; raise --global-batch-size"
+                f"the {name} schedule needs at least {per_stage}*pp={per_stage * pp} "
+                f"micro-batches per step, not {m}; raise --global-batch-size"
             )
         return None
 
@@ -267,11 +266,12 @@ register_schedule(Schedule(
     doc="zero bubble V: two chunks per rank in a V (--vpp 2), ~no bubble at 1F1B's memory",
 ))  # fmt: skip
 register_schedule(Schedule(
-    "dualpipev", dualpipev_order, _v_check("dualpipev"), lambda pp, vpp, m, r: 2 * pp + 1,
+    "dualpipev", dualpipev_order, _v_check("dualpipev", per_stage=2),
+    lambda pp, vpp, m, r: 2 * pp + 1,
     bubble=v_bubble(dualpipev_order),
     placement=v_placement,
     table=v_table(dualpipev_order),
-    cost={F: 1.0, B: 2.0, I: 1.0, W: 1.0},
+    cost=UNIT,
     doc="DualPipeV (DeepSeek-V3): a V (--vpp 2) whose steady state pairs an F with a B "
     "(run one after the other), m >= 2*pp",
 ))  # fmt: skip
