@@ -67,7 +67,7 @@ def test_generate_and_serve_under_torchrun(model):
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert json.loads(resp.read())["choices"][0]["text"] == text
         os.kill(pid, signal.SIGTERM)  # rank 0 releases rank 1; both exit 0, so torchrun does
-        assert server.wait(timeout=120) == 0
+        assert server.wait(timeout=120) == 0, server.stderr.read()[-4000:]
         assert "megalite serve: stopped" in server.stderr.read()
     finally:
         if server.poll() is None:
