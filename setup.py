@@ -13,6 +13,7 @@ setup(
         "megalite.optim",
         "megalite.data",
         "megalite.checkpoint",
+        "megalite.plan",
         "megalite.training",
         "megalite.cli",
         "megalite.kernels",

@@ -11,7 +11,7 @@ cp group. For each cp:
 - activation bytes per rank: every tensor autograd keeps for backward during one forward
   (saved-tensor hooks, each storage counted once): what context parallelism divides; the
   parameters are the same on every rank and not counted. Beside it, the planner's estimate
-  (`memory.chunk_activations`, torch ops) and the ratio to cp = 1;
+  (`activations.chunk_activations`, torch ops) and the ratio to cp = 1;
 - tokens/s: one forward and backward of the whole sequence, the slowest rank's median over the
   rounds after a warm-up round, and the ratio to cp = 1. On a 2-core machine cp = 4 runs four
   processes on two cores: its throughput is a lower bound, the memory figures are exact;
@@ -37,7 +37,8 @@ from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.context_parallel import shard_batch  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.training import memory, planner, timeline  # noqa: E402
+from megalite.plan import activations, layouts, traffic  # noqa: E402
+from megalite.training import timeline  # noqa: E402
 from tests.spawn import spawn  # noqa: E402
 
 
@@ -98,10 +99,10 @@ def _planned(a, cp: int) -> tuple[float, int]:
     cfg.model = _model_cfg(a)
     cfg.training.micro_batch_size, cfg.training.kernels = 1, "torch"
     cfg.parallel.cp_comm_type = a.comm
-    lay = planner.Layout(cp=cp)
+    lay = layouts.layout(cfg, cp=cp)
     kw = {"layers": list(range(a.layers)), "has_embedding": True, "has_head": True}
-    fwd, bwd = planner.cp_layer_bytes(cfg, lay)
-    return memory.chunk_activations(cfg, lay, kw)[0], a.layers * (fwd + bwd)
+    fwd, bwd = traffic.cp_layer_bytes(cfg, lay)
+    return activations.chunk_activations(cfg, lay, kw)[0], a.layers * (fwd + bwd)
 
 
 def main():

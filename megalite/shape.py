@@ -16,6 +16,7 @@ from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.parallel.axes import AXES, INFERRED
 from megalite.parallel.topology import Topology, parse_order
+from megalite.parallel.zero import ZERO, ZeroStage
 from megalite.pipeline import schedules
 
 
@@ -32,6 +33,7 @@ class RunShape:
     model: ModelConfig  # the user's model section, its vocabulary filled in once known
     ep: int = 1  # expert-parallel size: a second decomposition of tp*dp, not an axis of its own
     etp: int = 1
+    zero: ZeroStage = ZERO[0]  # the ZeRO stage (--zero-stage)
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
@@ -44,6 +46,16 @@ class RunShape:
     @property
     def order(self) -> str:
         return "-".join(a for a, _ in self.sizes)
+
+    def __str__(self) -> str:  # "tp=2 pp=2 dp=4 vpp=2 zero=1 sp": the layout, as plans print it
+        sizes = dict(self.sizes)
+        out = f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        out += "".join(
+            f" {a}={n}" for a, n in sizes.items() if a not in ("tp", "pp", "dp") and n > 1
+        )
+        out += f" ep={self.ep}" if self.model.num_experts else ""
+        out += f" vpp={self.vpp}" if self.vpp > 1 else ""
+        return out + f" zero={self.zero.stage}" + (" sp" if self.sequence_parallel else "")
 
     def topology(self) -> Topology:
         """The ranks' layout; with experts, carrying their decomposition (`topo.expert`)."""
@@ -189,6 +201,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         model=dataclasses.replace(m),
         ep=p.ep,
         etp=p.etp,
+        zero=ZERO[cfg.optimizer.zero_stage],
     )
 
 
@@ -255,8 +268,9 @@ def validate(cfg: Config, world_size: int) -> RunShape:
         )
     if p.distributed_timeout_minutes <= 0:
         raise MegaliteError("--distributed-timeout-minutes must be positive")
-    if o.zero_stage == 3 and cfg.model.num_experts:
+    if cfg.model.num_experts and not shape.zero.experts:
         raise MegaliteError(
-            "--zero-stage 3 does not shard mixture-of-experts models yet; use --zero-stage 2"
+            f"--zero-stage {o.zero_stage} does not shard mixture-of-experts models yet; use "
+            "--zero-stage 2"
         )
     return shape

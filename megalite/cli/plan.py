@@ -6,7 +6,8 @@
         --recompute-granularity selective --gpus 64 --gpu-memory 80 --gpus-per-node 8
 
 Model and training flags are pretrain_gpt.py's; the layout flags (--tp --pp --vpp, --zero-stage,
---sequence-parallel) describe the layout printed first. The layouts that fit are ranked by an
+--sequence-parallel) describe the layout printed first (where it can run on --gpus; the search
+does not depend on it). The layouts that fit are ranked by an
 estimated step time (--mfu, --peak-tflops, --intra-node-gbps, --inter-node-gbps set its
 assumptions). Needs no GPU and no process group.
 """
@@ -16,9 +17,10 @@ import sys
 
 from megalite.config_read import parse_args
 from megalite.errors import MegaliteError, run_main
+from megalite.plan.layouts import check_model
+from megalite.plan.ranking import Cluster
 from megalite.shape import validate
-from megalite.training.layouts import print_plan
-from megalite.training.planner import Cluster
+from megalite.training.dry_run import print_plan
 
 
 def main(argv):
@@ -57,7 +59,11 @@ def main(argv):
             "positive, and --mfu in (0, 1]"
         )
     cfg = parse_args(rest)
-    shape = validate(cfg, ns.gpus)
+    check_model(cfg)  # what no layout fixes; the layout given (default: dp = all GPUs) may not run
+    try:
+        shape = validate(cfg, ns.gpus)
+    except MegaliteError as e:
+        shape = str(e)
     cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus), peak_tflops=ns.peak_tflops,
                       mfu=ns.mfu, intra_node_gbps=ns.intra_node_gbps,
                       inter_node_gbps=ns.inter_node_gbps)  # fmt: skip

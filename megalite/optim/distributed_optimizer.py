@@ -33,6 +33,7 @@ from megalite.parallel import comm
 from megalite.parallel.data_parallel import GradBuffer, GradBuffers, ParamRange
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.specs import spec_of
+from megalite.parallel.zero import ZERO
 from megalite.parallel.zero3 import Zero3Buffer
 
 # Elements per slice of the element-wise Adam update.
@@ -372,10 +373,11 @@ def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, k
     own = lambda name, p: "embed" in spec_of(p).grad_sum  # noqa: E731
     expert = lambda name, p: spec_of(p).expert  # noqa: E731
     params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
-    if zero_stage == 3:
+    zero = ZERO[zero_stage]
+    if zero.shard_params:
         if any(expert(n, p) for n, p in params):
             raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
-        reshard = "step" if groups.pp.size > 1 else "backward" if keep_params else "forward"
+        reshard = zero.reshard(groups.pp.size > 1, keep_params)
         return Zero3Buffer(chunks, groups.replicas, reshard, own)
     if not any(expert(n, p) for n, p in params):
         return GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own)

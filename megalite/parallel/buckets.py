@@ -1,6 +1,6 @@
 """The flat layout every gradient buffer shares: which parameters go in which bucket, where each
 parameter sits, and the dtype gradients accumulate in. Pure bookkeeping: the DP buffer
-(data_parallel.py), the ZeRO-3 buffer (zero3.py) and the planner (training/memory.py) lay
+(data_parallel.py), the ZeRO-3 buffer (zero3.py) and the planner (plan/memory.py) lay
 parameters out with it."""
 
 from dataclasses import dataclass

@@ -11,7 +11,7 @@ A post-accumulate-grad hook moves each parameter's fresh `.grad` into the buffer
 parameter of a bucket has its gradient for the last micro-batch of the step (earlier micro-batches
 only accumulate: no_sync), the bucket's reduction is launched asynchronously, so it overlaps
 the rest of backward. Gradients are divided by the DP size before they are summed (a mean).
-Where gradients live and how a bucket is reduced is the ZeRO stage's (optim/zero.py). Without a
+Where gradients live and how a bucket is reduced is the ZeRO stage's (zero.py). Without a
 gradient buffer (ZeRO-2) a micro-batch's bucket is staged only while it is reduced: it is freed
 as soon as its reduce-scatter lands (at most the stage's `in_flight` + 1 staged at once).
 
@@ -30,7 +30,6 @@ from collections import deque
 import torch
 from torch import nn
 
-from megalite.optim.zero import ZERO
 from megalite.parallel import comm
 from megalite.parallel.buckets import (
     ALIGN,
@@ -41,6 +40,7 @@ from megalite.parallel.buckets import (
     trainable,
 )
 from megalite.parallel.comm import Group
+from megalite.parallel.zero import ZERO
 
 
 class GradBuffer:

@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megalite.optim.zero import ZERO
 from megalite.parallel import comm
 from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dtype, trainable
 from megalite.parallel.comm import Group
 from megalite.parallel.data_parallel import GradBuffer
+from megalite.parallel.zero import ZERO
 
 RESHARD = ("forward", "backward", "step")
 

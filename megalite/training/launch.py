@@ -52,7 +52,7 @@ def main(argv):
         world_size = planned_world(cfg)
     shape = validate(cfg, world_size)  # before any process group exists
     if cfg.training.dry_run:  # the plan only: no process group, no GPU
-        from megalite.training.layouts import print_plan
+        from megalite.training.dry_run import print_plan
 
         if rank == 0:
             print_plan(cfg, shape)

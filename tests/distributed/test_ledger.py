@@ -15,10 +15,10 @@ from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.pipeline.partition import rank_chunks
-from megalite.training import memory, planner
-from megalite.training.planner import Layout
+from megalite.plan import activations, memory, traffic
+from megalite.plan.layouts import layout
 from tests.spawn import spawn
-from tests.unit.test_planner import saved_bytes
+from tests.unit.test_plan_activations import saved_bytes
 
 L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m
 
@@ -87,12 +87,12 @@ def tp_case(sp: bool):
     synced = (L * 6 * H + 2 * H + S * H) if sp else 0
     expected = M * per_mb + 2 * (t - 1) / t * synced * e
     assert got["tp"] == expected, (sp, got["tp"], expected)
-    assert got["tp"] == planner.comm_bytes(cfg, Layout(tp=2, sequence_parallel=sp), 0, M)["tp"]
+    assert got["tp"] == traffic.comm_bytes(cfg, layout(cfg, tp=2, sequence_parallel=sp), 0, M)["tp"]
     assert got["world"] == 16  # gradient norm and inf flag: 2 float64, all-reduced over 2
     # activations autograd keeps on this TP rank for one micro-batch
     measured = saved_bytes(chunks[0], data(0)[0], data(0)[1])
     kw = rank_chunks(L, 1, 1, 0)[0]
-    estimate, _ = memory.chunk_activations(cfg, Layout(tp=2, sequence_parallel=sp), kw)
+    estimate, _ = activations.chunk_activations(cfg, layout(cfg, tp=2, sequence_parallel=sp), kw)
     return got["tp"], measured, estimate
 
 
@@ -109,19 +109,23 @@ def dp_case(zero: int, rank: int):
         expected = sum(M * (d - 1) / d * n * 4 for n in sizes)  # and again before its backward
         gathers = sum(2 * M * (d - 1) / d * n * 4 for n in sizes)
         assert got["dp_gather"] == gathers, (got, gathers)
-        assert got["dp_gather"] == planner.comm_bytes(cfg, Layout(dp=2, zero=3), 0, M)["dp_gather"]
+        assert (
+            got["dp_gather"]
+            == traffic.comm_bytes(cfg, layout(cfg, dp=2, zero=3), 0, M)["dp_gather"]
+        )
     else:  # reduce-scatter (once per micro-batch at ZeRO 2) + all-gather of the parameters
         passes = M if zero == 2 else 1
         expected = sum((passes + 1) * (d - 1) / d * n * 4 for n in sizes)
     assert got["dp"] == expected + loss_mean, (zero, got["dp"], expected)
-    assert got["dp"] == planner.comm_bytes(cfg, Layout(dp=2, zero=zero), 0, M)["dp"]
+    assert got["dp"] == traffic.comm_bytes(cfg, layout(cfg, dp=2, zero=zero), 0, M)["dp"]
     return got["dp"]
 
 
 def memory_case(cfg: Config):
     groups, chunks, opt = build(cfg)
     p = cfg.parallel
-    lay = Layout(1, cfg.optimizer.zero_stage, p.sequence_parallel, tp=p.tp, pp=p.pp, dp=p.dp)
+    lay = layout(cfg, p.tp, p.pp, p.dp, zero=cfg.optimizer.zero_stage,
+                 sequence_parallel=p.sequence_parallel)  # fmt: skip
     mem = memory.state_memory(cfg, lay, groups.pp.rank)
     buf = opt.buffer
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731

@@ -13,8 +13,9 @@ from megalite.model.gpt import GPTChunk
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import COMPUTE, bubble_theory, get_schedule
-from megalite.training import planner, timeline
-from megalite.training.planner import Layout
+from megalite.plan import traffic
+from megalite.plan.layouts import layout
+from megalite.training import timeline
 from tests.spawn import spawn
 
 L, H, S, V, B = 4, 16, 8, 40, 2
@@ -52,7 +53,7 @@ def run(rank, world, out_dir):
             tl.step_done(it, groups, meta)
         cfg = Config()
         cfg.model, cfg.training.micro_batch_size, cfg.training.global_batch_size = model(), B, B * m
-        expected_pp = planner.comm_bytes(cfg, Layout(pp=world, vpp=vpp), rank, m)["pp"]
+        expected_pp = traffic.comm_bytes(cfg, layout(cfg, pp=world, vpp=vpp), rank, m)["pp"]
         assert groups.ledger.bytes["pp"] == expected_pp, (name, groups.ledger.bytes["pp"])
         computes = [(a.kind.value, a.chunk, a.mb) for a in actions if a.kind in COMPUTE]
         out.append((name, computes, [r.bubble_ratio for r in results[:2]]))

@@ -14,7 +14,7 @@ from torch import nn
 
 from megalite.config import Config
 from megalite.optim.distributed_optimizer import DistributedOptimizer
-from megalite.optim.zero import ZERO
+from megalite.parallel.zero import ZERO
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.groups import build_groups, single_process_groups

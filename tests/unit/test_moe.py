@@ -18,9 +18,10 @@ from megalite.model.gpt import GPTChunk
 from megalite.model.moe import MoELayer, moe_metrics, update_expert_bias
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import name_parameters
+from megalite.plan import layouts, memory, traffic
+from megalite.plan.layouts import layout
 from megalite.shape import validate
-from megalite.training import flops, memory, planner
-from megalite.training.planner import Layout
+from megalite.training import flops
 
 B, S, H, E, K, F_ = 2, 8, 16, 4, 2, 12
 ONE = Group("tp", [0], 0)
@@ -183,14 +184,14 @@ def test_planner_counts_experts_and_all_to_all():
     cfg.parallel.ep = 2
     t = cfg.training
     t.micro_batch_size, t.global_batch_size = 2, 8
-    lay = Layout(dp=2, zero=1)
+    lay = layout(cfg, dp=2, zero=1)
     chunk = GPTChunk(cfg.model, device=torch.device("meta"), ep=Group("ep", [0, 1], 0))
     experts = sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n)
     assert experts == 2 * (2 * 3 * 24 * 32)  # per layer 2 local experts of 3 (24 x 32) matrices
     mem = memory.state_memory(cfg, lay, 0)
     assert experts <= mem["expert_numel"] < experts + 2 * 64 * 2  # padded to edp * 64 per bucket
-    comm = planner.comm_bytes(cfg, lay, 0, 2)
+    comm = traffic.comm_bytes(cfg, lay, 0, 2)
     tokens = 2 * 16  # b s per rank (tp 1)
     assert comm["ep"] == 2 * 2 * 4 * tokens * 2 * 32 * 4  # layers, micro-batches, 4 a2a, T k h 4
     assert "edp" not in comm  # dp 2 = ep 2: every expert on one rank (edp 1)
-    assert str(planner.plan(cfg, lay).layout) == "tp=1 pp=1 dp=2 ep=2 zero=1"
+    assert str(layouts.plan(cfg, lay).layout) == "tp=1 pp=1 dp=2 ep=2 zero=1"

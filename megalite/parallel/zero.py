@@ -1,21 +1,30 @@
 """ZeRO stages as strategies: where gradients live, how they are reduced over the data-parallel
-replicas, what each rank keeps of the optimizer state, and the bytes per parameter that follow.
-The gradient buffer, the optimizer, checkpoints and the planner read one of these objects
-instead of branching on the stage number; adding a stage is one more entry.
+replicas, what each rank keeps of the optimizer state and of the parameters, and what follows
+from that: the bytes per parameter, the collectives a bucket makes per step, and ZeRO-3's
+reshard policy. The gradient buffers (data_parallel.py, zero3.py), the optimizer, the run shape
+and the planner ask one of these objects; no code outside this file compares stage numbers, and
+adding a stage is one more entry.
 
   stage 0  all-reduce: every rank keeps the whole reduced gradient and the whole optimizer state
   stage 1  reduce-scatter: this rank's shard of the gradient buffer holds the reduced gradient;
-           optimizer state (moments, fp32 masters) for that shard only
+           optimizer state (moments, fp32 masters) for that shard only; the updated parameter
+           shards are all-gathered after the step
   stage 2  no whole-model gradient buffer: each micro-batch's bucket is staged, reduce-scattered
            and added into a shard-sized accumulator (m times the DP traffic, 4 (1 - 1/dp)
            bytes per parameter less memory)
   stage 3  also the parameters: each rank keeps 1/dp of them, gathered unit by unit (a layer)
-           before use and freed after (parallel/zero3.py); gradients as at stage 2
+           before use and freed after (zero3.py) as the reshard policy says; gradients as at
+           stage 2
 """
 
 from dataclasses import dataclass
 
 from megalite.parallel import comm
+
+# ZeRO-3's reshard policies (zero3.py) and the gathers of each unit per step under each, with m
+# micro-batches: "forward" before its forward and again before its backward, "backward"
+# (--zero3-keep-params) once per micro-batch, "step" (the default under pp) once per step.
+GATHERS = {"forward": lambda m: 2 * m, "backward": lambda m: m, "step": lambda m: 1}
 
 
 @dataclass(frozen=True)
@@ -25,10 +34,12 @@ class ZeroStage:
     shard_state: bool  # optimizer state for this rank's 1/dp of each bucket only
     grad_buffer: bool  # a gradient buffer for the whole model (else per-shard accumulators)
     reduce_each_microbatch: bool  # reduce every micro-batch's gradients as they come
-    shard_params: bool = False  # parameters too: 1/dp each, gathered around their use
+    shard_params: bool = False  # parameters too: 1/dp each, gathered unit by unit around use
     # with reduce_each_microbatch: staged buckets reduced at once at most (a ZeRO-3 unit is a
     # whole layer: one reduced while the next fills, as FSDP)
     in_flight: int = 2
+    experts: bool = True  # can shard a mixture-of-experts model's buffers
+    searched: bool = True  # the planner's layout search tries it (ZeRO-3: planned when asked)
 
     def shard(self, numel: int, dp: int) -> int:
         """Elements of a bucket of `numel` this rank updates."""
@@ -40,6 +51,27 @@ class ZeroStage:
         if not self.shard_state:
             return comm.all_reduce(grad, group, async_op=True)
         return comm.reduce_scatter(out, grad, group, async_op=True)
+
+    def reshard(self, pipelined: bool, keep_params: bool) -> str | None:
+        """The policy of GATHERS the parameters are kept gathered under (zero3.Zero3Buffer),
+        None where they are not sharded: the whole step under pipelining (1F1B interleaves
+        micro-batches, as torchtitan), from forward to backward with --zero3-keep-params, else
+        freed after each use."""
+        if not self.shard_params:
+            return None
+        return "step" if pipelined else "backward" if keep_params else "forward"
+
+    def collectives(self, microbatches: int, policy: str | None = None) -> dict[str, int]:
+        """The collectives one bucket makes over the replicas per step, by name -> calls:
+        "all_reduce" or "reduce_scatter" of its gradient (once per step, or per micro-batch),
+        "all_gather" of the updated parameter shards after the step, and "param_gather": the
+        parameters gathered before use under `policy` (ZeRO-3)."""
+        reductions = microbatches if self.reduce_each_microbatch else 1
+        if not self.shard_state:
+            return {"all_reduce": reductions}
+        if self.shard_params:
+            return {"reduce_scatter": reductions, "param_gather": GATHERS[policy](microbatches)}
+        return {"reduce_scatter": reductions, "all_gather": 1}
 
     def state_bytes(self, numel: int, dp: int, param_bytes: int, grad_bytes: int) -> dict:
         """Bytes this rank allocates for `numel` (padded) parameter elements: parameters,
@@ -69,6 +101,14 @@ ZERO = {
     1: ZeroStage(1, "sharded optimizer state", True, True, False),
     2: ZeroStage(2, "sharded optimizer state and gradients", True, False, True),
     3: ZeroStage(
-        3, "sharded optimizer state, gradients and parameters", True, False, True, True, in_flight=1
-    ),
+        3,
+        "sharded optimizer state, gradients and parameters",
+        True,
+        False,
+        True,
+        True,
+        in_flight=1,
+        experts=False,
+        searched=False,
+    ),  # fmt: skip
 }

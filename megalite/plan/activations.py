@@ -1,0 +1,132 @@
+"""Bytes a rank keeps for backward, computed without a process group or a GPU: what one
+micro-batch of each chunk keeps (Korthikanti et al. 2022, counted for megalite's flash attention
+and its sequence parallelism; docs/planner.md), times the chunks in flight at the schedule's
+worst moment, walked from the schedule itself."""
+
+import dataclasses
+from functools import lru_cache
+
+from megalite.config import Config, ModelConfig
+from megalite.pipeline.partition import rank_chunks
+from megalite.pipeline.schedules import B, F, get_schedule
+from megalite.plan.memory import BYTES
+from megalite.shape import RunShape
+
+
+@lru_cache(maxsize=4096)
+def schedule_actions(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> tuple:
+    """(kind, chunk) of each action: the search asks for the same schedules many times."""
+    return tuple((a.kind, a.chunk) for a in get_schedule(name, pp, vpp, microbatches, rank))
+
+
+def peak_activations(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -> float:
+    """Walk this rank's schedule: the most activation bytes alive at once."""
+    kws = rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank)
+    per_chunk = [chunk_activations(cfg, shape, kw) for kw in kws]
+    alive = peak = 0.0
+    for kind, chunk in schedule_actions(shape.schedule, shape.pp, shape.vpp, microbatches, pp_rank):
+        if kind == F:
+            alive += per_chunk[chunk][0]
+            peak = max(peak, alive)
+        elif kind == B:  # a recomputed layer's activations exist while its backward runs
+            peak = max(peak, alive + per_chunk[chunk][1])
+            alive -= per_chunk[chunk][0]
+    return peak
+
+
+def layer_activations(
+    m: ModelConfig,
+    b: int,
+    t: int,
+    sp: bool,
+    recompute: str,
+    e: int,
+    torch_ops=False,
+    moe=False,
+) -> float:
+    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, section 4,
+    counted for megalite): flash attention keeps q, k, v, the output and the log-sum-exp instead
+    of the s x s scores (no 5as/h term), norms keep their input, the column-parallel layers of a
+    block share one (all-gathered, with SP) input and keep their concatenated weights. `torch_ops`:
+    the plain torch references (CPU) instead of the Triton kernels: norms keep an fp32 input
+    (RMSNorm also its normalised output) and SwiGLU also keeps silu(gate). `moe`: the layer
+    holds experts (moe_activations) instead of the MLP."""
+    s, h, f, a = m.seq_length, m.hidden_size, m.ffn, m.num_attention_heads
+    llama = m.flavour == "llama"
+    rows = s * b / (t if sp else 1)  # tokens of a sequence-sharded tensor on this rank
+    kv = m.heads_kv * m.head_dim // t if m.heads_kv % t == 0 else m.heads_kv * m.head_dim
+    if recompute == "full":  # only the layer's input
+        return rows * h * e
+    norm_e = max(e, 4) if torch_ops else e
+    norm = rows * h * norm_e + rows * 4 * (1 if llama else 2)  # input; rstd (and mean), fp32
+    if torch_ops and llama:
+        norm += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
+    # Inputs of q/k/v and of the MLP's first linear(s): one (b, s, h) tensor for the attention
+    # block and one for the MLP, shared by the layers that read it (all-gathered with SP).
+    linear_in = s * b * h * e * 2
+    attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
+    # fused_column_linear keeps the concatenated q/k/v (and gate/up) weights (and biases)
+    fused = (h / t + 2 * kv) * (h + (0 if llama else 1)) * e + (2 * f / t * h * e if llama else 0)
+    lse = 0 if recompute == "selective" else a / t * s * b * 4
+    mlp = s * b * f / t * e * ((4 if torch_ops else 3) if llama else 2)  # (gate,) up, act out
+    if moe:  # no dense MLP: the routed experts, and the shared expert's MLP if any
+        fs = m.moe_shared_expert_intermediate_size or 0
+        linear_in -= 0 if fs else s * b * h * e
+        fused -= (2 * f / t * h * e if llama else 0) - (2 * fs / t * h * e if llama else 0)
+        mlp = mlp * fs / f + moe_activations(m, b, t, e, torch_ops)
+    masks = 2 * rows * h if m.hidden_dropout > 0 else 0  # bool dropout masks
+    scores = 0
+    if m.attention_dropout > 0 and recompute != "selective":  # the math path keeps s x s
+        scores = a / t * s * s * b * (2 * e + 1)
+    return 2 * norm + linear_in + attention + fused + lse + mlp + masks + scores
+
+
+def moe_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> float:
+    """Bytes the routed part of an MoE layer keeps for backward per micro-batch, with T = s b / t
+    tokens routed by this rank and n = T k assignments (as many come back, balanced): the
+    router's input (and its fp32 copy in bf16/fp16), fp32 logits and probabilities (T, E), per
+    assignment the first grouped GEMM's input, the activation's inputs (SwiGLU: gate and up,
+    plus silu(gate) on the torch path; GELU: its input), the second GEMM's input and the
+    combined output that is weighted, plus its weight and four int64 permutations."""
+    h, k, f, n_exp = m.hidden_size, m.moe_router_topk, m.moe_ffn, m.num_experts
+    tokens = m.seq_length * b / t
+    n = tokens * k
+    act = (3 if torch_ops else 2) if m.flavour == "llama" else 1
+    router = tokens * h * e + (tokens * h * 4 if e < 4 else 0) + tokens * n_exp * 4 * 2
+    return router + n * (2 * h + f * (act + 1)) * e + n * (4 + 4 * 8)
+
+
+def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, float]:
+    """(bytes kept per micro-batch, transient bytes of one recomputed layer) of a chunk. With
+    context parallelism a rank holds s/cp tokens of each sequence and ring attention keeps only
+    this rank's q, k, v, output and log-sum-exp: the same counts at seq_length/cp."""
+    m, t = cfg.model, cfg.training
+    cp = shape.cp
+    if cp > 1:
+        m = dataclasses.replace(m, seq_length=m.seq_length // cp)
+    e, b, s, h, tp = BYTES[t.precision], t.micro_batch_size, m.seq_length, m.hidden_size, shape.tp
+    torch_ops = t.kernels == "torch"  # "auto" plans for GPUs: the Triton kernels
+    sp = shape.sequence_parallel
+    total = sum(layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(i))
+                for i in kw["layers"])  # fmt: skip
+    if kw["has_embedding"]:
+        total += b * s * (9 if tp > 1 else 8)  # token ids (int64; a bool mask with TP)
+        total += s * 8 if m.flavour == "gpt2" else 0  # position ids
+    if kw["has_head"]:
+        rows = s * b / (tp if sp else 1)
+        norm_e = max(e, 4) if torch_ops else e
+        total += rows * h * norm_e + rows * 4 * (1 if m.flavour == "llama" else 2)
+        if torch_ops and m.flavour == "llama":
+            total += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
+        total += s * b * h * e + s * b * 8  # the output layer's input; the labels
+        if tp > 1:  # vocab-parallel cross entropy: the logits shard and the fp32 log-sum-exp
+            total += s * b * m.padded_vocab_size(tp) // tp * e + s * b * 4
+        elif torch_ops:  # fp32 log-softmax over the real vocabulary
+            total += s * b * m.vocab_size * max(e, 4) + 4
+        else:  # the Triton kernel keeps the logits and the log-sum-exp
+            total += s * b * m.padded_vocab_size(1) * e + s * b * 4
+    transient = 0.0
+    if t.recompute == "full" and kw["layers"]:
+        transient = max(layer_activations(m, b, tp, sp, "none", e, torch_ops, m.is_moe_layer(i))
+                        for i in kw["layers"])  # fmt: skip
+    return total, transient

@@ -1,0 +1,151 @@
+"""Bytes a rank holds for its parameters, computed without a process group or a GPU: the real
+model built on the `meta` device, cut into buckets by the gradient buffer's own `bucket_layout`
+(or ZeRO-3's `unit_layout`), then what the layout's ZeRO stage allocates for them, and the units
+ZeRO-3 gathers at once. Activations are activations.py's, the traffic traffic.py's."""
+
+import dataclasses
+from functools import lru_cache
+
+from megalite.config import Config, ModelConfig
+from megalite.parallel.buckets import ALIGN, bucket_layout
+from megalite.parallel.zero3 import unit_layout, unit_of
+from megalite.pipeline.partition import rank_chunks
+from megalite.shape import RunShape
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# ---- parameters: built by the real model, on the meta device ------------------------------------
+
+
+@lru_cache(maxsize=256)
+def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head: bool,
+              layers: tuple = (0,), ep: int = 1):  # fmt: skip
+    """[(name, numel, spec)] of a GPTChunk with the given layers (one of each kind: dense, MoE),
+    built on `meta`: the real model's parameters without allocating them. Layers of a kind
+    differ only in their index."""
+    import torch
+
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.comm import Group
+    from megalite.parallel.specs import spec_of
+
+    m = ModelConfig(*m_fields)
+    group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
+    ep_group = Group("ep", list(range(ep)), ep - 1)
+    chunk = GPTChunk(m, group, layers=list(layers), has_embedding=has_embedding,
+                     has_head=has_head, sequence_parallel=sp, device=torch.device("meta"),
+                     ep=ep_group)  # fmt: skip
+    return tuple((n, p.numel(), spec_of(p)) for n, p in chunk.named_parameters())
+
+
+def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False, ep=1):
+    """[(logical name, numel on this TP rank, ParamSpec)] in `named_parameters()` order."""
+    fields = dataclasses.astuple(m)
+    kinds = {}  # MoE or dense -> the first layer index of that kind (its template)
+    for i in layers:
+        kinds.setdefault(m.is_moe_layer(i), i)
+    reps = tuple(sorted(kinds.values())) or (0,)
+    template = _template(fields, tp, sp and tp > 1, has_embedding, has_head, reps, ep)
+    before = [x for x in template if not x[0].startswith(("layers.", "final_norm", "output"))]
+    after = [x for x in template if x[0].startswith(("final_norm", "output"))]
+    out = list(before)
+    for i in layers:
+        rep = f"layers.{kinds[m.is_moe_layer(i)]}."
+        out += [(f"layers.{i}." + n.removeprefix(rep), k, s) for n, k, s in template
+                if n.startswith(rep)]  # fmt: skip
+    return out + after
+
+
+def replicas(shape: RunShape) -> int:
+    """Ranks holding the same parameters (gradients reduced, ZeRO sharded over them): dp*cp."""
+    return shape.dp * shape.cp
+
+
+def expert_parallel(shape: RunShape) -> tuple[int, int]:
+    """(ep, edp) of a layout: edp = tp*dp*cp/ep, the ranks holding the same experts."""
+    return shape.ep, max(1, shape.tp * replicas(shape) // shape.ep)
+
+
+def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
+    """[(logical name, numel on this TP rank, gradient summed over TP)] in registration order."""
+    specs = chunk_specs(m, tp, layers, has_embedding, has_head, sp)
+    return [(n, k, "tp" in s.grad_sum) for n, k, s in specs]
+
+
+def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
+    """The GradBuffer's buckets on this pipeline rank (buckets.bucket_layout):
+    [(start, end, [(name, offset, numel, groups its gradient is summed over)])]. `experts`:
+    those of the expert parameters instead (their own buffer, sharded over edp)."""
+    m, o = cfg.model, cfg.optimizer
+    prec = cfg.training.precision
+    g_size = 4 if prec in ("bf16", "fp16") else BYTES[prec]  # gradients: fp32 when low
+    bucket_numel = max(1, int(o.bucket_size_mb * 2**20 / g_size))
+    ep, edp = expert_parallel(shape)
+    sync = {}
+    chunks = []
+    for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank):
+        specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep)
+        specs = [x for x in specs if x[2].expert == experts]
+        chunks.append([(n, k, "embed" in s.grad_sum) for n, k, s in specs])
+        sync.update({n: s.grad_sum for n, _, s in specs})
+    if shape.zero.shard_params and not experts:  # one bucket per unit (a layer), as Zero3Buffer
+        layout = unit_layout(chunks, replicas(shape) * ALIGN)
+    else:
+        pad = (edp if experts else replicas(shape)) * ALIGN
+        layout = bucket_layout(chunks, bucket_numel, pad)
+    return [(s, e, [(n, o, k, sync[n]) for n, o, k in ranges]) for s, e, ranges in layout]
+
+
+def state_memory(cfg: Config, shape: RunShape, pp_rank: int, bs=None) -> dict:
+    """Bytes this rank allocates for parameters, gradients and optimizer state."""
+    prec = cfg.training.precision
+    low = prec in ("bf16", "fp16")
+    p_size, g_size = BYTES[prec], 4 if low else BYTES[prec]
+    bs = bs or buckets(cfg, shape, pp_rank)
+    numel = bs[-1][1] if bs else 0
+    zero = shape.zero
+    out = zero.state_bytes(numel, replicas(shape), p_size, g_size)
+    staged = zero.staged_peak([e - s for s, e, _ in bs]) * g_size  # transient, stages 2/3
+    expert_numel = 0
+    if cfg.model.num_experts:  # the expert buffer: its own buckets, sharded over edp
+        es = buckets(cfg, shape, pp_rank, experts=True)
+        expert_numel = es[-1][1] if es else 0
+        ex = zero.state_bytes(expert_numel, expert_parallel(shape)[1], p_size, g_size)
+        out = {k: out[k] + ex[k] for k in out}
+        staged += zero.staged_peak([e - s for s, e, _ in es]) * g_size  # its own buckets too
+    gathered = 0
+    if zero.shard_params:  # whole units alive at once, on top of the shards
+        gathered = zero3_units(cfg, shape, pp_rank)[reshard_policy(cfg, shape)][0]
+    return {**out, "staged_grads": staged, "gathered_params": gathered,
+            "numel": numel + expert_numel, "expert_numel": expert_numel}  # fmt: skip
+
+
+# ---- ZeRO-3: units gathered, and how often -------------------------------------------------------
+
+
+def reshard_policy(cfg: Config, shape: RunShape) -> str | None:
+    """The policy of zero.GATHERS this layout's ZeRO stage keeps parameters gathered under."""
+    return shape.zero.reshard(shape.pp > 1, cfg.optimizer.zero3_keep_params)
+
+
+def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
+    """{policy: (most parameter bytes gathered at once, [padded numel of each bucket])} on
+    this pipeline rank. "forward": a chunk's outer unit (embedding, head) and two layers (the
+    one computing and the one prefetched); "backward": a whole chunk (each layer kept from its
+    forward to its backward); "step": every chunk of the rank."""
+    e = BYTES[cfg.training.precision]
+    per_chunk, sizes = [], []
+    for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank):
+        specs = chunk_specs(cfg.model, shape.tp, **kw, sp=shape.sequence_parallel)
+        params = [(n, k, "embed" in s.grad_sum) for n, k, s in specs]
+        units = {}
+        for start, end, ranges in unit_layout([params], replicas(shape) * ALIGN):
+            units[unit_of(ranges[0][0])] = units.get(unit_of(ranges[0][0]), 0) + end - start
+            sizes.append(end - start)
+        layers = sorted((n for u, n in units.items() if u), reverse=True)
+        per_chunk.append((units.get("", 0), layers))
+    forward = max((outer + sum(layers[:2]) for outer, layers in per_chunk), default=0)
+    chunk = max((outer + sum(layers) for outer, layers in per_chunk), default=0)
+    total = sum(outer + sum(layers) for outer, layers in per_chunk)
+    return {"forward": (forward * e, sizes), "backward": (chunk * e, sizes),
+            "step": (total * e, sizes)}  # fmt: skip

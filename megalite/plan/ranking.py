@@ -1,0 +1,62 @@
+"""The cluster a plan is for, and the estimated step time the layout search ranks by: the model
+FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communication not hidden
+behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
+
+- TP traffic is on the critical path (exposed whole; TP stays inside a node);
+- pipeline p2p is hidden in the steady state, exposed on the 2(p-1) hops of warm-up and
+  cool-down;
+- data-parallel reductions and parameter gathers overlap compute (backward, and with
+  --overlap-param-gather the next forward), except a tenth of them (the last bucket of
+  backward, the first of the forward) and whatever lasts longer than the compute.
+
+A crude model, but one that orders layouts by what they cost rather than by memory alone
+(ZeRO-2 moving m times the data-parallel bytes of ZeRO-1 no longer wins because it fits).
+"""
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory_gib: float = 80.0
+    gpus_per_node: int = 8
+    usable: float = 0.9  # CUDA context, allocator fragmentation, NCCL buffers, temporaries
+    # For the estimated step time (ranking.step_time): dense peak per GPU at the training
+    # precision (H100/H200 SXM bf16), the MFU the compute reaches, and the bus bandwidth per GPU
+    # inside a node (NVLink) and across nodes (InfiniBand, 200 Gb/s per GPU), in GB/s.
+    peak_tflops: float = 989.0
+    mfu: float = 0.45
+    intra_node_gbps: float = 300.0
+    inter_node_gbps: float = 25.0
+
+
+def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float:
+    """Estimated seconds per step of a plan (layouts.Plan) on the cluster (module docstring);
+    `flops_per_token`: the model's hardware FLOPs per token (training/flops.py)."""
+    m, t, lay = cfg.model, cfg.training, p.layout
+    tokens = t.global_batch_size * m.seq_length
+    flops = flops_per_token * tokens / cluster.gpus
+    compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    node = cluster.gpus_per_node
+
+    def seconds(nbytes: float, span: int) -> float:  # span: ranks from a group's first to last
+        gbps = cluster.intra_node_gbps if span <= node else cluster.inter_node_gbps
+        return nbytes / (gbps * 1e9)
+
+    e = 2 if t.precision in ("bf16", "fp16") else 4
+    sp = lay.sequence_parallel
+    message = t.micro_batch_size * m.seq_length * m.hidden_size * e / (lay.tp if sp else 1)
+    tp = seconds(p.comm.get("tp", 0), lay.tp)
+    pp = seconds(2 * (lay.pp - 1) * message, cluster.gpus)
+    dp_bytes = p.comm.get("dp", 0) + p.comm.get("dp_gather", 0) + p.comm.get("embed", 0)
+    cp = lay.cp
+    dp_bytes += p.comm.get("cp+dp", 0)
+    dp = seconds(dp_bytes, lay.tp * lay.dp * cp)
+    # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
+    cp = seconds(p.comm.get("cp", 0), lay.tp * cp)
+    return compute * (1 + p.bubble) + tp + pp + cp + 0.1 * dp + max(0.0, 0.9 * dp - compute)

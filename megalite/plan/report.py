@@ -1,0 +1,68 @@
+"""Plans as text: one layout's memory, traffic and bubble (`format_plan`), and the ranking of
+the layouts that fit (`format_ranking`), as `--dry-run` and tools/plan.py print them."""
+
+from megalite.plan.layouts import Plan
+from megalite.plan.ranking import Cluster, GiB
+
+
+def _gib(n: float) -> str:
+    """Binary units, as GPU memory is quoted."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None = None) -> str:
+    """A plan as --dry-run prints it: memory per stage, bytes per step, ZeRO-3's notes, the
+    estimated step time when given, whether it fits the cluster."""
+    lines = [f"layout {p.layout}: {p.microbatches} micro-batches per step, "
+             f"bubble in theory (first stage idle / compute) = {p.bubble:.1%}"]  # fmt: skip
+    lines.append(f"  {'per rank':<12}{'params':>11}{'grads':>11}{'optimizer':>11}"
+                 f"{'activations':>13}{'total':>11}")  # fmt: skip
+    for r, mem in enumerate(p.stages):
+        extra = f"  (+{_gib(mem['staged_grads'])} staged)" if mem["staged_grads"] else ""
+        if mem.get("gathered_params"):
+            extra += f"  (+{_gib(mem['gathered_params'])} gathered params)"
+        cells = [mem[k] for k in ("params", "grads", "optimizer")]
+        lines.append(
+            f"  {'stage ' + str(r):<12}" + "".join(f"{_gib(c):>11}" for c in cells)
+            + f"{_gib(mem['activations']):>13}{_gib(mem['total']):>11}{extra}"
+        )  # fmt: skip
+    lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
+    lines += [f"  {note}" for note in p.notes]
+    if step_time is not None:
+        lines.append(f"  estimated step time {step_time:.3f} s (assumptions below)")
+    if cluster is not None:
+        usable = cluster.usable * cluster.gpu_memory_gib
+        verdict = "fits" if p.fits else "does NOT fit"
+        lines.append(f"  {verdict} in {usable:.1f} GiB usable of {cluster.gpu_memory_gib} GiB")
+    return "\n".join(lines)
+
+
+def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
+    """The layouts of `search`, fastest first, with the assumptions of the step time."""
+    head = f"layouts that fit {cluster.gpus} GPUs of {cluster.gpu_memory_gib} GiB "
+    head += f"({cluster.gpus_per_node} per node), fastest first,"
+    head += f" at {cluster.mfu:.0%} MFU of {cluster.peak_tflops:g} TFLOP/s, "
+    head += f"{cluster.intra_node_gbps:g}/{cluster.inter_node_gbps:g} GB/s in/across nodes:"
+    rows = [head, f"  {'#':>2}  {'layout':<34}  {'step (est.)':>11}  {'memory':>10}  {'bubble':>6}"
+                  f"  {'tp bytes':>9}  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
+    for i, p in enumerate(plans, 1):
+        rows.append(
+            f"  {i:>2}  {str(p.layout):<34}  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
+            f"  {p.bubble:>6.1%}  "
+            + "  ".join(f"{_bytes(p.comm.get(k, 0)):>9}" for k in ("tp", "pp", "dp"))
+        )
+    if not plans:
+        rows.append(
+            "  none: add GPUs, lower --micro-batch-size or use --recompute-granularity full"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,204 @@
+"""Bytes a rank sends per step, per group kind, as the `CommLedger` counts them, computed without
+a process group (docs/planner.md gives the formulas): TP's collectives per layer, the pipeline's
+sends walked from the schedule, context parallelism's attention, and per gradient bucket the
+collectives the layout's ZeRO stage makes (`ZeroStage.collectives`)."""
+
+import dataclasses
+
+from megalite.config import Config
+from megalite.parallel.zero import GATHERS
+from megalite.pipeline.partition import rank_chunks
+from megalite.pipeline.schedules import SEND_B, SEND_F
+from megalite.plan.activations import schedule_actions
+from megalite.plan.memory import (
+    BYTES,
+    buckets,
+    expert_parallel,
+    replicas,
+    reshard_policy,
+    zero3_units,
+)
+from megalite.shape import RunShape
+
+
+def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -> list[str]:
+    """Both choices ZeRO-3 makes, with what each costs on this rank: the reshard policy
+    (memory gathered at once, gather bytes per step) and gradient accumulation (a reduce-scatter
+    per micro-batch, what megalite does, or one whole unsharded gradient reduced once)."""
+    d, e = replicas(shape), BYTES[cfg.training.precision]
+    g_size = 4 if cfg.training.precision in ("bf16", "fp16") else e
+    units, ours = zero3_units(cfg, shape, pp_rank), reshard_policy(cfg, shape)
+    out = []
+    for policy, (peak, sizes) in units.items():
+        traffic = GATHERS[policy](microbatches) * sum(_ring("gather", d, n * e) for n in sizes)
+        mark = " (this run)" if policy == ours else ""
+        out.append(f"zero3 reshard={policy}{mark}: {peak / 2**20:.2f} MiB gathered at most, "
+                   f"{traffic / 1e6:.2f} MB of parameter gathers per step")  # fmt: skip
+    sizes = units[ours][1]
+    each = sum(_ring("gather", d, n * g_size) for n in sizes)
+    whole = sum(sizes) * g_size
+    out.append(f"zero3 gradients, reduce-scatter every micro-batch (this run): "
+               f"{microbatches * each / 1e6:.2f} MB per step, no whole gradient; keeping the "
+               f"unsharded gradient until the last micro-batch: {each / 1e6:.2f} MB per step, "
+               f"+{whole / 2**20:.2f} MiB")  # fmt: skip
+    return out
+
+
+def _ring(kind: str, n: int, nbytes: float) -> int:
+    """Bus bytes the CommLedger records for one call (it truncates each call to an int)."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "gather": (n - 1) / n, "p2p": 1.0}[kind]
+    return int(factor * nbytes) if n > 1 else 0
+
+
+def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
+    """Bytes one layer's attention sends over cp per micro-batch, (forward, backward). Ring
+    (p2p): cp-1 hops of this rank's K and V forward; backward cp-1 hops of K and V again and cp
+    of dK, dV (the last one home) in the attention's output precision (fp32 for bf16/fp16).
+    All-to-all:
+    q, k+v and the output forward, their reverses backward (the bytes each rank hands in)."""
+    cp = shape.cp
+    if cp == 1:
+        return 0, 0
+    m, tr, t = cfg.model, cfg.training, shape.tp
+    e, b, s = BYTES[tr.precision], tr.micro_batch_size, m.seq_length // cp
+    kv_heads = m.heads_kv // t if m.heads_kv % t == 0 else 1  # each rank's k/v heads
+    kv = b * kv_heads * s * m.head_dim  # elements of this rank's K (or V)
+    if cfg.parallel.cp_comm_type == "a2a":
+        q = b * m.num_attention_heads // t * s * m.head_dim
+        return (2 * q + 2 * kv) * e, (2 * q + 2 * kv) * e
+    return (cp - 1) * 2 * kv * e, (cp - 1) * 2 * kv * e + cp * 2 * kv * max(e, 4)
+
+
+def comm_bytes(
+    cfg: Config, shape: RunShape, pp_rank: int, microbatches: int, dp_rank=0, bs=None
+) -> dict:
+    """Bytes per step this rank's ledger records, per group kind (docs/planner.md). With
+    context parallelism activations are s/cp tokens of each sequence, attention sends its
+    bytes over cp, and gradients are reduced over the dp*cp replicas (ledger kind "cp+dp",
+    or "cp" at dp=1)."""
+    cp, whole, zero = shape.cp, cfg, shape.zero
+    if cp > 1:  # every activation is this rank's s/cp tokens
+        m = dataclasses.replace(cfg.model, seq_length=cfg.model.seq_length // cp)
+        cfg = dataclasses.replace(cfg, model=m)
+    m, tr = cfg.model, cfg.training
+    t, d, pp = shape.tp, replicas(shape), shape.pp
+    e, b, s, h = BYTES[tr.precision], tr.micro_batch_size, m.seq_length, m.hidden_size
+    low = tr.precision in ("bf16", "fp16")
+    g_size = 4 if low else e
+    sp = shape.sequence_parallel
+    act = b * s * h * e
+    kws = rank_chunks(m.num_layers, pp, shape.vpp, pp_rank)
+    out = {}
+
+    # TP, per micro-batch: each of the 2 blocks of a layer has 2 all-reduces (forward of the
+    # row-parallel exit, backward of the column-parallel entry) or, with SP, 2 all-gathers and 2
+    # reduce-scatters: 8 (t-1)/t b s h elements either way; full recompute repeats the forward.
+    if sp:
+        per_layer = 8 * _ring("gather", t, act)
+        embed = head = 2 * _ring("gather", t, act)
+    else:
+        per_layer = 4 * _ring("all_reduce", t, act)
+        embed = head = _ring("all_reduce", t, act)
+    if tr.recompute == "full":
+        per_layer += per_layer // 2
+    ce = _ring("all_reduce", t, b * s * 4) + _ring("all_reduce", t, 2 * b * s * 4)  # max; 2 sums
+    tp_bytes = 0
+    moe = _moe_comm(cfg, shape)
+    for kw in kws:
+        for i in kw["layers"]:
+            if m.is_moe_layer(i):
+                for kind, n in moe.items():
+                    out[kind] = out.get(kind, 0) + n * microbatches
+            else:
+                tp_bytes += per_layer
+        tp_bytes += embed if kw["has_embedding"] else 0
+        tp_bytes += head + ce if kw["has_head"] else 0
+    tp_bytes *= microbatches
+    tp_bytes += out.pop("tp", 0)
+    bs = bs or buckets(cfg, shape, pp_rank)
+    sync, tied = 0, 0
+    for start, end, ranges in bs:  # the grad_sum groups of the part of a bucket this rank updates
+        shard = zero.shard(end - start, d)
+        lo = start + (dp_rank * shard if zero.shard_state else 0)
+        hi = lo + shard
+        for _, off, n, summed in ranges:
+            overlap = max(0, min(off + n, hi) - max(off, lo))
+            sync += overlap if "tp" in summed else 0
+            tied += overlap if "embed" in summed else 0
+    tp_bytes += _ring("all_reduce", t, sync * g_size) if sync else 0
+    out["tp"] = tp_bytes
+
+    # PP: every send of the schedule carries one hidden tensor (a logging step adds one
+    # all-reduce of m+2 float64: the losses and the first stage's timing).
+    actions = schedule_actions(shape.schedule, pp, shape.vpp, microbatches, pp_rank)
+    sends = sum(kind in (SEND_F, SEND_B) for kind, _ in actions)
+    out["pp"] = sends * (act // (t if sp else 1))
+
+    # DP, per bucket: the collectives of the ZeRO stage (ZeroStage.collectives), ZeRO-3's
+    # parameter gathers counted apart as dp_gather. Plus the loss mean (a logging step's).
+    calls = zero.collectives(microbatches, reshard_policy(cfg, shape))
+    dp_bytes = 0
+    for start, end, _ in bs:
+        n = end - start
+        dp_bytes += _dp_bytes(calls, d, n * g_size, n * e)
+        if calls.get("param_gather"):
+            gathers = calls["param_gather"] * _ring("gather", d, n * e)
+            out["dp_gather"] = out.get("dp_gather", 0) + gathers
+    out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
+    if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
+        kind = "cp+dp" if shape.dp > 1 else "cp"
+        out[kind] = out.pop("dp")
+        layers = sum(len(kw["layers"]) for kw in kws)
+        passes = 2 if tr.recompute == "full" else 1  # a recomputed forward sends again
+        fwd, bwd = cp_layer_bytes(whole, shape)
+        out["cp"] = out.get("cp", 0) + layers * microbatches * (passes * fwd + bwd)
+    out["embed"] = _ring("all_reduce", 2, tied * g_size) if tied else 0
+    # the step's status: the gradient norm, the inf flag and the preemption flag
+    out["world"] = _ring("all_reduce", t * pp * d, 24)
+    if m.num_experts:  # the expert buffer over edp, as the dense one over dp
+        edp = expert_parallel(shape)[1]
+        for start, end, _ in buckets(cfg, shape, pp_rank, experts=True):
+            n = end - start
+            out["edp"] = out.get("edp", 0) + _dp_bytes(calls, edp, n * g_size, n * e)
+        if m.moe_router_enable_expert_bias:  # the step's loads: (layers, E) float64
+            out["world"] += _ring("all_reduce", t * pp * d, m.num_layers * m.num_experts * 8)
+    return {k: v for k, v in out.items() if v}
+
+
+def _dp_bytes(calls: dict, n: int, grad_bytes: int, param_bytes: int) -> int:
+    """Bus bytes of one bucket's gradient reductions and its parameters' all-gather after the
+    step over `n` replicas (`calls`: ZeroStage.collectives); ZeRO-3's gathers are dp_gather."""
+    out = calls.get("all_reduce", 0) * _ring("all_reduce", n, grad_bytes)
+    out += calls.get("reduce_scatter", 0) * _ring("gather", n, grad_bytes)
+    return out + calls.get("all_gather", 0) * _ring("gather", n, param_bytes)
+
+
+def _moe_comm(cfg: Config, shape: RunShape) -> dict:
+    """Bytes one MoE layer records per micro-batch, forward and backward, per group kind.
+    TP: attention as in a dense layer, the shared expert as an MLP, and without sequence
+    parallelism the routed tokens' split along the sequence (an all-gather of the output
+    forward, of the input's gradient backward), plus the load all-reduce (--moe-aux-loss-coeff)
+    and the capacity all-gather. ep: dispatch and combine forward, their reverses backward,
+    each T k h bytes with T = b s / tp tokens routed by a rank and as many assignments coming
+    back as going out (balanced routing; at most capacity_factor of them with drops); the
+    split sizes (E int64) all-gathered over ep forward. Full recompute repeats the forward."""
+    m, tr = cfg.model, cfg.training
+    t, e, b, s, h = shape.tp, BYTES[tr.precision], tr.micro_batch_size, m.seq_length, m.hidden_size
+    sp = shape.sequence_parallel
+    act = b * s * h * e
+    fwd_block = 2 * _ring("gather", t, act) if sp else _ring("all_reduce", t, act)  # per block
+    shared = 1 if m.moe_shared_expert_intermediate_size else 0
+    routed = 0 if sp else _ring("gather", t, act)  # forward; the same again backward
+    small = _ring("all_reduce", t, m.num_experts * 4) if m.moe_aux_loss_coeff else 0
+    if m.moe_expert_capacity_factor is not None:
+        small += _ring("gather", t, t * m.moe_router_topk * m.num_experts * 8)
+    fwd = fwd_block * (1 + shared) + routed
+    passes = 2 if tr.recompute == "full" else 1  # forwards per micro-batch
+    out = {"tp": 2 * fwd + small + (passes - 1) * (fwd + small)}
+    ep = expert_parallel(shape)[0]
+    if ep > 1:
+        kept = min(1.0, m.moe_expert_capacity_factor or 1.0)
+        a2a = int(b * s // t * m.moe_router_topk * kept * h * e)
+        out["ep"] = (2 * passes + 2) * a2a
+        out["ep_sizes"] = passes * _ring("gather", ep, ep * m.num_experts * 8)
+    return out

@@ -1,0 +1,44 @@
+"""`pretrain_gpt.py --dry-run` and tools/plan.py: the plan of a layout, then the layouts that fit
+the cluster, fastest first (megalite/plan/). Needs no process group and no GPU."""
+
+from dataclasses import replace
+
+from megalite.config import Config
+from megalite.plan.layouts import plan, search
+from megalite.plan.ranking import Cluster, GiB, step_time
+from megalite.plan.report import format_plan, format_ranking
+from megalite.shape import RunShape
+from megalite.training.flops import hardware_flops_per_token, peak_flops
+
+
+def cluster_from_env(world_size: int, precision: str = "bf16") -> Cluster:
+    """The cluster a dry run plans for: the local GPU's memory and peak when there is one (no
+    process group needed), else an 80 GiB H100's; GPUs per node from torchrun's
+    LOCAL_WORLD_SIZE, else 8."""
+    import os
+
+    import torch
+
+    memory, peak = 80.0, Cluster(1).peak_tflops
+    if torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(0).total_memory / GiB
+        peak = (peak_flops(torch.cuda.get_device_name(0), precision) or peak * 1e12) / 1e12
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    return Cluster(world_size, round(memory, 1), node, peak_tflops=peak)
+
+
+def print_plan(cfg: Config, shape: RunShape | str, cluster: Cluster | None = None, top: int = 8):
+    """The plan of `shape` (`validate`'s: the layout given), then the best layouts for as many
+    GPUs. `shape` may instead be the sentence why the layout given cannot run on the cluster
+    (tools/plan.py): the search still runs."""
+    # the built-in tokenizer's vocabulary is known before it is trained
+    vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    flops = hardware_flops_per_token(cfg.model, cfg.training.recompute)
+    if isinstance(shape, str):
+        print(f"the layout given does not run on {cluster.gpus} GPUs: {shape}")
+    else:
+        cluster = cluster or cluster_from_env(shape.world_size, cfg.training.precision)
+        p = plan(cfg, shape, cluster)
+        print(format_plan(p, cluster, step_time(cfg, p, cluster, flops)))
+    print(format_ranking(search(cfg, cluster, flops, top), cluster), flush=True)

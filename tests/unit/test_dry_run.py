@@ -1,0 +1,30 @@
+"""training/dry_run.py and tools/plan.py: plans printed without a process group."""
+
+from megalite.plan.ranking import Cluster
+from megalite.shape import validate
+from megalite.training import dry_run
+from tests.unit.plan_configs import big
+
+
+def test_print_plan_needs_no_process_group(capsys):
+    cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)
+    cfg.parallel.dp = 8
+    dry_run.print_plan(cfg, validate(cfg, 8), Cluster(gpus=8, gpu_memory_gib=80))
+    out = capsys.readouterr().out
+    assert "layout tp=1 pp=1 dp=8 zero=0" in out and "fastest first" in out
+    assert "estimated step time" in out
+
+
+def test_dry_run_plans_the_layout_given_from_a_laptop():
+    """Outside torchrun (a world of one) --dry-run plans --tp/--pp/--dp as given."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = ["--dry-run", "--tp", "8", "--pp", "4", "--dp", "2", "--num-layers", "8",
+            "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
+            "--vocab-size", "1000", "--precision", "bf16", "--mbs", "1", "--gbs", "64"]  # fmt: skip
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("layout tp=8 pp=4 dp=2") and "64 GPUs" in r.stdout

@@ -1,0 +1,40 @@
+"""plan/layouts.py: the layout search's recommendations for a few fixed cases, and the Table 1
+layouts of Narayanan et al. 2021."""
+
+from megalite.plan import layouts
+from megalite.plan.layouts import layout
+from megalite.plan.ranking import Cluster
+from tests.unit.plan_configs import big, flops
+
+
+def test_fits_one_gpu_gives_pure_dp():
+    cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=4, gbs=256)  # GPT-2 124M
+    plans = layouts.search(cfg, Cluster(gpus=8, gpu_memory_gib=80), flops(cfg))
+    best = plans[0].layout
+    assert (best.tp, best.pp, best.dp) == (1, 1, 8) and best.zero.stage < 2
+    # ZeRO-2 fits with the least memory but reduce-scatters every micro-batch: it ranks below
+    zero2 = next(p for p in plans if p.layout == layout(cfg, dp=8, zero=2))
+    assert zero2.comm["dp"] > 4 * plans[0].comm["dp"] and zero2.step_time > plans[0].step_time
+
+
+def test_too_big_for_a_node_gives_pp_across_nodes():
+    cfg = big("gpt2", 96, 12288, 96, 2048, 51200, mbs=1, gbs=64, recompute="full")  # GPT-3
+    cluster = Cluster(gpus=64, gpu_memory_gib=80, gpus_per_node=8)
+    plans = layouts.search(cfg, cluster, flops(cfg))
+    best = plans[0].layout
+    assert best.tp <= 8 and best.pp >= 2 and best.tp * best.pp > 8  # TP in a node, PP across
+    # nothing fits inside one node: no plan with tp * pp <= 8
+    assert all(p.layout.tp * p.layout.pp > 8 for p in plans)
+
+
+def test_optimizer_state_dominates_gives_zero():
+    # ~3B parameters: bf16 weights 6 GB + fp32 gradients 12 GB fit a 40 GB GPU, the 36 GB of
+    # fp32 Adam state and masters do not; sharded over 8 ranks they do
+    cfg = big("llama", 26, 3200, 32, 1024, 32000, mbs=1, gbs=64)
+    best = layouts.search(cfg, Cluster(gpus=8, gpu_memory_gib=40), flops(cfg))[0]
+    assert (best.layout.tp, best.layout.pp, best.layout.zero.stage) == (1, 1, 1)
+    zero0 = layouts.plan(cfg, layout(cfg, dp=8), Cluster(gpus=8, gpu_memory_gib=40))
+    assert (
+        not zero0.fits
+        and zero0.memory["optimizer"] > zero0.memory["params"] + zero0.memory["grads"]
+    )

@@ -1,0 +1,46 @@
+"""plan/memory.py against megalite itself: the parameter list of the meta-device model, and
+the bytes of parameters, gradients and optimizer state DistributedOptimizer allocates (sharded
+layouts: tests/distributed/test_ledger.py)."""
+
+import pytest
+import torch
+
+from megalite.model.gpt import GPTChunk
+from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.parallel.comm import Group
+from megalite.parallel.groups import single_process_groups
+from megalite.parallel.specs import spec_of
+from megalite.pipeline.partition import rank_chunks
+from megalite.plan import memory
+from megalite.plan.layouts import layout
+from tests.unit.plan_configs import tiny
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_parameters_are_gpt_chunks(flavour, tp, sp):
+    """Names, sizes and the TP gradient sum in registration order, the first and the last
+    stage (the planner expands one meta-device layer to many)."""
+    m = tiny(flavour, layers=4, num_query_groups=2 if flavour == "llama" else None).model
+    group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
+    for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
+        chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
+        real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
+                for n, p in chunk.named_parameters()]  # fmt: skip
+        assert memory.chunk_params(m, tp, **kw, sp=sp) == real
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_buffers_one_process(precision):
+    """Parameters, gradients and optimizer state: exactly what DistributedOptimizer allocates
+    (small buckets, so several are cut and padded). Sharded layouts: tests/distributed."""
+    cfg = tiny("gpt2", layers=3)
+    cfg.training.precision, cfg.optimizer.bucket_size_mb = precision, 0.05
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    opt = DistributedOptimizer([GPTChunk(cfg.model, dtype=dtype)], single_process_groups(), cfg)
+    mem = memory.state_memory(cfg, layout(cfg), 0)
+    buf = opt.buffer
+    assert len(buf.buckets) == len(memory.buckets(cfg, layout(cfg), 0)) > 2
+    assert mem["params"] == buf.param_buffer.numel() * buf.param_buffer.element_size()
+    assert mem["grads"] == buf.grad_buffer.numel() * buf.grad_buffer.element_size()
+    assert mem["optimizer"] == opt.state_bytes()
