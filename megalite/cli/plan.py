@@ -17,6 +17,7 @@ import sys
 
 from megalite.config_read import parse_args
 from megalite.errors import MegaliteError, run_main
+from megalite.parallel.zero import ZERO
 from megalite.plan.layouts import check_model
 from megalite.plan.ranking import Cluster
 from megalite.shape import validate
@@ -50,6 +51,10 @@ def main(argv):
     )
     ap.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
                     help=f"bus bandwidth per GPU across nodes, GB/s [{d.inter_node_gbps:g}]")  # fmt: skip
+    ap.add_argument("--search-zero-stages", type=lambda v: [int(x) for x in v.split(",")],
+                    default=None, metavar="0,1,2",
+                    help="the ZeRO stages the search tries [0,1,2]; 0 plans as Megatron-LM did "
+                         "before its distributed optimizer")  # fmt: skip
     ns, rest = ap.parse_known_args(argv)
     numbers = (ns.gpus, ns.gpus_per_node, ns.gpu_memory, ns.peak_tflops, ns.mfu,
                ns.intra_node_gbps, ns.inter_node_gbps)  # fmt: skip
@@ -67,7 +72,9 @@ def main(argv):
     cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus), peak_tflops=ns.peak_tflops,
                       mfu=ns.mfu, intra_node_gbps=ns.intra_node_gbps,
                       inter_node_gbps=ns.inter_node_gbps)  # fmt: skip
-    print_plan(cfg, shape, cluster, top=ns.top)
+    if any(z not in ZERO for z in ns.search_zero_stages or ()):
+        raise MegaliteError(f"--search-zero-stages takes stages of {sorted(ZERO)}")
+    print_plan(cfg, shape, cluster, top=ns.top, zero_stages=ns.search_zero_stages)
 
 
 def cli():

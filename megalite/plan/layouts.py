@@ -89,23 +89,28 @@ def plan(cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stage
     return p
 
 
-def search(cfg: Config, cluster: Cluster, flops_per_token: float, limit=None) -> list[Plan]:
+def search(
+    cfg: Config, cluster: Cluster, flops_per_token: float, limit=None, zero_stages=None
+) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
     the model's hardware FLOPs per token, training/flops.py). Tried: every tp that divides the
     GPUs within a node (TP stays inside a node), every pp that divides the rest and the layers,
-    dp for the rest, vpp 1 and 2, and the ZeRO stages the search tries (ZeRO-3 trades traffic
-    for memory: planned when asked for, not searched); a layout `validate` refuses (the batch
-    does not split over its dp, ...) is skipped. Ties go to the fewer bytes, then the lower
-    memory."""
+    dp for the rest, vpp 1 and 2, and the ZeRO stages `zero_stages` (default: those the search
+    tries; ZeRO-3 trades traffic for memory: planned when asked for, not searched); a layout
+    `validate` refuses (the batch does not split over its dp, ...) is skipped. Ties go to the
+    fewer bytes, then the lower memory."""
     # cp stays as given: it sets how many tokens of a sequence a rank holds, the user's choice
     cp = cfg.parallel.cp
     n = cluster.gpus // cp if cluster.gpus % cp == 0 else 0
     divisors = [d for d in range(1, n + 1) if n % d == 0]
+    tried = (
+        [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
+    )
     plans = []
     for tp in (d for d in divisors if d <= cluster.gpus_per_node):
         for pp in (p for p in divisors if (n // tp) % p == 0 and cfg.model.num_layers % p == 0):
             dp = n // (tp * pp)
-            stages = [z for z in ZERO.values() if z.searched and (dp > 1 or not z.shard_state)]
+            stages = [z for z in tried if dp > 1 or not z.shard_state]
             for vpp in (1, 2) if pp > 1 else (1,):
                 for zero in stages:
                     try:
@@ -113,9 +118,23 @@ def search(cfg: Config, cluster: Cluster, flops_per_token: float, limit=None) ->
                                        **({"cp": cp} if cp > 1 else {}))  # fmt: skip
                     except MegaliteError:
                         continue
+                    if not _state_fits(cfg, shape, cluster):  # before walking schedules
+                        continue
                     p = plan(cfg, shape, cluster, all_stages=False)
                     if p.fits:
                         p.step_time = step_time(cfg, p, cluster, flops_per_token)
                         plans.append(p)
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
     return plans[:limit] if limit else plans
+
+
+def _state_fits(cfg: Config, shape: RunShape, cluster: Cluster) -> bool:
+    """Whether the first and the last stage's parameters, gradients and optimizer state alone
+    fit (the activations come on top): most layouts of a large model fail this, and it needs
+    no schedule."""
+    usable = cluster.usable * cluster.gpu_memory_gib * GiB
+    for r in sorted({0, shape.pp - 1}):
+        mem = state_memory(cfg, shape, r)
+        if sum(mem[k] for k in ("params", "grads", "optimizer", "gathered_params")) > usable:
+            return False
+    return True

@@ -53,10 +53,35 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     message = t.micro_batch_size * m.seq_length * m.hidden_size * e / (lay.tp if sp else 1)
     tp = seconds(p.comm.get("tp", 0), lay.tp)
     pp = seconds(2 * (lay.pp - 1) * message, cluster.gpus)
-    dp_bytes = p.comm.get("dp", 0) + p.comm.get("dp_gather", 0) + p.comm.get("embed", 0)
     cp = lay.cp
-    dp_bytes += p.comm.get("cp+dp", 0)
-    dp = seconds(dp_bytes, lay.tp * lay.dp * cp)
+    replicas = lay.tp * lay.dp * cp
+    dp = seconds(p.comm.get("dp", 0) + p.comm.get("cp+dp", 0), replicas)
+    # the ZeRO stage's gradient reductions (each behind the backward of one micro-batch: the
+    # last one's, or every one's where each micro-batch is reduced) and parameter all-gather
+    # (behind the next step's first forward)
+    calls = lay.zero.collectives(p.microbatches, "step")
+    rounds = calls.get("all_reduce", 0) + calls.get("reduce_scatter", 0)
+    grads = (2 * calls.get("all_reduce", 0) + calls.get("reduce_scatter", 0)) * (4 if e == 2 else e)
+    params = calls.get("all_gather", 0) * e
+    per_mb = compute / p.microbatches
+    reduce = dp * grads / (grads + params) / rounds
+    exposed = rounds * _exposed(reduce, 2 / 3 * per_mb)
+    window = per_mb / 3 if cfg.optimizer.overlap_param_gather else 0.0
+    exposed += _exposed(dp * params / (grads + params), window)
+    # ZeRO-3's parameter gathers run behind every micro-batch's compute
+    exposed += _exposed(seconds(p.comm.get("dp_gather", 0), replicas), compute)
+    embed = seconds(p.comm.get("embed", 0), cluster.gpus)
     # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
     cp = seconds(p.comm.get("cp", 0), lay.tp * cp)
-    return compute * (1 + p.bubble) + tp + pp + cp + 0.1 * dp + max(0.0, 0.9 * dp - compute)
+    # the last stage also runs the output layer: the pipeline moves at its pace (the output
+    # layer's share of the FLOPs as training/flops.py counts it, recomputed under full)
+    head = (8 if t.recompute == "full" else 6) * m.vocab_size * m.hidden_size / flops_per_token
+    slowest = 1 + head * (lay.pp - 1)
+    return compute * slowest * (1 + p.bubble) + tp + pp + cp + embed + exposed
+
+
+def _exposed(seconds: float, behind: float) -> float:
+    """What of a transfer of `seconds` shows next to `behind` seconds of compute it overlaps:
+    what outlasts it, and at least a tenth (the last bucket of a backward, the first of a
+    forward)."""
+    return max(0.1 * seconds, seconds - behind)

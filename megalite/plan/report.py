@@ -63,6 +63,7 @@ def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
         )
     if not plans:
         rows.append(
-            "  none: add GPUs, lower --micro-batch-size or use --recompute-granularity full"
+            "  none: no layout both splits the batch (--global-batch-size, --micro-batch-size) "
+            "and fits; change --gpus or the batch, or use --recompute-granularity full"
         )
     return "\n".join(rows)

@@ -27,10 +27,16 @@ def cluster_from_env(world_size: int, precision: str = "bf16") -> Cluster:
     return Cluster(world_size, round(memory, 1), node, peak_tflops=peak)
 
 
-def print_plan(cfg: Config, shape: RunShape | str, cluster: Cluster | None = None, top: int = 8):
+def print_plan(
+    cfg: Config,
+    shape: RunShape | str,
+    cluster: Cluster | None = None,
+    top: int = 8,
+    zero_stages=None,
+):
     """The plan of `shape` (`validate`'s: the layout given), then the best layouts for as many
     GPUs. `shape` may instead be the sentence why the layout given cannot run on the cluster
-    (tools/plan.py): the search still runs."""
+    (tools/plan.py): the search still runs. `zero_stages`: those the search tries (layouts.search)."""
     # the built-in tokenizer's vocabulary is known before it is trained
     vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
@@ -41,4 +47,4 @@ def print_plan(cfg: Config, shape: RunShape | str, cluster: Cluster | None = Non
         cluster = cluster or cluster_from_env(shape.world_size, cfg.training.precision)
         p = plan(cfg, shape, cluster)
         print(format_plan(p, cluster, step_time(cfg, p, cluster, flops)))
-    print(format_ranking(search(cfg, cluster, flops, top), cluster), flush=True)
+    print(format_ranking(search(cfg, cluster, flops, top, zero_stages), cluster), flush=True)

@@ -28,3 +28,22 @@ def test_dry_run_plans_the_layout_given_from_a_laptop():
                        cwd=Path(__file__).resolve().parents[2], timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("layout tp=8 pp=4 dp=2") and "64 GPUs" in r.stdout
+
+
+def test_plan_searches_layouts_the_default_one_cannot_split(capsys):
+    """GPT-3 175B on 1024 GPUs at batch 1536: dp=1024 (the layout given by default) does not
+    split the batch; the layouts that do are searched (it used to fail before the search)."""
+    from megalite.cli.plan import main
+
+    main(["--gpus", "1024", "--gpu-memory", "80", "--gpus-per-node", "8", "--num-layers", "96",
+          "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+          "--global-batch-size", "1536", "--micro-batch-size", "1", "--top", "3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith("the layout given does not run on 1024 GPUs: global_batch_size=1536")
+    ranking = out.split("fastest first")[1].splitlines()
+    first = ranking[2].split()
+    assert first[:2] == ["1", "tp=8"] and int(first[2].removeprefix("pp=")) > 1  # PP across
+    assert len([r for r in ranking if "zero=" in r]) == 3
+    main(["--gpus", "1024", "--gpu-memory", "80"])  # no model flags: the defaults plan too
+    out = capsys.readouterr().out
+    assert "fastest first" in out and "none: no layout both splits the batch" in out

@@ -38,3 +38,38 @@ def test_optimizer_state_dominates_gives_zero():
         not zero0.fits
         and zero0.memory["optimizer"] > zero0.memory["params"] + zero0.memory["grads"]
     )
+
+
+# Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM"), Table 1: parameters, heads, hidden, layers, tp, pp, GPUs, batch; sequence 2048,
+# vocabulary 51200, fp16, A100s of 80 GB, 8 per node, activation recomputation.
+TABLE_1 = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512),
+    ("18B", 48, 6144, 40, 8, 1, 256, 1024),
+    ("39B", 64, 8192, 48, 8, 2, 512, 1536),
+    ("76B", 80, 10240, 60, 8, 4, 1024, 1792),
+    ("145B", 96, 12288, 80, 8, 8, 1536, 2304),
+    ("310B", 128, 16384, 96, 8, 16, 1920, 2160),
+    ("530B", 128, 20480, 105, 8, 35, 2520, 2520),
+    ("1T", 160, 25600, 128, 8, 64, 3072, 3072),
+]
+
+
+def test_plans_the_megatron_paper_layouts():
+    """Each Table 1 model on its GPUs and batch: the paper's tp and pp among the three fastest
+    layouts. As the paper ran: no distributed optimizer (ZeRO-0: with ZeRO-1 less model
+    parallelism fits and the planner prefers it), full recompute, A100 peak; the table gives no
+    micro-batch size, 2 is assumed. 530B's pp=35 is no power of two: the search tries every pp
+    that divides the GPUs and the layers (105 = 35 * 3)."""
+    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312)
+    missed = []
+    for name, heads, h, layers, tp, pp, gpus, batch in TABLE_1:
+        cfg = big("gpt2", layers, h, heads, 2048, 51200, mbs=2, gbs=batch, precision="fp16",
+                  recompute="full")  # fmt: skip
+        cluster = Cluster(gpus, a100.gpu_memory_gib, 8, peak_tflops=a100.peak_tflops)
+        top = layouts.search(cfg, cluster, flops(cfg), limit=3, zero_stages=[0])
+        if (tp, pp) not in [(p.layout.tp, p.layout.pp) for p in top]:
+            missed.append((name, [str(p.layout) for p in top]))
+    assert missed == []
