@@ -60,10 +60,10 @@ from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
-from megalite.parallel.zero import ZERO  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
+from megalite.parallel.zero import ZERO  # noqa: E402
 from megalite.pipeline.executor import run_schedule  # noqa: E402
 from megalite.pipeline.schedules import get_schedule  # noqa: E402
 from tests.spawn import spawn  # noqa: E402

@@ -14,12 +14,12 @@ from torch import nn
 
 from megalite.config import Config
 from megalite.optim.distributed_optimizer import DistributedOptimizer
-from megalite.parallel.zero import ZERO
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.parallel.specs import has_spec, mark, spec_of
 from megalite.parallel.topology import Topology
+from megalite.parallel.zero import ZERO
 from tests.spawn import spawn
 
 H, F_, V = 8, 12, 16  # hidden, ffn, vocab
