@@ -78,12 +78,11 @@ def _rank(rank, world, a):
         model.zero_grad()
         groups.ledger.reset()
         torch.distributed.barrier()
-        groups.ledger.timeline = tl.at(r + 1)  # the ring records the hops it waited for
         t0 = time.perf_counter()
-        loss, saved = _saved_bytes(lambda: model(tokens, labels, **kw))
-        loss.backward()
+        with groups.ledger.recording(tl.at(r + 1)):  # the ring records the hops it waited for
+            loss, saved = _saved_bytes(lambda: model(tokens, labels, **kw))
+            loss.backward()
         tl.record("schedule", t0, time.perf_counter())
-        groups.ledger.timeline = None
         t = torch.tensor([time.perf_counter() - t0])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest rank
         if r:  # the first round warms up

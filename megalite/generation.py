@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megalite.errors import MegaliteError
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
-from megalite.pipeline.p2p import exchange
+from megalite.parallel.p2p import exchange
 
 # ---- the cache -----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ embedding lives on virtual stage 0, the final norm, head and loss on the last.
 """
 
 from megalite.errors import MegaliteError
-from megalite.pipeline.schedules import interleaved_placement, owner
+from megalite.pipeline.actions import interleaved_placement, owner
 
 
 def virtual_stage(pp: int, rank: int, chunk: int, placement=interleaved_placement) -> int:

@@ -18,12 +18,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from megalite.config import Config
+from megalite.pipeline.actions import SEND_B, SEND_F, B, F
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import (
-    SEND_B,
-    SEND_F,
-    B,
-    F,
     bubble_theory,
     check_shape,
     default_schedule,

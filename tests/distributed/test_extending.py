@@ -15,9 +15,10 @@ from megalite.config import Config
 from megalite.parallel.axes import AXES, register_axis
 from megalite.parallel.groups import build_groups
 from megalite.pipeline import schedules
+from megalite.pipeline.actions import Action, B, F, Schedule
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import end_stages, rank_chunks
-from megalite.pipeline.schedules import Action, B, F, Schedule, register_schedule
+from megalite.pipeline.schedules import register_schedule
 from megalite.pipeline.verify import verify
 from megalite.shape import validate
 from tests.distributed.test_pipeline import LAYERS, TOL, H, S, ToyChunk, _data, _reference

@@ -15,10 +15,11 @@ import time
 import pytest
 import torch
 
-from megalite.pipeline import p2p
+from megalite.parallel import p2p
+from megalite.pipeline.actions import COMM
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import COMM, get_schedule
+from megalite.pipeline.schedules import get_schedule
 from tests.spawn import spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

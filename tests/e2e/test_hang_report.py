@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from megalite.pipeline.schedules import F, get_schedule
+from megalite.pipeline.actions import F
+from megalite.pipeline.schedules import get_schedule
 from tests.e2e.conftest import ROOT, TINY
 from tests.spawn import _CTX
 
