@@ -124,12 +124,18 @@ class PipelineResult:
         """The same idle time as a share of the step (the metrics file's `idle_share`); in theory
         bubble/(1 + bubble), (pp-1)/(vpp*m + pp-1) for 1F1B and interleaved
         (`schedules.idle_theory`)."""
-        return 1.0 - self.first_stage_compute_s / max(self.first_stage_step_s, 1e-12)
+        return idle_share(self.first_stage_compute_s, self.first_stage_step_s)
 
 
 def idle_ratio(compute_s: float, step_s: float) -> float:
-    """Idle time over compute time: megalite's one definition of the pipeline bubble."""
+    """Idle time over compute time: megalite's one definition of the pipeline bubble
+    (`bubble_measured`)."""
     return (step_s - compute_s) / max(compute_s, 1e-12)
+
+
+def idle_share(compute_s: float, step_s: float) -> float:
+    """Idle time as a share of the step (`idle_share`): bubble / (1 + bubble)."""
+    return 1.0 - compute_s / max(step_s, 1e-12)
 
 
 def first_stage_times(results: list[PipelineResult], pp) -> tuple[float, float]:

@@ -76,6 +76,9 @@ def peak_bound(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> in
 
 
 def verify(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool = False) -> Report:
+    """Check registered schedule `name` at this shape: every rank's table (`verify_table`, at
+    the schedule's placement and cost) and each rank's peak against the schedule's bound; the
+    report carries the schedule's own bubble theory."""
     table = [get_schedule(name, pp, vpp, microbatches, r, forward_only) for r in range(pp)]
     s = schedule(name)
     report = verify_table(table, pp, vpp, microbatches, forward_only, s.placement, s.cost)

@@ -24,9 +24,9 @@ keeps each rank's work per cycle the same, so it stays close to zero bubble when
 differ in cost or a rank holds more (rank 0 holds the embedding and the head), where a
 schedule tuned for F = I = W = 1 idles (docs/pipeline.md has the measurements). With fewer
 than 2p-1 micro-batches the pattern is built for 2p-1 and the extra ones left out. A timed
-run of the orders (F = I = W = 1, B = 2) places the communication (timed.py:
-`compute_times`, `lockstep_table`) and `verify.py` proves the result (matching, no deadlock, the activation bound) for every shape it
-is run on.
+run of the orders (F = I = W = 1, B = 2) places the communication (timed.py: `compute_times`,
+`lockstep_table`) and `verify.py` proves the result (matching, no deadlock, the activation
+bound) for every shape it is run on.
 """
 
 from functools import lru_cache
@@ -129,7 +129,7 @@ def _zb_h1_check(pp, vpp, m):
     return None if vpp == 1 else f"the zb-h1 schedule runs one chunk per rank, not --vpp {vpp}"
 
 
-def _v_check(name, per_stage: int = 0):
+def v_check(name, per_stage: int = 0):
     """A V schedule's shape check: --vpp 2, and at least `per_stage`·pp micro-batches."""
 
     def check(pp, vpp, m):
@@ -154,7 +154,7 @@ ZB_H1 = Schedule(
     doc="zero bubble H1: 1F1B's memory, W fills the cool-down (backward split in I and W)",
 )  # fmt: skip
 ZBV = Schedule(
-    "zbv", zbv_order, _v_check("zbv"),
+    "zbv", zbv_order, v_check("zbv"),
     # the warm-up's forwards of c0 and c1, and the first F c1 before its W (2p once m >= 2p-1)
     lambda pp, vpp, m, r: min(m, 2 * pp - r - 1) + min(m, r) + (r < m),
     bubble=v_bubble(zbv_order),
@@ -164,7 +164,7 @@ ZBV = Schedule(
     doc="zero bubble V: two chunks per rank in a V (vpp 2), ~no bubble at 1F1B's memory",
 )  # fmt: skip
 DUALPIPEV = Schedule(
-    "dualpipev", dualpipev_order, _v_check("dualpipev", per_stage=2),
+    "dualpipev", dualpipev_order, v_check("dualpipev", per_stage=2),
     lambda pp, vpp, m, r: 2 * pp + 1,
     bubble=v_bubble(dualpipev_order),
     placement=v_placement,

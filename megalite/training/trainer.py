@@ -25,7 +25,7 @@ from megalite.parallel import comm
 from megalite.parallel.context_parallel import shard_batch
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
-from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule
+from megalite.pipeline.executor import first_stage_times, idle_ratio, idle_share, run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import bubble_theory, get_schedule
 from megalite.shape import RunShape
@@ -230,7 +230,7 @@ class Trainer:
             "bubble_theory": theory,
             # the same idle time as a share of the schedule, and its theory ((p-1)/(v*m+p-1)
             # for 1F1B and interleaved)
-            "idle_share": 1 - compute / max(busy, 1e-12) if pipelined else 0.0,
+            "idle_share": idle_share(compute, busy) if pipelined else 0.0,
             "idle_share_theory": theory / (1 + theory),
             "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
             "comm": self.groups.ledger.snapshot(),
