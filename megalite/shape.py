@@ -117,9 +117,10 @@ def _positive(cfg: Config):
 
 def derive(cfg: Config, world_size: int) -> RunShape:
     """The shape of this layout (cfg.parallel) on `world_size` ranks, or MegaliteError naming
-    why the model or the batch cannot run that way."""
+    why the model or the batch cannot run that way. A schedule that fixes its chunks per rank
+    (a V: 2) fills in --vpp left at 1 (`Schedule.vpp`); the shape's vpp is then its."""
     name = cfg.parallel.pp_schedule or schedules.default_schedule(cfg.parallel.vpp)
-    vpp = schedules.schedule(name).vpp(cfg.parallel.vpp)  # a V runs 2 chunks whatever --vpp says
+    vpp = schedules.schedule(name).vpp(cfg.parallel.vpp)
     if vpp != cfg.parallel.vpp:  # (a copy: the user's config is not changed)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, vpp=vpp))
     m, p, t = cfg.model, cfg.parallel, cfg.training

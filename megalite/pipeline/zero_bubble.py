@@ -4,8 +4,8 @@ A backward is split in two: I, the gradient with respect to the stage's input, w
 previous stage waits for, and W, the weight gradients, which nobody waits for. W can then fill
 the slots where a stage would otherwise idle.
 
-- `zb-h1`: one chunk per rank, at most as many activations alive as 1F1B (p - r on rank r); W
-  fills the cool-down. With F, I and W of equal time the first stage idles (p-1)/3m of its
+- `zb-h1`: one chunk per rank, at most as many activations alive as 1F1B's first stage (p, on
+  every rank: a put-off W keeps its activations); W fills the cool-down. With F, I and W of equal time the first stage idles (p-1)/3m of its
   compute, a third of 1F1B's (p-1)/m.
 - `zbv`: two chunks per rank in a V (chunk 0 at virtual stage r, chunk 1 at 2p-1-r), so the
   first and the last stage share rank 0; with 2p chunk activations alive at most (1F1B's
@@ -102,8 +102,8 @@ def zb_h1_order(pp: int, vpp: int, microbatches: int, rank: int):
 
 
 def v_table(build):
-    """Every rank's actions of a V schedule built by `build`: its computes timed (`_timed`),
-    the communication in lockstep (`timed.compute_times`, `timed.lockstep_table`)."""
+    """Every rank's actions of a V schedule built by `build`: its computes timed
+    (`timed.compute_times`), the communication in lockstep (`timed.lockstep_table`)."""
 
     def table(pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
         timed = compute_times(pp, 2, microbatches, v_placement, build)
