@@ -34,7 +34,7 @@ class CommLedger:
     calls: dict = field(default_factory=lambda: defaultdict(int))
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     entered: dict = field(default_factory=dict)  # kind -> [sequence number, op name]
-    _timeline: object = field(default=None, repr=False)
+    _timeline: object = field(default=None, init=False, repr=False)
 
     @property
     def timeline(self):

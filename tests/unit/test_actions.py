@@ -82,3 +82,18 @@ def test_a_schedule_fixes_its_chunks_or_takes_vpp():
     v = Schedule("v", build, lambda pp, vpp, m: None, lambda pp, vpp, m, r: 0, chunks=2)
     assert [free.vpp(n) for n in (1, 2, 3)] == [1, 2, 3]
     assert [v.vpp(n) for n in (1, 2, 3)] == [2, 2, 3]  # only the default is filled in
+
+
+def test_builders_and_the_executor_import_only_the_vocabulary():
+    from tests.unit.test_imports import graph
+
+    g = graph()
+
+    def pipeline_imports(module):
+        inside = (m for m in g[f"megalite.pipeline.{module}"] if m.startswith("megalite.pipeline."))
+        return {m.rsplit(".", 1)[1] for m in inside}
+
+    assert pipeline_imports("executor") == {"actions", "split_backward"}  # not the registry
+    assert pipeline_imports("one_f_one_b") == {"actions"}
+    assert pipeline_imports("zero_bubble") == {"actions", "timed"}
+    assert pipeline_imports("timed") == {"actions"} and pipeline_imports("actions") == set()
