@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups
@@ -33,7 +34,7 @@ def _sharded_logits(rank, world, paths, ids):
     out = []
     for path in paths:
         ckpt = fmt.Checkpoint(path)
-        cfg = Config.from_dict({"model": ckpt.model_config}).model
+        cfg = from_dict({"model": ckpt.model_config}).model
         (kw,) = rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
         chunk = GPTChunk(cfg, groups.tp, **kw).eval()
         load_model([chunk], groups.tp, ckpt)
