@@ -4,7 +4,7 @@
         [--heads 8] [--groups 4] [--comm p2p] [--cps 1,2,4] [--rounds 3] [--summary PATH]
 
 One long sequence (micro-batch of 1) through a llama-flavoured `GPTChunk` (torch reference ops,
-fp32) on cp gloo processes on CPU (tests/spawn.py: one thread each), each rank holding s/cp
+fp32) on cp gloo processes on CPU (megalite/testing.py: one thread each), each rank holding s/cp
 tokens (chunks i and 2cp-1-i, `shard_batch`) and running ring (or all-to-all) attention over the
 cp group. For each cp:
 
@@ -37,8 +37,8 @@ from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.context_parallel import shard_batch  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 from megalite.training import memory, planner, timeline  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
 
 
 def _model_cfg(a) -> ModelConfig:

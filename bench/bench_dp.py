@@ -4,7 +4,7 @@
         [--vocab 2048] [--gbs 32] [--mbs 4] [--bucket-mb 4] [--rounds 5] [--block 2]
         [--methods ddp zero0 zero1 zero2 fsdp2] [--summary PATH]
 
-Two gloo processes on CPU (tests/spawn.py, one thread each) hold one model per method, all the
+Two gloo processes on CPU (megalite/testing.py, one thread each) hold one model per method, all the
 same `GPTChunk` (llama flavour, torch reference ops, fp32) with the same initial weights, and
 train on the same data (each rank its own half of the global batch, in gbs/(2*mbs) micro-batches).
 A step: zero the gradients, forward + backward of every micro-batch (loss / m), clip the global
@@ -66,7 +66,7 @@ from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.pipeline.executor import run_schedule  # noqa: E402
 from megalite.pipeline.schedules import get_schedule  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 # torch.optim.AdamW's implementations (CPU: the single-tensor loop is torch's default there)

@@ -20,7 +20,7 @@ megalite's speed-up: the median of the per-round ratios variant time / megalite 
 megalite is faster). The tokens of the three are compared (fp32: a near-tie could differ; the
 tests compare in fp64).
 
-Parallel (4 gloo processes, tests/spawn.py, one thread each): tp2*pp2 of the same weights;
+Parallel (4 gloo processes, megalite/testing.py, one thread each): tp2*pp2 of the same weights;
 time per new token = (t(1 + n) - t(1)) / n at each context in --contexts (prefill excluded),
 with the cache and with the no-cache path (`use_cache=False`, the whole context every token).
 """
@@ -43,7 +43,7 @@ from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups, single_process_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.pipeline.partition import rank_chunks  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 
 
 def hf_model(a):

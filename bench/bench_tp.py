@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
         [--vocab 2048] [--seq 256] [--mbs 4] [--micro 8] [--rounds 5] [--summary PATH]
 
-Two gloo processes on CPU (tests/spawn.py: forkserver, file:// rendezvous, one thread each) run
+Two gloo processes on CPU (megalite/testing.py: forkserver, file:// rendezvous, one thread each) run
 four variants of one training step, interleaved round by round (the order rotates each round),
 after warm-up rounds:
 
@@ -56,7 +56,7 @@ from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.pipeline.executor import run_schedule  # noqa: E402
 from megalite.pipeline.schedules import get_schedule  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 VARIANTS = ("megalite", "megalite-sp", "torch", "torch-sp")

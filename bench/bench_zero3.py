@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_zero3.py [--dp 2] [--layers 8] [--hidden 384] [--heads 6]
         [--seq 256] [--vocab 4096] [--gbs 8] [--mbs 2] [--steps 4] [--summary PATH]
 
---dp gloo processes on CPU (tests/spawn.py, one thread each) train the same `GPTChunk` (llama
+--dp gloo processes on CPU (megalite/testing.py, one thread each) train the same `GPTChunk` (llama
 flavour, torch reference ops, fp32, the same initial weights and data: each rank its 1/dp of the
 global batch in gbs/(dp*mbs) micro-batches). A step: forward + backward of every micro-batch
 (loss / m), clip the global norm at 1.0, AdamW. Both sides shard every parameter over the dp
@@ -55,7 +55,7 @@ from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.pipeline.executor import run_schedule  # noqa: E402
 from megalite.pipeline.schedules import get_schedule  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 
 LR, CLIP, WD, BETAS, EPS = 1e-4, 1.0, 0.1, (0.9, 0.95), 1e-8
 

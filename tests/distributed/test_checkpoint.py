@@ -23,7 +23,7 @@ from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
 from megalite.shape import validate
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,8 +152,8 @@ def test_failed_save_keeps_the_previous_and_mismatches_are_named(tmp_path):
 
 
 def _layouts():
+    from megalite.testing import tiny_config
     from tests.distributed.test_moe_training import config as moe_config
-    from tests.tiny import tiny_config
 
     def tiny(**kw):
         cfg = tiny_config()
@@ -190,7 +190,7 @@ def _optimizer_elements_read(fn, *args) -> int:
 
 def _written_where_held(rank, world, root):
     from megalite.checkpoint.regions import rank_params
-    from tests.tiny import tiny_trainer
+    from megalite.testing import tiny_trainer
 
     out = {}
     for name, cfg in _layouts().items():

@@ -20,7 +20,7 @@ from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 transformers = pytest.importorskip("transformers")
