@@ -2,21 +2,23 @@
 
 Every field carries its documentation (shown by `--help`) and its flag names: the field name
 with dashes (`--micro-batch-size`) plus Megatron-LM's long names and short aliases.
-`megalite/config_read.py` fills one from YAML and flags;
-`megalite.shape.validate()` rejects impossible combinations with one clear sentence before any
-process group exists and derives the run's shape; nothing writes into a Config afterwards.
+`megalite/config_read.py` fills one from YAML, flags or a dict (this module is data only and
+imports nothing of megalite); `megalite.shape.validate()` rejects impossible combinations with
+one clear sentence before any process group exists and derives the run's shape; nothing writes
+into a Config afterwards.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from megalite.parallel.topology import DEFAULT_ORDER
-from megalite.pipeline import schedules
+# The rank order of the parallel axes, fastest-varying first; parallel/topology.py takes its
+# default from here. An axis of size 1 takes no place: tp-dp-pp ranks unchanged.
+DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
 def opt(default, doc, *aliases, choices=None):
-    """A config field: its default, its documentation and any extra flag names. `choices` may
-    be a function returning them (a registry that grows after import)."""
+    """A config field: its default, its documentation, any extra flag names and, where the
+    values are a fixed set, its choices."""
     kw = {"default_factory": default} if callable(default) else {"default": default}
     return field(**kw, metadata={"doc": doc, "aliases": aliases, "choices": choices})
 
@@ -165,8 +167,8 @@ class ParallelConfig:
     )
     pp_schedule: str | None = opt(
         None,
-        "pipeline schedule (default: interleaved when vpp >= 2, else 1f1b)",
-        choices=lambda: tuple(schedules.SCHEDULES),
+        # the names are the pipeline registry's; validate() refuses an unknown one, naming them
+        "pipeline schedule, by its registered name (default: interleaved when vpp >= 2, else 1f1b)",
     )
     distributed_timeout_minutes: float = opt(
         10.0, "collectives waiting longer than this fail the run"
@@ -353,11 +355,3 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Config":
-        from megalite.config_read import apply  # the reader walks the classes above
-
-        cfg = cls()
-        apply(cfg, d, source="config")
-        return cfg

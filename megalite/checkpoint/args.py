@@ -13,6 +13,7 @@ import copy
 import dataclasses
 
 from megalite.config import Config, ModelConfig
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 
 FREE = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std",
@@ -68,7 +69,7 @@ def with_checkpoint_model(cfg: Config, given: set, path) -> Config:
         raise MegaliteError(f"{ckpt.dir} records no model config; pass every model flag")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     try:
-        theirs = Config.from_dict({"model": {k: v for k, v in stored.items() if k in fields}}).model
+        theirs = from_dict({"model": {k: v for k, v in stored.items() if k in fields}}).model
     except MegaliteError as e:
         raise MegaliteError(f"{ckpt.dir}/index.json: {e}") from None
     if theirs.max_position_embeddings is None and theirs.flavour == "gpt2":

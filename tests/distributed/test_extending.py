@@ -21,9 +21,9 @@ from megalite.pipeline.partition import end_stages, rank_chunks
 from megalite.pipeline.schedules import register_schedule
 from megalite.pipeline.verify import verify
 from megalite.shape import validate
+from megalite.testing import spawn
 from tests.distributed.test_pipeline import LAYERS, TOL, H, S, ToyChunk, _data, _reference
 from tests.distributed.test_pipeline import B as MBS
-from tests.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 

@@ -15,9 +15,9 @@ from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.pipeline.partition import rank_chunks
+from megalite.testing import spawn
 from megalite.training import memory, planner
 from megalite.training.planner import Layout
-from tests.spawn import spawn
 from tests.unit.test_planner import saved_bytes
 
 L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m

@@ -20,7 +20,7 @@ from megalite.pipeline.actions import COMM
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 DELAY, COMPUTE = 0.03, 0.01  # seconds: per message, and per forward (backward twice)

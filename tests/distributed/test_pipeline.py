@@ -17,7 +17,7 @@ from megalite.parallel.comm import Group
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import chunk_layers, rank_chunks
 from megalite.pipeline.schedules import SCHEDULES, get_schedule
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 VOCAB, H, LAYERS, B, S = 11, 6, 8, 2, 3
 TOL = 1e-10

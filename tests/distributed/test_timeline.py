@@ -14,9 +14,9 @@ from megalite.pipeline.actions import COMPUTE
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import bubble_theory, get_schedule
+from megalite.testing import spawn
 from megalite.training import planner, timeline
 from megalite.training.planner import Layout
-from tests.spawn import spawn
 
 L, H, S, V, B = 4, 16, 8, 40, 2
 CASES = [("1f1b", 1, 4), ("interleaved", 2, 4)]  # schedule, vpp, micro-batches

@@ -15,7 +15,7 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
-from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.gpt import LOCAL, GPTChunk
 
@@ -58,7 +58,7 @@ def hf_model(kind: str, seed: int = 0):
 def megalite_model(path) -> GPTChunk:
     ckpt = fmt.Checkpoint(path)
     ckpt.verify()
-    chunk = GPTChunk(Config.from_dict({"model": ckpt.model_config}).model)
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
     load_model([chunk], LOCAL, ckpt)
     return chunk.eval()
 
