@@ -158,3 +158,50 @@ def test_a_new_schedule_is_verified_and_runs():
         assert layers[0] == [[0, 1], [6, 7]] and layers[1] == [[2, 3], [4, 5]]
     finally:
         del schedules.SCHEDULES["v-gpipe"]
+
+
+# ---- a linear and an attention variant through the ops seam, at tp=2 ---------------------------
+
+
+def _sgd(chunk, ids, steps=3):
+    """Losses of `steps` plain SGD steps on one batch (every rank's gradients are whole: no
+    sequence parallelism, k/v heads split), and the parameters afterwards."""
+    losses = []
+    for _ in range(steps):
+        loss = chunk(ids[:, :-1], ids[:, 1:])
+        chunk.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in chunk.parameters():
+                p -= 0.1 * p.grad
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in chunk.named_parameters()}
+
+
+def _seams(rank, world):
+    from megalite import kernels
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.specs import spec_of
+    from megalite.parallel.topology import Topology
+    from tests.unit.test_extending_model import CountingLinear, explicit_attention, small
+
+    tp = build_groups(Topology(tp=world), torch.device("cpu")).tp
+    cfg = small("llama")
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    ref, ref_params = _sgd(GPTChunk(cfg, seed=7, dtype=torch.float64), ids)
+    linear = CountingLinear()
+    ops = kernels.override(kernels.TORCH_OPS, linear=linear, attention=explicit_attention)
+    explicit_attention.calls = 0
+    chunk = GPTChunk(cfg, tp, ops=ops, seed=7, dtype=torch.float64)
+    got, params = _sgd(chunk, ids)
+    assert linear.calls == 3 * (4 * cfg.num_layers + 1) and explicit_attention.calls == 6
+    assert got == pytest.approx(ref, rel=1e-12, abs=0)
+    for n, p in chunk.named_parameters():
+        assert (params[n] - spec_of(p).local(ref_params[n])).abs().max().item() <= 1e-10, n
+    return got
+
+
+def test_a_linear_and_an_attention_variant_train_like_one_process_at_tp2():
+    results = spawn(_seams, 2)
+    assert results[0] == results[1]
