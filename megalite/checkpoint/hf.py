@@ -80,7 +80,7 @@ def hf_config(cfg: ModelConfig) -> dict:
             "tie_word_embeddings": True,
         }
     out = {
-        "architectures": [ARCHITECTURES["llama"]],
+        "architectures": [ARCHITECTURES[cfg.features.hf_model_type]],
         "model_type": cfg.features.hf_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
