@@ -81,7 +81,7 @@ class ModelConfig:
         None, "key/value heads for grouped-query attention (default: heads)"
     )
     ffn_hidden_size: int | None = opt(
-        None, "MLP width (default: 4h for gpt2, 8h/3 rounded up to 64 for llama)"
+        None, "MLP width (default: 4h; 8h/3 rounded up to 64 with a gated MLP, as llama)"
     )
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: int | None = opt(None, "learned positions (gpt2; default: seq_length)")

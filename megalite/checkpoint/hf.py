@@ -144,6 +144,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise MegaliteError(
                 f"GPT-2 activation {hf['activation_function']!r} is not supported; megalite uses gelu_new"
             )
+        # what GPT2LMHeadModel always is: its config.json has no switch for these
         gpt2 = ModelFeatures("layernorm", "learned", gated_mlp=False, qkv_bias=True,
                              linear_bias=True, tied=True, hf_model_type="gpt2")  # fmt: skip
         return ModelConfig(

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F  # dropout only: matmuls are ops.linear
+import torch.nn.functional as F
 
 from megalite.config import ModelConfig
 from megalite.kernels import TORCH_OPS
