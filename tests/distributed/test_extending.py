@@ -3,7 +3,9 @@
 - a new parallel axis "xp" (size 2), registered with `register_axis` as replicated and
   batch-splitting, so its gradients are reduced over dp+xp: tp2·xp2 trains exactly like tp2·dp2;
 - a new pipeline schedule, registered with `register_schedule` together with its own
-  (V-shaped) placement: the verifier checks it and the executor runs it, matching one process.
+  (V-shaped) placement: the verifier checks it and the executor runs it, matching one process;
+- a linear and an attention variant through the ops seam (tests/unit/test_extending_model.py)
+  train at tp=2 like one process with the default ops, and compiled layers match eager at tp=2.
 """
 
 import numpy as np
@@ -205,3 +207,32 @@ def _seams(rank, world):
 def test_a_linear_and_an_attention_variant_train_like_one_process_at_tp2():
     results = spawn(_seams, 2)
     assert results[0] == results[1]
+
+
+def _compiled(rank, world):
+    """Compiled layers at tp=2, with and without sequence parallelism: dynamo breaks the graph
+    at each collective (comm's functions call torch.distributed) and compiles the pieces."""
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.topology import Topology
+    from tests.unit.test_extending_model import small
+
+    tp = build_groups(Topology(tp=world), torch.device("cpu")).tp
+    cfg = small("llama", num_layers=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    for sp in (False, True):
+        eager, compiled = (GPTChunk(cfg, tp, seed=1, dtype=torch.float64, sequence_parallel=sp)
+                           for _ in range(2))  # fmt: skip
+        for layer in compiled.layers.values():
+            layer.compile(backend="aot_eager")
+        a, b = (m(ids[:, :-1], ids[:, 1:]) for m in (eager, compiled))
+        a.backward()
+        b.backward()
+        assert (a - b).abs().item() <= 1e-12
+        for (n, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+            assert (p.grad - q.grad).abs().max().item() <= 1e-12, n
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager_at_tp2():
+    spawn(_compiled, 2)
