@@ -72,7 +72,7 @@ class ModelConfig:
     flavour: str = opt(
         "gpt2",
         "; ".join(f"{name}: {f.doc}" for name, f in FLAVOURS.items()),
-        choices=tuple(FLAVOURS),
+        choices=lambda: tuple(FLAVOURS),  # a row added after import counts too
     )
     num_layers: int = opt(2, "transformer layers")
     hidden_size: int = opt(64, "model width h")
