@@ -156,7 +156,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         raise MegaliteError(
             f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups={m.heads_kv}"
         )
-    if m.flavour == "llama" and m.head_dim % 2:
+    if m.features.rotary and m.head_dim % 2:
         raise MegaliteError(f"head dim {m.head_dim} must be even for rotary embeddings")
     for ax in AXES.values():
         reason = ax.check(cfg, sizes) if ax.check else None

@@ -162,6 +162,21 @@ def test_unsupported_architecture(tmp_path):
         convert.main([str(tmp_path), str(tmp_path / "out"), "--to", "megalite"])
 
 
+def test_an_import_is_read_as_features_and_matched_to_a_flavour():
+    """config.json -> features -> the FLAVOURS row that has them; none has them: one line."""
+    from megalite.checkpoint.hf import model_config_from_hf
+
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, vocab_size=VOCAB).to_dict()  # fmt: skip
+    assert model_config_from_hf(llama).flavour == "llama"
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4).to_dict()
+    assert model_config_from_hf(gpt2).flavour == "gpt2"
+    for bias, what in (("attention_bias", "qkv_bias=True, linear_bias=True"),
+                       ("mlp_bias", "linear_bias=True")):  # fmt: skip
+        with pytest.raises(MegaliteError, match=f"Llama models with {what} are not supported"):
+            model_config_from_hf({**llama, bias: True})
+
+
 def test_pickle_weights_are_refused(tmp_path):
     transformers.GPT2Config(n_layer=1).save_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
