@@ -46,11 +46,12 @@ class RankParts:
                             loss_scale=self.opt.loss_scale, placement=self.placement, **kw)  # fmt: skip
 
 
-def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups) -> list[GPTChunk]:
+def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
     """This rank's model chunks: one per virtual stage it holds, with the layers the schedule's
-    placement gives it, on the groups' device."""
+    placement gives it, on the groups' device. `ops`: the kernels every layer calls (default
+    `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them)."""
     t = cfg.training
-    ops = kernels.select(t.kernels, groups.device)
+    ops = ops or kernels.select(t.kernels, groups.device)
     return [
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
@@ -60,11 +61,12 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups) -> list[GP
     ]  # fmt: skip
 
 
-def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups) -> RankParts:
+def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> RankParts:
     """The chunks, optimizer and schedule of this rank of a run of `cfg` (`shape` from
-    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one). Seeding the dropout
-    streams is the caller's: the chunks' initialisation depends on `cfg.training.seed` only."""
-    chunks = build_chunks(cfg, shape, groups)
+    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one; `ops` as in
+    `build_chunks`). Seeding the dropout streams is the caller's: the chunks' initialisation
+    depends on `cfg.training.seed` only."""
+    chunks = build_chunks(cfg, shape, groups, ops)
     actions = get_schedule(shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
     return RankParts(chunks, build_optimizer(chunks, groups, cfg), actions, shape.microbatches,
                      shape.hidden_shape, DTYPES[cfg.training.precision], groups, shape.placement)  # fmt: skip
