@@ -81,3 +81,25 @@ def test_trainer_step_takes_a_batch():
     assert b.iteration == a.iteration == 2
     pa, pb = dict(a.chunks[0].named_parameters()), dict(b.chunks[0].named_parameters())
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_build_rank_takes_the_ops():
+    """An overridden linear reaches every layer of every chunk build_rank makes."""
+    import torch.nn.functional as F
+
+    from megalite import kernels
+
+    cfg = tiny_config()
+    cfg.training.kernels = "torch"
+    calls = []
+
+    def counting(x, w, b=None):
+        calls.append(w.shape)
+        return F.linear(x, w, b)
+
+    ops = kernels.override(TORCH_OPS, linear=counting)
+    parts = build_rank(cfg, validate(cfg, 1), single_process_groups(), ops=ops)
+    parts.opt.zero_grad(4)
+    parts.run(_batch(cfg))
+    # attention (fused q/k/v, out), MLP (up, down) per layer and the head, per micro-batch
+    assert len(calls) == 4 * (4 * cfg.model.num_layers + 1)
