@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_async_save.py [--layers 12] [--hidden 768] [--seq 128]
         [--steps 12] [--every 4] [--zero 0 1]
 
-Two gloo processes on CPU (tests/spawn.py, one thread each) train a GPT-2-124M-shaped model
+Two gloo processes on CPU (megalite/testing.py, one thread each) train a GPT-2-124M-shaped model
 (12 layers, h=768, vocabulary 50257, 1024 positions; --seq tokens per sample so that a step
 takes seconds, not minutes, on a CPU) at dp=2, for each ZeRO stage given:
 
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 from megalite.training.logger import Logger  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
 
 
 def _trainer(root, a, zero):

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_checkpoint.py [--out DIR] [--layers 12] [--hidden 768]
         [--summary PATH]
 
-Two gloo processes on CPU (tests/spawn.py, one thread each) hold a GPT-2-124M-shaped model
+Two gloo processes on CPU (megalite/testing.py, one thread each) hold a GPT-2-124M-shaped model
 (12 layers, h=768, vocabulary 50257, 1024 positions) at dp=2 with the ZeRO-1 optimizer; the
 Adam moments are filled with random values (as after training) instead of running a step.
 
@@ -55,8 +55,8 @@ from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 from megalite.training.logger import Logger  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
 
 
 class _Tokens:

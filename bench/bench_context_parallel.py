@@ -4,7 +4,7 @@
         [--heads 8] [--groups 4] [--comm p2p] [--cps 1,2,4] [--rounds 3] [--summary PATH]
 
 One long sequence (micro-batch of 1) through a llama-flavoured `GPTChunk` (torch reference ops,
-fp32) on cp gloo processes on CPU (tests/spawn.py: one thread each), each rank holding s/cp
+fp32) on cp gloo processes on CPU (megalite/testing.py: one thread each), each rank holding s/cp
 tokens (chunks i and 2cp-1-i, `shard_batch`) and running ring (or all-to-all) attention over the
 cp group. For each cp:
 
@@ -33,13 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
-from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.context_parallel import shard_batch  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.plan import activations, layouts, traffic  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 from megalite.training import timeline  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.training.build import build_chunks  # noqa: E402
 
 
 def _model_cfg(a) -> ModelConfig:
@@ -66,8 +67,12 @@ def _saved_bytes(fn) -> int:
 
 def _rank(rank, world, a):
     groups = build_groups(Topology(cp=world), torch.device("cpu"))
-    cfg = _model_cfg(a)
-    model = GPTChunk(cfg, seed=1, cp=groups.cp, cp_comm_type=a.comm)
+    run = Config()
+    run.model, run.parallel.cp, run.parallel.cp_comm_type = _model_cfg(a), world, a.comm
+    run.training.micro_batch_size, run.training.global_batch_size = 1, 1
+    run.training.kernels, run.training.seed = "torch", 1
+    (model,) = build_chunks(run, validate(run, world), groups)  # s/cp tokens of each sequence
+    cfg = run.model
     _saved_bytes.model = model
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, a.seq + 1), generator=g)
@@ -79,12 +84,11 @@ def _rank(rank, world, a):
         model.zero_grad()
         groups.ledger.reset()
         torch.distributed.barrier()
-        groups.ledger.timeline = tl.at(r + 1)  # the ring records the hops it waited for
         t0 = time.perf_counter()
-        loss, saved = _saved_bytes(lambda: model(tokens, labels, **kw))
-        loss.backward()
+        with groups.ledger.recording(tl.at(r + 1)):  # the ring records the hops it waited for
+            loss, saved = _saved_bytes(lambda: model(tokens, labels, **kw))
+            loss.backward()
         tl.record("schedule", t0, time.perf_counter())
-        groups.ledger.timeline = None
         t = torch.tensor([time.perf_counter() - t0])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest rank
         if r:  # the first round warms up

@@ -4,7 +4,7 @@
         [--vocab 2048] [--gbs 32] [--mbs 4] [--bucket-mb 4] [--rounds 5] [--block 2]
         [--methods ddp zero0 zero1 zero2 fsdp2] [--summary PATH]
 
-Two gloo processes on CPU (tests/spawn.py, one thread each) hold one model per method, all the
+Two gloo processes on CPU (megalite/testing.py, one thread each) hold one model per method, all the
 same `GPTChunk` (llama flavour, torch reference ops, fp32) with the same initial weights, and
 train on the same data (each rank its own half of the global batch, in gbs/(2*mbs) micro-batches).
 A step: zero the gradients, forward + backward of every micro-batch (loss / m), clip the global
@@ -59,14 +59,13 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
-from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.parallel.zero import ZERO  # noqa: E402
-from megalite.pipeline.executor import run_schedule  # noqa: E402
-from megalite.pipeline.schedules import get_schedule  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
+from megalite.training.build import build_rank  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 # torch.optim.AdamW's implementations (CPU: the single-tensor loop is torch's default there)
@@ -111,20 +110,22 @@ def _megalite_cfg(a, m, stage, precision="fp32") -> Config:
     o.adam_beta1, o.adam_beta2 = BETAS
     o.adam_eps = EPS
     cfg.training.micro_batch_size, cfg.training.global_batch_size = a.mbs, a.gbs
-    cfg.training.precision = precision
+    cfg.training.precision, cfg.training.kernels = precision, "torch"
     return cfg
 
 
+def _megalite_rank(a, m, groups, stage, precision="fp32"):
+    cfg = _megalite_cfg(a, m, stage, precision)
+    return build_rank(cfg, validate(cfg, groups.topo.world_size), groups)
+
+
 def megalite_side(a, m, groups, stage):
-    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
-    opt = DistributedOptimizer([model], groups, _megalite_cfg(a, m, stage))
-    micro = a.gbs // (2 * a.mbs)
-    actions = get_schedule("1f1b", 1, 1, micro, 0)
-    shape = (a.mbs, a.seq, a.hidden)
+    parts = _megalite_rank(a, m, groups, stage)  # one chunk, 1F1B over gbs / (dp * mbs)
+    opt = parts.opt
 
     def step(batch):
         opt.zero_grad(len(batch))
-        r = run_schedule(actions, [model], groups, batch, hidden_shape=shape, dtype=torch.float32)
+        r = parts.run(batch)
         t0 = time.perf_counter()
         opt.finalise_grads()  # the DP reductions still in flight after backward
         t1 = time.perf_counter()
@@ -277,8 +278,8 @@ def _formula(a, m, groups):
     """megalite's buffers for bf16 parameters (fp32 gradients, masters, moments), per stage."""
     out = {}
     for stage in (0, 1, 2):
-        model = GPTChunk(m, ops=TORCH_OPS, dtype=torch.bfloat16)
-        opt = DistributedOptimizer([model], groups, _megalite_cfg(a, m, stage, "bf16"))
+        parts = _megalite_rank(a, m, groups, stage, "bf16")
+        (model,), opt = parts.chunks, parts.opt
         buf = opt.buffer
         grads = buf.grad_buffer.numel() * 4 if buf.grad_buffer is not None else 0
         grads += 0 if buf.zero.grad_buffer else sum(b.shard_grad.numel() * 4 for b in buf.buckets)

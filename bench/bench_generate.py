@@ -20,7 +20,7 @@ megalite's speed-up: the median of the per-round ratios variant time / megalite 
 megalite is faster). The tokens of the three are compared (fp32: a near-tie could differ; the
 tests compare in fp64).
 
-Parallel (4 gloo processes, tests/spawn.py, one thread each): tp2*pp2 of the same weights;
+Parallel (4 gloo processes, megalite/testing.py, one thread each): tp2*pp2 of the same weights;
 time per new token = (t(1 + n) - t(1)) / n at each context in --contexts (prefill excluded),
 with the cache and with the no-cache path (`use_cache=False`, the whole context every token).
 """
@@ -38,12 +38,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import figure, write_summary  # noqa: E402
 from megalite.checkpoint.hf import from_hf, model_config_from_hf  # noqa: E402
+from megalite.config import Config  # noqa: E402
 from megalite.generation import generate  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups, single_process_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline.partition import rank_chunks  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
+from megalite.training.build import build_chunks  # noqa: E402
 
 
 def hf_model(a):
@@ -133,9 +135,10 @@ def one_process(a, m, cfg, state) -> list:
 def _parallel(rank, world, a, cfg, state):
     torch.set_num_threads(1)
     groups = build_groups(Topology(tp=2, pp=2, dp=1), torch.device("cpu"))
-    chunks = [
-        GPTChunk(cfg, groups.tp, **kw) for kw in rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
-    ]
+    run = Config(model=cfg)
+    run.parallel.tp, run.parallel.pp, run.training.kernels = 2, 2, "torch"
+    run.training.micro_batch_size, run.training.global_batch_size = 1, 2
+    chunks = build_chunks(run, validate(run, world), groups)  # this stage's layers
     for c in chunks:
         c.load_full_state(state)
     res = {}

@@ -42,17 +42,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.checkpoint.hf import hf_config, to_hf  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
-from megalite.model.gpt import GPTChunk  # noqa: E402
-from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel import groups as pg  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline.executor import run_schedule  # noqa: E402
-from megalite.pipeline.schedules import get_schedule  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.training.build import build_rank  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 
@@ -95,21 +92,16 @@ class Megalite:
         cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = WD, CLIP
         cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2 = BETAS
         cfg.optimizer.adam_eps = EPS
-        self.model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
-        # logical tensors before the optimizer moves them into its flat buffer
+        cfg.training.kernels = "torch"
+        self.parts = build_rank(cfg, validate(cfg, 1), groups)  # one chunk, 1F1B over micro
+        (self.model,), self.opt = self.parts.chunks, self.parts.opt
+        # the logical tensors (the optimizer holds them in its flat buffer), for transformers
         self.state = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.opt = DistributedOptimizer([self.model], groups, cfg)
-        self.groups, self.micro = groups, micro
-        self.actions = get_schedule("1f1b", 1, 1, micro, 0)
-        self.hidden_shape = (mbs, m.seq_length, m.hidden_size)
 
     def step(self, batch) -> float:
         self.model.train()
         self.opt.zero_grad(len(batch))
-        result = run_schedule(
-            self.actions, [self.model], self.groups, batch,
-            hidden_shape=self.hidden_shape, dtype=torch.float32,
-        )  # fmt: skip
+        result = self.parts.run(batch)
         self.opt.step(LR)
         return result.loss
 

@@ -15,7 +15,7 @@ experts, fp32), the three variants interleaved round by round after a warm-up ro
 - dense: a megalite `MLP` of width k f, the FLOPs of the k experts a token passes through (no
   router, no permutation): the cost of routing.
 
-Part 2, two gloo processes (tests/spawn.py, one thread each) at ep=2, each rank its own tokens:
+Part 2, two gloo processes (megalite/testing.py, one thread each) at ep=2, each rank its own tokens:
 the layer's forward + backward and the seconds the `CommLedger` books for the all-to-alls
 (kind "ep") and the split-size exchange ("ep_sizes"), which on gloo include waiting for the
 peer: the all-to-all share of the layer's step.
@@ -144,7 +144,7 @@ def _part2(rank, world, a):
 
 
 def part2(a) -> dict:
-    from tests.spawn import spawn
+    from megalite.testing import spawn
 
     res = spawn(_part2, 2, a, timeout=1800)
     step = max(r[0] for r in res)

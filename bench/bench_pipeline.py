@@ -19,8 +19,8 @@ flavour, fp32). Each rank builds every variant over the same weights (the same s
 A step is one schedule (forward and backward of every micro-batch, with the p2p exchange) plus
 zeroing the gradients; no optimizer (the same for both). The variants take turns, one step each
 per round (1 warm-up round, then --steps rounds), so that all see the same machine; a step's
-time is the slowest rank's. For each megalite run the first stage's measured bubble (idle share
-of the step, `PipelineResult.bubble_measured`) is given beside its schedule's theory as a share
+time is the slowest rank's. For each megalite run the first stage's measured idle share of
+the step (`PipelineResult.idle_share`) is given beside its schedule's theory as a share
 of the step ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; torch's rows show that formula),
 and, from a `megalite.training.timeline.Timeline` recorded during the timed steps, its exposed
 communication: the share of the first stage's schedule spent blocked in p2p waits (the
@@ -227,7 +227,7 @@ def _worker(rank, a, tmp):
             if timed:
                 times[i].append(elapsed)
                 # every pp rank reads the result: its figures are one all-reduce over pp
-                bubbles[i].append(None if r is None else r.bubble_measured)
+                bubbles[i].append(None if r is None else r.idle_share)
                 waits[i].append(None if r is None else r.wait_s / max(r.step_s, 1e-12))
     rows = []
     for (label, vpp, _), t, b, w in zip(runs, times, bubbles, waits):
@@ -300,7 +300,7 @@ def main(argv=None):
     print(f"pp={a.pp} m={a.microbatches} micro-batch={a.micro_batch} seq={a.seq} "
           f"hidden={a.hidden} layers={a.layers} vocab={a.vocab}: {tokens} tokens per step; "
           f"median of {a.steps} rounds; load average after {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| run | step (s) | tokens/s | vs megalite 1F1B | bubble measured | idle theory | "
+    print("| run | step (s) | tokens/s | vs megalite 1F1B | idle share measured | idle theory | "
           "exposed p2p wait | compute share |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
         [--vocab 2048] [--seq 256] [--mbs 4] [--micro 8] [--rounds 5] [--summary PATH]
 
-Two gloo processes on CPU (tests/spawn.py: forkserver, file:// rendezvous, one thread each) run
+Two gloo processes on CPU (megalite/testing.py: forkserver, file:// rendezvous, one thread each) run
 four variants of one training step, interleaved round by round (the order rotates each round),
 after warm-up rounds:
 
@@ -50,13 +50,12 @@ from bench._common import figure, machine, tcp_bytes, write_summary  # noqa: E40
 from bench._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
-from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline.executor import run_schedule  # noqa: E402
-from megalite.pipeline.schedules import get_schedule  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
+from megalite.training.build import build_rank  # noqa: E402
 
 LR, WD, BETAS, EPS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 VARIANTS = ("megalite", "megalite-sp", "torch", "torch-sp")
@@ -79,17 +78,14 @@ def megalite_side(m, a, groups, sp):
     cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = WD, CLIP
     cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2 = BETAS
     cfg.optimizer.adam_eps = EPS
-    model = GPTChunk(m, groups.tp, sequence_parallel=sp, ops=TORCH_OPS, seed=1234)
-    opt = DistributedOptimizer([model], groups, cfg)
-    actions = get_schedule("1f1b", 1, 1, a.micro, 0)
-    seq = m.seq_length // groups.tp.size if sp else m.seq_length
-    shape = (a.mbs, seq, m.hidden_size)
+    cfg.parallel.tp, cfg.parallel.sequence_parallel = groups.tp.size, sp
+    cfg.training.kernels = "torch"
+    parts = build_rank(cfg, validate(cfg, groups.topo.world_size), groups)  # 1F1B over a.micro
+    (model,), opt = parts.chunks, parts.opt
 
     def backward(batch):
         opt.zero_grad(len(batch))
-        return run_schedule(
-            actions, [model], groups, batch, hidden_shape=shape, dtype=torch.float32
-        )
+        return parts.run(batch)
 
     def step(batch):
         loss = backward(batch).loss

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_zero3.py [--dp 2] [--layers 8] [--hidden 384] [--heads 6]
         [--seq 256] [--vocab 4096] [--gbs 8] [--mbs 2] [--steps 4] [--summary PATH]
 
---dp gloo processes on CPU (tests/spawn.py, one thread each) train the same `GPTChunk` (llama
+--dp gloo processes on CPU (megalite/testing.py, one thread each) train the same `GPTChunk` (llama
 flavour, torch reference ops, fp32, the same initial weights and data: each rank its 1/dp of the
 global batch in gbs/(dp*mbs) micro-batches). A step: forward + backward of every micro-batch
 (loss / m), clip the global norm at 1.0, AdamW. Both sides shard every parameter over the dp
@@ -49,13 +49,12 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
-from megalite.optim.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline.executor import run_schedule  # noqa: E402
-from megalite.pipeline.schedules import get_schedule  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.shape import validate  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
+from megalite.training.build import build_rank  # noqa: E402
 
 LR, CLIP, WD, BETAS, EPS = 1e-4, 1.0, 0.1, (0.9, 0.95), 1e-8
 
@@ -69,21 +68,19 @@ def model_config(a) -> ModelConfig:
 
 def megalite_side(a, m):
     groups = build_groups(Topology(dp=a.dp), torch.device("cpu"))
-    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
     cfg = Config()
     cfg.model = m
     o = cfg.optimizer
     o.zero_stage, o.clip_grad, o.weight_decay, o.lr = 3, CLIP, WD, LR
     (o.adam_beta1, o.adam_beta2), o.adam_eps = BETAS, EPS
     cfg.training.micro_batch_size, cfg.training.global_batch_size = a.mbs, a.gbs
-    opt = DistributedOptimizer([model], groups, cfg)
-    micro = a.gbs // (a.dp * a.mbs)
-    actions = get_schedule("1f1b", 1, 1, micro, 0)
+    cfg.training.kernels = "torch"
+    parts = build_rank(cfg, validate(cfg, a.dp), groups)  # 1F1B over gbs / (dp * mbs)
+    opt = parts.opt
 
     def step(batch):
         opt.zero_grad(len(batch))
-        r = run_schedule(actions, [model], groups, batch, hidden_shape=(a.mbs, a.seq, a.hidden),
-                         dtype=torch.float32)  # fmt: skip
+        r = parts.run(batch)
         opt.step(LR)
         return r.loss
 

@@ -26,8 +26,7 @@ import torch  # noqa: E402
 from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule  # noqa: E402
 from megalite.pipeline.partition import rank_chunks  # noqa: E402
 from megalite.pipeline.schedules import SCHEDULES, bubble_theory, get_schedule  # noqa: E402
-from tests.distributed import test_bubble  # noqa: E402 (its sleeping stage)
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import SleepChunk, spawn  # noqa: E402
 
 CASES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]
 
@@ -36,12 +35,11 @@ def _worker(rank, world, m, t, rounds):
     from megalite.parallel.groups import build_groups
     from megalite.parallel.topology import Topology
 
-    test_bubble.T = t
     groups = build_groups(Topology(pp=world), torch.device("cpu"))
     runs = {}
     for name, vpp in CASES:
         placement = SCHEDULES[name].placement
-        chunks = [test_bubble.SleepChunk(**kw, vpp=vpp)
+        chunks = [SleepChunk(**kw, vpp=vpp, seconds=t)
                   for kw in rank_chunks(world * vpp, world, vpp, rank, placement)]  # fmt: skip
         actions = get_schedule(name, world, vpp, m, rank)
         data = [(torch.ones(2, 4), None)] * m

@@ -11,8 +11,8 @@ After warm-up steps, --steps non-logging steps run under `torch.cuda.set_sync_de
 and every "synchronizing CUDA operation" warning is counted, with the line of megalite that
 issued it; then one logging step likewise. Reported: syncs per non-logging step (the design
 says one: the optimizer's status read) and the step time. On CPU, where CUDA's debug mode
-does not exist, tests/host_syncs.py's counter stands in (it sees reads of device values, not
-blocking host-to-device copies).
+does not exist, megalite/testing.py's host-sync counter stands in (it sees reads of device
+values, not blocking host-to-device copies).
 
 multirank: NCCL refuses two ranks on one device, so the ranks of each layout (tp2, pp2, dp2
 with ZeRO-1) share the one GPU over gloo with CUDA tensors, and train a few steps of a tiny
@@ -121,7 +121,7 @@ def _syncs_cuda(trainer, steps):
 
 
 def _syncs_cpu(trainer, steps):
-    from tests.host_syncs import HostSyncCounter
+    from megalite.testing import HostSyncCounter
 
     counts, where = [], {}
 
@@ -161,7 +161,9 @@ def syncs(a) -> dict:
     counts, where, logging_step, step_s = (_syncs_cuda if cuda else _syncs_cpu)(trainer, a.steps)
     out = {
         "device": str(device) + ("" if not cuda else f" ({torch.cuda.get_device_name()})"),
-        "how": "torch.cuda.set_sync_debug_mode('warn')" if cuda else "tests/host_syncs.py counter",
+        "how": "torch.cuda.set_sync_debug_mode('warn')"
+        if cuda
+        else "megalite/testing.py host-sync counter",
         "model": model,
         "syncs_per_step": counts,
         "logging_step_syncs": logging_step,

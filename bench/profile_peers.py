@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import bench_dp, bench_pipeline  # noqa: E402
 from bench._common import machine  # noqa: E402
 from bench.profile_tp import _labelled, label_comm, profile, table  # noqa: E402
+from megalite.parallel import p2p  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline import p2p  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 
 # gloo's records of asynchronous work (p2p, bucket reductions): spans of work in flight
 ASYNC = ("gloo:",)

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._common import machine  # noqa: E402
 from bench.bench_tp import make_batches, model_args, model_config, variants  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from megalite.testing import spawn  # noqa: E402
 
 BUCKETS = ("gemm", "other compute", "collectives", "dispatch", "python")
 GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")

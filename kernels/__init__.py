@@ -4,11 +4,22 @@
 "triton" (or "auto" on CUDA), the torch references otherwise. A Triton op handed inputs it does
 not support (a head dim, a dtype, bf16 under the CPU interpreter) warns once and runs its
 reference instead, so choosing "triton" never turns a working model into a failing one.
+
+The namespace is the model's seam for new implementations: every layer of a chunk calls the ops
+it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` or
+`override(ops, attention=my_attention)` plugs one in everywhere at once (docs/extending.md).
+- `linear(x, w, b=None)`: x (..., in) @ w (out, in)^T (+ b), every matmul with a weight
+  (tensor-parallel linears, the fused q/k/v and gate/up, the output layer, the MoE router).
+- `attention(q, k, v, dropout_p=0.0)`: causal attention of q (b, hq, s, d) over k, v
+  (b, hkv, s, d), hq a multiple of hkv, scale 1/sqrt(d) -> (b, hq, s, d): the core of training
+  and whole-sequence inference (`Attention._core`). Packed documents and context parallelism
+  use `attention_masked` and the `attention_block_*` ops; a KV cache `attention_masked`.
 """
 
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from megalite.kernels._triton import INTERPRET, TRITON_ERROR, warn_once
 from megalite.kernels.activations import gelu, gelu_ref, swiglu, swiglu_ref
 from megalite.kernels.attention import attention, attention_ref
@@ -35,6 +46,7 @@ from megalite.kernels.rms_norm import rms_norm, rms_norm_ref
 from megalite.kernels.rotary import rotary, rotary_ref
 
 TORCH_OPS = SimpleNamespace(
+    linear=F.linear,
     rms_norm=rms_norm_ref,
     layer_norm=layer_norm_ref,
     rotary=rotary_ref,
@@ -52,6 +64,7 @@ TORCH_OPS = SimpleNamespace(
 )
 
 TRITON_OPS = SimpleNamespace(
+    linear=F.linear,  # cuBLAS: no Triton matmul of our own
     rms_norm=rms_norm,
     layer_norm=layer_norm,
     rotary=rotary,
@@ -82,6 +95,7 @@ __all__ = [
     "cross_entropy_shard_stats",
     "grouped_mm",
     "grouped_mm_ref",
+    "override",
     "select",
 ]
 
@@ -100,3 +114,12 @@ def select(mode: str, device: torch.device | str) -> SimpleNamespace:
         warn_once("select", "Triton on CPU needs TRITON_INTERPRET=1 set before importing triton")
         return TORCH_OPS
     return TRITON_OPS
+
+
+def override(ops: SimpleNamespace, **impls) -> SimpleNamespace:
+    """`ops` with some implementations replaced (same signatures: see the module docstring);
+    `ops` itself is unchanged. A name the model does not call is refused, not ignored."""
+    unknown = sorted(set(impls) - set(vars(ops)))
+    if unknown:
+        raise ValueError(f"override: no op named {', '.join(unknown)}; ops are {sorted(vars(ops))}")
+    return SimpleNamespace(**{**vars(ops), **impls})

@@ -2,32 +2,79 @@
 
 Every field carries its documentation (shown by `--help`) and its flag names: the field name
 with dashes (`--micro-batch-size`) plus Megatron-LM's long names and short aliases.
-`megalite/config_read.py` fills one from YAML and flags;
-`megalite.shape.validate()` rejects impossible combinations with one clear sentence before any
-process group exists and derives the run's shape; nothing writes into a Config afterwards.
+`megalite/config_read.py` fills one from YAML, flags or a dict (this module is data only and
+imports nothing of megalite); `megalite.shape.validate()` rejects impossible combinations with
+one clear sentence before any process group exists and derives the run's shape; nothing writes
+into a Config afterwards.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from megalite.parallel.topology import DEFAULT_ORDER
-from megalite.pipeline import schedules
+# The rank order of the parallel axes, fastest-varying first; parallel/topology.py takes its
+# default from here. An axis of size 1 takes no place: tp-dp-pp ranks unchanged.
+DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
 def opt(default, doc, *aliases, choices=None):
-    """A config field: its default, its documentation and any extra flag names. `choices` may
-    be a function returning them (a registry that grows after import)."""
+    """A config field: its default, its documentation, any extra flag names and, where the
+    values are a fixed set, its choices."""
     kw = {"default_factory": default} if callable(default) else {"default": default}
     return field(**kw, metadata={"doc": doc, "aliases": aliases, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelFeatures:
+    """What a flavour decides about the architecture. Code asks these fields (`cfg.features`),
+    never the flavour's name, so a new family (Qwen: qkv biases, ...) is one row of FLAVOURS.
+    Hugging Face import derives them from a config.json (checkpoint/hf.py) and finds the row."""
+
+    norm: str  # "layernorm" (weight and bias) or "rmsnorm" (weight only)
+    position: str  # "learned" (a position table added to the embedding) or "rotary" (RoPE)
+    gated_mlp: bool  # SwiGLU: silu(gate) * up; else GELU(up)
+    qkv_bias: bool  # biases on the q, k, v projections (Megatron's --add-qkv-bias)
+    linear_bias: bool  # biases on the other linears: attention out, MLP (--add-bias-linear)
+    tied: bool  # the output layer is the word embedding unless --untie-... says otherwise
+    hf_model_type: str  # transformers' model_type with this weight layout (checkpoint/hf.py)
+    doc: str = ""
+
+    @property
+    def rms_norm(self) -> bool:
+        return self.norm == "rmsnorm"
+
+    @property
+    def rotary(self) -> bool:
+        return self.position == "rotary"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position == "learned"
+
+    def default_ffn(self, h: int) -> int:
+        """MLP width without --ffn-hidden-size: 4h, or 8h/3 rounded up to 64 when gated (the
+        same weights as 4h split over gate and up, as Llama sizes it)."""
+        return -(-8 * h // 3 // 64) * 64 if self.gated_mlp else 4 * h
+
+
+FLAVOURS = {
+    "gpt2": ModelFeatures(
+        "layernorm", "learned", gated_mlp=False, qkv_bias=True, linear_bias=True, tied=True,
+        hf_model_type="gpt2", doc="LayerNorm, GELU, learned positions, biases, tied embeddings",
+    ),
+    "llama": ModelFeatures(
+        "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
+        hf_model_type="llama",
+        doc="RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied",
+    ),
+}  # fmt: skip
 
 
 @dataclass
 class ModelConfig:
     flavour: str = opt(
         "gpt2",
-        "gpt2: LayerNorm, GELU, learned positions, biases, tied embeddings; "
-        "llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied",
-        choices=("gpt2", "llama"),
+        "; ".join(f"{name}: {f.doc}" for name, f in FLAVOURS.items()),
+        choices=lambda: tuple(FLAVOURS),  # a row added after import counts too
     )
     num_layers: int = opt(2, "transformer layers")
     hidden_size: int = opt(64, "model width h")
@@ -36,7 +83,7 @@ class ModelConfig:
         None, "key/value heads for grouped-query attention (default: heads)"
     )
     ffn_hidden_size: int | None = opt(
-        None, "MLP width (default: 4h for gpt2, 8h/3 rounded up to 64 for llama)"
+        None, "MLP width (default: 4h; 8h/3 rounded up to 64 with a gated MLP, as llama)"
     )
     seq_length: int = opt(128, "tokens per sample")
     max_position_embeddings: int | None = opt(None, "learned positions (gpt2; default: seq_length)")
@@ -89,6 +136,10 @@ class ModelConfig:
     )
 
     @property
+    def features(self) -> ModelFeatures:
+        return FLAVOURS[self.flavour]
+
+    @property
     def heads_kv(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
@@ -100,14 +151,12 @@ class ModelConfig:
     def ffn(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.flavour == "llama":
-            return -(-8 * self.hidden_size // 3 // 64) * 64
-        return 4 * self.hidden_size
+        return self.features.default_ffn(self.hidden_size)
 
     @property
     def tied(self) -> bool:
         if self.untie_embeddings_and_output_weights is None:
-            return self.flavour == "gpt2"
+            return self.features.tied
         return not self.untie_embeddings_and_output_weights
 
     @property
@@ -165,8 +214,8 @@ class ParallelConfig:
     )
     pp_schedule: str | None = opt(
         None,
-        "pipeline schedule (default: interleaved when vpp >= 2, else 1f1b)",
-        choices=lambda: tuple(schedules.SCHEDULES),
+        # the names are the pipeline registry's; validate() refuses an unknown one, naming them
+        "pipeline schedule, by its registered name (default: interleaved when vpp >= 2, else 1f1b)",
     )
     distributed_timeout_minutes: float = opt(
         10.0, "collectives waiting longer than this fail the run"
@@ -353,11 +402,3 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Config":
-        from megalite.config_read import apply  # the reader walks the classes above
-
-        cfg = cls()
-        apply(cfg, d, source="config")
-        return cfg

@@ -1,6 +1,7 @@
-"""Reading a Config: its defaults, then the YAML of --config, then the flags given. Every field
-is a flag (`config.opt` gives its documentation and aliases); an unknown section, field or flag
-is refused in one sentence with the closest known name."""
+"""Reading a Config: its defaults, then the YAML of --config, then the flags given; or a plain
+dict (`from_dict`, as a checkpoint stores its model). Every field is a flag (`config.opt` gives
+its documentation and aliases); an unknown section, field or flag is refused in one sentence
+with the closest known name."""
 
 import argparse
 import dataclasses
@@ -24,8 +25,7 @@ def _fields(section_obj):
 
 
 def _choices(f):
-    c = f.metadata.get("choices")
-    return c() if callable(c) else c
+    return f.metadata.get("choices")
 
 
 def _base_type(tp):
@@ -94,6 +94,13 @@ def apply(cfg: Config, d: dict, source: str):
                     f"{source}: {sec}.{key}={v!r} must be one of {', '.join(map(str, choices))}"
                 )
             setattr(obj, key, v)
+
+
+def from_dict(d: dict) -> Config:
+    """A Config of the defaults, with the sections and fields of `d` applied (and checked)."""
+    cfg = Config()
+    apply(cfg, d, source="config")
+    return cfg
 
 
 def load_yaml(path: str) -> dict:

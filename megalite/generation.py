@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megalite.errors import MegaliteError
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
-from megalite.pipeline.p2p import exchange
+from megalite.parallel.p2p import exchange
 
 # ---- the cache -----------------------------------------------------------------------------
 
@@ -223,8 +223,8 @@ def sample(logits, tp: Group, vocab_size: int, sampling: Sampling, generator) ->
 
 
 def context_length(cfg) -> int:
-    """Positions the model has: learned ones (gpt2) or its rotary tables (llama)."""
-    if cfg.flavour == "gpt2" and cfg.max_position_embeddings:
+    """Positions the model has: its learned table (gpt2), else its rotary tables (llama)."""
+    if cfg.features.learned_positions and cfg.max_position_embeddings:
         return cfg.max_position_embeddings
     return cfg.seq_length
 

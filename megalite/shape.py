@@ -129,7 +129,12 @@ def _positive(cfg: Config):
 
 def derive(cfg: Config, world_size: int) -> RunShape:
     """The shape of this layout (cfg.parallel) on `world_size` ranks, or MegaliteError naming
-    why the model or the batch cannot run that way."""
+    why the model or the batch cannot run that way. A schedule that fixes its chunks per rank
+    (a V: 2) fills in --vpp left at 1 (`Schedule.vpp`); the shape's vpp is then its."""
+    name = cfg.parallel.pp_schedule or schedules.default_schedule(cfg.parallel.vpp)
+    vpp = schedules.schedule(name).vpp(cfg.parallel.vpp)
+    if vpp != cfg.parallel.vpp:  # (a copy: the user's config is not changed)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, vpp=vpp))
     m, p, t = cfg.model, cfg.parallel, cfg.training
     sizes = {a: (ax.size(cfg) if ax.size else None) for a, ax in AXES.items()}
     sizes[INFERRED] = p.dp
@@ -163,7 +168,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         raise MegaliteError(
             f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups={m.heads_kv}"
         )
-    if m.flavour == "llama" and m.head_dim % 2:
+    if m.features.rotary and m.head_dim % 2:
         raise MegaliteError(f"head dim {m.head_dim} must be even for rotary embeddings")
     for ax in AXES.values():
         reason = ax.check(cfg, sizes) if ax.check else None
@@ -181,7 +186,6 @@ def derive(cfg: Config, world_size: int) -> RunShape:
             f"{t.micro_batch_size}*{data}; make it a multiple of {t.micro_batch_size * data}"
         )
     microbatches = t.global_batch_size // (t.micro_batch_size * data)
-    name = p.pp_schedule or schedules.default_schedule(p.vpp)
     reason = schedules.check_shape(name, sizes["pp"], p.vpp, microbatches)
     if reason:
         raise MegaliteError(reason)
@@ -259,6 +263,9 @@ def validate(cfg: Config, world_size: int) -> RunShape:
         # Documented choice: sequence parallelism is a TP feature; at tp=1 it is ignored.
         print("megalite: warning: --sequence-parallel has no effect at tp=1; ignored",
               file=sys.stderr)  # fmt: skip
+    if shape.vpp != p.vpp and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"megalite: vpp={shape.vpp} inferred: the {shape.schedule} schedule runs "
+              f"{shape.vpp} chunks per rank", file=sys.stderr)  # fmt: skip
     if o.min_lr > o.lr:
         raise MegaliteError(f"min_lr={o.min_lr} is larger than lr={o.lr}")
     d = cfg.data

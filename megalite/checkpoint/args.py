@@ -13,6 +13,7 @@ import copy
 import dataclasses
 
 from megalite.config import Config, ModelConfig
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 
 FREE = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std",
@@ -31,10 +32,10 @@ def _effective(m: ModelConfig) -> dict:
         "num_query_groups": m.heads_kv,
         "ffn_hidden_size": m.ffn,
         "max_position_embeddings": (m.max_position_embeddings or m.seq_length)
-        if m.flavour == "gpt2" else None,
+        if m.features.learned_positions else None,
         "vocab_size": m.vocab_size,
         "norm_epsilon": m.norm_epsilon,
-        "rotary_base": m.rotary_base if m.flavour == "llama" else None,
+        "rotary_base": m.rotary_base if m.features.rotary else None,
         "untie_embeddings_and_output_weights": not m.tied,
     }  # fmt: skip
 
@@ -68,10 +69,10 @@ def with_checkpoint_model(cfg: Config, given: set, path) -> Config:
         raise MegaliteError(f"{ckpt.dir} records no model config; pass every model flag")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     try:
-        theirs = Config.from_dict({"model": {k: v for k, v in stored.items() if k in fields}}).model
+        theirs = from_dict({"model": {k: v for k, v in stored.items() if k in fields}}).model
     except MegaliteError as e:
         raise MegaliteError(f"{ckpt.dir}/index.json: {e}") from None
-    if theirs.max_position_embeddings is None and theirs.flavour == "gpt2":
+    if theirs.max_position_embeddings is None and theirs.features.learned_positions:
         theirs.max_position_embeddings = theirs.seq_length  # the table keeps its size
     out = copy.deepcopy(cfg)
     for name in fields:

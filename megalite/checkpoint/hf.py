@@ -5,7 +5,9 @@ map a state dict one way or the other. megalite pads the vocabulary (to a multip
 `make_vocab_size_divisible_by`); padding rows are added on import and stripped on export.
 GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v into `c_attn`; megalite keeps
 `nn.Linear` (out, in) and separate q, k, v. `export_tokenizer` writes the run's tokenizer so that
-`AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on.
+`AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on. The layout follows
+the model's features (`cfg.features.hf_model_type`, its biases); an imported config.json is read
+as features first and then matched to a row of `megalite.config.FLAVOURS`.
 
 Mixtral (a Llama-flavoured model with experts in every layer, no shared expert, top-k weights
 renormalised): megalite's stacked expert tensors are the ones recent transformers keep in
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalite.config import ModelConfig
+from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.data.tokenizer import SENTENCEPIECE, load_tokenizer
 from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
@@ -32,12 +34,17 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM"}  # fmt: skip
 
 
+def _gpt2_layout(cfg: ModelConfig) -> bool:
+    """GPT-2's names: Conv1D (in, out) weights, q, k, v fused into c_attn."""
+    return cfg.features.hf_model_type == "gpt2"
+
+
 def _mixtral(cfg: ModelConfig) -> bool:
     """An MoE model exports as Mixtral; one Mixtral cannot express is refused."""
     if not cfg.num_experts:
         return False
     unsupported = {
-        "the gpt2 flavour": cfg.flavour != "llama",
+        f"the {cfg.flavour} flavour": cfg.features.hf_model_type != "llama",
         "--moe-layer-freq > 1": cfg.moe_layer_freq != 1,
         "a shared expert": bool(cfg.moe_shared_expert_intermediate_size),
         "--moe-router-pre-softmax": cfg.moe_router_pre_softmax,
@@ -54,7 +61,7 @@ def _mixtral(cfg: ModelConfig) -> bool:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of the equivalent transformers model."""
-    if cfg.flavour == "gpt2" and not _mixtral(cfg):
+    if _gpt2_layout(cfg) and not _mixtral(cfg):
         return {
             "architectures": [ARCHITECTURES["gpt2"]],
             "model_type": "gpt2",
@@ -73,8 +80,8 @@ def hf_config(cfg: ModelConfig) -> dict:
             "tie_word_embeddings": True,
         }
     out = {
-        "architectures": [ARCHITECTURES["llama"]],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[cfg.features.hf_model_type]],
+        "model_type": cfg.features.hf_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn,
@@ -86,8 +93,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         "rope_theta": cfg.rotary_base,
         "hidden_act": "silu",
         "tie_word_embeddings": cfg.tied,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "attention_bias": cfg.features.qkv_bias,
+        "mlp_bias": cfg.features.linear_bias,
         "initializer_range": cfg.init_method_std,
         "attention_dropout": cfg.attention_dropout,
     }
@@ -105,6 +112,31 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
+def _flavour(features: ModelFeatures, arch: str) -> str:
+    """The flavour whose row has these features (the output tying aside: a flag sets it)."""
+    differ = {}
+    for name, row in FLAVOURS.items():
+        theirs = {k: v for k, v in vars(features).items() if k not in ("tied", "doc")}
+        mine = {k: getattr(row, k) for k in theirs}
+        if theirs == mine:
+            return name
+        if row.hf_model_type == features.hf_model_type:
+            differ = {k: v for k, v in theirs.items() if v != mine[k]}
+    what = ", ".join(f"{k}={v}" for k, v in differ.items()) or str(features)
+    raise MegaliteError(
+        f"{arch} models with {what} are not supported: no megalite flavour has these features "
+        "(megalite.config.FLAVOURS)"
+    )
+
+
+def _llama_features(hf: dict) -> ModelFeatures:
+    """Llama's (and Mixtral's) features as config.json states them."""
+    bias = bool(hf.get("attention_bias"))  # q, k, v and o_proj
+    return ModelFeatures("rmsnorm", "rotary", gated_mlp=True, qkv_bias=bias,
+                         linear_bias=bias or bool(hf.get("mlp_bias")),
+                         tied=bool(hf.get("tie_word_embeddings", False)), hf_model_type="llama")  # fmt: skip
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
     arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
     if arch == ARCHITECTURES["gpt2"] or hf.get("model_type") == "gpt2":
@@ -112,8 +144,11 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise MegaliteError(
                 f"GPT-2 activation {hf['activation_function']!r} is not supported; megalite uses gelu_new"
             )
+        # what GPT2LMHeadModel always is: its config.json has no switch for these
+        gpt2 = ModelFeatures("layernorm", "learned", gated_mlp=False, qkv_bias=True,
+                             linear_bias=True, tied=True, hf_model_type="gpt2")  # fmt: skip
         return ModelConfig(
-            flavour="gpt2",
+            flavour=_flavour(gpt2, "GPT-2"),
             num_layers=hf["n_layer"],
             hidden_size=hf["n_embd"],
             num_attention_heads=hf["n_head"],
@@ -124,8 +159,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         )
     if arch == ARCHITECTURES["llama"] or hf.get("model_type") == "llama":
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise MegaliteError("Llama models with attention or MLP biases are not supported")
         return _llama_config(hf, "Llama")
     if arch == ARCHITECTURES["mixtral"] or hf.get("model_type") == "mixtral":
         return _mixtral_config(hf)
@@ -170,7 +203,7 @@ def _llama_config(hf: dict, arch: str, seq=2048, eps=1e-6, rope=10000.0, **exper
     defaults are transformers' for fields the file leaves out."""
     heads = hf["num_attention_heads"]
     return ModelConfig(
-        flavour="llama",
+        flavour=_flavour(_llama_features(hf), arch),
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
@@ -213,11 +246,15 @@ def _llama_names(cfg: ModelConfig):
         yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"
         for a, b in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "o_proj")):
             yield m + f"attention.{a}.weight", h + f"self_attn.{b}.weight"
+            if cfg.features.linear_bias if a == "out" else cfg.features.qkv_bias:
+                yield m + f"attention.{a}.bias", h + f"self_attn.{b}.bias"
         if cfg.is_moe_layer(i):  # Mixtral: the router; the experts in _experts_to/_from_hf
             yield m + "mlp.router.weight", h + "block_sparse_moe.gate.weight"
             continue
         for a in ("gate", "up", "down"):
             yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight"
+            if cfg.features.linear_bias:
+                yield m + f"mlp.{a}.bias", h + f"mlp.{a}_proj.bias"
     yield "final_norm.weight", "model.norm.weight"
     if not cfg.tied:
         yield OUTPUT, "lm_head.weight"
@@ -229,7 +266,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     V = cfg.vocab_size
     out = {}
     unpad = set(VOCAB_TENSORS)
-    if cfg.flavour == "gpt2":
+    if _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             w = state[m][:V] if m in unpad else state[m]
             out[h] = w.t().contiguous() if t else w.clone()
@@ -264,7 +301,7 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
         return hf_state[name]
 
     out = {}
-    if cfg.flavour == "gpt2":
+    if _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             out[m] = get(h).t().contiguous() if t else get(h).clone()
         h_ = cfg.hidden_size

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf
 from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError, run_main
 from megalite.model.gpt import VOCAB_TENSORS
 from megalite.shape import validate
@@ -133,7 +134,7 @@ def hf_to_megalite(src: Path, dst: Path, args):
 def megalite_to_hf(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     ckpt.verify()
-    cfg = Config.from_dict({"model": ckpt.model_config}).model
+    cfg = from_dict({"model": ckpt.model_config}).model
     state = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
     out = hf.to_hf(state, cfg)
     if cfg.tied:  # one tensor under two names cannot be saved; transformers re-ties lm_head
@@ -150,7 +151,7 @@ def megalite_to_hf(src: Path, dst: Path, args):
 
 def megalite_to_megalite(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
-    cfg = Config.from_dict({"model": ckpt.model_config})
+    cfg = from_dict({"model": ckpt.model_config})
     check_layout(cfg, args.tp, args.pp, args.vpp)
     for f in progress(sorted(ckpt.files), "verifying", "file"):
         ckpt.verify([f])

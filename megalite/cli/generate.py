@@ -23,7 +23,7 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import agreed_errors, check_model, load_model
-from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 from megalite.generation import Sampling, check_prompts
@@ -38,7 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 def open_checkpoint(path, tokenizer_model=None):
     """The checkpoint (index read, nothing verified yet), its model config and the tokenizer."""
     ckpt = fmt.Checkpoint(path)
-    cfg = Config.from_dict({"model": ckpt.model_config}).model
+    cfg = from_dict({"model": ckpt.model_config}).model
     if tokenizer_model is None:
         stored = fmt.stored_tokenizer(ckpt.files)  # tokenizer.model or tokenizer.json
         if stored is None:
@@ -87,7 +87,7 @@ def load_at_layout(opened, tp=1, pp=1, dtype="fp32") -> Model:
 
     ckpt, cfg, tok = opened
     world = world_from_env()[1]
-    run = Config.from_dict({
+    run = from_dict({
         "model": ckpt.model_config, "parallel": {"tp": tp, "pp": pp},
         "training": {"micro_batch_size": 1, "global_batch_size": world * pp},
     })  # fmt: skip

@@ -21,7 +21,12 @@ from megalite.parallel.comm import Group
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.random import ShardedRNG
 from megalite.parallel.specs import mark, name_parameters, spec_of, update
-from megalite.parallel.tensor_parallel import VocabParallelEmbedding, enter_tp_region, shard_spec
+from megalite.parallel.tensor_parallel import (
+    SequenceParallel,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    shard_spec,
+)
 
 LOCAL = Group("tp", [0], 0)  # a TP group of one: the single-process model
 
@@ -53,10 +58,13 @@ class GPTChunk(nn.Module):
         """`ep`: the expert-parallel group of an MoE model (default: the one build_groups
         attaches to the TP group, else experts on this rank alone). `cp`: the context-parallel
         group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
-        its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all)."""
+        its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all). `ops`: the kernels every
+        layer calls (megalite.kernels; `override` swaps one, the linear or attention, say)."""
         super().__init__()
         layers = range(cfg.num_layers) if layers is None else layers
-        self.cfg, self.tp, self.sp, self.ops = cfg, tp, sequence_parallel and tp.size > 1, ops
+        self.cfg, self.tp, self.ops = cfg, tp, ops
+        # one switch handed to every layer: full_sequences() turns them all off at once
+        self.seq_parallel = SequenceParallel(sequence_parallel and tp.size > 1)
         self.has_embedding, self.has_head = has_embedding, has_head
         self.vocab = cfg.padded_vocab_size(tp.size)
         # dropout of sharded activations: a stream per TP rank, and per cp rank (other tokens)
@@ -66,22 +74,22 @@ class GPTChunk(nn.Module):
         if has_embedding:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(
-                self.vocab, cfg.hidden_size, tp, self.sp, **kw
+                self.vocab, cfg.hidden_size, tp, self.seq_parallel, **kw
             )
-            if cfg.flavour == "gpt2":
+            if cfg.features.learned_positions:
                 positions = cfg.max_position_embeddings or cfg.seq_length
                 self.embedding.position = nn.Embedding(positions, cfg.hidden_size, **kw)
                 # with sequence parallelism each rank adds positions to its own rows only
                 mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
         ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, tp, ops, self.sp, rng, recompute, **kw,
+            {str(i): TransformerLayer(cfg, tp, ops, self.seq_parallel, rng, recompute, **kw,
                                       ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
                                       cp_comm_type=cp_comm_type)
              for i in layers}
         )  # fmt: skip
         if has_head:
-            self.final_norm = Norm(cfg, tp, ops, self.sp, **kw)
+            self.final_norm = Norm(cfg, tp, ops, self.seq_parallel, **kw)
             if not (cfg.tied and has_embedding):
                 self.output = nn.Module()
                 w = torch.empty(self.vocab // tp.size, cfg.hidden_size, **kw)
@@ -135,13 +143,18 @@ class GPTChunk(nn.Module):
 
         return {i: m.stats for i, m in moe_layers([self])}
 
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is on now (off inside `full_sequences`)."""
+        return self.seq_parallel.on
+
     # ---- forward ----------------------------------------------------------------------------
 
     def embed(self, ids, positions=None):  # (b, s) -> (b, s, h) or (b, s/t, h)
         """`positions` (b, s): each token's position (inference with a cache, context
         parallelism, documents), else 0..s-1."""
         x = self.embedding.word(ids)
-        if self.cfg.flavour == "gpt2":
+        if self.cfg.features.learned_positions:
             pos = positions
             if pos is None:
                 pos = torch.arange(ids.shape[1], device=ids.device)
@@ -161,7 +174,7 @@ class GPTChunk(nn.Module):
     def logits(self, x):
         """(b, s[/t], h) -> this rank's vocabulary slice of the logits (b, s, V_padded/t)."""
         x = enter_tp_region(self.final_norm(x), self.tp, self.sp)
-        return F.linear(x, self.head_weight())
+        return self.ops.linear(x, self.head_weight())
 
     def forward(self, x, labels=None, cache=None, shard=None):
         """Training and whole-sequence inference; with `cache` (a megalite.generation.KVCache),
@@ -206,13 +219,10 @@ class GPTChunk(nn.Module):
     def full_sequences(self):
         """Sequence parallelism off (every TP rank holds whole (b, s, h) activations), restored
         on exit: inference feeds one token at a time, which cannot be split over TP. The
-        weights and the results are the same; only activation memory differs."""
-        saved = [(m, a, getattr(m, a)) for m in self.modules()
-                 for a in ("sp", "sequence_parallel") if isinstance(getattr(m, a, None), bool)]  # fmt: skip
-        for m, a, _ in saved:
-            setattr(m, a, False)
+        weights and the results are the same; only activation memory differs. Every layer holds
+        this chunk's one `SequenceParallel` switch, so flipping it reaches them all."""
+        saved, self.seq_parallel.on = self.seq_parallel.on, False
         try:
             yield self
         finally:
-            for m, a, v in saved:
-                setattr(m, a, v)
+            self.seq_parallel.on = saved

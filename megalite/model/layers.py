@@ -7,6 +7,10 @@ query heads and the key/value heads they need.
 Inference with a KV cache passes `kv`, one layer's view of a `megalite.generation.KVCache`:
 x then holds only the new tokens (never sequence-parallel), their keys and values are appended
 to the cache, and attention runs over every cached slot with explicit positions.
+
+What the flavour decides is read from `cfg.features` (config.ModelFeatures); every matmul and
+the attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).
+`sequence_parallel` is the chunk's `SequenceParallel` switch (or a bool), shared by its layers.
 """
 
 import dataclasses
@@ -31,13 +35,13 @@ from megalite.parallel.tensor_parallel import (
 
 
 class Norm(nn.Module):
-    """LayerNorm (gpt2) or RMSNorm (llama). Replicated over TP; with sequence parallelism each
+    """LayerNorm or RMSNorm (`features.norm`). Replicated over TP; with sequence parallelism each
     rank sees only its rows, so the weight gradient is summed over TP."""
 
     def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel: bool, dtype=None,
                  device=None):  # fmt: skip
         super().__init__()
-        self.ops, self.eps, self.rms = ops, cfg.norm_epsilon, cfg.flavour == "llama"
+        self.ops, self.eps, self.rms = ops, cfg.norm_epsilon, cfg.features.rms_norm
         kw = {"dtype": dtype, "device": device}
         spec = shard_spec(tp, None, sequence_parallel, no_weight_decay=True)
         self.weight = mark(nn.Parameter(torch.ones(cfg.hidden_size, **kw)), **spec)
@@ -85,14 +89,15 @@ class Attention(nn.Module):
         self.split_kv = nkv % tp.size == 0
         self.kv_heads = nkv // tp.size if self.split_kv else 1
         self.kv_group = None if self.split_kv else tp.rank * nkv // tp.size
-        bias = cfg.flavour == "gpt2"
+        self.rotary = cfg.features.rotary
         kw = {
             "group": tp,
-            "bias": bias,
+            "bias": cfg.features.qkv_bias,
             "sequence_parallel": sequence_parallel,
             "enter": False,
             "dtype": dtype,
             "device": device,
+            "ops": ops,
         }
         self.q = ColumnParallelLinear(h, nh * hd, **kw)
         self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **kw)
@@ -101,17 +106,20 @@ class Attention(nn.Module):
             nh * hd,
             h,
             tp,
-            bias=bias,
+            bias=cfg.features.linear_bias,
             sequence_parallel=sequence_parallel,
             dtype=dtype,
             device=device,
+            ops=ops,
         )
-        if cfg.flavour == "llama":
+        if self.rotary:
             cos, sin = rotary_tables(cfg, device)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
     def _core(self, q, k, v, shard=None):
+        """q (b, nh/t, s, hd), k and v (b, kv heads, s, hd) -> (b, nh/t, s, hd): `ops.attention`,
+        the seam for an attention variant (or the masked/context-parallel blocks of `shard`)."""
         if shard is not None and shard.attention_masked:  # cp > 1 or documents (no dropout)
             return context_attention(q, k, v, self.cp, shard, self.cp_comm_type, self.ops)
         p = self.cfg.attention_dropout if self.training else 0.0
@@ -142,11 +150,11 @@ class Attention(nn.Module):
         if self.kv_group is not None:
             k = k[:, :, self.kv_group : self.kv_group + 1]
             v = v[:, :, self.kv_group : self.kv_group + 1]
-        if self.cfg.flavour == "llama" and kv is not None:
+        if self.rotary and kv is not None:
             q, k = self._rotate_at(q, k, kv.positions)
-        elif self.cfg.flavour == "llama" and shard is not None:  # true (or in-document) positions
+        elif self.rotary and shard is not None:  # true (or in-document) positions
             q, k = self._rotate_at(q, k, shard.positions)
-        elif self.cfg.flavour == "llama":
+        elif self.rotary:
             q = self.ops.rotary(q, self.cos[:s], self.sin[:s])
             k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
@@ -171,32 +179,34 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.tp, self.sp, self.ops = tp, sequence_parallel, ops
-        self.llama = cfg.flavour == "llama"
+        self.gated = cfg.features.gated_mlp
         h, f = cfg.hidden_size, cfg.ffn
         kw = {
             "group": tp,
-            "bias": not self.llama,
+            "bias": cfg.features.linear_bias,
             "sequence_parallel": sequence_parallel,
             "enter": False,
             "dtype": dtype,
             "device": device,
+            "ops": ops,
         }
-        if self.llama:
+        if self.gated:
             self.gate = ColumnParallelLinear(h, f, **kw)
         self.up = ColumnParallelLinear(h, f, **kw)
         self.down = RowParallelLinear(
             f,
             h,
             tp,
-            bias=not self.llama,
+            bias=cfg.features.linear_bias,
             sequence_parallel=sequence_parallel,
             dtype=dtype,
             device=device,
+            ops=ops,
         )
 
     def forward(self, x, fused=True):
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
-        if self.llama:
+        if self.gated:
             gate_up = (self.gate, self.up)
             gate_up = fused_column_linear(x, gate_up) if fused else [f(x) for f in gate_up]
             y = self.ops.swiglu(*gate_up)  # (b, s, f/t)

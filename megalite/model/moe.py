@@ -26,7 +26,7 @@ load-balancing loss, the capacity).
 - Experts: all local experts in two or three grouped GEMMs (`ops.grouped_mm`) over the
   assignments sorted by expert; dispatch and combine over ep in parallel/expert_parallel.py.
   Expert weights are (E/ep, out, in), split over "ep" along dim 0, named by global expert
-  (`layers.{i}.mlp.experts.gate_up.weight` (E, 2f, h): gate rows then up rows; gpt2 flavour
+  (`layers.{i}.mlp.experts.gate_up.weight` (E, 2f, h): gate rows then up rows; without a gated MLP
   `experts.up.weight` (E, f, h); `experts.down.weight` (E, h, f)); no biases.
 """
 
@@ -34,7 +34,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megalite.config import ModelConfig
 from megalite.parallel import comm, expert_parallel
@@ -74,7 +73,7 @@ class MoELayer(nn.Module):
         self.tp, self.ep, self.ops, self.sp, self.shared = tp, ep, ops, sequence_parallel, shared
         self.seq = tp  # the ranks that hold one sequence between them
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn
-        self.e, self.k, self.f, self.llama = e, cfg.moe_router_topk, f, cfg.flavour == "llama"
+        self.e, self.k, self.f, self.gated = e, cfg.moe_router_topk, f, cfg.features.gated_mlp
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.pre_softmax, self.capacity_factor = (
             cfg.moe_router_pre_softmax,
@@ -90,9 +89,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"num_experts={e} is not divisible by ep={ep.size}")
         local = e // ep.size
         split = {"split_dim": 0, "split_axis": "ep", "split_size": ep.size, "split_index": ep.rank}
-        first = 2 * f if self.llama else f  # gate and up rows, or up alone
+        first = 2 * f if self.gated else f  # gate and up rows, or up alone
         self.experts = nn.Module()
-        name = "gate_up" if self.llama else "up"
+        name = "gate_up" if self.gated else "up"
         w1 = mark(nn.Parameter(torch.empty(local, first, h, **kw)), **split)
         setattr(self.experts, name, _Weight(w1))
         self.experts.down = _Weight(mark(nn.Parameter(torch.empty(local, h, f, **kw)), **split))
@@ -112,7 +111,7 @@ class MoELayer(nn.Module):
         """tokens (T, h) -> logits and probabilities (T, E), expert indices (T, k), weights
         (T, k); in fp32 at least, whatever the model's precision."""
         dtype = torch.promote_types(tokens.dtype, torch.float32)
-        logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype))
+        logits = self.ops.linear(tokens.to(dtype), self.router.weight.to(dtype))
         probs = logits.softmax(-1)
         choice = probs if self.expert_bias is None else probs + self.expert_bias
         top = choice.topk(self.k, dim=-1).indices  # (T, k)
@@ -186,7 +185,7 @@ class MoELayer(nn.Module):
     def _experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x (n, h) sorted by local expert, offsets (E_local + 1,) -> (n, h)."""
         mm = self.ops.grouped_mm
-        if self.llama:
+        if self.gated:
             gate_up = mm(x, self.experts.gate_up.weight, offsets)  # (n, 2f)
             y = self.ops.swiglu(gate_up[:, : self.f], gate_up[:, self.f :])
         else:

@@ -10,6 +10,7 @@ tensor, point-to-point the tensor itself.
 import pickle
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -23,15 +24,43 @@ class CommLedger:
     `entered` is kept apart and never reset: per group kind, how many collectives this rank has
     entered since the start and the last one's name. It is bumped before the collective can
     block, so a rank stuck in one names it, and the members of a group can be compared by
-    sequence number (a hang report: megalite/training/hang.py)."""
+    sequence number (a hang report: megalite/training/hang.py).
+
+    While a profiled schedule runs (`with ledger.recording(timeline):`, the executor), waits
+    inside a layer (context parallelism's ring hops, `with ledger.span("cp"):`) are recorded
+    into that timeline: anything with a `clock` (`mark()`) and `record(kind, start, end)`."""
 
     bytes: dict = field(default_factory=lambda: defaultdict(int))
     calls: dict = field(default_factory=lambda: defaultdict(int))
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     entered: dict = field(default_factory=dict)  # kind -> [sequence number, op name]
-    # the Timeline of a profiled schedule while it runs (the executor sets it): communication
-    # waited for inside a layer (context parallelism's ring hops) records its waits there
-    timeline: object = None
+    _timeline: object = field(default=None, init=False, repr=False)
+
+    @property
+    def timeline(self):
+        """The timeline being recorded into, or None (outside `recording`)."""
+        return self._timeline
+
+    @contextmanager
+    def recording(self, timeline):
+        """Record spans into `timeline` (None: record nothing) until the block ends, also when
+        it fails: a later, unprofiled step must not record into this step's timeline."""
+        outer, self._timeline = self._timeline, timeline
+        try:
+            yield timeline
+        finally:
+            self._timeline = outer
+
+    @contextmanager
+    def span(self, kind: str):
+        """Time the block as a `kind` span of the timeline being recorded, if any."""
+        timeline = self._timeline
+        if timeline is None:
+            yield
+            return
+        t0 = timeline.clock.mark()
+        yield
+        timeline.record(kind, t0, timeline.clock.mark())
 
     def enter(self, kind: str, op: str):
         seq = self.entered.get(kind, (0, None))[0] + 1

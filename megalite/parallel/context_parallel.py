@@ -34,9 +34,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megalite.parallel import comm
+from megalite.parallel import comm, p2p
 from megalite.parallel.comm import Group
-from megalite.pipeline import p2p
 
 
 def chunk_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -57,12 +56,8 @@ def _ring_step(group: Group, send: torch.Tensor, recv: torch.Tensor):
 def _wait(batch, group: Group):
     """Wait for a ring hop; during a profiled schedule the wait is a "cp" span of the timeline
     (what the hop left exposed after the block computed meanwhile)."""
-    timeline = group.ledger.timeline
-    if timeline is None:
-        return batch.wait()
-    t0 = timeline.clock.mark()
-    batch.wait()
-    timeline.record("cp", t0, timeline.clock.mark())
+    with group.ledger.span("cp"):
+        batch.wait()
 
 
 class _RingAttention(torch.autograd.Function):

@@ -4,13 +4,15 @@ A column-parallel linear splits the output features, a row-parallel one the inpu
 an attention or MLP block needs one all-reduce forward (or, with sequence parallelism, an
 all-gather before and a reduce-scatter after). Layers record how they split each parameter in
 its `ParamSpec` (specs.py); the model initialises every logical tensor whole from the seed and
-keeps its slice, so any tp starts identical.
+keeps its slice, so any tp starts identical. Their matmuls are `ops.linear` (megalite.kernels:
+the seam for another implementation, an FP8 one say).
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megalite.kernels import TORCH_OPS
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import mark
@@ -22,6 +24,19 @@ def shard_spec(group: Group, split_dim=None, partial_grad=False, **fields) -> di
     sync = ("tp",) if partial_grad and group.size > 1 else ()
     return {"split_dim": split_dim, "split_size": group.size, "split_index": group.rank,
             "grad_sum": sync, **fields}  # fmt: skip
+
+
+class SequenceParallel:
+    """Whether the activations between TP regions are split along the sequence: one switch that
+    a model chunk builds and hands to each of its layers, so turning it off for inference
+    (`GPTChunk.full_sequences`) reaches them all. Anything that takes `sequence_parallel`
+    accepts it or a plain bool (a layer built on its own)."""
+
+    def __init__(self, on: bool):
+        self.on = bool(on)
+
+    def __bool__(self) -> bool:
+        return self.on
 
 
 def enter_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
@@ -61,9 +76,10 @@ class ColumnParallelLinear(nn.Module):
         split=True,
         dtype=None,
         device=None,
+        ops=TORCH_OPS,
     ):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.ops = group, sequence_parallel, ops
         self.enter, self.gather_output = enter, gather_output
         tp = group.size if split else 1
         if out_features % tp:
@@ -79,7 +95,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.enter:
             x = enter_tp_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        y = self.ops.linear(x, self.weight, self.bias)  # (b, s, out/tp)
         if self.gather_output:
             y = comm.gather_from_group(y, self.group, dim=-1)
         return y
@@ -91,7 +107,8 @@ def fused_column_linear(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]:
     for backward: a few percent of a layer's activations) and the output is split into views."""
     w = torch.cat([layer.weight for layer in layers])
     b = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return F.linear(x, w, b).split([layer.weight.shape[0] for layer in layers], dim=-1)
+    y = layers[0].ops.linear(x, w, b)
+    return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
 
 
 class RowParallelLinear(nn.Module):
@@ -107,9 +124,10 @@ class RowParallelLinear(nn.Module):
         sequence_parallel=False,
         dtype=None,
         device=None,
+        ops=TORCH_OPS,
     ):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.ops = group, sequence_parallel, ops
         if in_features % group.size:
             raise ValueError(f"in_features={in_features} is not divisible by tp={group.size}")
         kw = {"dtype": dtype, "device": device}
@@ -124,7 +142,7 @@ class RowParallelLinear(nn.Module):
                              **shard_spec(group, None, sequence_parallel, no_weight_decay=True))  # fmt: skip
 
     def forward(self, x):
-        y = exit_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        y = exit_tp_region(self.ops.linear(x, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 

@@ -13,9 +13,8 @@ they share (the pipeline), so expert parallelism does not multiply the world siz
 
 import os
 
+from megalite.config import DEFAULT_ORDER  # the config's default --order, one literal
 from megalite.parallel.axes import AXES, Axis
-
-DEFAULT_ORDER = "tp-cp-dp-pp"  # an axis of size 1 takes no place: tp-dp-pp ranks unchanged
 
 
 def world_from_env() -> tuple[int, int, int]:

@@ -1,4 +1,4 @@
-"""Runs one rank's schedule (any schedule from schedules.py) over its model chunks.
+"""Runs one rank's schedule (any schedule of the registry, schedules.py) over its model chunks.
 
 The actions are interpreted in order, dispatched on their kind (an unknown kind is refused). A
 compute runs chunk `chunks[a.chunk]` on micro-batch `a.mb`. Each run of consecutive send/recv
@@ -32,9 +32,8 @@ from torch.autograd import Variable
 
 from megalite.clock import Clock
 from megalite.errors import MegaliteError
-from megalite.parallel import comm
-from megalite.pipeline import p2p
-from megalite.pipeline.schedules import (
+from megalite.parallel import comm, p2p
+from megalite.pipeline.actions import (
     COMM,
     MAX_IN_FLIGHT,
     RECV_B,
@@ -114,21 +113,29 @@ class PipelineResult:
         return max(self._values()[self.loss_tensor.numel() + 1 :])
 
     @property
-    def bubble_ratio(self) -> float:
-        """The first stage's idle time over its compute time, comparable to Megatron's
-        (pp-1)/(vpp*m) (`schedules.bubble_theory`)."""
+    def bubble_measured(self) -> float:
+        """The first stage's idle time over its compute time (the metrics file's
+        `bubble_measured`), comparable to the schedule's `schedules.bubble_theory` (Megatron's
+        (pp-1)/(vpp*m) for 1F1B and interleaved)."""
         return idle_ratio(self.first_stage_compute_s, self.first_stage_step_s)
 
     @property
-    def bubble_measured(self) -> float:
-        """The first stage's idle share of the step; in theory (pp-1)/(vpp*m + pp-1)
+    def idle_share(self) -> float:
+        """The same idle time as a share of the step (the metrics file's `idle_share`); in theory
+        bubble/(1 + bubble), (pp-1)/(vpp*m + pp-1) for 1F1B and interleaved
         (`schedules.idle_theory`)."""
-        return 1.0 - self.first_stage_compute_s / max(self.first_stage_step_s, 1e-12)
+        return idle_share(self.first_stage_compute_s, self.first_stage_step_s)
 
 
 def idle_ratio(compute_s: float, step_s: float) -> float:
-    """Idle time over compute time: megalite's one definition of the pipeline bubble."""
+    """Idle time over compute time: megalite's one definition of the pipeline bubble
+    (`bubble_measured`)."""
     return (step_s - compute_s) / max(compute_s, 1e-12)
+
+
+def idle_share(compute_s: float, step_s: float) -> float:
+    """Idle time as a share of the step (`idle_share`): bubble / (1 + bubble)."""
+    return 1.0 - compute_s / max(step_s, 1e-12)
 
 
 def first_stage_times(results: list[PipelineResult], pp) -> tuple[float, float]:
@@ -240,7 +247,6 @@ def run_schedule(
     posted = 0
     losses = [None] * m
     spans, wait_s = [], 0.0
-    pp.ledger.timeline = timeline  # (every group's ledger) waits inside layers record there too
     start = clock.mark()
 
     def forward(c, k):
@@ -340,7 +346,8 @@ def run_schedule(
 
     # dispatch on the kind of a compute action
     compute = {F: forward, B: backward, I: backward_input, W: backward_weight}
-    try:
+    # (the ledger is every group's: waits inside layers, a cp ring hop, record there too)
+    with pp.ledger.recording(timeline):
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -368,8 +375,6 @@ def run_schedule(
         while batches:  # the sends still in flight
             wait(*batches.popleft())
         end = clock.mark()
-    finally:  # (also when a step fails: the ledger must not keep this step's timeline)
-        pp.ledger.timeline = None
     if timeline is not None:
         timeline.record("schedule", start, end)
     if outputs or outbox or grads or inputs or received or later:

@@ -2,13 +2,13 @@
 
 With `pp` ranks and `vpp` chunks per rank the layers are cut into pp*vpp equal contiguous
 blocks, the *virtual stages*. Which (rank, chunk) holds which virtual stage is the schedule's
-placement (schedules.py); Megatron's interleaving puts virtual stage c*pp + r on chunk c of rank
+placement (actions.py); Megatron's interleaving puts virtual stage c*pp + r on chunk c of rank
 r, so a micro-batch visits rank 0, 1, ..., pp-1, then rank 0 again for chunk 1, and so on. The
 embedding lives on virtual stage 0, the final norm, head and loss on the last.
 """
 
 from megalite.errors import MegaliteError
-from megalite.pipeline.schedules import interleaved_placement, owner
+from megalite.pipeline.actions import interleaved_placement, owner
 
 
 def virtual_stage(pp: int, rank: int, chunk: int, placement=interleaved_placement) -> int:

@@ -1,242 +1,31 @@
-"""Pipeline schedules as pure functions and a registry: name -> builder, placement, cost model.
+"""The schedule registry: name -> `Schedule`, and every rank's actions of a registered one.
 
-A schedule is built in two steps. First the *compute order* of one rank: its forwards F and
-backwards B of (chunk, micro-batch). Then `with_comms` inserts the point-to-point actions
-around each compute: the sends of a compute's output and the receive of the next segment's
-inputs form one batch between the two (Megatron's send_forward_recv_backward and friends), and
-a WAIT right before each compute whose input comes from another rank. Posting is separate from
-waiting: the executor posts each run of consecutive send/recv actions as one batch and goes on;
-it blocks only at a WAIT (for the batch holding that receive) and, to bound what is in flight,
-before posting a batch while the batch MAX_IN_FLIGHT back is still incomplete; the rest
-completes in the background (sends are never waited for in the step, only at its end). So a
-receive needed by the second compute of a segment (interleaved: a forward, then a backward)
-arrives while the first one runs. `verify.py` proves, under these semantics and with batches
-completing in posting order (NCCL's stream order), that no schedule deadlocks and that every
-send meets the receive it is meant for.
-
-Where the layers live is the schedule's *placement*: chunk c of rank r holds virtual stage
-`placement(pp, vpp, r, c)`; Megatron's interleaving is c*pp + r. Activations flow to virtual
-stage + 1 and gradients to virtual stage - 1; a neighbour on the same rank (pp == 1, or a
-V-shaped placement's turn) is handed the tensor locally, with no communication.
+The builders live in their families (one_f_one_b.py: gpipe, 1f1b, interleaved; zero_bubble.py:
+zb-h1, zbv, dualpipev) and speak the vocabulary of actions.py; this module lists them and
+builds each rank's action table: the compute order, its communication (`with_comms`, or the
+schedule's own `table`), receives posted in the order the peer sends (`align_receives`).
 
 Adding a schedule is one `register_schedule` call: config choices, `validate`, the verifier,
 the planner and the timeline all read the registry.
 """
 
-import enum
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 from megalite.errors import MegaliteError
-
-
-class Kind(str, enum.Enum):
-    """What an action does. Compute: F forward, B full backward, I input-gradient backward,
-    W weight-gradient backward (zero-bubble schedules split B into I then W). Communication
-    (posted as one batch per run of consecutive actions): activations towards the next
-    stage, gradients towards the previous one."""
-
-    F = "F"
-    B = "B"
-    I = "I"  # noqa: E741 - the papers' name
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-    WAIT_F = "WAIT_F"  # block until the posted receive of (chunk, mb)'s activation completed
-    WAIT_B = "WAIT_B"  # the same for its gradient
-
-    def __str__(self) -> str:
-        return self.value
-
-
-F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
-SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-WAIT_F, WAIT_B = Kind.WAIT_F, Kind.WAIT_B
-COMPUTE = (F, B, I, W)
-BACKWARD = (B, I)  # the computes that produce the gradient sent to the previous stage
-COMM = (SEND_F, RECV_F, SEND_B, RECV_B)  # posted as one batch per run of consecutive actions
-WAITS = {WAIT_F: RECV_F, WAIT_B: RECV_B}  # each wait and the receive it waits for
-# Before posting batch j the executor waits for batch j - MAX_IN_FLIGHT: sends then hold at
-# most that many batches of activations alive, and the verifier models the same rule.
-MAX_IN_FLIGHT = 3
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    kind: Kind
-    chunk: int  # the local model chunk the tensor belongs to (produces it or consumes it)
-    mb: int  # micro-batch index
-    peer: int | None = None  # pipeline rank at the other end (comm actions only)
-
-    def __str__(self) -> str:
-        return format_action(self, chunks=2)
-
-
-def format_action(a: Action, chunks: int = 1) -> str:
-    """`F3`, `B3.1` (micro-batch 3, chunk 1, when there are several chunks), `sF3>1`
-    (send activations of micro-batch 3 to rank 1), `rB3<1` (receive its gradient from rank 1)."""
-    label = f"{a.mb}.{a.chunk}" if chunks > 1 else f"{a.mb}"
-    if a.kind in COMPUTE:
-        return f"{a.kind}{label}"
-    if a.kind in WAITS:
-        return f"w{a.kind.value[-1]}{label}"
-    arrow = ">" if a.kind in (SEND_F, SEND_B) else "<"
-    return f"{a.kind.value[0].lower()}{a.kind.value[-1]}{label}{arrow}{a.peer}"
-
-
-def format_actions(actions: list[Action], chunks: int = 1, comms: bool = False) -> str:
-    """One rank's schedule on one line: `F0 F1 B0 F2 B1 ...`; with `comms`, each batch of
-    send/recv actions in brackets: `F0 [sF0>1 rB0<1] B0 ...` (waits are implied: right before
-    the compute that reads a received tensor)."""
-    out, batch = [], []
-    for a in actions:
-        if a.kind in WAITS:
-            continue
-        if a.kind in COMM:
-            batch.append(format_action(a, chunks))
-            continue
-        if batch and comms:
-            out.append("[" + " ".join(batch) + "]")
-        batch = []
-        out.append(format_action(a, chunks))
-    if batch and comms:
-        out.append("[" + " ".join(batch) + "]")
-    return " ".join(out)
-
-
-def format_table(name: str, pp: int, vpp: int, microbatches: int, comms: bool = False) -> str:
-    """Every rank's schedule, one line per rank."""
-    return "\n".join(
-        f"rank {r}: " + format_actions(get_schedule(name, pp, vpp, microbatches, r), vpp, comms)
-        for r in range(pp)
-    )
-
-
-# ---- placements: (pp, vpp, rank, chunk) -> virtual stage ---------------------------------------
-
-
-def interleaved_placement(pp: int, vpp: int, rank: int, chunk: int) -> int:
-    """Megatron's interleaving: chunk c of rank r is virtual stage c*pp + r."""
-    return chunk * pp + rank
-
-
-def owner(placement, pp: int, vpp: int, vstage: int) -> tuple[int, int]:
-    """(rank, chunk) holding a virtual stage: the inverse of a placement."""
-    for r in range(pp):
-        for c in range(vpp):
-            if placement(pp, vpp, r, c) == vstage:
-                return r, c
-    raise ValueError(f"no (rank, chunk) holds virtual stage {vstage} (pp={pp}, vpp={vpp})")
-
-
-# ---- compute orders ------------------------------------------------------------------------
-
-
-def gpipe_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
-    """All forwards, then all backwards (in the same micro-batch order): m activations live."""
-    m = range(microbatches)
-    return [[Action(F, 0, k)] for k in m] + [[Action(B, 0, k)] for k in m]
-
-
-def one_f_one_b_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
-    """Warm up with pp-rank-1 forwards, then alternate one forward and one backward, then
-    drain the remaining backwards: at most pp-rank activations live (capped by m). Every
-    compute is a segment of its own, so a result leaves as soon as it is computed."""
-    warmup = min(pp - rank - 1, microbatches)
-    out = [[Action(F, 0, k)] for k in range(warmup)]
-    for k in range(microbatches - warmup):
-        out += [[Action(F, 0, warmup + k)], [Action(B, 0, k)]]
-    out += [[Action(B, 0, k)] for k in range(microbatches - warmup, microbatches)]
-    return out
-
-
-def interleaved_warmup(pp: int, vpp: int, microbatches: int, rank: int) -> int:
-    """Megatron's warmup forwards for interleaved 1F1B: the first forward of the last chunk on
-    the last rank must be reachable, and each rank upstream needs two more (one forward and one
-    backward hop of slack per stage between it and the last)."""
-    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, microbatches * vpp)
-
-
-def interleaved_order(pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
-    """Interleaved 1F1B over vpp chunks per rank. Virtual micro-batch k (0 .. m*vpp-1) runs
-    groups of pp micro-batches through one chunk before moving to the next chunk; backwards
-    visit the chunks in reverse order. In the steady state a forward and a backward form one
-    segment, so their results leave, and the next pair's inputs arrive, in one batch (as in
-    Megatron): with a batch after each compute, ranks 0 and 1 of pp=2 deadlock."""
-    total = microbatches * vpp
-
-    def unit(k: int, forward: bool) -> Action:
-        group, within = divmod(k, pp * vpp)
-        chunk = within // pp
-        mb = group * pp + k % pp
-        return Action(F, chunk, mb) if forward else Action(B, vpp - 1 - chunk, mb)
-
-    warmup = interleaved_warmup(pp, vpp, microbatches, rank)
-    out = [[unit(k, True)] for k in range(warmup)]
-    out += [[unit(warmup + k, True), unit(k, False)] for k in range(total - warmup)]
-    out += [[unit(k, False)] for k in range(total - warmup, total)]
-    return out
-
-
-# ---- the registry ----------------------------------------------------------------------------
-
-
-def _one_chunk(name):
-    def check(pp, vpp, m):
-        if vpp != 1:
-            return (
-                f"--vpp {vpp} needs the interleaved schedule, not {name} (which runs one chunk per "
-                "rank); use interleaved or --vpp 1"
-            )
-        return None
-
-    return check
-
-
-def _interleaved_check(pp, vpp, m):
-    if vpp < 2:
-        return "the interleaved schedule needs vpp >= 2 (--vpp)"
-    if m % pp:
-        return (
-            f"the interleaved schedule needs micro-batches per step ({m}) to be a multiple of "
-            f"pp={pp}; raise --global-batch-size"
-        )
-    return None
-
-
-def compute_seconds(kind: Kind, vstage: int, cost: dict) -> float:
-    """A compute's time in a timed run of a schedule: cost[kind], but the first virtual stage
-    has no input gradient to pass on: the executor leaves its I empty and does the whole
-    backward in its W."""
-    if vstage == 0 and kind in (I, W):
-        return 0.0 if kind == I else cost[I] + cost[W]
-    return cost[kind]
-
-
-def megatron_bubble(pp: int, vpp: int, microbatches: int) -> float:
-    """Megatron's bubble: the first stage's idle time over its compute time, (pp-1)/(vpp*m)."""
-    return (pp - 1) / (vpp * microbatches)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A registered schedule: its builder and what the checks and the planner need to know."""
-
-    name: str
-    build: Callable  # (pp, vpp, m, rank) -> compute segments ([[Action]])
-    check: Callable  # (pp, vpp, m) -> why this shape is invalid, or None
-    peak: Callable  # (pp, vpp, m, rank) -> the live activations the schedule promises
-    bubble: Callable = megatron_bubble  # (pp, vpp, m) -> first stage's idle / compute, in theory
-    placement: Callable = interleaved_placement  # (pp, vpp, rank, chunk) -> virtual stage
-    cost: dict = field(default_factory=lambda: {F: 1.0, B: 2.0, I: 1.0, W: 1.0})  # per stage
-    doc: str = ""
-    # (pp, vpp, m) -> every rank's actions with their communication, for a schedule that
-    # places its own (default: with_comms around the segments of `build`)
-    table: Callable | None = None
-
+from megalite.pipeline import one_f_one_b, zero_bubble
+from megalite.pipeline.actions import (
+    RECV_F,
+    SEND_F,
+    WAIT_F,
+    Action,
+    F,
+    Kind,
+    Schedule,
+    align_receives,
+    format_actions,
+    megatron_bubble,
+    with_comms,
+)
 
 SCHEDULES: dict[str, Schedule] = {}
 
@@ -246,21 +35,8 @@ def register_schedule(schedule: Schedule) -> Schedule:
     return schedule
 
 
-register_schedule(Schedule(
-    "gpipe", gpipe_order, _one_chunk("gpipe"), lambda pp, vpp, m, r: m,
-    doc="all forwards, then all backwards",
-))  # fmt: skip
-register_schedule(Schedule(
-    "1f1b", one_f_one_b_order, _one_chunk("1f1b"), lambda pp, vpp, m, r: min(pp - r, m),
-    doc="one forward, one backward (default at vpp=1)",
-))  # fmt: skip
-register_schedule(Schedule(
-    "interleaved", interleaved_order, _interleaved_check,
-    # the warmup forwards plus the steady state's one extra forward before its first backward,
-    # unless the warmup already is everything
-    lambda pp, vpp, m, r: min(interleaved_warmup(pp, vpp, m, r) + 1, m * vpp),
-    doc="interleaved 1F1B over --vpp chunks per rank (default at vpp>=2)",
-))  # fmt: skip
+for _s in (*one_f_one_b.SCHEDULES, *zero_bubble.SCHEDULES):
+    register_schedule(_s)
 
 
 def default_schedule(vpp: int) -> str:
@@ -280,50 +56,6 @@ def check_shape(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
     if pp < 1 or vpp < 1 or microbatches < 1:
         return f"bad pipeline shape pp={pp} vpp={vpp} microbatches={microbatches}"
     return schedule(name).check(pp, vpp, microbatches)
-
-
-# ---- communication -------------------------------------------------------------------------
-
-
-def neighbours(a: Action, pp: int, vpp: int, rank: int, placement=interleaved_placement):
-    """(the receive a compute needs before it, the send of its result after it); None where the
-    neighbour is on this rank (a local hand-over) or absent (the first or last stage)."""
-    if a.kind == W:
-        return None, None  # weight gradients stay where they are
-    vs, last = placement(pp, vpp, rank, a.chunk), pp * vpp - 1
-    prev = owner(placement, pp, vpp, vs - 1)[0] if vs > 0 else None
-    nxt = owner(placement, pp, vpp, vs + 1)[0] if vs < last else None
-    prev, nxt = (None if p == rank else p for p in (prev, nxt))
-    if a.kind == F:
-        recv = Action(RECV_F, a.chunk, a.mb, prev) if prev is not None else None
-        send = Action(SEND_F, a.chunk, a.mb, nxt) if nxt is not None else None
-    else:
-        recv = Action(RECV_B, a.chunk, a.mb, nxt) if nxt is not None else None
-        send = Action(SEND_B, a.chunk, a.mb, prev) if prev is not None else None
-    return recv, send
-
-
-def with_comms(segments, pp: int, vpp: int, rank: int, placement=interleaved_placement):
-    """Insert send/recv actions: between two segments of computes one batch holding the sends
-    of the first segment's results and the receives of the second segment's inputs. Pairing
-    them is what keeps neighbours from deadlocking: in the steady state of 1F1B rank r posts
-    [send F, recv B] while rank r+1 posts [send B, recv F]. In a batch activations come before
-    gradients, so two ranks exchanging both (pp=2) post them in the same order."""
-    out, pending = [], []
-    for seg in segments:
-        recvs, sends = zip(*(neighbours(a, pp, vpp, rank, placement) for a in seg))
-        batch = pending + [x for x in recvs if x is not None]
-        out += sorted(batch, key=_batch_order)
-        for a, recv in zip(seg, recvs):
-            if recv is not None:  # wait for this compute's input right before it
-                out.append(Action(WAIT_F if recv.kind == RECV_F else WAIT_B, a.chunk, a.mb))
-            out.append(a)
-        pending = [x for x in sends if x is not None]
-    return out + sorted(pending, key=_batch_order)
-
-
-def _batch_order(a: Action) -> int:
-    return (SEND_F, SEND_B, RECV_F, RECV_B).index(a.kind)
 
 
 def compute_order(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
@@ -363,46 +95,12 @@ def _table(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool) 
     return tuple(tuple(acts) for acts in align_receives(table))
 
 
-def align_receives(table: list[list[Action]]) -> list[list[Action]]:
-    """Messages between two ranks are matched in posting order, so a rank must post its
-    receives from a peer in the order the peer sends. Where one directed pair of ranks carries
-    two streams (a V placement: activations of chunk 0 and gradients of chunk 1 both go from
-    rank r to r+1), the consumer may need them in another order: such a receive is posted
-    earlier, beside the one that comes first (its wait stays before its compute)."""
-    sent = {}  # (sender, receiver) -> the messages in sending order: (kind, chunk-free key)
-    for r, acts in enumerate(table):
-        for a in acts:
-            if a.kind in (SEND_F, SEND_B):
-                sent.setdefault((r, a.peer), []).append(a)
-    out = []
-    for r, acts in enumerate(table):
-        # each receive, by the send it matches: the message (kind, mb) from the peer's chunk
-        recv_of = {}
-        for a in acts:
-            if a.kind in (RECV_F, RECV_B):
-                recv_of.setdefault((a.peer, a.kind, a.mb), []).append(a)
-        expected = {
-            peer: list(sent.get((peer, r), []))
-            for peer in {a.peer for a in acts if a.peer is not None}
-        }
-        done, new = set(), []
-        for a in acts:
-            if a.kind not in (RECV_F, RECV_B):
-                new.append(a)
-                continue
-            if id(a) in done:
-                continue
-            queue = expected[a.peer]
-            while True:  # post every receive the peer sends before this one, then this one
-                s = queue.pop(0)
-                kind = RECV_F if s.kind == SEND_F else RECV_B
-                match = next(x for x in recv_of[a.peer, kind, s.mb] if id(x) not in done)
-                done.add(id(match))
-                new.append(match)
-                if match is a:
-                    break
-        out.append(new)
-    return out
+def format_table(name: str, pp: int, vpp: int, microbatches: int, comms: bool = False) -> str:
+    """Every rank's schedule, one line per rank."""
+    return "\n".join(
+        f"rank {r}: " + format_actions(get_schedule(name, pp, vpp, microbatches, r), vpp, comms)
+        for r in range(pp)
+    )
 
 
 def bubble_theory(pp: int, vpp: int, microbatches: int, name: str | None = None) -> float:
@@ -412,9 +110,5 @@ def bubble_theory(pp: int, vpp: int, microbatches: int, name: str | None = None)
 
 
 def idle_theory(pp: int, vpp: int, microbatches: int) -> float:
-    """The same bubble as a fraction of the whole step: (pp-1)/(vpp*m + pp-1)."""
+    """Megatron's bubble as a fraction of the whole step: (pp-1)/(vpp*m + pp-1)."""
     return (pp - 1) / (vpp * microbatches + pp - 1)
-
-
-# The zero-bubble schedules register themselves (their builders live in zero_bubble.py).
-from megalite.pipeline import zero_bubble  # noqa: E402, F401

@@ -12,22 +12,23 @@
   (same kind, micro-batch, and the next or previous virtual stage): point-to-point messages
   between two ranks are matched in posting order on gloo and NCCL alike, and every tensor has
   the same shape, so a mismatch would otherwise corrupt silently;
-- there is no deadlock when the ranks run as the executor runs them (schedules.py): each run of
+- there is no deadlock when the ranks run as the executor runs them (actions.py): each run of
   consecutive comm actions is posted as one batch without waiting; a rank's batches complete
   in posting order (a stream), each only when every operation in it has met its partner in the
   peer's oldest incomplete batch (rendezvous: a send never completes on its own, stricter than
   any real backend); a rank blocks at a WAIT until the batch holding that receive completed,
   and before posting batch j until batch j - MAX_IN_FLIGHT completed; at the end of the step it
-  waits for all. A table that passes cannot hang.
+  waits for all. A table that passes cannot hang. (The matching and this run are
+  `timed.run_table`.)
 
 It reports, per rank, in a `Report`:
 
 - the peak number of live activations (forwarded, not yet backwarded);
-- the idle fraction of each rank in a timed run of the same simulation (the schedule's cost per
-  compute kind over vpp, by default F = 1/vpp, B = 2/vpp,
-  free communication): the schedule's real bubble, which for every schedule here equals the
-  theory (pp-1)/(vpp*m + pp-1) on the first stage (tested), so a correct but serialising
-  schedule shows up too.
+- the idle fraction of each rank's step in a timed run of the same simulation (the schedule's
+  cost per compute kind over vpp, by default F = 1/vpp, B = 2/vpp, free communication): the
+  schedule's real bubble, which on the first stage equals its theory `bubble_theory` as a share
+  of the step, b/(1+b) ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; tested), so a correct
+  but serialising schedule shows up too.
 
 `verify(name, pp, vpp, m)` builds the schedule's table, runs the checks, and also compares each
 rank's peak with the schedule's bound (`peak_bound`).
@@ -35,9 +36,8 @@ rank's peak with the schedule's bound (`peak_bound`).
 
 from dataclasses import dataclass
 
-from megalite.pipeline.schedules import (
+from megalite.pipeline.actions import (
     COMM,
-    MAX_IN_FLIGHT,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -49,18 +49,12 @@ from megalite.pipeline.schedules import (
     F,
     I,
     W,
-    compute_seconds,
-    format_action,
-    get_schedule,
     interleaved_placement,
     megatron_bubble,
     owner,
-    schedule,
 )
-
-
-class ScheduleError(AssertionError):
-    """A schedule that would compute the wrong thing, hang, or exceed its memory bound."""
+from megalite.pipeline.schedules import get_schedule, schedule
+from megalite.pipeline.timed import ScheduleError, locate, run_table
 
 
 @dataclass
@@ -70,8 +64,10 @@ class Report:
     microbatches: int
     peak_activations: list[int]  # per rank: most (chunk, micro-batch) forwarded, not backwarded
     batches: list[int]  # per rank: number of send/recv batches (p2p round trips)
-    idle: list[float]  # per rank: simulated idle fraction of the step (F=1, B=2, free p2p)
-    bubble_theory: float  # (pp-1)/(vpp*m)
+    idle: list[float]  # per rank: simulated idle fraction of the step (the cost, free p2p)
+    # the first stage's idle over compute in theory: Megatron's (pp-1)/(vpp*m) from
+    # `verify_table`, the schedule's own `bubble_theory` from `verify`
+    bubble_theory: float
 
 
 def peak_bound(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> int:
@@ -80,6 +76,9 @@ def peak_bound(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> in
 
 
 def verify(name: str, pp: int, vpp: int, microbatches: int, forward_only: bool = False) -> Report:
+    """Check registered schedule `name` at this shape: every rank's table (`verify_table`, at
+    the schedule's placement and cost) and each rank's peak against the schedule's bound; the
+    report carries the schedule's own bubble theory."""
     table = [get_schedule(name, pp, vpp, microbatches, r, forward_only) for r in range(pp)]
     s = schedule(name)
     report = verify_table(table, pp, vpp, microbatches, forward_only, s.placement, s.cost)
@@ -108,14 +107,10 @@ def verify_table(
         _check_rank(acts, r, pp, vpp, microbatches, forward_only, placement)
         for r, acts in enumerate(table)
     ]
-    batches, idle = _match_and_simulate(table, pp, vpp, placement, cost or {F: 1.0, B: 2.0})
+    batches, idle = run_table(table, pp, vpp, placement, cost or {F: 1.0, B: 2.0})
     return Report(
         pp, vpp, microbatches, peaks, batches, idle, megatron_bubble(pp, vpp, microbatches)
     )
-
-
-def _where(rank: int, i: int, a, vpp: int) -> str:
-    return f"rank {rank} action {i} ({format_action(a, vpp)})"
 
 
 def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
@@ -138,7 +133,7 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
 
     live = peak = 0
     for i, a in enumerate(acts):
-        where = _where(rank, i, a, vpp)
+        where = locate(rank, i, a, vpp)
         if a.kind not in seen:
             raise ScheduleError(f"{where}: unknown action kind {a.kind!r}")
         if forward_only and a.kind in (B, I, W, SEND_B, RECV_B, WAIT_B):
@@ -205,140 +200,3 @@ def _check_rank(acts, rank, pp, vpp, m, forward_only, placement) -> int:
             missing = sorted(want - seen[kind])[:4]
             raise ScheduleError(f"rank {rank}: no {kind} for (chunk, micro-batch) {missing}")
     return peak
-
-
-def _match_and_simulate(table, pp, vpp, placement, cost) -> tuple[list[int], list[float]]:
-    """Pair sends with receives in posting order per directed rank pair, check the pairs agree,
-    then run every rank as the executor does (module docstring), timing it with free
-    communication and computes of cost[kind] / vpp (a chunk holds 1/vpp of a stage's layers).
-    Returns the batch count and the simulated idle fraction of the step, per rank."""
-    cost = {k: v / vpp for k, v in cost.items()}
-
-    def seconds(a, r) -> float:
-        return compute_seconds(a.kind, placement(pp, vpp, r, a.chunk), cost)
-
-    batches, batch_of, busy = [], {}, []  # batches[r][j]: action indices posted together
-    for r, acts in enumerate(table):
-        bs, prev_comm = [], False
-        for i, a in enumerate(acts):
-            if a.kind in COMM:
-                if not prev_comm:
-                    bs.append([])
-                bs[-1].append(i)
-                batch_of[r, i] = len(bs) - 1
-            prev_comm = a.kind in COMM
-        batches.append(bs)
-        busy.append(sum(seconds(a, r) for a in acts if a.kind in cost))
-
-    # static matching: the k-th send a->b meets b's k-th recv from a
-    sends, recvs = {}, {}
-    for r, acts in enumerate(table):
-        for i, a in enumerate(acts):
-            if a.kind in (SEND_F, SEND_B):
-                sends.setdefault((r, a.peer), []).append(i)
-            elif a.kind in (RECV_F, RECV_B):
-                recvs.setdefault((a.peer, r), []).append(i)
-    partner = {}
-    for pair in set(sends) | set(recvs):
-        src, dst = pair
-        s_list, r_list = sends.get(pair, []), recvs.get(pair, [])
-        for k in range(max(len(s_list), len(r_list))):
-            if k >= len(s_list):
-                a = table[dst][r_list[k]]
-                raise ScheduleError(f"{_where(dst, r_list[k], a, vpp)}: rank {src} never sends it")
-            if k >= len(r_list):
-                a = table[src][s_list[k]]
-                raise ScheduleError(
-                    f"{_where(src, s_list[k], a, vpp)}: rank {dst} never receives it"
-                )
-            s, rv = table[src][s_list[k]], table[dst][r_list[k]]
-            vs = placement(pp, vpp, src, s.chunk)
-            want_vs, want_kind = (vs + 1, RECV_F) if s.kind == SEND_F else (vs - 1, RECV_B)
-            got_vs = placement(pp, vpp, dst, rv.chunk)
-            if rv.kind != want_kind or rv.mb != s.mb or got_vs != want_vs:
-                raise ScheduleError(
-                    f"{_where(src, s_list[k], s, vpp)} is send #{k} from rank {src} to rank "
-                    f"{dst}, but receive #{k} there is {_where(dst, r_list[k], rv, vpp)}"
-                )
-            partner[src, s_list[k]] = (dst, r_list[k])
-            partner[dst, r_list[k]] = (src, s_list[k])
-    recv_at = {  # (rank, kind of the wait, chunk, mb) -> index of the batch holding the receive
-        (r, k, a.chunk, a.mb): batch_of[r, i]
-        for r, acts in enumerate(table)
-        for i, a in enumerate(acts)
-        for k, rk in WAITS.items()
-        if a.kind == rk
-    }
-
-    # Each rank runs its actions on a clock; its batches complete in order (`done`), the oldest
-    # incomplete one being its active batch since `since`.
-    pc, clock = [0] * pp, [0.0] * pp
-    posted = [[None] * len(bs) for bs in batches]  # when each batch was posted
-    done = [[None] * len(bs) for bs in batches]  # when each batch completed
-    met = {}  # (rank, action index) -> when the operation met its partner
-    head = [0] * pp  # each rank's oldest incomplete batch
-
-    def active(r):
-        """(index, since) of rank r's oldest incomplete posted batch, or None."""
-        j = head[r]
-        if j >= len(done[r]) or posted[r][j] is None:
-            return None
-        return j, max(posted[r][j], done[r][j - 1] if j else 0.0)
-
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(table):  # run each rank until it blocks
-            while pc[r] < len(acts):
-                a = acts[pc[r]]
-                if a.kind in COMM:  # post the batch (maybe after bounding what is in flight)
-                    j = batch_of[r, pc[r]]
-                    if j >= MAX_IN_FLIGHT:
-                        if done[r][j - MAX_IN_FLIGHT] is None:
-                            break
-                        clock[r] = max(clock[r], done[r][j - MAX_IN_FLIGHT])
-                    posted[r][j] = clock[r]
-                    pc[r] += len(batches[r][j])
-                elif a.kind in WAITS:
-                    d = done[r][recv_at[r, a.kind, a.chunk, a.mb]]
-                    if d is None:
-                        break
-                    clock[r] = max(clock[r], d)
-                    pc[r] += 1
-                else:
-                    clock[r] += seconds(a, r)
-                    pc[r] += 1
-                progress = True
-        for r in range(pp):  # operations of two active batches meet
-            if (act := active(r)) is None:
-                continue
-            for i in batches[r][act[0]]:
-                pr, pi = partner[r, i]
-                other = active(pr)
-                if (r, i) not in met and other is not None and other[0] == batch_of[pr, pi]:
-                    met[r, i] = met[pr, pi] = max(act[1], other[1])
-        for r in range(pp):  # a batch whose operations all met is complete
-            while (act := active(r)) is not None and all((r, i) in met for i in batches[r][act[0]]):
-                done[r][act[0]] = max([act[1], *(met[r, i] for i in batches[r][act[0]])])
-                head[r] += 1
-                progress = True
-    stuck = [r for r in range(pp) if pc[r] < len(table[r]) or None in done[r]]
-    if stuck:
-        lines = []
-        for r in stuck:
-            act = active(r)
-            if act is None:
-                i = pc[r]
-                a = table[r][i]
-                what = "the batch it waits for" if a.kind in WAITS else "an earlier batch"
-                lines.append(f"{_where(r, i, a, vpp)} waits for {what}")
-                continue
-            i = next(i for i in batches[r][act[0]] if (r, i) not in met)
-            pr, pi = partner[r, i]
-            lines.append(
-                f"{_where(r, i, table[r][i], vpp)} waits for {_where(pr, pi, table[pr][pi], vpp)}"
-            )
-        raise ScheduleError("deadlock: " + "; ".join(lines))
-    end = [max([clock[r], *done[r]]) for r in range(pp)]
-    step = max(end)
-    return [len(bs) for bs in batches], [1.0 - busy[r] / step for r in range(pp)]

@@ -4,8 +4,8 @@ A backward is split in two: I, the gradient with respect to the stage's input, w
 previous stage waits for, and W, the weight gradients, which nobody waits for. W can then fill
 the slots where a stage would otherwise idle.
 
-- `zb-h1`: one chunk per rank, at most as many activations alive as 1F1B (p - r on rank r); W
-  fills the cool-down. With F, I and W of equal time the first stage idles (p-1)/3m of its
+- `zb-h1`: one chunk per rank, at most as many activations alive as 1F1B's first stage (p, on
+  every rank: a put-off W keeps its activations); W fills the cool-down. With F, I and W of equal time the first stage idles (p-1)/3m of its
   compute, a third of 1F1B's (p-1)/m.
 - `zbv`: two chunks per rank in a V (chunk 0 at virtual stage r, chunk 1 at 2p-1-r), so the
   first and the last stage share rank 0; with 2p chunk activations alive at most (1F1B's
@@ -24,36 +24,15 @@ keeps each rank's work per cycle the same, so it stays close to zero bubble when
 differ in cost or a rank holds more (rank 0 holds the embedding and the head), where a
 schedule tuned for F = I = W = 1 idles (docs/pipeline.md has the measurements). With fewer
 than 2p-1 micro-batches the pattern is built for 2p-1 and the extra ones left out. A timed
-run of the orders (F = I = W = 1, B = 2) places the communication (`lockstep_table`) and
-`verify.py` proves the result (matching, no deadlock, the activation bound) for every shape it
-is run on.
+run of the orders (F = I = W = 1, B = 2) places the communication (timed.py: `compute_times`,
+`lockstep_table`) and `verify.py` proves the result (matching, no deadlock, the activation
+bound) for every shape it is run on.
 """
 
 from functools import lru_cache
 
-from megalite.pipeline.schedules import (
-    RECV_B,
-    RECV_F,
-    SEND_F,
-    WAIT_B,
-    WAIT_F,
-    Action,
-    B,
-    F,
-    I,
-    Schedule,
-    W,
-    _batch_order,
-    compute_seconds,
-    neighbours,
-    owner,
-    register_schedule,
-)
-
-
-def v_placement(pp: int, vpp: int, rank: int, chunk: int) -> int:
-    """The V: chunk 0 on ranks 0..pp-1 in order, chunk 1 back from pp-1 to 0."""
-    return rank if chunk == 0 else 2 * pp - 1 - rank
+from megalite.pipeline.actions import Action, B, F, I, Schedule, W, v_placement
+from megalite.pipeline.timed import UNIT, compute_times, lockstep_table, run_table
 
 
 def zbv_order(pp: int, vpp: int, microbatches: int, rank: int):
@@ -106,83 +85,6 @@ def _numbered(seq, microbatches: int) -> list[list[Action]]:
     return out
 
 
-UNIT = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}  # the costs the V schedules are timed and verified at
-
-
-@lru_cache(maxsize=256)
-def _timed(pp: int, vpp: int, m: int, placement, build) -> tuple:
-    """Every rank's computes of `build` in order, as (start, end, Action): each starts when its
-    rank is free and its inputs are there (costs `UNIT`)."""
-    stages = pp * vpp
-    orders = [[a for seg in build(pp, vpp, m, r) for a in seg] for r in range(pp)]
-    done, free, pos, out = {}, [0.0] * pp, [0] * pp, [[] for _ in range(pp)]
-
-    def deps(a, v):
-        if a.kind == F:
-            return [(F, v - 1, a.mb)] if v else []
-        if a.kind in (I, B):  # (a B of the next stage counts as its I)
-            return [(F, v, a.mb)] + ([(I, v + 1, a.mb)] if v < stages - 1 else [])
-        return [(I, v, a.mb)]
-
-    for _ in range(sum(map(len, orders))):
-        best = None  # the rank whose next compute can start first
-        for r in range(pp):
-            if pos[r] < len(orders[r]):
-                a = orders[r][pos[r]]
-                v = placement(pp, vpp, r, a.chunk)
-                need = deps(a, v)
-                if all(d in done for d in need):
-                    start = max([free[r]] + [done[d] for d in need])
-                    if best is None or start < best[0]:
-                        best = (start, r, a, v)
-        if best is None:
-            raise RuntimeError(f"schedule stuck (pp={pp} vpp={vpp} m={m})")
-        start, r, a, v = best
-        done[a.kind, v, a.mb] = free[r] = end = start + compute_seconds(a.kind, v, UNIT)
-        if a.kind == B:  # a whole backward is its I and its W
-            done[I, v, a.mb] = done[W, v, a.mb] = end
-        out[r].append((start, end, a))
-        pos[r] += 1
-    return tuple(tuple(o) for o in out)
-
-
-def lockstep_table(pp: int, vpp: int, timed: tuple, placement) -> list[list[Action]]:
-    """Every rank's actions from a timed simulation, the communication in lockstep: a message
-    is posted by its sender and its receiver in the batch at the time it is produced (every
-    rank posts the batches of the same times in the same order), so no two ranks can wait on
-    each other; a WAIT comes right before the compute that reads the message. The batches of
-    messages produced while a compute runs are posted before it, after its WAIT: not in the
-    batch its input comes in (a batch completes whole), not after it (the sender's later
-    batches would wait)."""
-    batches = [{} for _ in range(pp)]  # rank -> time -> [comm actions]
-    for r, events in enumerate(timed):
-        for _, end, a in events:
-            recv, send = neighbours(a, pp, vpp, r, placement)
-            if send is None:
-                continue
-            vs = placement(pp, vpp, r, a.chunk) + (1 if send.kind == SEND_F else -1)
-            peer, chunk = owner(placement, pp, vpp, vs)
-            kind = RECV_F if send.kind == SEND_F else RECV_B
-            batches[r].setdefault(end, []).append(send)
-            batches[peer].setdefault(end, []).append(Action(kind, chunk, a.mb, r))
-    table = []
-    for r, events in enumerate(timed):
-        acts, times = [], sorted(batches[r])
-        for start, end, a in events:
-            while times and times[0] <= start:
-                acts += sorted(batches[r][times.pop(0)], key=_batch_order)
-            recv, _ = neighbours(a, pp, vpp, r, placement)
-            if recv is not None:
-                acts.append(Action(WAIT_F if recv.kind == RECV_F else WAIT_B, a.chunk, a.mb))
-            while times and times[0] < end:  # receives of messages sent while this runs
-                acts += sorted(batches[r][times.pop(0)], key=_batch_order)
-            acts.append(a)
-        for t in times:
-            acts += sorted(batches[r][t], key=_batch_order)
-        table.append(acts)
-    return table
-
-
 def zb_h1_order(pp: int, vpp: int, microbatches: int, rank: int):
     """1F1B's warm-up and steady state with each backward split in I and W, the W of
     micro-batch k put off until after the I of k + rank: rank r then holds at most pp
@@ -200,29 +102,25 @@ def zb_h1_order(pp: int, vpp: int, microbatches: int, rank: int):
 
 
 def v_table(build):
-    """Every rank's actions of a V schedule built by `build`: its computes timed (`_timed`),
-    the communication in lockstep."""
+    """Every rank's actions of a V schedule built by `build`: its computes timed
+    (`timed.compute_times`), the communication in lockstep (`timed.lockstep_table`)."""
 
     def table(pp: int, vpp: int, microbatches: int) -> list[list[Action]]:
-        return lockstep_table(pp, 2, _timed(pp, 2, microbatches, v_placement, build), v_placement)
+        timed = compute_times(pp, 2, microbatches, v_placement, build)
+        return lockstep_table(pp, 2, timed, v_placement)
 
     return table
 
 
 def v_bubble(build):
     """The first stage's idle over compute time of a V schedule's table run as the executor
-    runs it (verify.py's timed simulation, F = I = W = 1, B = 2), its idle counted against the
-    longest rank: ZB-V reaches zero in the steady state, and the warm-up and cool-down leave a
-    little."""
+    runs it (`timed.run_table`, F = I = W = 1, B = 2), its idle counted against the longest
+    rank: ZB-V reaches zero in the steady state, and the warm-up and cool-down leave a little."""
 
     @lru_cache(maxsize=256)
     def bubble(pp: int, vpp: int, microbatches: int) -> float:
-        from megalite.pipeline.verify import verify_table  # (verify imports the registry)
-
-        report = verify_table(v_table(build)(pp, 2, microbatches), pp, 2, microbatches,
-                              placement=v_placement, cost=UNIT)  # fmt: skip
-        idle = report.idle[0]
-        return idle / (1 - idle)
+        _, idle = run_table(v_table(build)(pp, 2, microbatches), pp, 2, v_placement, UNIT)
+        return idle[0] / (1 - idle[0])
 
     return bubble
 
@@ -231,7 +129,7 @@ def _zb_h1_check(pp, vpp, m):
     return None if vpp == 1 else f"the zb-h1 schedule runs one chunk per rank, not --vpp {vpp}"
 
 
-def _v_check(name, per_stage: int = 0):
+def v_check(name, per_stage: int = 0):
     """A V schedule's shape check: --vpp 2, and at least `per_stage`·pp micro-batches."""
 
     def check(pp, vpp, m):
@@ -247,31 +145,33 @@ def _v_check(name, per_stage: int = 0):
     return check
 
 
-register_schedule(Schedule(
+ZB_H1 = Schedule(
     "zb-h1", zb_h1_order, _zb_h1_check, lambda pp, vpp, m, r: min(pp, m),
     # the first stage idles (p-1)(F + I - W) against m(F + I + W) of compute (F = I = W), and
     # with fewer micro-batches than stages one more F + I for each one missing
     bubble=lambda pp, vpp, m: (pp - 1 + max(0, pp - m)) / (3 * m),
-    cost={F: 1.0, I: 1.0, W: 1.0},
+    cost={F: 1.0, I: 1.0, W: 1.0}, chunks=1,
     doc="zero bubble H1: 1F1B's memory, W fills the cool-down (backward split in I and W)",
-))  # fmt: skip
-register_schedule(Schedule(
-    "zbv", zbv_order, _v_check("zbv"),
+)  # fmt: skip
+ZBV = Schedule(
+    "zbv", zbv_order, v_check("zbv"),
     # the warm-up's forwards of c0 and c1, and the first F c1 before its W (2p once m >= 2p-1)
     lambda pp, vpp, m, r: min(m, 2 * pp - r - 1) + min(m, r) + (r < m),
     bubble=v_bubble(zbv_order),
     placement=v_placement,
     table=v_table(zbv_order),
-    cost={F: 1.0, I: 1.0, W: 1.0},
-    doc="zero bubble V: two chunks per rank in a V (--vpp 2), ~no bubble at 1F1B's memory",
-))  # fmt: skip
-register_schedule(Schedule(
-    "dualpipev", dualpipev_order, _v_check("dualpipev", per_stage=2),
+    cost={F: 1.0, I: 1.0, W: 1.0}, chunks=2,
+    doc="zero bubble V: two chunks per rank in a V (vpp 2), ~no bubble at 1F1B's memory",
+)  # fmt: skip
+DUALPIPEV = Schedule(
+    "dualpipev", dualpipev_order, v_check("dualpipev", per_stage=2),
     lambda pp, vpp, m, r: 2 * pp + 1,
     bubble=v_bubble(dualpipev_order),
     placement=v_placement,
     table=v_table(dualpipev_order),
-    cost=UNIT,
-    doc="DualPipeV (DeepSeek-V3): a V (--vpp 2) whose steady state pairs an F with a B "
+    cost=UNIT, chunks=2,
+    doc="DualPipeV (DeepSeek-V3): a V (vpp 2) whose steady state pairs an F with a B "
     "(run one after the other), m >= 2*pp",
-))  # fmt: skip
+)  # fmt: skip
+
+SCHEDULES = (ZB_H1, ZBV, DUALPIPEV)

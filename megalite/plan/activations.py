@@ -7,8 +7,9 @@ import dataclasses
 from functools import lru_cache
 
 from megalite.config import Config, ModelConfig
+from megalite.pipeline.actions import B, F
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import B, F, get_schedule
+from megalite.pipeline.schedules import get_schedule
 from megalite.plan.memory import BYTES
 from megalite.shape import RunShape
 

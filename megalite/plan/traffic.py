@@ -7,8 +7,8 @@ import dataclasses
 
 from megalite.config import Config
 from megalite.parallel.zero import GATHERS
+from megalite.pipeline.actions import SEND_B, SEND_F
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import SEND_B, SEND_F
 from megalite.plan.activations import schedule_actions
 from megalite.plan.memory import (
     BYTES,

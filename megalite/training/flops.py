@@ -51,7 +51,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     and the shared expert, not the E - k others (what a token costs, as Megatron counts)."""
     h, L, hd = cfg.hidden_size, cfg.num_layers, cfg.head_dim
     attn = h * hd * (cfg.num_attention_heads * 2 + cfg.heads_kv * 2)  # q and out; k and v
-    per = 3 if cfg.flavour == "llama" else 2  # (gate,) up, down
+    per = 3 if cfg.features.gated_mlp else 2  # (gate,) up, down
     mlp = h * cfg.ffn * per
     n = L * attn + cfg.vocab_size * h  # + the output layer (the tied embedding)
     for i in range(L):

@@ -187,7 +187,7 @@ def _batch_start(table, i: int) -> int:
 
 def _bounds(x: int, topo, reports: dict, tables) -> list[tuple]:
     """(progress bound, reason) for rank x from its peers' reports: where x must still be."""
-    from megalite.pipeline.schedules import WAITS
+    from megalite.pipeline.actions import WAITS
 
     cx, out = topo.coords(x), []
     for rank, r in sorted(reports.items()):

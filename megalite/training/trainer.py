@@ -11,24 +11,21 @@ import time
 
 import torch
 
-from megalite import kernels
 from megalite.checkpoint.checkpointer import Checkpointer, TrainState
 from megalite.config import Config
 from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch
 from megalite.errors import MegaliteError
-from megalite.model.gpt import GPTChunk
 from megalite.model.moe import moe_metrics
-from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.optim.lr_schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.context_parallel import shard_batch
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
-from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule
-from megalite.pipeline.partition import rank_chunks
+from megalite.pipeline.executor import first_stage_times, idle_ratio, idle_share, run_schedule
 from megalite.pipeline.schedules import bubble_theory, get_schedule
 from megalite.shape import RunShape
+from megalite.training.build import build_rank
 from megalite.training.flops import (
     device_peak_flops,
     hardware_flops_per_token,
@@ -39,8 +36,6 @@ from megalite.training.health import SpikeGuard, StragglerMonitor
 from megalite.training.logger import Logger
 from megalite.training.timeline import Timeline
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class Trainer:
     def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None):
@@ -49,23 +44,12 @@ class Trainer:
         self.data = data or build_datasets(cfg)
         tok = getattr(self.data, "tokenizer", None)
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
-        m = shape.model
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
         seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
-        ops = kernels.select(t.kernels, groups.device)
-        self.dtype = DTYPES[t.precision]
-        self.chunks = [
-            GPTChunk(m, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops, recompute=t.recompute,
-                     seed=t.seed, dtype=self.dtype, device=groups.device, cp=groups.cp,
-                     cp_comm_type=cfg.parallel.cp_comm_type)
-            for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, groups.pp.rank, shape.placement)
-        ]  # fmt: skip
-        self.opt = build_optimizer(self.chunks, groups, cfg)
-        self.microbatches = shape.microbatches
-        self.actions = get_schedule(
-            shape.schedule, shape.pp, shape.vpp, self.microbatches, groups.pp.rank
-        )
-        self.hidden_shape = shape.hidden_shape
+        parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule: training/build.py
+        self.chunks, self.opt, self.actions = parts.chunks, parts.opt, parts.actions
+        self.microbatches, self.hidden_shape = parts.microbatches, parts.hidden_shape
+        self.dtype = parts.dtype
         self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
                                     groups.data.rank, groups.data.size, t.seed)  # fmt: skip
         self.iteration = 0
@@ -124,13 +108,17 @@ class Trainer:
         return (t / g.size).tolist()
 
     def train_step(self, log: bool = True) -> dict | None:
-        """One optimizer step. It reads the device once (the optimizer's status: norm, skip,
+        """One optimizer step (`step`) on the train split's next global batch."""
+        return self.step(self._microbatches(self.data.train, self.sampler.next_batch()), log)
+
+    def step(self, batch, log: bool = True) -> dict | None:
+        """One optimizer step on `batch`: this rank's micro-batches [(tokens, labels, ...)] on
+        its device. It reads the device once (the optimizer's status: norm, skip,
         preemption, time limit and, with the spike guard, the loss); a logging step (`log`)
         also reads the loss, the timings of the steps since the last logging step and the
         memory, and returns the metrics. With --spike-rerun a spiking step runs once more."""
         t = self.cfg.training
         self.groups.ledger.reset()
-        batch = self._microbatches(self.data.train, self.sampler.next_batch())
         lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
         rerun = self.spikes.on and t.spike_rerun
         rng = rng_state(self.chunks, self.groups.device) if rerun else None
@@ -230,7 +218,7 @@ class Trainer:
             "bubble_theory": theory,
             # the same idle time as a share of the schedule, and its theory ((p-1)/(v*m+p-1)
             # for 1F1B and interleaved)
-            "idle_share": 1 - compute / max(busy, 1e-12) if pipelined else 0.0,
+            "idle_share": idle_share(compute, busy) if pipelined else 0.0,
             "idle_share_theory": theory / (1 + theory),
             "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
             "comm": self.groups.ledger.snapshot(),

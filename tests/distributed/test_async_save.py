@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint import format as fmt
 from megalite.errors import MegaliteError
-from tests.spawn import _CTX, spawn
-from tests.tiny import tiny_config, tiny_trainer
+from megalite.testing import CONTEXT, spawn, tiny_config, tiny_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -97,7 +96,7 @@ def _train(rank, world, save):
 def _killed(save, rendezvous, marker):
     """Train with --async-save; the background write of iteration 4 stalls half way (a slow
     disk) and the parent kills the process there."""
-    torch.set_num_threads(1)  # as tests/spawn.py: the same arithmetic as the reference run
+    torch.set_num_threads(1)  # as megalite/testing.py: the same arithmetic as the reference run
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     real = fmt.write_shard
 
@@ -115,7 +114,7 @@ def _killed(save, rendezvous, marker):
 def test_kill_during_background_write_resumes_from_the_previous_checkpoint(tmp_path):
     want = spawn(_train, 1, str(tmp_path / "ref"))[0]
     save, marker = tmp_path / "crash", tmp_path / "writing"
-    proc = _CTX.Process(target=_killed, args=(str(save), str(tmp_path / "rdv"), str(marker)))
+    proc = CONTEXT.Process(target=_killed, args=(str(save), str(tmp_path / "rdv"), str(marker)))
     proc.start()
     try:
         deadline = time.monotonic() + 120

@@ -9,7 +9,6 @@ its idle counted against the step's longest schedule, as the metrics file report
 """
 
 import statistics
-import time
 
 import pytest
 import torch
@@ -17,40 +16,10 @@ import torch
 from megalite.pipeline.executor import first_stage_times, idle_ratio, run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import SCHEDULES, bubble_theory, get_schedule
-from tests.spawn import spawn
+from megalite.testing import SleepChunk, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 T = 0.1  # seconds per forward, input gradient or weight gradient of a whole stage
-
-
-def _sleeper(seconds):
-    class Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            time.sleep(seconds)
-            return g
-
-    return Sleep.apply
-
-
-class SleepChunk(torch.nn.Module):
-    def __init__(self, layers, has_embedding, has_head, vpp=1):
-        super().__init__()
-        self.has_embedding, self.has_head, self.t = has_embedding, has_head, T / vpp
-        self.w = torch.nn.Parameter(torch.ones(4))
-        self.input_grad, self.weight_grad = _sleeper(self.t), _sleeper(self.t)
-
-    def forward(self, x, labels=None):
-        if self.has_embedding:  # a leaf that wants a gradient: the first stage's I runs too
-            x = (torch.ones(2, 4) * x[:, :1]).requires_grad_()
-        time.sleep(self.t)
-        # I sleeps on the path to x, W on the path to w only: a split backward runs them apart
-        y = self.input_grad(x * 1.0) + 0.0 * self.weight_grad(self.w)
-        return y.sum() if self.has_head else y
 
 
 def _measure(rank, world, cases):
@@ -61,8 +30,8 @@ def _measure(rank, world, cases):
     out = {}
     for name, vpp, m in cases:
         placement = SCHEDULES[name].placement
-        chunks = [SleepChunk(**kw, vpp=vpp) for kw in rank_chunks(world * vpp, world, vpp, rank,
-                                                                    placement)]  # fmt: skip
+        chunks = [SleepChunk(**kw, vpp=vpp, seconds=T)
+                  for kw in rank_chunks(world * vpp, world, vpp, rank, placement)]  # fmt: skip
         actions = get_schedule(name, world, vpp, m, rank)
         data = [(torch.ones(2, 4), None)] * m
         results = [run_schedule(actions, chunks, groups, data, hidden_shape=(2, 4),

@@ -16,13 +16,14 @@ import torch.distributed as dist
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
 from megalite.shape import validate
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def _sharded_logits(rank, world, paths, ids):
     out = []
     for path in paths:
         ckpt = fmt.Checkpoint(path)
-        cfg = Config.from_dict({"model": ckpt.model_config}).model
+        cfg = from_dict({"model": ckpt.model_config}).model
         (kw,) = rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
         chunk = GPTChunk(cfg, groups.tp, **kw).eval()
         load_model([chunk], groups.tp, ckpt)
@@ -151,8 +152,8 @@ def test_failed_save_keeps_the_previous_and_mismatches_are_named(tmp_path):
 
 
 def _layouts():
+    from megalite.testing import tiny_config
     from tests.distributed.test_moe_training import config as moe_config
-    from tests.tiny import tiny_config
 
     def tiny(**kw):
         cfg = tiny_config()
@@ -189,7 +190,7 @@ def _optimizer_elements_read(fn, *args) -> int:
 
 def _written_where_held(rank, world, root):
     from megalite.checkpoint.regions import rank_params
-    from tests.tiny import tiny_trainer
+    from megalite.testing import tiny_trainer
 
     out = {}
     for name, cfg in _layouts().items():

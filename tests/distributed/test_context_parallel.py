@@ -20,7 +20,7 @@ from megalite.parallel.context_parallel import (
 )
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 B, HQ, HKV, S, D = 2, 8, 4, 16, 8

@@ -3,7 +3,9 @@
 - a new parallel axis "xp" (size 2), registered with `register_axis` as replicated and
   batch-splitting, so its gradients are reduced over dp+xp: tp2·xp2 trains exactly like tp2·dp2;
 - a new pipeline schedule, registered with `register_schedule` together with its own
-  (V-shaped) placement: the verifier checks it and the executor runs it, matching one process.
+  (V-shaped) placement: the verifier checks it and the executor runs it, matching one process;
+- a linear and an attention variant through the ops seam (tests/unit/test_extending_model.py)
+  train at tp=2 like one process with the default ops, and compiled layers match eager at tp=2.
 """
 
 import numpy as np
@@ -15,14 +17,15 @@ from megalite.config import Config
 from megalite.parallel.axes import AXES, register_axis
 from megalite.parallel.groups import build_groups
 from megalite.pipeline import schedules
+from megalite.pipeline.actions import Action, B, F, Schedule
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import end_stages, rank_chunks
-from megalite.pipeline.schedules import Action, B, F, Schedule, register_schedule
+from megalite.pipeline.schedules import register_schedule
 from megalite.pipeline.verify import verify
 from megalite.shape import validate
+from megalite.testing import spawn
 from tests.distributed.test_pipeline import LAYERS, TOL, H, S, ToyChunk, _data, _reference
 from tests.distributed.test_pipeline import B as MBS
-from tests.spawn import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -158,3 +161,79 @@ def test_a_new_schedule_is_verified_and_runs():
         assert layers[0] == [[0, 1], [6, 7]] and layers[1] == [[2, 3], [4, 5]]
     finally:
         del schedules.SCHEDULES["v-gpipe"]
+
+
+# ---- a linear and an attention variant through the ops seam, at tp=2 ---------------------------
+
+
+def _sgd(chunk, ids, steps=3):
+    """Losses of `steps` plain SGD steps on one batch (every rank's gradients are whole: no
+    sequence parallelism, k/v heads split), and the parameters afterwards."""
+    losses = []
+    for _ in range(steps):
+        loss = chunk(ids[:, :-1], ids[:, 1:])
+        chunk.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in chunk.parameters():
+                p -= 0.1 * p.grad
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in chunk.named_parameters()}
+
+
+def _seams(rank, world):
+    from megalite import kernels
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.specs import spec_of
+    from megalite.parallel.topology import Topology
+    from tests.unit.test_extending_model import CountingLinear, explicit_attention, small
+
+    tp = build_groups(Topology(tp=world), torch.device("cpu")).tp
+    cfg = small("llama")
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    ref, ref_params = _sgd(GPTChunk(cfg, seed=7, dtype=torch.float64), ids)
+    linear = CountingLinear()
+    ops = kernels.override(kernels.TORCH_OPS, linear=linear, attention=explicit_attention)
+    explicit_attention.calls = 0
+    chunk = GPTChunk(cfg, tp, ops=ops, seed=7, dtype=torch.float64)
+    got, params = _sgd(chunk, ids)
+    assert linear.calls == 3 * (4 * cfg.num_layers + 1) and explicit_attention.calls == 6
+    assert got == pytest.approx(ref, rel=1e-12, abs=0)
+    for n, p in chunk.named_parameters():
+        assert (params[n] - spec_of(p).local(ref_params[n])).abs().max().item() <= 1e-10, n
+    return got
+
+
+def test_a_linear_and_an_attention_variant_train_like_one_process_at_tp2():
+    results = spawn(_seams, 2)
+    assert results[0] == results[1]
+
+
+def _compiled(rank, world):
+    """Compiled layers at tp=2, with and without sequence parallelism: dynamo breaks the graph
+    at each collective (comm's functions call torch.distributed) and compiles the pieces."""
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.topology import Topology
+    from tests.unit.test_extending_model import small
+
+    tp = build_groups(Topology(tp=world), torch.device("cpu")).tp
+    cfg = small("llama", num_layers=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    for sp in (False, True):
+        eager, compiled = (GPTChunk(cfg, tp, seed=1, dtype=torch.float64, sequence_parallel=sp)
+                           for _ in range(2))  # fmt: skip
+        for layer in compiled.layers.values():
+            layer.compile(backend="aot_eager")
+        a, b = (m(ids[:, :-1], ids[:, 1:]) for m in (eager, compiled))
+        a.backward()
+        b.backward()
+        assert (a - b).abs().item() <= 1e-12
+        for (n, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
+            assert (p.grad - q.grad).abs().max().item() <= 1e-12, n
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager_at_tp2():
+    spawn(_compiled, 2)

@@ -13,13 +13,14 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
-from megalite.config import Config, ModelConfig
+from megalite.config import ModelConfig
+from megalite.config_read import from_dict
 from megalite.generation import Sampling, generate
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 transformers = pytest.importorskip("transformers")
@@ -61,7 +62,7 @@ def _layouts(rank, world, paths):
         groups = build_groups(Topology(tp=tp, pp=pp, dp=world // (tp * pp)), torch.device("cpu"))
         for path in paths:
             ckpt = fmt.Checkpoint(path)
-            cfg = Config.from_dict({"model": ckpt.model_config}).model
+            cfg = from_dict({"model": ckpt.model_config}).model
             chunks = _chunks(cfg, groups, pp, vpp, sp=tp > 1)  # as the trainer builds them
             load_model(chunks, groups.tp, ckpt)
             out[(tp, pp, vpp, path)] = _run(chunks, groups)
@@ -109,7 +110,7 @@ def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints
     models, paths = checkpoints
     results = spawn(_layouts, 4, paths)
     for m, path in zip(models, paths):
-        cfg = Config.from_dict({"model": fmt.Checkpoint(path).model_config}).model
+        cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         greedy, sampled, _ = _one_process(cfg, path)
         assert greedy == [hf_greedy(m, p, NEW) for p in PROMPTS], path
         for tp, pp, vpp in LAYOUTS:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megalite.parallel import comm
 from megalite.parallel import groups as pg
 from megalite.parallel.topology import Topology
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 

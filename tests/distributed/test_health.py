@@ -13,8 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.spawn import spawn
-from tests.tiny import tiny_config, tiny_trainer
+from megalite.testing import spawn, tiny_config, tiny_trainer
 
 pytestmark = pytest.mark.distributed
 

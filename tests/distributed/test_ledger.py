@@ -17,7 +17,7 @@ from megalite.parallel import comm
 from megalite.pipeline.partition import rank_chunks
 from megalite.plan import activations, memory, traffic
 from megalite.plan.layouts import layout
-from tests.spawn import spawn
+from megalite.testing import spawn
 from tests.unit.test_plan_activations import saved_bytes
 
 L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m

@@ -25,7 +25,7 @@ from megalite.parallel.comm import Group
 from megalite.parallel.groups import build_groups
 from megalite.parallel.specs import name_parameters, spec_of
 from megalite.parallel.topology import Topology
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 B, S, H, E, K, F_, SHARED = 2, 8, 16, 4, 2, 12, 8

@@ -16,8 +16,7 @@ import torch
 from megalite.config import Config
 from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.shape import validate
-from tests.host_syncs import HostSyncCounter
-from tests.spawn import spawn
+from megalite.testing import HostSyncCounter, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS = 20

@@ -2,7 +2,7 @@
 
 Every message is delayed by a fixed d (it arrives d after its sender posted it: each send carries
 its posting time in a companion message, and an operation completes no earlier than its message
-arrives). Posting is separate from waiting (schedules.py), so a rank only waits where it needs a
+arrives). Posting is separate from waiting (pipeline/actions.py), so a rank only waits where it needs a
 received tensor that is not there yet. With GPipe, whose forwards and backwards stream, the step
 grows by about the warm-up and cool-down hops times d, not by the number of p2p batches times d
 as it does when every batch is waited for at once (the executor before this change, emulated
@@ -15,11 +15,12 @@ import time
 import pytest
 import torch
 
-from megalite.pipeline import p2p
+from megalite.parallel import p2p
+from megalite.pipeline.actions import COMM
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import COMM, get_schedule
-from tests.spawn import spawn
+from megalite.pipeline.schedules import get_schedule
+from megalite.testing import spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 DELAY, COMPUTE = 0.03, 0.01  # seconds: per message, and per forward (backward twice)

@@ -17,7 +17,7 @@ from megalite.parallel.comm import Group
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import chunk_layers, rank_chunks
 from megalite.pipeline.schedules import SCHEDULES, get_schedule
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 VOCAB, H, LAYERS, B, S = 11, 6, 8, 2, 3
 TOL = 1e-10
@@ -120,8 +120,8 @@ def _run_all(rank, world):
         ev = run_schedule(fwd, fresh, groups, microbatches, forward_only=True, **kw)
         assert abs(ev.loss - result.loss) <= TOL
         assert all(p.grad is None for c in fresh for p in c.parameters())
-        assert 0.0 <= ev.bubble_measured < 1.0
-        out.append((name, vpp, m, result.loss, result.bubble_measured, result.first_stage_step_s,
+        assert 0.0 <= ev.idle_share < 1.0
+        out.append((name, vpp, m, result.loss, result.idle_share, result.first_stage_step_s,
                     result.step_s))  # fmt: skip
     return out
 
@@ -146,7 +146,7 @@ def test_single_process_executor():
     actions = get_schedule("1f1b", 1, 1, 3, 0)
     result = run_schedule(actions, chunks, groups, microbatches, hidden_shape=(B, S, H), dtype=None)
     _check(result, chunks, microbatches)
-    assert len(result.losses) == 3 and result.bubble_ratio >= 0
+    assert len(result.losses) == 3 and result.bubble_measured >= 0
     # two virtual chunks on one rank hand their tensors over locally
     chunks = [ToyChunk(chunk_layers(LAYERS, 1, 2, 0, c), c == 0, c == 1) for c in range(2)]
     actions = get_schedule("interleaved", 1, 2, 3, 0)

@@ -17,7 +17,7 @@ from megalite.parallel.tensor_parallel import (
     VocabParallelEmbedding,
 )
 from megalite.parallel.topology import Topology
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-10

@@ -10,13 +10,14 @@ import torch
 
 from megalite.config import Config, ModelConfig
 from megalite.model.gpt import GPTChunk
+from megalite.pipeline.actions import COMPUTE
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import COMPUTE, bubble_theory, get_schedule
+from megalite.pipeline.schedules import bubble_theory, get_schedule
 from megalite.plan import traffic
 from megalite.plan.layouts import layout
+from megalite.testing import spawn
 from megalite.training import timeline
-from tests.spawn import spawn
 
 L, H, S, V, B = 4, 16, 8, 40, 2
 CASES = [("1f1b", 1, 4), ("interleaved", 2, 4)]  # schedule, vpp, micro-batches
@@ -56,7 +57,7 @@ def run(rank, world, out_dir):
         expected_pp = traffic.comm_bytes(cfg, layout(cfg, pp=world, vpp=vpp), rank, m)["pp"]
         assert groups.ledger.bytes["pp"] == expected_pp, (name, groups.ledger.bytes["pp"])
         computes = [(a.kind.value, a.chunk, a.mb) for a in actions if a.kind in COMPUTE]
-        out.append((name, computes, [r.bubble_ratio for r in results[:2]]))
+        out.append((name, computes, [r.bubble_measured for r in results[:2]]))
     return out
 
 
@@ -83,7 +84,7 @@ def test_timeline_of_a_pp2_run(tmp_path):
         for r in data["ranks"]:
             check_rank(r["spans"], results[r["rank"]][i][1])
         # the first stage's idle / compute over both steps, between the two steps' values (the
-        # executor's bubble_ratio, the metrics file's bubble_measured)
+        # executor's and the metrics file's bubble_measured)
         lo, hi = sorted(results[0][i][2])
         assert lo - 1e-9 <= timeline.measured_bubble(data) <= hi + 1e-9
         assert os.path.getsize(tmp_path / name / "timeline.png") > 10_000

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
-from tests.spawn import spawn
-from tests.tiny import tiny_config, tiny_trainer
+from megalite.testing import spawn, tiny_config, tiny_trainer
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.parallel.specs import has_spec, mark, spec_of
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero import ZERO
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 H, F_, V = 8, 12, 16  # hidden, ffn, vocab
 LR = 1e-2

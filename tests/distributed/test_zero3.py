@@ -12,6 +12,7 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import unit_layout
+from megalite.testing import spawn
 from tests.distributed.test_zero import (
     LR,
     Chunk,
@@ -26,7 +27,6 @@ from tests.distributed.test_zero import (
     single_groups,
     train,
 )
-from tests.spawn import spawn
 
 
 def test_unit_layout_one_bucket_per_unit_in_forward_order():

@@ -22,7 +22,7 @@ from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import SCHEDULES, get_schedule
 from megalite.pipeline.split_backward import input_grad
-from tests.spawn import spawn
+from megalite.testing import spawn
 
 TOL = 1e-10
 V, S, MBS = 50, 6, 2

@@ -15,10 +15,10 @@ from megalite.checkpoint import format as fmt
 from megalite.config_read import parse_args
 from megalite.errors import MegaliteError
 from megalite.shape import validate
+from megalite.testing import spawn
 from megalite.training import launch
 from megalite.training.trainer import Trainer
 from tests.e2e.conftest import ROOT, TINY
-from tests.spawn import spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

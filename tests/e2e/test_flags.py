@@ -2,10 +2,12 @@
 for the Triton kernels, stays within fp32 rounding of the torch references)."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 
-from tests.e2e.conftest import TINY, pretrain
+from tests.e2e.conftest import ROOT, TINY, pretrain
 
 pytestmark = [pytest.mark.slow]
 
@@ -35,3 +37,17 @@ def test_triton_kernels_in_the_trainer(tiny_data, tmp_path):
     ref, _ = _losses(tiny_data, tmp_path, 1, "--kernels", "torch", *small, steps=3)
     for a, b in zip(ours, ref):
         assert abs(a - b) <= 1e-3 * abs(b), (ours, ref)
+
+
+def test_a_v_schedule_infers_its_vpp():
+    """`--pp-schedule zbv` without --vpp runs vpp=2 and says so; `--vpp 3` stays refused."""
+    shape = ["--pp", "2", "--pp-schedule", "zbv", *TINY, "--dry-run"]
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *shape], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "vpp=2 inferred: the zbv schedule runs 2 chunks per rank" in r.stderr
+    assert "pp=2 dp=1 vpp=2" in r.stdout
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *shape, "--vpp", "3", "--num-layers", "12"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    assert "the zbv schedule runs two chunks per rank in a V: --vpp 2, not 3" in r.stderr

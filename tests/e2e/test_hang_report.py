@@ -15,9 +15,10 @@ import sys
 import pytest
 import torch
 
-from megalite.pipeline.schedules import F, get_schedule
+from megalite.pipeline.actions import F
+from megalite.pipeline.schedules import get_schedule
+from megalite.testing import CONTEXT
 from tests.e2e.conftest import ROOT, TINY
-from tests.spawn import _CTX
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -58,7 +59,7 @@ def test_hang_report_names_the_stalled_rank_and_action(tiny_data, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [_CTX.Process(target=_rank, args=(r, port, argv, stall_at)) for r in range(WORLD)]
+    procs = [CONTEXT.Process(target=_rank, args=(r, port, argv, stall_at)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:

@@ -121,7 +121,7 @@ def _vocab_parallel(rank, world, dtype):
 
 @pytest.mark.distributed
 def test_vocab_parallel_with_triton_kernels_at_tp2(dtype):
-    from tests.spawn import spawn
+    from megalite.testing import spawn
 
     assert spawn(_vocab_parallel, 2, dtype) == [True, True]
 

@@ -15,7 +15,7 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
-from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.gpt import LOCAL, GPTChunk
 
@@ -58,7 +58,7 @@ def hf_model(kind: str, seed: int = 0):
 def megalite_model(path) -> GPTChunk:
     ckpt = fmt.Checkpoint(path)
     ckpt.verify()
-    chunk = GPTChunk(Config.from_dict({"model": ckpt.model_config}).model)
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
     load_model([chunk], LOCAL, ckpt)
     return chunk.eval()
 
@@ -160,6 +160,21 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(MegaliteError, match="'BertForMaskedLM' is not supported"):
         convert.main([str(tmp_path), str(tmp_path / "out"), "--to", "megalite"])
+
+
+def test_an_import_is_read_as_features_and_matched_to_a_flavour():
+    """config.json -> features -> the FLAVOURS row that has them; none has them: one line."""
+    from megalite.checkpoint.hf import model_config_from_hf
+
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, vocab_size=VOCAB).to_dict()  # fmt: skip
+    assert model_config_from_hf(llama).flavour == "llama"
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4).to_dict()
+    assert model_config_from_hf(gpt2).flavour == "gpt2"
+    for bias, what in (("attention_bias", "qkv_bias=True, linear_bias=True"),
+                       ("mlp_bias", "linear_bias=True")):  # fmt: skip
+        with pytest.raises(MegaliteError, match=f"Llama models with {what} are not supported"):
+            model_config_from_hf({**llama, bias: True})
 
 
 def test_pickle_weights_are_refused(tmp_path):

@@ -1,9 +1,12 @@
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from megalite.config_read import parse_args
+from megalite.config import DEFAULT_ORDER, Config
+from megalite.config_read import from_dict, parse_args
 from megalite.errors import MegaliteError
 from megalite.shape import validate
 
@@ -71,6 +74,8 @@ BAD = [
         2,
         "global_batch_size=10 is not divisible by micro_batch_size*dp=2*2",
     ),
+    # the schedule names are the pipeline registry's, checked by validate, not by the reader
+    (["--pp-schedule", "zb-h2"], 1, "unknown pipeline schedule 'zb-h2'; choose one of gpipe, 1f1b"),
     (["--hidden-size", "0"], 1, "--hidden-size=0 must be a positive integer"),
     (["--tp", "-2"], 1, "--tp=-2 must be a positive integer"),
     (
@@ -155,3 +160,34 @@ def test_entry_point_prints_one_line_and_exits_nonzero():
         "or change --tp/--pp"
     ]
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_config_is_data():
+    """config.py imports nothing of megalite (errors at most): reading YAML, flags and dicts is
+    config_read's, and the schedule names are the pipeline registry's."""
+    tree = ast.parse(Path(ROOT, "megalite", "config.py").read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert [n for n in names if n.startswith("megalite") and n != "megalite.errors"] == []
+    assert not hasattr(Config, "from_dict")
+
+
+def test_from_dict_applies_and_checks():
+    cfg = from_dict({"model": {"hidden_size": 96, "flavour": "llama"}, "parallel": {"tp": 2}})
+    assert (cfg.model.hidden_size, cfg.model.flavour, cfg.parallel.tp) == (96, "llama", 2)
+    assert cfg.model.num_layers == Config().model.num_layers  # the rest are defaults
+    with pytest.raises(MegaliteError, match="unknown field model.hiden_size; did you mean"):
+        from_dict({"model": {"hiden_size": 96}})
+
+
+def test_default_order_is_one_literal():
+    from megalite.parallel.topology import Topology
+
+    assert Config().parallel.order == DEFAULT_ORDER == Topology().order
+    holders = []
+    for path in Path(ROOT, "megalite").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings
+        holders += [path.name for n in ast.walk(tree)
+                    if isinstance(n, ast.Constant) and n.value == DEFAULT_ORDER and id(n) not in docs]  # fmt: skip
+    assert holders == ["config.py"]

@@ -11,17 +11,13 @@ norm reduction, the bug this guards against, makes it fail.
 
 import pytest
 import torch
-from megalite.kernels import TORCH_OPS
 
 from megalite.config import Config, ModelConfig
-from megalite.model.gpt import GPTChunk
 from megalite.optim import distributed_optimizer
-from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.parallel.groups import single_process_groups
-from megalite.pipeline.executor import run_schedule
-from megalite.pipeline.partition import rank_chunks
-from megalite.pipeline.schedules import get_schedule
+from megalite.shape import validate
+from megalite.training.build import build_rank
 
 DEVICE = torch.device("meta")
 
@@ -31,23 +27,21 @@ def no_values(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: [0.0] * t.numel())
 
 
-def _step(flavour: str, precision=torch.float32, zero=1, vpp=2):
+def _step(flavour: str, precision="fp32", zero=1, vpp=2):
     cfg = Config()
     cfg.model = ModelConfig(flavour=flavour, num_layers=2, hidden_size=32,
                             num_attention_heads=4, seq_length=8, vocab_size=50)  # fmt: skip
-    cfg.optimizer.zero_stage = zero
+    cfg.optimizer.zero_stage, cfg.parallel.vpp = zero, vpp
     cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 4
+    cfg.training.kernels, cfg.training.precision = "torch", precision
     groups = single_process_groups(DEVICE)
-    chunks = [GPTChunk(cfg.model, groups.tp, **kw, ops=TORCH_OPS, dtype=precision, device=DEVICE)
-              for kw in rank_chunks(2, 1, vpp, 0)]  # fmt: skip
+    parts = build_rank(cfg, validate(cfg, 1), groups)  # interleaved at vpp 2, else 1f1b
+    chunks, opt = parts.chunks, parts.opt
     assert all(p.device.type == DEVICE.type for c in chunks for p in c.parameters())
-    opt = DistributedOptimizer(chunks, groups, cfg)
     ids = torch.randint(0, 50, (2, 9), device=DEVICE)
     data = [(ids[:, :-1], ids[:, 1:])] * 2
     opt.zero_grad(2)
-    name = "interleaved" if vpp > 1 else "1f1b"
-    result = run_schedule(get_schedule(name, 1, vpp, 2, 0), chunks, groups, data,
-                          hidden_shape=(2, 8, 32), dtype=precision)  # fmt: skip
+    result = parts.run(data)
     stats = opt.step(1e-3, flags=[0.0])
     assert result.loss_tensor.device == DEVICE and not stats["skipped"]
     return opt
@@ -56,7 +50,7 @@ def _step(flavour: str, precision=torch.float32, zero=1, vpp=2):
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_a_step_on_another_device(no_values, flavour):
     _step(flavour)
-    _step(flavour, torch.bfloat16, zero=2, vpp=1)
+    _step(flavour, "bf16", zero=2, vpp=1)
 
 
 def test_a_cpu_tensor_in_the_norm_reduction_fails(no_values, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
-from megalite.config import Config
+from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
 from megalite.generation import (
@@ -62,7 +62,7 @@ def pair(request, tmp_path_factory):
     m.save_pretrained(d / "hf", safe_serialization=True)
     convert.main([str(d / "hf"), str(d / "ml"), "--to", "megalite"])
     ckpt = fmt.Checkpoint(d / "ml")
-    chunk = GPTChunk(Config.from_dict({"model": ckpt.model_config}).model, dtype=torch.float64)
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model, dtype=torch.float64)
     load_model([chunk], LOCAL, ckpt)
     return m.double(), chunk.eval(), d / "ml"
 
@@ -108,7 +108,8 @@ def test_sampling_is_seeded_and_narrows_to_greedy(pair):
 
 
 def test_one_host_read_per_new_token(pair):
-    host_syncs = pytest.importorskip("tests.host_syncs")
+    from megalite import testing as host_syncs
+
     _, chunk, _ = pair
     for sampling in (Sampling(), Sampling(temperature=0.8, top_k=40, top_p=0.9)):
         counter = host_syncs.HostSyncCounter()

@@ -21,7 +21,7 @@ LAYERS = [
     ["checkpoint"],
     ["plan"],
     ["training"],
-    ["cli"],
+    ["cli", "testing"],  # testing: what tests and bench share (spawned ranks, tiny runs)
     ["train"],
 ]
 LEVEL = {unit: i for i, units in enumerate(LAYERS) for unit in units}

@@ -66,7 +66,7 @@ def naive(layer: MoELayer, x: torch.Tensor, capacity=None):
             e = int(top[i, j])
             if not keep[i, j]:
                 continue
-            if layer.llama:
+            if layer.gated:
                 gu = layer.experts.gate_up.weight[e] @ t[i]
                 y = F.silu(gu[:F_]) * gu[F_:]
             else:

@@ -1,26 +1,20 @@
-import dataclasses
+"""The registry (pipeline/schedules.py) and the builders it lists (one_f_one_b.py,
+zero_bubble.py): every small shape of every schedule verifies with its theory's bubble and its
+promised activations, the text form, clear shape errors, and the vpp a schedule fixes."""
 
 import pytest
 
 from megalite.errors import MegaliteError
+from megalite.pipeline.actions import format_actions
 from megalite.pipeline.schedules import (
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    WAIT_F,
-    Action,
-    B,
-    F,
+    SCHEDULES,
     bubble_theory,
-    format_actions,
     format_table,
     get_schedule,
     idle_theory,
-    interleaved_order,
-    one_f_one_b_order,
-    with_comms,
+    schedule,
 )
-from megalite.pipeline.verify import ScheduleError, peak_bound, verify, verify_table
+from megalite.pipeline.verify import peak_bound, verify
 
 
 def shapes():
@@ -105,83 +99,48 @@ def test_bad_shapes_are_clear_errors():
         get_schedule("zbv", 4, 1, 8, 0)
 
 
-def _table(name, pp, vpp, m):
-    return [get_schedule(name, pp, vpp, m, r) for r in range(pp)]
-
-
-def _index(acts, kind, chunk, mb):
-    return next(i for i, a in enumerate(acts) if (a.kind, a.chunk, a.mb) == (kind, chunk, mb))
-
-
-def test_catches_a_dropped_recv():
-    t = _table("1f1b", 4, 1, 4)
-    del t[2][_index(t[2], RECV_F, 0, 1)]
-    with pytest.raises(ScheduleError, match="rank 2 action .*forward before its input arrived"):
-        verify_table(t, 4, 1, 4)
-
-
-def test_catches_swapped_sends():
-    t = _table("gpipe", 2, 1, 3)
-    i, j = _index(t[0], SEND_F, 0, 0), _index(t[0], SEND_F, 0, 1)
-    t[0][i], t[0][j] = t[0][j], t[0][i]
-    with pytest.raises(ScheduleError, match="sends an activation not computed yet"):
-        verify_table(t, 2, 1, 3)
-    # rank 1 forwards micro-batch 1 before 0: legal locally, but the pairs disagree
-    t = _table("gpipe", 2, 1, 3)
-    swap = {0: 1, 1: 0, 2: 2}
-    t[1] = [dataclasses.replace(a, mb=swap[a.mb]) if a.kind in (F, RECV_F, WAIT_F) else a
-            for a in t[1]]  # fmt: skip
-    with pytest.raises(ScheduleError, match="send #0 from rank 0 to rank 1, but receive #0"):
-        verify_table(t, 2, 1, 3)
-
-
-def test_catches_backward_before_forward():
-    t = _table("1f1b", 2, 1, 2)
-    acts = t[1]
-    i, j = _index(acts, F, 0, 1), _index(acts, B, 0, 1)
-    acts[i], acts[j] = acts[j], acts[i]
-    with pytest.raises(ScheduleError, match="rank 1 action .*B1.*backward before its forward"):
-        verify_table(t, 2, 1, 2)
-
-
-def test_catches_missing_work_and_wrong_peer():
-    t = _table("1f1b", 2, 1, 2)
-    t[1] = [a for a in t[1] if not (a.kind in (B, SEND_B) and a.mb == 1)]
-    with pytest.raises(ScheduleError, match="rank 1: no B"):
-        verify_table(t, 2, 1, 2)
-    t = _table("1f1b", 3, 1, 2)
-    k = _index(t[0], SEND_F, 0, 0)
-    t[0][k] = dataclasses.replace(t[0][k], peer=2)
-    with pytest.raises(ScheduleError, match="wrong peer"):
-        verify_table(t, 3, 1, 2)
-
-
-def test_catches_deadlock():
-    # interleaved with a batch after every single compute: ranks 0 and 1 of pp=2 each post a
-    # lone send of a gradient while the other waits to send one too
-    t = [with_comms([[a] for seg in interleaved_order(2, 2, 4, r) for a in seg], 2, 2, r)
-         for r in range(2)]  # fmt: skip
-    with pytest.raises(ScheduleError, match="deadlock: rank 0 action .* waits for rank 1"):
-        verify_table(t, 2, 2, 4)
-
-
 def test_bubble():
     assert bubble_theory(4, 2, 8) == pytest.approx(3 / 16)
 
 
-def test_forward_only_schedules_carry_no_gradients():
-    t = [get_schedule("1f1b", 2, 1, 3, r, forward_only=True) for r in range(2)]
-    assert format_actions(t[0], comms=True) == "F0 [sF0>1] F1 [sF1>1] F2 [sF2>1]"
-    verify_table(t, 2, 1, 3, forward_only=True)
-    with pytest.raises(ScheduleError, match="a gradient in a forward-only schedule"):
-        verify_table(_table("1f1b", 2, 1, 3), 2, 1, 3, forward_only=True)
+def test_each_schedule_says_how_many_chunks_it_runs():
+    # a V always runs two chunks per rank: it fills in the default --vpp 1, never another one
+    for name in ("zbv", "dualpipev"):
+        assert schedule(name).chunks == 2
+        assert schedule(name).vpp(1) == 2 and schedule(name).vpp(3) == 3
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        assert schedule(name).vpp(1) == 1 and schedule(name).vpp(2) == 2
+    assert schedule("interleaved").chunks is None and schedule("interleaved").vpp(3) == 3
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"}
 
 
-def test_simulated_bubble_exposes_a_serialising_schedule():
-    # 1F1B without warmup is correct but runs one micro-batch through the pipe at a time
-    segs = [[[a] for k in range(4) for a in (Action(F, 0, k), Action(B, 0, k))] for _ in range(4)]
-    t = [with_comms(segs[r], 4, 1, r) for r in range(4)]
-    slow = verify_table(t, 4, 1, 4)
-    assert slow.peak_activations == [1, 1, 1, 1]
-    assert slow.idle[0] > 0.7 > verify("1f1b", 4, 1, 4).idle[0] == pytest.approx(3 / 7)
-    assert one_f_one_b_order(4, 1, 4, 3) == segs[3]  # the last stage does just that
+def _cfg(name, vpp=1, layers=4):
+    from megalite.config import Config
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.parallel.pp, cfg.parallel.vpp = layers, 2, vpp
+    cfg.parallel.pp_schedule = name
+    cfg.training.global_batch_size, cfg.training.micro_batch_size = 8, 1
+    return cfg
+
+
+def test_a_v_schedule_without_vpp_infers_it(capsys):
+    from megalite.shape import derive, validate
+
+    for name in ("zbv", "dualpipev"):
+        cfg = _cfg(name)
+        shape = derive(cfg, 2)
+        assert (shape.vpp, shape.schedule, cfg.parallel.vpp) == (2, name, 1)  # cfg untouched
+        assert validate(cfg, 2).vpp == 2
+        assert f"vpp=2 inferred: the {name} schedule runs 2 chunks" in capsys.readouterr().err
+    # the layers are checked against the inferred vpp: 2 ranks * 2 chunks do not split 6 layers
+    with pytest.raises(MegaliteError, match=r"not divisible by pp\*vpp=2\*2"):
+        derive(_cfg("zbv", layers=6), 2)
+    # an explicit wrong --vpp stays refused, and a default one is not inferred for others
+    with pytest.raises(MegaliteError, match="two chunks per rank in a V: --vpp 2, not 3"):
+        derive(_cfg("zbv", vpp=3, layers=12), 2)
+    with pytest.raises(MegaliteError, match="vpp >= 2"):
+        derive(_cfg("interleaved"), 2)
+    assert derive(_cfg("zbv", vpp=2), 2).vpp == 2
+    validate(_cfg("zbv", vpp=2), 2)
+    assert "inferred" not in capsys.readouterr().err

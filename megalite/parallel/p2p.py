@@ -1,12 +1,14 @@
-"""Activation and gradient exchange between pipeline stages: batches posted now, waited for later.
+"""Point-to-point exchange between neighbours of a group: batches posted now, waited for later.
 
-Shapes are known ahead (every tensor between stages is the caller's `hidden_shape`), so there is
-no shape handshake: a receive is just an empty buffer. A batch of sends and receives is posted
-with `batch_isend_irecv` (`post`) and returns at once; the caller waits for it (`Batch.wait`)
-only when it needs a received tensor, or to bound what is in flight. On NCCL that wait is a
-dependency of the compute stream, not a host wait. Batches complete in posting order and
-messages between two ranks are matched in posting order (gloo and NCCL alike): that is the model
-`verify.py` proves schedules deadlock-free against. No tags are used.
+The pipeline's stages (pipeline/executor.py) pass activations and gradients with it, context
+parallelism's ring (context_parallel.py) its K/V blocks, generation (generation.py) one token's
+hidden states stage after stage. Shapes are known ahead (the caller allocates every receive),
+so there is no shape handshake: a receive is just an empty buffer. A batch of sends and
+receives is posted with `batch_isend_irecv` (`post`) and returns at once; the caller waits for
+it (`Batch.wait`) only when it needs a received tensor, or to bound what is in flight. On NCCL
+that wait is a dependency of the compute stream, not a host wait. Batches complete in posting
+order and messages between two ranks are matched in posting order (gloo and NCCL alike): that
+is the model pipeline/verify.py proves schedules deadlock-free against. No tags are used.
 """
 
 import time
@@ -20,7 +22,7 @@ _ready: set[int] = set()  # process groups that have run a collective
 
 
 def _warm_up(group: Group, device: torch.device):
-    """NCCL wants the first operation on a group to involve all its ranks; a pipeline batch only
+    """NCCL wants the first operation on a group to involve all its ranks; a batch only
     involves neighbours, so run one tiny all-reduce over the group first (once per group)."""
     if id(group.pg) in _ready:
         return

@@ -1,0 +1,231 @@
+"""What tests and benchmarks share: ranks spawned over gloo, a count of host syncs, tiny runs.
+
+- `spawn(fn, n, *args)` runs `fn(rank, n, *args)` in n processes with torch.distributed already
+  initialised (gloo, a `file://` rendezvous: no ports), and returns the list of their return
+  values. An exception on any rank fails the caller with that rank's traceback; a rank that hangs
+  past `timeout` fails it too (all ranks are killed), so a stuck collective never hangs a suite.
+  `CONTEXT` is the multiprocessing context it starts them with (forkserver, torch preloaded).
+- `HostSyncCounter` counts the places a step would make the host wait for the device, on a CPU
+  run. A CPU has no device to wait for, so the count comes from what the code asks for: every op
+  whose result the host must read (`.item()`, `bool(t)` and `float(t)` through
+  `_local_scalar_dense`, `nonzero`, boolean-mask indexing, `masked_select`, `unique`, ...) seen
+  by a dispatch mode, plus `Tensor.tolist`, `Tensor.numpy` (which do not dispatch) and
+  `torch.cuda.synchronize` / `Event.synchronize` / `Stream.synchronize`, patched. The dispatch
+  mode is thread-local: CPU autograd runs backward in the calling thread, so backward is counted.
+- `tiny_config()` and `tiny_trainer(cfg)`: a tiny model and the real Trainer over random tokens,
+  for driving a whole run in spawned ranks.
+- `SleepChunk`: a pipeline chunk that sleeps instead of computing, so that a step's time is set
+  by the schedule alone (its bubble, its messages, the executor's overhead).
+
+Nothing here is imported by the training code; it sits at the top of the layers, beside cli.
+"""
+
+import contextlib
+import os
+import tempfile
+import time
+import traceback
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megalite.config import Config
+from megalite.parallel.groups import build_groups
+from megalite.shape import validate
+
+# ---- spawning ranks ---------------------------------------------------------------------------
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def _entry(rank, world_size, tmp, fn, args):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, *args)
+        with open(f"{tmp}/out.{rank}", "wb") as fh:
+            torch.save(result, fh)  # read back with weights_only: no pickle code runs
+        if dist.is_initialized():  # (unless fn tore it down itself)
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        with open(f"{tmp}/err.{rank}", "w") as fh:
+            fh.write(traceback.format_exc())
+        os._exit(1)
+
+
+def spawn(fn, world_size, *args, timeout=180):
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            CONTEXT.Process(target=_entry, args=(r, world_size, tmp, fn, args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed = None
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                break
+            for r, p in enumerate(procs):
+                if not p.is_alive() and p.exitcode not in (0, None) and failed is None:
+                    failed = r
+            if failed is not None:
+                time.sleep(2)  # let the other ranks write their own errors first
+                break
+            time.sleep(0.05)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        errors = {
+            r: open(f"{tmp}/err.{r}").read()
+            for r in range(world_size)
+            if os.path.exists(f"{tmp}/err.{r}")
+        }
+        if errors:
+            # a crashed rank makes its peers fail with "connection closed": show the cause first
+            secondary = ("Connection closed", "Connection reset", "Broken pipe")
+            r = min(errors, key=lambda r: (any(m in errors[r] for m in secondary), r))
+            raise AssertionError(f"rank {r} of {world_size} failed:\n{errors[r]}")
+        if alive:
+            raise TimeoutError(
+                f"ranks {alive} of {world_size} still running after {timeout}s (hang?)"
+            )
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks {bad} exited with {[procs[r].exitcode for r in bad]}")
+        out = []
+        for r in range(world_size):
+            with open(f"{tmp}/out.{r}", "rb") as fh:
+                out.append(torch.load(fh, weights_only=True))
+        return out
+
+
+# ---- counting host syncs -----------------------------------------------------------------------
+
+aten = torch.ops.aten
+# ops whose output shape or value the host must know: the device would have to finish first
+READS = {
+    aten._local_scalar_dense, aten.nonzero, aten.nonzero_static, aten.masked_select,
+    aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.repeat_interleave,
+    aten.is_nonzero, aten.equal,
+}  # fmt: skip
+
+
+class _Reads(TorchDispatchMode):
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in READS and not (packet is aten.repeat_interleave and not args[1:]):
+            self.counter.hit(str(packet))
+        elif packet is aten.index and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])
+        ):
+            self.counter.hit("boolean-mask indexing")
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter:
+    def __init__(self):
+        self.count, self.where = 0, []
+
+    def hit(self, what: str):
+        self.count += 1
+        self.where.append((what, "".join(traceback.format_stack(limit=8)[:-2])))
+
+    @contextlib.contextmanager
+    def counting(self):
+        patched = [(torch.Tensor, "tolist"), (torch.Tensor, "numpy"), (torch.cuda, "synchronize"),
+                   (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]  # fmt: skip
+        saved = [(obj, name, getattr(obj, name)) for obj, name in patched]
+
+        def counted(what, fn):
+            def wrapper(*a, **kw):
+                self.hit(what)
+                return fn(*a, **kw)
+
+            return wrapper
+
+        for obj, name, fn in saved:
+            setattr(obj, name, counted(name, fn))
+        try:
+            with _Reads(self):
+                yield self
+        finally:
+            for obj, name, fn in saved:
+                setattr(obj, name, fn)
+
+
+# ---- tiny runs ---------------------------------------------------------------------------------
+
+
+def tiny_config(hidden: int = 32, vocab: int = 100) -> Config:
+    """2 layers of `hidden`, 4 heads, 16 tokens per sample, 4 samples per step, W&B off."""
+    cfg = Config()
+    m, t = cfg.model, cfg.training
+    m.num_layers, m.hidden_size, m.num_attention_heads = 2, hidden, 4
+    m.seq_length, m.vocab_size = 16, vocab
+    t.micro_batch_size, t.global_batch_size = 1, 4
+    cfg.logging.wandb_mode = "disabled"
+    return cfg
+
+
+def tiny_trainer(cfg: Config, samples: int = 256):
+    """The Trainer of `cfg` at this world's size, on `samples` random token rows."""
+    from megalite.training.trainer import Trainer
+
+    shape = validate(cfg, dist.get_world_size())
+    groups = build_groups(shape.topology(), torch.device("cpu"))
+    m = cfg.model
+    tokens = np.random.default_rng(0).integers(0, m.vocab_size, (samples, m.seq_length + 1))
+    return Trainer(cfg, shape, groups, SimpleNamespace(train=tokens, valid=None, tokenizer=None))
+
+
+# ---- a pipeline stage that sleeps -------------------------------------------------------------
+
+
+def _sleeper(seconds):
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(seconds)
+            return g
+
+    return Sleep.apply
+
+
+class SleepChunk(torch.nn.Module):
+    """A chunk (as `rank_chunks` describes it) over (2, 4) activations that sleeps `seconds / vpp`
+    per forward and, in backward, as long for the input gradient (I) and for the weight
+    gradients (W), the two in separate autograd nodes so that a split backward really runs them
+    apart (a full backward B sleeps twice as long). `seconds` is a whole stage's time."""
+
+    def __init__(self, layers, has_embedding, has_head, vpp=1, seconds=0.1):
+        super().__init__()
+        self.has_embedding, self.has_head, self.t = has_embedding, has_head, seconds / vpp
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.input_grad, self.weight_grad = _sleeper(self.t), _sleeper(self.t)
+
+    def forward(self, x, labels=None):
+        if self.has_embedding:  # a leaf that wants a gradient: the first stage's I runs too
+            x = (torch.ones(2, 4) * x[:, :1]).requires_grad_()
+        time.sleep(self.t)
+        # I sleeps on the path to x, W on the path to w only: a split backward runs them apart
+        y = self.input_grad(x * 1.0) + 0.0 * self.weight_grad(self.w)
+        return y.sum() if self.has_head else y

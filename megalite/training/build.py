@@ -1,0 +1,72 @@
+"""One rank's parts, built from a config, its run shape and its process groups: the model
+chunks of its pipeline stage, the optimizer over them, its schedule's actions.
+
+The trainer builds a rank this way, and so do the benchmarks and the tests that drive the parts
+without the trainer's loop (their own data, timings or reference runs): the same kernels,
+precision, recompute, sequence and context parallelism, placement and ZeRO stage as a run of
+that config.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite import kernels
+from megalite.config import Config
+from megalite.model.gpt import GPTChunk
+from megalite.optim.distributed_optimizer import DistributedOptimizer, build_optimizer
+from megalite.parallel.groups import ProcessGroups
+from megalite.pipeline.executor import PipelineResult, run_schedule
+from megalite.pipeline.partition import rank_chunks
+from megalite.pipeline.schedules import get_schedule
+from megalite.shape import RunShape
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class RankParts:
+    """What `build_rank` made: the chunks (in chunk order), their optimizer and this rank's
+    actions of one step's schedule over `microbatches` micro-batches."""
+
+    chunks: list[GPTChunk]
+    opt: DistributedOptimizer
+    actions: list
+    microbatches: int
+    hidden_shape: tuple[int, int, int]  # the tensor between stages, (b, s/cp[/tp], h)
+    dtype: torch.dtype
+    groups: ProcessGroups
+    placement: object  # the schedule's (stage, chunk) placement of the virtual stages
+
+    def run(self, batch, **kw) -> PipelineResult:
+        """The schedule over `batch` (this rank's micro-batches), gradients accumulated into
+        the optimizer's buffers; `kw` goes to `run_schedule` (timeline, observe, ...)."""
+        return run_schedule(self.actions, self.chunks, self.groups, batch,
+                            hidden_shape=self.hidden_shape, dtype=self.dtype,
+                            loss_scale=self.opt.loss_scale, placement=self.placement, **kw)  # fmt: skip
+
+
+def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
+    """This rank's model chunks: one per virtual stage it holds, with the layers the schedule's
+    placement gives it, on the groups' device. `ops`: the kernels every layer calls (default
+    `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them)."""
+    t = cfg.training
+    ops = ops or kernels.select(t.kernels, groups.device)
+    return [
+        GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
+                 recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
+                 device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type)
+        for kw in rank_chunks(shape.model.num_layers, shape.pp, shape.vpp, groups.pp.rank,
+                              shape.placement)
+    ]  # fmt: skip
+
+
+def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> RankParts:
+    """The chunks, optimizer and schedule of this rank of a run of `cfg` (`shape` from
+    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one; `ops` as in
+    `build_chunks`). Seeding the dropout streams is the caller's: the chunks' initialisation
+    depends on `cfg.training.seed` only."""
+    chunks = build_chunks(cfg, shape, groups, ops)
+    actions = get_schedule(shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
+    return RankParts(chunks, build_optimizer(chunks, groups, cfg), actions, shape.microbatches,
+                     shape.hidden_shape, DTYPES[cfg.training.precision], groups, shape.placement)  # fmt: skip

@@ -1,0 +1,105 @@
+"""build_rank builds what a rank of a run holds, as the trainer uses it (one process)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from megalite.kernels import TORCH_OPS
+
+from megalite.model.gpt import GPTChunk
+from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.parallel.groups import single_process_groups
+from megalite.pipeline.executor import run_schedule
+from megalite.pipeline.partition import rank_chunks
+from megalite.pipeline.schedules import get_schedule
+from megalite.shape import validate
+from megalite.testing import tiny_config
+from megalite.training.build import build_rank
+from megalite.training.trainer import Trainer
+
+
+def _batch(cfg, seed=0):
+    m, t = cfg.model, cfg.training
+    g = torch.Generator().manual_seed(seed)
+    micro = t.global_batch_size // t.micro_batch_size
+    ids = torch.randint(0, m.vocab_size, (micro, t.micro_batch_size, m.seq_length + 1), generator=g)
+    return [(x[:, :-1], x[:, 1:]) for x in ids]
+
+
+def test_build_rank_is_the_hand_wiring():
+    """One chunk, ZeRO-1 and 1F1B built by hand, as benchmarks did: the same step, bit for bit."""
+    cfg = tiny_config()
+    cfg.optimizer.zero_stage, cfg.training.kernels = 1, "torch"
+    groups = single_process_groups()
+    parts = build_rank(cfg, validate(cfg, 1), groups)
+    hand = GPTChunk(cfg.model, ops=TORCH_OPS, seed=cfg.training.seed)
+    opt = DistributedOptimizer([hand], groups, cfg)
+    actions = get_schedule("1f1b", 1, 1, 4, 0)
+    assert parts.actions == actions and parts.microbatches == 4
+    for step in range(2):
+        batch = _batch(cfg, step)
+        parts.opt.zero_grad(len(batch))
+        ours = parts.run(batch)
+        parts.opt.step(1e-3)
+        opt.zero_grad(len(batch))
+        theirs = run_schedule(actions, [hand], groups, batch, hidden_shape=(1, 16, 32),
+                              dtype=torch.float32)  # fmt: skip
+        opt.step(1e-3)
+        assert ours.loss == theirs.loss
+    (chunk,) = parts.chunks
+    got, want = dict(chunk.named_parameters()), dict(hand.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_build_rank_follows_the_shape():
+    """Virtual stages: a chunk each, their layers by the schedule's placement; the precision."""
+    cfg = tiny_config()
+    cfg.model.num_layers, cfg.parallel.vpp, cfg.training.precision = 4, 2, "bf16"
+    shape = validate(cfg, 1)
+    parts = build_rank(cfg, shape, single_process_groups())
+    assert shape.schedule == "interleaved" and len(parts.chunks) == 2
+    for chunk, kw in zip(parts.chunks, rank_chunks(4, 1, 2, 0, shape.placement)):
+        assert sorted(int(i) for i in chunk.layers) == list(kw["layers"])
+        assert (chunk.has_embedding, chunk.has_head) == (kw["has_embedding"], kw["has_head"])
+    assert parts.dtype == torch.bfloat16 == next(parts.chunks[0].parameters()).dtype
+    assert parts.actions == get_schedule("interleaved", 1, 2, 4, 0)
+    assert parts.hidden_shape == shape.hidden_shape
+
+
+def test_trainer_step_takes_a_batch():
+    """Trainer.step(batch) on the batch train_step would read trains the same."""
+    cfg = tiny_config()
+    tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
+    data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
+    a = Trainer(cfg, validate(cfg, 1), single_process_groups(), data)
+    b = Trainer(cfg, validate(cfg, 1), single_process_groups(), data)
+    for _ in range(2):
+        want = a.train_step(log=True)
+        got = b.step(b._microbatches(data.train, b.sampler.next_batch()), log=True)
+        assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    assert b.iteration == a.iteration == 2
+    pa, pb = dict(a.chunks[0].named_parameters()), dict(b.chunks[0].named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_build_rank_takes_the_ops():
+    """An overridden linear reaches every layer of every chunk build_rank makes."""
+    import torch.nn.functional as F
+
+    from megalite import kernels
+
+    cfg = tiny_config()
+    cfg.training.kernels = "torch"
+    calls = []
+
+    def counting(x, w, b=None):
+        calls.append(w.shape)
+        return F.linear(x, w, b)
+
+    ops = kernels.override(TORCH_OPS, linear=counting)
+    parts = build_rank(cfg, validate(cfg, 1), single_process_groups(), ops=ops)
+    parts.opt.zero_grad(4)
+    parts.run(_batch(cfg))
+    # attention (fused q/k/v, out), MLP (up, down) per layer and the head, per micro-batch
+    assert len(calls) == 4 * (4 * cfg.model.num_layers + 1)
