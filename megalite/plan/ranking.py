@@ -2,15 +2,19 @@
 FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communication not hidden
 behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
 
+- the pipeline moves at its slowest stage's pace: the last, which also runs the output layer;
 - TP traffic is on the critical path (exposed whole; TP stays inside a node);
 - pipeline p2p is hidden in the steady state, exposed on the 2(p-1) hops of warm-up and
   cool-down;
-- data-parallel reductions and parameter gathers overlap compute (backward, and with
-  --overlap-param-gather the next forward), except a tenth of them (the last bucket of
-  backward, the first of the forward) and whatever lasts longer than the compute.
+- each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
+  micro-batch's backward: at stages 0/1 the last micro-batch's (the buckets fill only then), at
+  stage 2 each one's; the all-gather of the updated shards behind the next step's first forward
+  (--overlap-param-gather); ZeRO-3's gathers behind the whole compute. What outlasts its window
+  is exposed, and at least a tenth (the last bucket, the first).
 
-A crude model, but one that orders layouts by what they cost rather than by memory alone
-(ZeRO-2 moving m times the data-parallel bytes of ZeRO-1 no longer wins because it fits).
+A crude model (no GEMM efficiency by shape, one bandwidth per link kind), but one that orders
+layouts by what they cost rather than by memory alone; docs/planner.md checks it against the
+layouts of Narayanan et al. 2021, Table 1.
 """
 
 from dataclasses import dataclass
@@ -59,7 +63,7 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     # the ZeRO stage's gradient reductions (each behind the backward of one micro-batch: the
     # last one's, or every one's where each micro-batch is reduced) and parameter all-gather
     # (behind the next step's first forward)
-    calls = lay.zero.collectives(p.microbatches, "step")
+    calls = lay.zero.collectives(p.microbatches, "step")  # ZeRO-3's gathers: dp_gather below
     rounds = calls.get("all_reduce", 0) + calls.get("reduce_scatter", 0)
     grads = (2 * calls.get("all_reduce", 0) + calls.get("reduce_scatter", 0)) * (4 if e == 2 else e)
     params = calls.get("all_gather", 0) * e
@@ -75,7 +79,8 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     cp = seconds(p.comm.get("cp", 0), lay.tp * cp)
     # the last stage also runs the output layer: the pipeline moves at its pace (the output
     # layer's share of the FLOPs as training/flops.py counts it, recomputed under full)
-    head = (8 if t.recompute == "full" else 6) * m.vocab_size * m.hidden_size / flops_per_token
+    vocab = m.vocab_size or 0
+    head = (8 if t.recompute == "full" else 6) * vocab * m.hidden_size / flops_per_token
     slowest = 1 + head * (lay.pp - 1)
     return compute * slowest * (1 + p.bubble) + tp + pp + cp + embed + exposed
 
