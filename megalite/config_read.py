@@ -25,7 +25,10 @@ def _fields(section_obj):
 
 
 def _choices(f):
-    return f.metadata.get("choices")
+    """A field's fixed set of values, or None; a callable set (the flavour table, which may grow
+    after import) is read when asked."""
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
 
 
 def _base_type(tp):
