@@ -53,27 +53,27 @@ def layer_activations(
     (RMSNorm also its normalised output) and SwiGLU also keeps silu(gate). `moe`: the layer
     holds experts (moe_activations) instead of the MLP."""
     s, h, f, a = m.seq_length, m.hidden_size, m.ffn, m.num_attention_heads
-    llama = m.flavour == "llama"
+    rms, gated = m.features.rms_norm, m.features.gated_mlp
     rows = s * b / (t if sp else 1)  # tokens of a sequence-sharded tensor on this rank
     kv = m.heads_kv * m.head_dim // t if m.heads_kv % t == 0 else m.heads_kv * m.head_dim
     if recompute == "full":  # only the layer's input
         return rows * h * e
     norm_e = max(e, 4) if torch_ops else e
-    norm = rows * h * norm_e + rows * 4 * (1 if llama else 2)  # input; rstd (and mean), fp32
-    if torch_ops and llama:
+    norm = rows * h * norm_e + rows * 4 * (1 if rms else 2)  # input; rstd (and mean), fp32
+    if torch_ops and rms:
         norm += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
     # Inputs of q/k/v and of the MLP's first linear(s): one (b, s, h) tensor for the attention
     # block and one for the MLP, shared by the layers that read it (all-gathered with SP).
     linear_in = s * b * h * e * 2
     attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
     # fused_column_linear keeps the concatenated q/k/v (and gate/up) weights (and biases)
-    fused = (h / t + 2 * kv) * (h + (0 if llama else 1)) * e + (2 * f / t * h * e if llama else 0)
+    fused = (h / t + 2 * kv) * (h + m.features.qkv_bias) * e + (2 * f / t * h * e if gated else 0)
     lse = 0 if recompute == "selective" else a / t * s * b * 4
-    mlp = s * b * f / t * e * ((4 if torch_ops else 3) if llama else 2)  # (gate,) up, act out
+    mlp = s * b * f / t * e * ((4 if torch_ops else 3) if gated else 2)  # (gate,) up, act out
     if moe:  # no dense MLP: the routed experts, and the shared expert's MLP if any
         fs = m.moe_shared_expert_intermediate_size or 0
         linear_in -= 0 if fs else s * b * h * e
-        fused -= (2 * f / t * h * e if llama else 0) - (2 * fs / t * h * e if llama else 0)
+        fused -= (2 * f / t * h * e - 2 * fs / t * h * e) if gated else 0
         mlp = mlp * fs / f + moe_activations(m, b, t, e, torch_ops)
     masks = 2 * rows * h if m.hidden_dropout > 0 else 0  # bool dropout masks
     scores = 0
@@ -92,7 +92,7 @@ def moe_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> 
     h, k, f, n_exp = m.hidden_size, m.moe_router_topk, m.moe_ffn, m.num_experts
     tokens = m.seq_length * b / t
     n = tokens * k
-    act = (3 if torch_ops else 2) if m.flavour == "llama" else 1
+    act = (3 if torch_ops else 2) if m.features.gated_mlp else 1
     router = tokens * h * e + (tokens * h * 4 if e < 4 else 0) + tokens * n_exp * 4 * 2
     return router + n * (2 * h + f * (act + 1)) * e + n * (4 + 4 * 8)
 
@@ -112,12 +112,12 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
                 for i in kw["layers"])  # fmt: skip
     if kw["has_embedding"]:
         total += b * s * (9 if tp > 1 else 8)  # token ids (int64; a bool mask with TP)
-        total += s * 8 if m.flavour == "gpt2" else 0  # position ids
+        total += s * 8 if m.features.learned_positions else 0  # position ids
     if kw["has_head"]:
         rows = s * b / (tp if sp else 1)
         norm_e = max(e, 4) if torch_ops else e
-        total += rows * h * norm_e + rows * 4 * (1 if m.flavour == "llama" else 2)
-        if torch_ops and m.flavour == "llama":
+        total += rows * h * norm_e + rows * 4 * (1 if m.features.rms_norm else 2)
+        if torch_ops and m.features.rms_norm:
             total += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
         total += s * b * h * e + s * b * 8  # the output layer's input; the labels
         if tp > 1:  # vocab-parallel cross entropy: the logits shard and the fp32 log-sum-exp
