@@ -48,8 +48,8 @@ def _step(flavour: str, precision=torch.float32, zero=1, vpp=2):
     name = "interleaved" if vpp > 1 else "1f1b"
     result = run_schedule(get_schedule(name, 1, vpp, 2, 0), chunks, groups, data,
                           hidden_shape=(2, 8, 32), dtype=precision)  # fmt: skip
-    stats = opt.step(1e-3, flags=[0.0])
-    assert result.loss_tensor.device == DEVICE and not stats["skipped"]
+    stats = opt.step(1e-3, flags={"signal": 0.0})
+    assert result.loss_tensor.device == DEVICE and not stats.skipped
     return opt
 
 
