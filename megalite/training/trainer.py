@@ -67,8 +67,10 @@ class Trainer:
             shape.schedule, shape.pp, shape.vpp, self.microbatches, groups.pp.rank
         )
         self.hidden_shape = shape.hidden_shape
-        self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
-                                    groups.data.rank, groups.data.size, t.seed)  # fmt: skip
+        self.sampler = None  # --eval-only without a training split: nothing to sample
+        if self.data.train is not None:
+            self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
+                                        groups.data.rank, groups.data.size, t.seed)  # fmt: skip
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
@@ -96,7 +98,8 @@ class Trainer:
         state = self.checkpointer.resume()
         if state is not None:
             self.iteration = state.iteration
-            self.sampler.consumed_samples = state.consumed_samples
+            if self.sampler is not None:
+                self.sampler.consumed_samples = state.consumed_samples
             self.skipped_total = state.skipped_steps
             if state.rng is not None:
                 set_rng_state(state.rng, self.chunks, self.groups.device)

@@ -151,6 +151,18 @@ def test_sigterm_saves_and_eval_only(tiny_data, tmp_path):
     assert len(rows) == 1 and rows[0]["iteration"] == last and rows[0]["eval_loss"] > 0
 
 
+def test_eval_only_needs_no_training_split(tiny_data, tmp_path):
+    """--eval-only on a held-out set: --split 0,100,0 gives training nothing, which eval-only
+    does not need; a split without a validation share is refused with one line."""
+    save = tmp_path / "run"
+    pretrain(1, _args(tiny_data, "--train-iters", "1", "--save", str(save)), tmp_path)
+    held_out = ["--load", str(save), "--eval-only", "--eval-iters", "1", "--split", "0,100,0"]
+    rows, _ = pretrain(1, _args(tiny_data, *held_out), tmp_path)
+    assert len(rows) == 1 and rows[0]["iteration"] == 1 and rows[0]["eval_loss"] > 0
+    line = _fails(tiny_data, tmp_path, "--load", str(save), "--eval-only", "--split", "100,0,0")
+    assert "--eval-only" in line and "validation split" in line and "'100,0,0'" in line
+
+
 def _fails(tiny_data, tmp_path, *extra) -> str:
     rows, r = pretrain(1, _args(tiny_data, *extra), tmp_path, check=False)
     assert r.returncode == 2 and not rows, r.stderr[-3000:]
