@@ -8,7 +8,8 @@ Two gloo processes on CPU (tests/spawn.py, one thread each) train a GPT-2-124M-s
 takes seconds, not minutes, on a CPU) at dp=2, for each ZeRO stage given:
 
 - stall per save: the wall time `Checkpointer.save()` holds the training loop, on the slower
-  rank, two saves of each kind. Synchronous: each rank writes and hashes its shard, fsync,
+  rank, two saves of each kind (and the bytes a save sends other than the world's index
+  entries and RNG states: 0, nothing is gathered over DP). Synchronous: each rank writes and hashes its shard, fsync,
   index, rename. Async: the copy of the shard to host memory and the RNG states' all-gather;
   the background write's own duration is reported beside it.
 - loop time: --steps steps without saves, then the same steps saving every --every steps
@@ -94,9 +95,12 @@ def _measure(tr, a) -> dict:
     for mode in ("sync", "async", "sync", "async"):
         tr.cfg.checkpoint.async_save = mode == "async"
         tr.train_step(log=False)
+        tr.groups.ledger.reset()  # what the save sends beyond the world's small objects
         r.setdefault(f"{mode}_stall_s", []).append(_timed(lambda: ck.save(tr.state())))
         if mode == "async":
             r.setdefault("async_background_s", []).append(_timed(ck.wait))
+        off_world = sum(n for k, n in tr.groups.ledger.bytes.items() if k != "world")
+        r.setdefault(f"{mode}_save_bytes_not_world", []).append(off_world)
     for mode in (None, "async", "sync"):
         steps_s, wait_s, cpu_s = _loop(tr, a.steps, a.every, mode)
         r[f"loop_{mode or 'nosave'}_s"] = steps_s + wait_s

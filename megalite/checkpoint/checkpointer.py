@@ -266,8 +266,9 @@ class Checkpointer:
         )
 
     def _save_async(self, state: TrainState):
-        """The foreground of an asynchronous save: wait for the previous one, gather, copy to
-        host, start the background write. Returns once the step may go on."""
+        """The foreground of an asynchronous save: wait for the previous one, copy this rank's
+        own shard to host (nothing is gathered over DP), gather the RNG states, start the
+        background write. Returns once the step may go on."""
         g = self.groups
         self.wait()  # one save in flight at most; its error stops every rank here
         start = time.perf_counter()
