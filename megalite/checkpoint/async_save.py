@@ -26,12 +26,22 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from megalite.checkpoint import format as fmt
 
 POLL_S = 0.05
+
+
+class Part(NamedTuple):
+    """What one rank contributes to a checkpoint's index (a rank that writes nothing: empty)."""
+
+    entries: dict = {}  # index entries of the tensors in its file (format.write_shard)
+    files: dict = {}  # {its file: {"sha256", "bytes"}}
+    rng: dict | None = None  # its RNG states, encoded (regions.encode_rng)
+    error: str | None = None  # why its write failed
 
 
 def host_copy(tensors: dict, buffers: dict) -> tuple[dict, object]:
@@ -58,9 +68,9 @@ def _sidecar(tmp: Path, rank: int) -> Path:
     return tmp / f".rank{rank:05d}.json"
 
 
-def write_part(tmp: Path, fname: str, tensors: dict, rank: int, report: bool) -> tuple:
-    """Write this rank's shard (`format.write_shard`); returns (entries, files, error) and, when
-    `report` (a rank other than 0), leaves them in the rank's sidecar file for rank 0."""
+def write_part(tmp: Path, fname: str, tensors: dict, rank: int, report: bool) -> Part:
+    """Write this rank's shard (`format.write_shard`); returns its Part (no RNG states) and,
+    when `report` (a rank other than 0), leaves it in the rank's sidecar file for rank 0."""
     entries, files, error = {}, {}, None
     try:
         entries, files = fmt.write_shard(tmp, fname, tensors)
@@ -68,18 +78,18 @@ def write_part(tmp: Path, fname: str, tensors: dict, rank: int, report: bool) ->
         error = f"could not write checkpoint file {tmp / fname} ({e})"
     if report:
         fmt.write_atomic(_sidecar(tmp, rank), json.dumps([entries, files, error]))
-    return entries, files, error
+    return Part(entries, files, None, error)
 
 
-def collect_parts(tmp: Path, own: tuple, rngs: list, writers: list, timeout_s: float) -> list:
-    """Rank 0: [(entries, files, rng, error)] of every rank, in rank order (what a synchronous
-    save gathers), from the writers' sidecar files, which are then removed."""
+def collect_parts(tmp: Path, own: Part, rngs: list, writers: list, timeout_s: float) -> list:
+    """Rank 0: the Part of every rank, in rank order (what a synchronous save gathers), from
+    the writers' sidecar files, which are then removed."""
     parts, deadline = [], time.monotonic() + timeout_s
     for rank, (rng, writes) in enumerate(zip(rngs, writers)):
         if rank == 0:
-            parts.append((own[0], own[1], rng, own[2]))
+            parts.append(own._replace(rng=rng))
         elif not writes:
-            parts.append(({}, {}, rng, None))
+            parts.append(Part(rng=rng))
         else:
             path = _sidecar(tmp, rank)
             while not path.is_file():
@@ -90,7 +100,7 @@ def collect_parts(tmp: Path, own: tuple, rngs: list, writers: list, timeout_s: f
                 time.sleep(POLL_S)
             entries, files, error = json.loads(path.read_text())
             path.unlink()
-            parts.append((entries, files, rng, error))
+            parts.append(Part(entries, files, rng, error))
     return parts
 
 

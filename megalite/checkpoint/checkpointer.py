@@ -25,14 +25,18 @@ leave out the optimizer state and the RNG states (not when a restart resumes its
 import dataclasses
 import json
 import shutil
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint.async_save import BackgroundSave, collect_parts, host_copy, write_part
+from megalite.checkpoint.async_save import (
+    BackgroundSave,
+    Part,
+    collect_parts,
+    host_copy,
+    write_part,
+)
 from megalite.checkpoint.format import Checkpoint, opt_name
 from megalite.checkpoint.regions import (  # noqa: F401  (check_model, load_model: tools and tests)
     agreed_errors,
@@ -83,16 +87,16 @@ def resume_path(cfg) -> str | None:
 
 
 class Checkpointer:
-    """--save/--load/--save-interval/--keep-checkpoints and preemption, for the parts it is
-    handed: cfg (recorded in the index), the run shape, groups, this rank's model chunks, the
-    optimizer and the tokenizer model the run reads (or None)."""
+    """--save/--load/--save-interval/--keep-checkpoints, for the parts it is handed: cfg
+    (recorded in the index), the run shape, groups, this rank's model chunks, the optimizer
+    and the tokenizer model the run reads (or None). When to stop early is the trainer's
+    (training/preemption.py); the checkpointer saves when told."""
 
     def __init__(self, cfg, shape, groups, chunks, optimizer, tokenizer_path=None, log=print):
         self.cfg, self.shape, self.groups = cfg, shape, groups
         self.chunks, self.optimizer, self.tokenizer_path = chunks, optimizer, tokenizer_path
         self.log = log
         self.last_saved = None  # iteration of the newest checkpoint in --save
-        self._signal = None
         self._background = BackgroundSave()  # --async-save: the save in flight
         self._host = {}  # --async-save: host buffers reused from save to save
 
@@ -175,14 +179,14 @@ class Checkpointer:
         its own part of the weights and the optimizer state (optimizer.state_pieces: nothing is
         gathered), as blocks of the global tensors. TP replicas are written by TP rank 0."""
         out = {}
-        for r, (plo, phi), views, writes in self.optimizer.state_pieces():
-            spec = spec_of(r.param)
-            if not writes or (spec.split_dim is None and self.groups.tp.rank != 0):
+        for piece in self.optimizer.state_pieces():
+            p, spec = piece.range.param, spec_of(piece.range.param)
+            if not piece.writes or (spec.split_dim is None and self.groups.tp.rank != 0):
                 continue
-            whole = (plo, phi) == (0, r.param.numel())
-            for i, (lo, hi, region) in enumerate(piece_blocks(spec, r.param.shape, plo, phi)):
+            whole = (piece.lo, piece.hi) == (0, p.numel())
+            for i, (lo, hi, region) in enumerate(piece_blocks(spec, p.shape, piece.lo, piece.hi)):
                 shape = [b - a for a, b in region]
-                for kind, t in views.items():
+                for kind, t in piece.views.items():
                     key = spec.source if kind == "param" else opt_name(kind, spec.source)
                     key += "" if whole else f"#{i}"
                     out[key] = (t[lo:hi].view(shape), region, spec.shape)
@@ -246,7 +250,7 @@ class Checkpointer:
             except OSError as e:
                 error = f"could not write checkpoint file {tmp / self._fname} ({e})"
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}
-        parts = all_gather((entries, files, rng, error), g.world)
+        parts = all_gather(Part(entries, files, rng, error), g.world)
         outcome = self._commit(parts, tmp, final, self._meta(state)) if g.rank == 0 else None
         outcome = all_gather(outcome, g.world)[0]
         if outcome is not None:
@@ -254,16 +258,17 @@ class Checkpointer:
         self.last_saved = state.iteration
         self._log_saved(final, parts, time.perf_counter() - start)
 
-    def _log_saved(self, final: Path, parts, secs: float, how: str = ""):
-        nbytes = sum(m["bytes"] for p in parts for m in p[1].values())
+    def _log_saved(self, final: Path, parts: list[Part], secs: float, how: str = ""):
+        nbytes = sum(m["bytes"] for p in parts for m in p.files.values())
         self.log(
             f"saved checkpoint {final} ({nbytes / 1e9:.3f} GB) in {secs:.1f} s{how} "
             f"({nbytes / 1e9 / max(secs, 1e-9):.2f} GB/s)"
         )
 
     def _save_async(self, state: TrainState):
-        """The foreground of an asynchronous save: wait for the previous one, gather, copy to
-        host, start the background write. Returns once the step may go on."""
+        """The foreground of an asynchronous save: wait for the previous one, copy this rank's
+        own shard to host (nothing is gathered over DP), gather the RNG states, start the
+        background write. Returns once the step may go on."""
         g = self.groups
         self.wait()  # one save in flight at most; its error stops every rank here
         start = time.perf_counter()
@@ -279,13 +284,13 @@ class Checkpointer:
         def write() -> str | None:  # the background thread: files only, no collective
             if event is not None:
                 event.synchronize()  # the copies to host memory have landed
-            own = write_part(tmp, fname, tensors, g.rank, g.rank != 0) if fname else ({}, {}, None)
+            own = write_part(tmp, fname, tensors, g.rank, g.rank != 0) if fname else Part()
             if g.rank != 0:
-                return own[2]
+                return own.error
             try:
                 parts = collect_parts(tmp, own, *zip(*gathered), timeout)
             except OSError as e:
-                parts = [({}, {}, None, str(e))]
+                parts = [Part(error=str(e))]
             error = self._commit(parts, tmp, final, meta)
             if error is None:
                 self._log_saved(final, parts, time.perf_counter() - start, " in the background")
@@ -306,19 +311,19 @@ class Checkpointer:
         if errors:
             raise MegaliteError(errors[0])
 
-    def _commit(self, parts, tmp: Path, final: Path, meta: dict) -> str | None:
+    def _commit(self, parts: list[Part], tmp: Path, final: Path, meta: dict) -> str | None:
         """Rank 0: write the index, move the checkpoint into place, point `latest` at it, prune.
         Returns an error message, or None."""
         c = self.cfg.checkpoint
-        errors = [p[3] for p in parts if p[3]]
+        errors = [p.error for p in parts if p.error]
         try:
             if errors:
                 raise OSError(errors[0])
-            files = {k: v for p in parts for k, v in p[1].items()}
+            files = {k: v for p in parts for k, v in p.files.items()}
             if self.tokenizer_path is not None:  # generate.py and conversion to HF find it here
                 files.update(fmt.copy_tokenizer(self.tokenizer_path, tmp))
-            index = {**meta, "rng": [p[2] for p in parts], "files": files,
-                     "tensors": fmt.merge_entries([p[0] for p in parts])}  # fmt: skip
+            index = {**meta, "rng": [p.rng for p in parts], "files": files,
+                     "tensors": fmt.merge_entries([p.entries for p in parts])}  # fmt: skip
             fmt.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
             old = final.with_name(f".{final.name}.old")
             if final.exists():  # the same iteration saved again: keep the old one until replaced
@@ -345,32 +350,6 @@ class Checkpointer:
 
     # ---- during training -----------------------------------------------------------------------
 
-    @contextmanager
-    def catch_preemption(self):
-        """With --save, SIGTERM (preemption) and SIGINT (Ctrl-C) make the run save at the end of
-        the current step and stop; a second Ctrl-C stops at once."""
-        if not self.cfg.checkpoint.save:
-            yield
-            return
-
-        def handler(signum, frame):
-            if self._signal == signal.SIGINT and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._signal = signum
-
-        old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-    @property
-    def signalled(self) -> bool:
-        """This rank got SIGTERM/SIGINT (the trainer shares it in the step's status reduction,
-        so every rank stops at the same step)."""
-        return self._signal is not None
-
     def after_step(self, state_fn, stop: str | None) -> bool:
         """Save when due (`state_fn()` gives the TrainState) or when `stop` says why the run
         stops now (a signal on some rank, a time limit); returns whether it stops."""
@@ -386,11 +365,6 @@ class Checkpointer:
             self.wait()  # the process exits next: the background write must be complete
             self.log(f"{stop}: saved iteration {state.iteration} to {c.save}; stopping")
         return bool(stop)
-
-    def stop_reason(self) -> str:
-        """Why a signalled run stops, for the log line."""
-        name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
-        return f"received {name}"
 
     def finish(self, state: TrainState):
         """The save at the end of training (unless this iteration is saved already); waits for

@@ -91,16 +91,18 @@ class BlendedDataset:
 
 @dataclass
 class Datasets:
-    """What the trainer needs; `valid`/`test` are None when their share of --split is 0."""
+    """What the trainer needs; a split is None when its share of --split is 0 (`train` only
+    with --eval-only)."""
 
-    train: GPTDataset | BlendedDataset
+    train: GPTDataset | BlendedDataset | None
     valid: GPTDataset | BlendedDataset | None
     tokenizer: Tokenizer | HFTokenizer
     test: GPTDataset | BlendedDataset | None = None
 
 
-def parse_split(split: str) -> list[float]:
-    """'98,2,0' (or '98/2/0', or fewer values) -> three fractions summing to 1."""
+def parse_split(split: str, eval_only: bool = False) -> list[float]:
+    """'98,2,0' (or '98/2/0', or fewer values) -> three fractions summing to 1. Training needs
+    a training share; --eval-only (`eval_only`) needs none, only a validation share."""
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
@@ -110,7 +112,12 @@ def parse_split(split: str) -> list[float]:
             f"--split {split!r} must be up to three non-negative numbers like 98,2,0"
         )
     parts += [0.0] * (3 - len(parts))
-    if parts[0] <= 0:
+    if eval_only and parts[1] <= 0:
+        raise MegaliteError(
+            f"--eval-only evaluates on the validation split, but --split {split!r} gives it no "
+            "data; make the second share > 0 (e.g. 0,100,0)"
+        )
+    if not eval_only and parts[0] <= 0:
         raise MegaliteError(f"--split {split!r} gives training no data; make the first share > 0")
     return [p / sum(parts) for p in parts]
 
@@ -163,7 +170,7 @@ def build_datasets(cfg) -> Datasets:
     (`RunShape.with_vocab`).
     """
     d, m = cfg.data, cfg.model
-    fractions = parse_split(d.split)
+    fractions = parse_split(d.split, cfg.training.eval_only)
     weights, prefixes = parse_data_path(d.data_path) if d.data_path else (None, [])
     if d.tokenizer_model:
         tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type)

@@ -16,8 +16,9 @@ load-balancing loss, the capacity).
   z-loss  coeff mean_t logsumexp(logits_t)^2. Each rank computes its tokens' share, so the sum
   over `seq` is the loss of the micro-batch. They join the training loss through
   `_AttachLoss`: identity on the layer's output forward, the losses' gradient (times the scale
-  of the main loss, loss_scale / micro-batches, set by the optimizer) added in backward, so
-  every pipeline stage back-propagates its own layers' losses with no executor change.
+  of the main loss, loss_scale / micro-batches, which the trainer hands in for the step with
+  `aux_loss_scale`) added in backward, so every pipeline stage back-propagates its own layers'
+  losses with no executor change.
 - Capacity (--moe-expert-capacity-factor c; dropless without it): each expert of a sequence
   group takes at most ceil(c T_seq k / E) assignments; the drop policy "position" keeps first
   choices before second ones, and within a choice earlier sequence positions first (the same
@@ -31,6 +32,7 @@ load-balancing loss, the capacity).
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -42,6 +44,23 @@ from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import shard_spec
 
 STATS = 4  # per layer after the E loads: aux loss, z-loss, dropped assignments, passes
+
+# The gradient the auxiliary losses get in backward (outside `aux_loss_scale`: 1.0).
+_aux_scale = 1.0
+
+
+@contextmanager
+def aux_loss_scale(scale: float):
+    """In the block, the auxiliary losses that forward attaches get the gradient `scale` in
+    backward: the main loss's, loss_scale / micro-batches. Whoever runs a step's forward and
+    backward (the trainer) wraps them in it, as Megatron's MoEAuxLossAutoScaler is told its
+    scale; the layers read it when they attach their losses (recompute too, inside the block)."""
+    global _aux_scale
+    old, _aux_scale = _aux_scale, float(scale)
+    try:
+        yield
+    finally:
+        _aux_scale = old
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -80,7 +99,6 @@ class MoELayer(nn.Module):
             cfg.moe_expert_capacity_factor,
         )
         self.bias_rate = cfg.moe_router_bias_update_rate
-        self.aux_scale = 1.0  # loss_scale / micro-batches of the step (set by the optimizer)
         kw = {"dtype": dtype, "device": device}
         self.router = nn.Module()
         self.router.weight = mark(nn.Parameter(torch.empty(e, h, **kw)),
@@ -207,7 +225,7 @@ class MoELayer(nn.Module):
         if self.z_coeff:
             z = self.z_coeff * torch.logsumexp(logits, -1).square().sum() / n_seq
         if self.aux_coeff or self.z_coeff:
-            out = _AttachLoss.apply(out, aux + z, self.aux_scale)
+            out = _AttachLoss.apply(out, aux + z, _aux_scale)
         with torch.no_grad():
             dropped = top.numel() - counts[:e].sum()
             passes = torch.full((), 1.0 / seq.size, dtype=torch.float64, device=out.device)
@@ -225,12 +243,6 @@ def moe_layers(chunks):
         for name, layer in getattr(chunk, "layers", {}).items():
             if isinstance(getattr(layer, "mlp", None), MoELayer):
                 yield int(name), layer.mlp
-
-
-def set_aux_loss_scale(chunks, scale: float):
-    """The gradient the auxiliary losses get in backward: the main loss's (loss_scale / m)."""
-    for _, moe in moe_layers(chunks):
-        moe.aux_scale = scale
 
 
 @torch.no_grad()

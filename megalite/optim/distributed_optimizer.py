@@ -21,12 +21,13 @@ The AdamW arithmetic is torch.optim.AdamW's single-tensor path, element for elem
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from megalite.config import Config
-from megalite.model.moe import set_aux_loss_scale, update_expert_bias
+from megalite.model.moe import update_expert_bias
 from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
 from megalite.parallel import comm
@@ -38,6 +39,29 @@ from megalite.parallel.zero3 import Zero3Buffer
 
 # Elements per slice of the element-wise Adam update.
 ADAM_SLICE = 2**18
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one optimizer step reports; the same on every rank (one reduction decided it)."""
+
+    grad_norm: float  # the global norm, unscaled, before clipping (inf or nan if not finite)
+    finite: bool  # no gradient on any rank was inf or nan
+    spike: bool  # the caller's guard refused the step
+    skipped: bool  # no update: not finite, or a spike
+    loss_scale: float  # after this step's update of the scaler (1.0 without fp16)
+    flags: dict[str, float] = field(default_factory=dict)  # the caller's, summed over the world
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    """This rank's part of one parameter in its shards (what a checkpoint writes of it)."""
+
+    range: ParamRange  # the parameter and where it lies in its bucket
+    lo: int  # the part is [lo, hi) of the flattened parameter
+    hi: int
+    views: dict[str, torch.Tensor]  # "param" and each optimizer kind: 1-D views of the part
+    writes: bool  # this rank is the one of its DP group to save it
 
 
 def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -126,42 +150,42 @@ class DistributedOptimizer:
 
     def zero_grad(self, microbatches: int | None = None):
         """Start a step; `microbatches` backward passes follow (default: from the config)."""
-        m = microbatches or self.default_microbatches
-        self.buffer.zero_grad(m)
-        # MoE auxiliary losses get the gradient backward gives the main loss (executor.py).
-        set_aux_loss_scale(self.chunks, self.loss_scale / m)
+        self.buffer.zero_grad(microbatches or self.default_microbatches)
         self._finalised = False
 
-    def step(self, lr: float, flags=(), guard=None) -> dict:
-        """Clip and update; `flags` (floats, or 0-d tensors on the device such as the trainer's
-        loss) are summed over the world in the same reduction as the norm and returned as
-        "flags" (the trainer's preemption signal, time limit and loss). `guard(flags) -> bool`,
-        when given, decides from them before the update: True skips the step like a
-        non-finite one ("skipped" and "spike" set; the loss scale is left as it is)."""
+    def step(self, lr: float, flags: dict | None = None, guard=None) -> StepReport:
+        """Clip and update. `flags` ({name: float, or a 0-d tensor on the device such as the
+        trainer's loss}) are summed over the world in the same reduction as the norm and
+        reported by name (the trainer's preemption signal, time limit and loss).
+        `guard(flags) -> bool`, when given, decides from them before the update: True skips
+        the step like a non-finite one (`spike`; the loss scale is left as it is)."""
         self.finalise_grads()
         buf, o = self.buffer, self.opt_cfg
         buf.wait_params()  # (normally done already: the forward waited for every bucket)
         grads = [b.shard_grad for b in buf.buckets]
         counted = [g[lo:hi] for g, segs in zip(grads, self._norm) for lo, hi in segs]
         rest = [g[lo:hi] for g, segs in zip(grads, self._rest) for lo, hi in segs]
-        sumsq, nonfinite, *flags = step_status(counted, rest, self.groups.world, flags)
+        names = list(flags or {})
+        sumsq, nonfinite, *values = step_status(
+            counted, rest, self.groups.world, [flags[n] for n in names]
+        )
+        summed = dict(zip(names, values))
         found_inf = nonfinite > 0
-        spike = not found_inf and guard is not None and guard(flags)
+        spike = not found_inf and guard is not None and guard(summed)
         scale = self.loss_scale
         norm = (math.sqrt(sumsq) if sumsq >= 0 else sumsq) / scale
-        out = {"grad_norm": norm, "skipped": found_inf or spike, "flags": flags, "spike": spike}
         if self.scaler and not spike:
             self.scaler.update(found_inf)
-        out["loss_scale"] = self.loss_scale
-        if found_inf or spike:
-            return out
+        report = StepReport(norm, not found_inf, spike, found_inf or spike, self.loss_scale, summed)
+        if report.skipped:
+            return report
         factor = clip_coefficient(norm, o.clip_grad) / scale
         if factor != 1.0:
             for g in grads:
                 g.mul_(factor)
         self._adamw(lr, grads)
         buf.all_gather_params(overlap=o.overlap_param_gather)
-        return out
+        return report
 
     @torch.no_grad()
     def _adamw(self, lr: float, grads: list[torch.Tensor]):
@@ -193,32 +217,13 @@ class DistributedOptimizer:
     def gathered_params(self, write_back: bool = False):
         """The parameters whole and readable in the block (collective over DP at ZeRO-3, which
         gathers them; `write_back`: what the block wrote into them becomes the shards)."""
-        gathered = getattr(self.buffer, "gathered", None)
-        if gathered is None:  # stages 0-2: the flat parameter buffer is whole
-            self.buffer.wait_params()
-            yield
-            return
-        with gathered(write_back):
+        with self.buffer.gathered(write_back):
             yield
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds for parameters (ZeRO-3: its shards; `param_gathered_peak_bytes`
         the most held gathered at once in the step), gradients and optimizer state."""
-        buf = self.buffer
-        parts = buf.parts if hasattr(buf, "parts") else [buf]
-        size = lambda t: t.numel() * t.element_size() if t is not None else 0  # noqa: E731
-        out = {"param_bytes": 0, "grad_bytes": 0, "optimizer_state_bytes": self.state_bytes()}
-        for p in parts:
-            if isinstance(p, Zero3Buffer):
-                out["param_bytes"] += sum(size(b.param_shard) for b in p.buckets)
-                out["param_gathered_peak_bytes"] = p.peak_gathered_bytes
-            else:
-                out["param_bytes"] += size(p.param_buffer)
-            if p.grad_buffer is not None:
-                out["grad_bytes"] += size(p.grad_buffer)
-            else:
-                out["grad_bytes"] += sum(size(b.shard_grad) for b in p.buckets)
-        return out
+        return {**self.buffer.memory_bytes(), "optimizer_state_bytes": self.state_bytes()}
 
     def wait_params(self):
         """Wait for the parameter gathers of the last step (a forward waits for the buckets it
@@ -297,11 +302,10 @@ class DistributedOptimizer:
 
     def state_pieces(self):
         """This rank's part of the weights and the optimizer state, parameter by parameter,
-        without a collective (what a checkpoint writes): (range, (plo, phi), {"param" or an
-        optimizer kind: 1-D view}, writes) for each parameter with a part in this rank's shards,
-        (plo, phi) that part of the flattened parameter. `writes`: this rank is the one of its
-        DP group to save it: every rank its own part when the state is sharded, DP rank 0
-        otherwise. Tied copies are left out."""
+        without a collective (what a checkpoint writes): a StatePiece for each parameter with a
+        part in this rank's shards. It `writes` when the buffer says this rank saves the
+        bucket's shard (every rank its own when the state is sharded, DP rank 0 otherwise).
+        Tied copies are left out."""
         self.buffer.wait_params()  # the parameter gathers write into the flat buffer
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.masters:
@@ -311,11 +315,9 @@ class DistributedOptimizer:
             if s is None or spec_of(r.param).tied_to:
                 continue
             i, (lo, hi, plo, phi) = self._bucket_index[b], s
-            sharded = b.shard_end - b.shard_start < b.numel
-            writes = sharded or self.buffer.group_of(b).rank == 0
             views = {"param": self.buffer.param_shard(b)[lo:hi]}
             views.update((k, v[i][lo:hi]) for k, v in kinds.items())
-            yield r, (plo, phi), views, writes
+            yield StatePiece(r, plo, phi, views, self.buffer.saves(b))
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """The finalised gradient of every parameter, tied copies included (for tests and

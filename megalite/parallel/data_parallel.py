@@ -26,6 +26,7 @@ the product of every replicated axis).
 """
 
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -279,6 +280,26 @@ class GradBuffer:
                 b.gather[0].wait()
                 b.gather = None
 
+    # ---- what the optimizer and checkpoints ask every buffer ------------------------------
+
+    @contextmanager
+    def gathered(self, write_back: bool = False):
+        """Every parameter whole in the block: here the flat parameter buffer always is, once
+        its gathers have landed (a Zero3Buffer gathers its shards; `write_back` is for it)."""
+        self.wait_params()
+        yield
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds for parameters and gradients."""
+        grads = [self.grad_buffer] if self.grad_buffer is not None else [
+            b.shard_grad for b in self.buckets]  # fmt: skip
+        return {"param_bytes": _nbytes([self.param_buffer]), "grad_bytes": _nbytes(grads)}
+
+    def saves(self, b: Bucket) -> bool:
+        """Whether this rank writes bucket `b`'s shard to a checkpoint: every rank its own
+        when the state is sharded, DP rank 0 the whole bucket otherwise."""
+        return b.shard_end - b.shard_start < b.numel or self.group_of(b).rank == 0
+
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""
         if not self.zero.shard_state:
@@ -340,12 +361,31 @@ class GradBuffers:
         for p in self.parts:
             p.wait_params()
 
+    @contextmanager
+    def gathered(self, write_back: bool = False):
+        self.wait_params()  # (parts are GradBuffers: ZeRO-3 has no expert buffer)
+        yield
+
+    def memory_bytes(self) -> dict:
+        out = {}
+        for p in self.parts:
+            for k, v in p.memory_bytes().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def saves(self, b: Bucket) -> bool:
+        return self._owner[b].saves(b)
+
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         out, i = [], 0
         for p in self.parts:
             out += p.gather_shards(shards[i : i + len(p.buckets)])
             i += len(p.buckets)
         return out
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _landed(work) -> bool:

@@ -272,6 +272,14 @@ class Zero3Buffer(GradBuffer):
         finally:
             self.free_all()
 
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds: its parameter shards, the most parameter bytes it held
+        gathered at once in the step, and its gradient shards."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"param_bytes": size(b.param_shard for b in self.buckets),
+                "param_gathered_peak_bytes": self.peak_gathered_bytes,
+                "grad_bytes": size(b.shard_grad for b in self.buckets)}  # fmt: skip
+
     def live_param_bytes(self) -> int:
         """Parameter bytes this rank holds now: its shards and the units gathered."""
         shards = sum(b.param_shard.numel() * b.param_shard.element_size() for b in self.buckets)

@@ -14,6 +14,7 @@ import torch
 from megalite import kernels
 from megalite.config import Config
 from megalite.model.gpt import GPTChunk
+from megalite.model.moe import aux_loss_scale
 from megalite.optim.distributed_optimizer import DistributedOptimizer, build_optimizer
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineResult, run_schedule
@@ -40,10 +41,13 @@ class RankParts:
 
     def run(self, batch, **kw) -> PipelineResult:
         """The schedule over `batch` (this rank's micro-batches), gradients accumulated into
-        the optimizer's buffers; `kw` goes to `run_schedule` (timeline, observe, ...)."""
-        return run_schedule(self.actions, self.chunks, self.groups, batch,
-                            hidden_shape=self.hidden_shape, dtype=self.dtype,
-                            loss_scale=self.opt.loss_scale, placement=self.placement, **kw)  # fmt: skip
+        the optimizer's buffers; `kw` goes to `run_schedule` (timeline, observe, ...). MoE
+        auxiliary losses get the main loss's gradient, loss_scale / micro-batches."""
+        scale = self.opt.loss_scale
+        with aux_loss_scale(scale / len(batch)):
+            return run_schedule(self.actions, self.chunks, self.groups, batch,
+                                hidden_shape=self.hidden_shape, dtype=self.dtype,
+                                loss_scale=scale, placement=self.placement, **kw)  # fmt: skip
 
 
 def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:

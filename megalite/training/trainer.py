@@ -17,6 +17,7 @@ from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch
 from megalite.errors import MegaliteError
 from megalite.model.moe import moe_metrics
+from megalite.optim.distributed_optimizer import StepReport
 from megalite.optim.lr_schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.context_parallel import shard_batch
@@ -34,6 +35,7 @@ from megalite.training.flops import (
 from megalite.training.hang import HangRecorder
 from megalite.training.health import SpikeGuard, StragglerMonitor
 from megalite.training.logger import Logger
+from megalite.training.preemption import Preemption
 from megalite.training.timeline import Timeline
 
 
@@ -46,18 +48,20 @@ class Trainer:
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
         seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
-        parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule: training/build.py
+        self.parts = parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule
         self.chunks, self.opt, self.actions = parts.chunks, parts.opt, parts.actions
         self.microbatches, self.hidden_shape = parts.microbatches, parts.hidden_shape
         self.dtype = parts.dtype
-        self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
-                                    groups.data.rank, groups.data.size, t.seed)  # fmt: skip
+        self.sampler = None  # --eval-only without a training split: nothing to sample
+        if self.data.train is not None:
+            self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
+                                        groups.data.rank, groups.data.size, t.seed)  # fmt: skip
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.spikes_total = 0
         self.stop = None  # why every rank saves and stops after this step (a signal, a limit)
-        self.started = time.monotonic()  # --exit-duration-in-mins counts from here
+        self.preemption = Preemption(t, catch_signals=bool(cfg.checkpoint.save))
         self.hang = HangRecorder(cfg, shape, groups, self.microbatches)
         self.stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
         self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
@@ -79,7 +83,8 @@ class Trainer:
         state = self.checkpointer.resume()
         if state is not None:
             self.iteration = state.iteration
-            self.sampler.consumed_samples = state.consumed_samples
+            if self.sampler is not None:
+                self.sampler.consumed_samples = state.consumed_samples
             self.skipped_total = state.skipped_steps
             if state.rng is not None:
                 set_rng_state(state.rng, self.chunks, self.groups.device)
@@ -123,7 +128,7 @@ class Trainer:
         rerun = self.spikes.on and t.spike_rerun
         rng = rng_state(self.chunks, self.groups.device) if rerun else None
         result, stats = self._run(batch, lr)
-        if stats["spike"] and rerun:  # the same batch from the same state: the same loss?
+        if stats.spike and rerun:  # the same batch from the same state: the same loss?
             first = self.spikes.last
             set_rng_state(rng, self.chunks, self.groups.device)
             self._interval.pop()
@@ -133,62 +138,47 @@ class Trainer:
                 what = "the same loss: a data spike, the step stays skipped"
             else:  # the same computation gave another result: a device or host fault
                 what = "not reproducible, suspect a hardware fault; " + (
-                    "the re-run spiked too and is skipped" if stats["spike"] else "its step is kept"
+                    "the re-run spiked too and is skipped" if stats.spike else "its step is kept"
                 )
             self.logger.print(
                 f"megalite: warning: loss {first:.4f} at iteration {self.iteration + 1} is above "
                 f"the spike limit; a re-run gave {again:.4f}: {what}"
             )
         self.iteration += 1
-        self.stop = self._stop_reason(stats["flags"])
-        self.spikes_total += stats["spike"]
+        # the flags are summed over the world: every rank stops at the same step
+        self.stop = self.preemption.reason(stats.flags, self.iteration)
+        self.spikes_total += stats.spike
         self._count_skips(stats, result)
         if log:
             self.hang.at(self.iteration, "logging")
         return self._metrics(result, stats, lr) if log else None
 
-    def _stop_reason(self, flags: list[float]) -> str | None:
-        """Why every rank saves and stops after this step, if it does: the flags are summed
-        over the world, so all ranks see the same ones and stop at the same step."""
-        t = self.cfg.training
-        if flags[0] > 0:  # SIGTERM/SIGINT on some rank
-            return self.checkpointer.stop_reason()
-        if flags[1] > 0:
-            return f"trained for --exit-duration-in-mins {t.exit_duration_in_mins}"
-        if t.exit_interval and self.iteration % t.exit_interval == 0:
-            return f"reached --exit-interval {t.exit_interval}"
-        return None
-
-    def _run(self, batch, lr: float):
+    def _run(self, batch, lr: float) -> tuple[object, StepReport]:
         """The schedule over this rank's chunks, then the optimizer step (with its one read)."""
-        t, it = self.cfg.training, self.iteration + 1
+        it = self.iteration + 1
         for c in self.chunks:
             c.train()
         self.opt.zero_grad(len(batch))
         tl = self.timeline.at(it) if self.timeline else None
         self.hang.at(it, "schedule")
-        result = run_schedule(self.actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
-                              dtype=self.dtype, loss_scale=self.opt.loss_scale, timeline=tl,
-                              placement=self.shape.placement, observe=self.hang.observe)  # fmt: skip
+        result = self.parts.run(batch, timeline=tl, observe=self.hang.observe)
         self._interval.append(result)
         self.hang.at(it, "optimizer")
         t_opt = tl.clock.mark() if tl else None
-        limit = t.exit_duration_in_mins
-        time_up = limit is not None and time.monotonic() - self.started >= limit * 60
-        flags, guard = [float(self.checkpointer.signalled), float(time_up)], None
+        flags, guard = self.preemption.flags(), None
         if self.spikes.on:  # this rank's mean loss (0 off the last stage), on the device
-            flags.append(result.loss_tensor.mean())
+            flags["loss"] = result.loss_tensor.mean()
             heads = self.groups.topo.world_size // self.shape.pp  # the ranks holding a loss
 
-            def guard(values):
-                return self.spikes.check(values[2] / heads)
+            def guard(summed):
+                return self.spikes.check(summed["loss"] / heads)
 
-        stats = self.opt.step(lr, flags=flags, **({"guard": guard} if guard else {}))
+        stats = self.opt.step(lr, flags=flags, guard=guard)
         if tl:
             tl.record("optimizer", t_opt, tl.clock.mark())
         return result, stats
 
-    def _metrics(self, result, stats: dict, lr: float) -> dict:
+    def _metrics(self, result, stats: StepReport, lr: float) -> dict:
         """What a logging step reports: the loss, and throughput and the pipeline bubble over
         the steps since the last logging step (`first_stage_times` reads their clock marks)."""
         t, p = self.cfg.training, self.shape
@@ -206,7 +196,7 @@ class Trainer:
         return {
             "iteration": self.iteration,
             "loss": loss,
-            "grad_norm": stats["grad_norm"],
+            "grad_norm": stats.grad_norm,
             "lr": lr,
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_s,
@@ -226,10 +216,10 @@ class Trainer:
             # gradients, optimizer state
             **self.opt.memory_bytes(),
             "peak_memory_bytes": self._peak_memory(),
-            "loss_scale": stats["loss_scale"],
-            "skipped": stats["skipped"],
+            "loss_scale": stats.loss_scale,
+            "skipped": stats.skipped,
             "skipped_steps": self.skipped_total,
-            "spike": stats["spike"],
+            "spike": stats.spike,
             "spikes": self.spikes_total,
             **health,
             **self._moe_metrics(),
@@ -257,8 +247,8 @@ class Trainer:
             self.logger.print(warning)
         return health
 
-    def _count_skips(self, stats: dict, result):
-        if not stats["skipped"]:
+    def _count_skips(self, stats: StepReport, result):
+        if not stats.skipped:
             self.skipped_in_a_row = 0
             return
         self.skipped_in_a_row += 1
@@ -272,7 +262,7 @@ class Trainer:
             )
             raise MegaliteError(
                 f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient{spike} (loss {result.loss}, grad norm "
-                f"{stats['grad_norm']}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
+                f"{stats.grad_norm}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
             )
 
     def _peak_memory(self) -> int:
@@ -315,7 +305,7 @@ class Trainer:
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
             f"{self.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
-        with self.checkpointer.catch_preemption():
+        with self.preemption.catching():
             while self.iteration < t.train_iters:
                 try:
                     if self._iterate():

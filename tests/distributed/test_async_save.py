@@ -34,7 +34,7 @@ def _files(d: Path) -> dict:
 
 def _same_files_and_errors(rank, world, root):
     root = Path(root)
-    tr = _trainer(root / "run", tp=2)  # tp2 dp2, ZeRO-1: two writers, a DP gather
+    tr = _trainer(root / "run", tp=2)  # tp2 dp2, ZeRO-1: four writers, no DP gather
     ck = tr.checkpointer
     for _ in range(2):
         tr.train_step(log=False)
@@ -46,7 +46,9 @@ def _same_files_and_errors(rank, world, root):
     dist.barrier()
     real, go = fmt.write_shard, threading.Event()
     fmt.write_shard = lambda *a: (go.wait(), real(*a))[1]  # written only after the next step
+    tr.groups.ledger.reset()
     ck._save_async(state)
+    traffic = dict(tr.groups.ledger.bytes)  # the foreground's collectives
     tr.train_step(log=False)  # the parameters and moments change before the files are written
     go.set()
     ck.wait()
@@ -68,13 +70,15 @@ def _same_files_and_errors(rank, world, root):
     except MegaliteError as e:
         error = str(e)
     fmt.write_shard = real
-    return same, error
+    return same, error, traffic
 
 
 def test_async_save_equals_sync_and_errors_reach_every_rank(tmp_path):
     results = spawn(_same_files_and_errors, 4, str(tmp_path))
     assert results[0][0] is True  # every file, index.json included, byte for byte
-    for _, error in results:
+    for _, _, traffic in results:  # no DP gather: each rank writes the shard it holds
+        assert list(traffic) == ["world"], traffic  # the index entries and RNG states
+    for _, error, _ in results:
         assert error and "No space left on device" in error, error
         assert "previous checkpoints are intact" in error, error
     run = tmp_path / "run"

@@ -6,6 +6,8 @@ reference) or sharded; a tied embedding split over two pipeline stages exercises
 The reference is torch.optim.AdamW + clip_grad_norm_ on the unsharded model, in fp64.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -184,7 +186,7 @@ def train(chunks, opt, groups, batches, m, inject=None):
         comm.all_reduce(t, dp)
         losses.append(t.item() / dp.size)
         grads.append(opt.full_grads())
-        stats.append({**opt.step(LR), **info})
+        stats.append({**dataclasses.asdict(opt.step(LR)), **info})
     opt.wait_params()  # the last step's parameter gathers (a next forward would wait for them)
     return losses, grads, stats
 
@@ -377,7 +379,7 @@ def check_tied(groups, m=2, gbs=8, stages=(0, 1, 2)):
                 close(g, ref_grads[s][as_ref(n)], f"{where} grad {n}")
             assert r.bucket.params == [r.param]
             stats = opt.step(LR)
-            close(torch.tensor(stats["grad_norm"]), torch.tensor(ref_norms[s]), f"{where} norm")
+            close(torch.tensor(stats.grad_norm), torch.tensor(ref_norms[s]), f"{where} norm")
             if not first:
                 close(
                     total / dp.size,
@@ -435,7 +437,7 @@ def _precision(rank, world):
         opt.finalise_grads()
         if rank == 1:
             opt.buffer.buckets[0].shard_grad[0] = float("nan")
-        assert opt.step(LR)["skipped"] and opt.step_count == 1
+        assert opt.step(LR).skipped and opt.step_count == 1
         assert all(torch.equal(p, b) for p, b in zip(chunks[0].parameters(), before))
 
     # bf16 parameters, fp32 gradients, masters and moments; state at the ZeRO formula.

@@ -6,6 +6,7 @@ reference; the other runs resume from its step-2 checkpoint.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -106,6 +107,32 @@ def test_zero3_checkpoint_resumes_at_stage1_and_dp1(tiny_data, tmp_path):
             assert abs(a - b) <= 1e-4 * abs(b), f"{layout} step {step}: {a} vs zero3 {b}"
 
 
+def test_dp4_zero1_checkpoint_resumes_at_dp2_zero2_and_one_process(tiny_data, tmp_path):
+    """dp=4 ZeRO-1: each rank writes its own quarter of the optimizer state (no file holds a
+    whole moment, no element is stored twice); it resumes at dp=2 ZeRO-2 and in one process
+    with the uninterrupted run's loss curve."""
+    save = tmp_path / "run"
+    rows, _ = pretrain(4, _args(tiny_data, "--zero-stage", "1", "--save", str(save),
+                                "--save-interval", "2"), tmp_path)  # fmt: skip
+    losses = [r["loss"] for r in rows]
+    ck = fmt.Checkpoint(save / "iter_0000002")
+    moments = [n for n in ck.names(optimizer=True) if n.startswith("optimizer.exp_avg.")]
+    held = {}  # file -> elements of exp_avg it holds
+    for n in moments:
+        sizes = [math.prod(hi - lo for lo, hi in s["slice"]) for s in ck.tensors[n]["shards"]]
+        assert sum(sizes) == math.prod(ck.shape(n)), n  # each element once
+        for s, k in zip(ck.tensors[n]["shards"], sizes):
+            held[s["file"]] = held.get(s["file"], 0) + k
+    total = sum(math.prod(ck.shape(n)) for n in moments)
+    assert len(held) == 4 and all(k < 0.3 * total for k in held.values()), (held, total)
+    for nproc, layout in ((2, ["--zero-stage", "2"]), (1, [])):
+        load = ["--load", str(save / "iter_0000002")]
+        resumed, _ = pretrain(nproc, _args(tiny_data, *layout, *load), tmp_path)
+        assert [x["iteration"] for x in resumed] == [3, 4]
+        for step, (a, b) in zip((3, 4), zip([x["loss"] for x in resumed], losses[2:])):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{layout} step {step}: {a} vs dp4 zero1 {b}"
+
+
 def _weights(run) -> list:
     ck = fmt.Checkpoint(run / "iter_0000002")
     return [ck.read(n) for n in ck.tensors if not n.startswith("optimizer.")]
@@ -149,6 +176,18 @@ def test_sigterm_saves_and_eval_only(tiny_data, tmp_path):
         1, [*args, "--load", str(save), "--eval-only", "--eval-iters", "1"], tmp_path
     )
     assert len(rows) == 1 and rows[0]["iteration"] == last and rows[0]["eval_loss"] > 0
+
+
+def test_eval_only_needs_no_training_split(tiny_data, tmp_path):
+    """--eval-only on a held-out set: --split 0,100,0 gives training nothing, which eval-only
+    does not need; a split without a validation share is refused with one line."""
+    save = tmp_path / "run"
+    pretrain(1, _args(tiny_data, "--train-iters", "1", "--save", str(save)), tmp_path)
+    held_out = ["--load", str(save), "--eval-only", "--eval-iters", "1", "--split", "0,100,0"]
+    rows, _ = pretrain(1, _args(tiny_data, *held_out), tmp_path)
+    assert len(rows) == 1 and rows[0]["iteration"] == 1 and rows[0]["eval_loss"] > 0
+    line = _fails(tiny_data, tmp_path, "--load", str(save), "--eval-only", "--split", "100,0,0")
+    assert "--eval-only" in line and "validation split" in line and "'100,0,0'" in line
 
 
 def _fails(tiny_data, tmp_path, *extra) -> str:

@@ -42,8 +42,8 @@ def _step(flavour: str, precision="fp32", zero=1, vpp=2):
     data = [(ids[:, :-1], ids[:, 1:])] * 2
     opt.zero_grad(2)
     result = parts.run(data)
-    stats = opt.step(1e-3, flags=[0.0])
-    assert result.loss_tensor.device == DEVICE and not stats["skipped"]
+    stats = opt.step(1e-3, flags={"signal": 0.0})
+    assert result.loss_tensor.device == DEVICE and not stats.skipped
     return opt
 
 

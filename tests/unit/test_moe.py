@@ -15,7 +15,7 @@ from megalite.kernels.grouped_gemm import grouped_mm
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
-from megalite.model.moe import MoELayer, moe_metrics, update_expert_bias
+from megalite.model.moe import MoELayer, aux_loss_scale, moe_metrics, update_expert_bias
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import name_parameters
 from megalite.plan import layouts, memory, traffic
@@ -93,11 +93,11 @@ def test_layer_matches_token_by_token_reference(flavour, capacity):
 
 
 def test_aux_losses_reach_the_router():
-    # the losses' gradient joins in backward at the scale the optimizer sets (loss_scale / m)
+    # the losses' gradient joins in backward at the scale the trainer hands in (loss_scale / m)
     layer = moe()
     x = torch.randn(B, S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    layer.aux_scale = 0.25
-    layer(x).sum().backward()
+    with aux_loss_scale(0.25):
+        layer(x).sum().backward()
     with_aux = layer.router.weight.grad.clone()
     layer.zero_grad()
     layer.aux_coeff = layer.z_coeff = 0.0
