@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from megalite import kernels
-from megalite.config import FLAVOURS, Config, ModelConfig, ModelFeatures
+from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
+from megalite.config_read import from_dict
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.comm import Group
 
@@ -121,9 +122,7 @@ def test_a_new_flavour_is_a_row_of_features(monkeypatch):
     qwen = ModelFeatures("rmsnorm", "rotary", gated_mlp=True, qkv_bias=True, linear_bias=False,
                          tied=False, hf_model_type="qwen2", doc="Llama with q, k, v biases")  # fmt: skip
     monkeypatch.setitem(FLAVOURS, "qwen-style", qwen)
-    assert (
-        Config.from_dict({"model": {"flavour": "qwen-style"}}).model.features is qwen
-    )  # --flavour
+    assert from_dict({"model": {"flavour": "qwen-style"}}).model.features is qwen  # --flavour
     cfg = small("qwen-style")
     assert cfg.ffn == small("llama").ffn and not cfg.tied
     names = {n for n, _ in GPTChunk(cfg, seed=1).named_parameters()}
