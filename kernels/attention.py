@@ -255,12 +255,15 @@ def _attn_bwd_dq(
 
 
 def _config(q: torch.Tensor) -> dict:
-    """Block sizes: small under the interpreter (so short test sequences span several blocks and
-    exercise the masking), FlashAttention-2 tutorial-like tiles on a GPU. The loops need
-    fwd BLOCK_M % BLOCK_N == 0, dkdv BLOCK_N % BLOCK_M == 0 and dq BLOCK_M % BLOCK_N == 0."""
+    """Block sizes (BLOCK_M, BLOCK_N, warps, stages) per kernel. The loops need fwd
+    BLOCK_M % BLOCK_N == 0, dkdv BLOCK_N % BLOCK_M == 0 and dq BLOCK_M % BLOCK_N == 0.
+
+    GPU: FlashAttention-2 tutorial-like tiles. Interpreter: 64 x 64, since its cost is per
+    program and per op, not per element (16-row tiles made the tiny preset's attention several
+    times slower); the tests use sequences longer than 64 to cover the multi-tile paths."""
     d = q.shape[-1]
     if q.device.type != "cuda":
-        return dict(fwd=(32, 16, 1, 1), dkdv=(16, 32, 1, 1), dq=(32, 16, 1, 1))
+        return dict(fwd=(64, 64, 1, 1), dkdv=(64, 64, 1, 1), dq=(64, 64, 1, 1))
     if q.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         return dict(fwd=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq=(64, 32, 4, 2))
     if d <= 64:

@@ -66,6 +66,9 @@ CASES = {
         torch.stack([_docs(7, 12), _docs(3, 3, 13)]),
         torch.stack([_docs(7, 12), _docs(3, 3, 13)]),
     ),  # fmt: skip
+    # Longer than the interpreter's 64-token tiles: full, partial and skipped tiles there too.
+    "long_docs": (1, 2, 1, 16, R(150), R(150), _docs(64, 86), _docs(64, 86)),
+    "long_balanced": (1, 2, 1, 16, _balanced(40, 2, 0), _balanced(40, 2, 1), None, None),
 }
 
 
