@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from megalite.kernels._triton import rows, rows_per_program, tl, triton, unsupported, warn_once
 
-# A constexpr: compiled kernels may read no other global (the interpreter does not check).
+# A constexpr: compiled kernels may read no other global (the interpreter does not check);
+# written right of the tensor it scales, as the interpreter wraps constexpr * tensor wrongly.
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
@@ -58,7 +59,7 @@ def _swiglu_bwd(
 def _gelu_fwd(X, Y, sx, sy, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+    t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
     tl.store(Y + row * sy + cols, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -67,8 +68,8 @@ def _gelu_bwd(X, DY, DX, sx, sdy, sdx, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.
     row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
-    dt = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x) * (1.0 - t * t)
+    t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
+    dt = (1.0 + 3.0 * 0.044715 * x * x) * SQRT_2_OVER_PI * (1.0 - t * t)
     tl.store(
         DX + row * sdx + cols, (dy * 0.5 * (1.0 + t + x * dt)).to(DX.dtype.element_ty), mask=mask
     )

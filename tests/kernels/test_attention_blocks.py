@@ -8,15 +8,17 @@ that; the other tests check each block op against its reference with the kernels
 
 import pytest
 import torch
-from megalite.kernels.attention import attention_ref
-from megalite.kernels.attention_blocks import (
+from megalite.kernels.attention import (
     _tile_lists,
+    attention_masked,
+    attention_masked_ref,
+    attention_ref,
+)
+from megalite.kernels.attention_blocks import (
     attention_block_bwd,
     attention_block_bwd_ref,
     attention_block_fwd,
     attention_block_fwd_ref,
-    attention_masked,
-    attention_masked_ref,
     merge_attention,
 )
 
