@@ -109,7 +109,7 @@ class _LayerNorm(torch.autograd.Function):
         n_rows, n = x2.shape
         dy2 = rows(dy)
         dx = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
-        progs = _programs(x2, n_rows)
+        progs = _programs(x2, n_rows, row_block(n)[0])
         dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         has_bias = ctx.bias_dtype is not None
         db_part = torch.empty_like(dw_part) if has_bias else dw_part

@@ -71,12 +71,13 @@ def _rms_norm_bwd(
     tl.store(DW + pid * n + cols, dw, mask=cols < n)
 
 
-def _programs(x: torch.Tensor, n_rows: int) -> int:
-    """Programs for a row-reduction backward: a few per SM on a GPU, few under the interpreter."""
+def _programs(x: torch.Tensor, n_rows: int, block: int) -> int:
+    """Programs for a row-reduction backward: a few per SM on a GPU; under the interpreter one
+    per tile of rows_per_program rows (its cost is per program, not per row)."""
     if x.device.type == "cuda":
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         return max(1, min(n_rows, 4 * sms))
-    return max(1, min(n_rows, 4))
+    return triton.cdiv(n_rows, rows_per_program(n_rows, block))
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -103,7 +104,7 @@ class _RMSNorm(torch.autograd.Function):
         n_rows, n = x2.shape
         dy2 = rows(dy)
         dx = torch.empty((n_rows, n), dtype=x2.dtype, device=x2.device)
-        progs = _programs(x2, n_rows)
+        progs = _programs(x2, n_rows, row_block(n)[0])
         dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)
         block, warps = row_block(n)
         _rms_norm_bwd[(progs,)](
