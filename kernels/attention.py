@@ -109,6 +109,7 @@ def _causal_pos(s: int, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _causal_lists(s: int, bm: int, bn: int, by_key: bool, device: torch.device):
+    # Cached: every layer and step of a causal model asks for the same few lists.
     pos = _causal_pos(s, device)
     return _tile_lists(pos, pos, None, None, bm, bn, s, by_key)
 

@@ -42,8 +42,8 @@ def _cases():
     """(name, jit function, constexprs, compile options, pointer type) with GPU choices."""
     import torch
 
-    mod = {m: importlib.import_module(f"megalite.kernels.{m}") for m in
-           ("activations", "attention_core", "cross_entropy", "layer_norm", "rms_norm")}  # fmt: skip
+    names = ("activations", "attention_core", "cross_entropy", "layer_norm", "rms_norm")
+    mod = {m: importlib.import_module(f"megalite.kernels.{m}") for m in names}
     row = {"BLOCK": 4096, "ROWS": 1}
     out = [
         ("layer_norm_fwd", mod["layer_norm"]._layer_norm_fwd, {**row, "HAS_BIAS": True}, 16),
