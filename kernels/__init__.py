@@ -22,14 +22,17 @@ import torch
 import torch.nn.functional as F
 from megalite.kernels._triton import INTERPRET, TRITON_ERROR, warn_once
 from megalite.kernels.activations import gelu, gelu_ref, swiglu, swiglu_ref
-from megalite.kernels.attention import attention, attention_ref
+from megalite.kernels.attention import (
+    attention,
+    attention_masked,
+    attention_masked_ref,
+    attention_ref,
+)
 from megalite.kernels.attention_blocks import (
     attention_block_bwd,
     attention_block_bwd_ref,
     attention_block_fwd,
     attention_block_fwd_ref,
-    attention_masked,
-    attention_masked_ref,
     merge_attention,
 )
 from megalite.kernels.cross_entropy import (

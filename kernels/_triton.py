@@ -33,6 +33,8 @@ except Exception as e:  # noqa: BLE001 - a broken install can raise anything, no
 # Triton reads TRITON_INTERPRET when a kernel is decorated (i.e. when our modules are imported),
 # so this is the mode every kernel in this process runs in.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Elements per tile that the interpreter's row kernels aim for (see rows_per_program).
+INTERPRET_TILE = 2**14
 
 _warned: set[tuple[str, str]] = set()
 
@@ -72,6 +74,18 @@ def row_block(n: int) -> tuple[int, int]:
     """Block size holding a whole row of n elements, and warps to spread it over."""
     block = triton.next_power_of_2(n)
     return block, min(max(block // 256, 1), 16)
+
+
+def rows_per_program(n_rows: int, block: int) -> int:
+    """Rows one program of a row kernel takes, given its block of columns.
+
+    Compiled: 1, the GPU choice (thousands of programs run at once). Under the interpreter: as
+    many as fill a tile of about 2**14 elements, since the interpreter's cost is per program and
+    per op, not per element (one row per program made the tiny preset take minutes a step).
+    """
+    if not INTERPRET:
+        return 1
+    return min(triton.next_power_of_2(n_rows), max(1, INTERPRET_TILE // block))
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,18 @@
 """MLP activations: SwiGLU (llama) and tanh-approximated GELU (gpt2).
 
 Elementwise kernels over (rows, n) views with a runtime row stride, so gate/up halves of a fused
-projection are read in place. The backward passes recompute the activation from the saved
-inputs instead of saving it, trading a few flops for an activation-sized buffer.
+projection are read in place; a program takes ROWS rows (1 on a GPU, more under the interpreter).
+The backward passes recompute the activation from the saved inputs instead of saving it, trading
+a few flops for an activation-sized buffer.
 """
 
 import torch
 import torch.nn.functional as F
-from megalite.kernels._triton import rows, tl, triton, unsupported, warn_once
+from megalite.kernels._triton import rows, rows_per_program, tl, triton, unsupported, warn_once
 
-SQRT_2_OVER_PI = 0.7978845608028654
+# A constexpr: compiled kernels may read no other global (the interpreter does not check);
+# written right of the tensor it scales, as the interpreter wraps constexpr * tensor wrongly.
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
@@ -21,18 +24,27 @@ def _tanh(z):
 
 
 @triton.jit
-def _swiglu_fwd(G, U, Y, sg, su, sy, n, BLOCK: tl.constexpr):
-    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+def _tile(n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # This program's (ROWS, BLOCK) tile (ROWS = 1 on a GPU): row indices (clamped for loads,
+    # (ROWS, 1)), column indices (1, BLOCK), and the store mask.
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return tl.minimum(r, n_rows - 1), cols, (r < n_rows) & (cols < n)
+
+
+@triton.jit
+def _swiglu_fwd(G, U, Y, sg, su, sy, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * sy + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd(G, U, DY, DG, DU, sg, su, sdy, sdg, sdu, n, BLOCK: tl.constexpr):
-    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+def _swiglu_bwd(
+    G, U, DY, DG, DU, sg, su, sdy, sdg, sdu, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -44,31 +56,31 @@ def _swiglu_bwd(G, U, DY, DG, DU, sg, su, sdy, sdg, sdu, n, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _gelu_fwd(X, Y, sx, sy, n, BLOCK: tl.constexpr):
-    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+def _gelu_fwd(X, Y, sx, sy, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+    t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
     tl.store(Y + row * sy + cols, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gelu_bwd(X, DY, DX, sx, sdy, sdx, n, BLOCK: tl.constexpr):
-    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+def _gelu_bwd(X, DY, DX, sx, sdy, sdx, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
-    dt = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x) * (1.0 - t * t)
+    t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
+    dt = (1.0 + 3.0 * 0.044715 * x * x) * SQRT_2_OVER_PI * (1.0 - t * t)
     tl.store(
         DX + row * sdx + cols, (dy * 0.5 * (1.0 + t + x * dt)).to(DX.dtype.element_ty), mask=mask
     )
 
 
-def _grid(x2: torch.Tensor) -> tuple[tuple[int, int], int]:
+def _grid(x2: torch.Tensor) -> tuple[tuple[int, int], int, int]:
+    """Grid, column block and rows per program (1 on a GPU) for a (rows, n) view."""
     n_rows, n = x2.shape
     block = min(triton.next_power_of_2(n), 1024)
-    return (n_rows, triton.cdiv(n, block)), block
+    per = rows_per_program(n_rows, block)
+    return (triton.cdiv(n_rows, per), triton.cdiv(n, block)), block, per
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -76,9 +88,9 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate, up):
         g2, u2 = rows(gate), rows(up)  # (rows, n)
         y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-        grid, block = _grid(g2)
+        grid, block, per = _grid(g2)
         _swiglu_fwd[grid](
-            g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), g2.shape[1], BLOCK=block
+            g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), *g2.shape, BLOCK=block, ROWS=per
         )
         ctx.save_for_backward(g2, u2)
         ctx.shape = gate.shape
@@ -90,10 +102,10 @@ class _SwiGLU(torch.autograd.Function):
         dy2 = rows(dy)
         dg = torch.empty(g2.shape, dtype=g2.dtype, device=g2.device)
         du = torch.empty(u2.shape, dtype=u2.dtype, device=u2.device)
-        grid, block = _grid(g2)
+        grid, block, per = _grid(g2)
         _swiglu_bwd[grid](
             g2, u2, dy2, dg, du, g2.stride(0), u2.stride(0), dy2.stride(0), dg.stride(0),
-            du.stride(0), g2.shape[1], BLOCK=block,
+            du.stride(0), *g2.shape, BLOCK=block, ROWS=per,
         )  # fmt: skip
         return dg.view(ctx.shape), du.view(ctx.shape)
 
@@ -103,8 +115,8 @@ class _GELU(torch.autograd.Function):
     def forward(ctx, x):
         x2 = rows(x)  # (rows, n)
         y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        grid, block = _grid(x2)
-        _gelu_fwd[grid](x2, y, x2.stride(0), y.stride(0), x2.shape[1], BLOCK=block)
+        grid, block, per = _grid(x2)
+        _gelu_fwd[grid](x2, y, x2.stride(0), y.stride(0), *x2.shape, BLOCK=block, ROWS=per)
         ctx.save_for_backward(x2)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -114,10 +126,11 @@ class _GELU(torch.autograd.Function):
         (x2,) = ctx.saved_tensors
         dy2 = rows(dy)
         dx = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
-        grid, block = _grid(x2)
+        grid, block, per = _grid(x2)
         _gelu_bwd[grid](
-            x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), x2.shape[1], BLOCK=block
-        )
+            x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), *x2.shape, BLOCK=block,
+            ROWS=per,
+        )  # fmt: skip
         return dx.view(ctx.shape)
 
 

@@ -3,7 +3,8 @@
 The forward pass streams each row's logits in vocabulary blocks with an online log-sum-exp
 (running max m and sum of exp(x - m)), so no fp32 copy of the (tokens, V) logits ever exists;
 it keeps only the fp32 log-sum-exp per row. The backward pass streams the blocks again and writes
-softmax - onehot, scaled by the incoming per-token gradient, in the logits' dtype.
+softmax - onehot, scaled by the incoming per-token gradient, in the logits' dtype. A program
+takes one row on a GPU, ROWS rows at once under the interpreter (_triton.rows_per_program).
 
 Vocab-parallel use (the logits' last dim is sharded over a tensor-parallel group, rank r holding
 vocab ids [vocab_start, vocab_start + V/tp)):
@@ -22,53 +23,77 @@ A single device is the case tp = 1, vocab_start = 0, which is what `cross_entrop
 
 import torch
 import torch.nn.functional as F
-from megalite.kernels._triton import at_least_fp32, rows, tl, triton, unsupported, warn_once
+from megalite.kernels._triton import (
+    at_least_fp32,
+    rows,
+    rows_per_program,
+    tl,
+    triton,
+    unsupported,
+    warn_once,
+)
+
+
+@triton.jit
+def _rows(n_rows, ROWS: tl.constexpr):
+    # This program's ROWS rows (1 on a GPU): indices clamped for loads, and which ones are real.
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    return tl.minimum(r, n_rows - 1), r < n_rows
 
 
 @triton.jit
 def _ce_stats_kernel(
-    LOGITS, LABELS, MAX, SUMEXP, TARGET, stride, n_cols, vocab_start, BLOCK_V: tl.constexpr
-):
-    row = tl.program_id(0)
+    LOGITS, LABELS, MAX, SUMEXP, TARGET, stride, n_rows, n_cols, vocab_start,
+    BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    row, live = _rows(n_rows, ROWS)
     local = tl.load(LABELS + row) - vocab_start  # target's column in this shard (may be outside)
-    m = float("-inf")
-    s = 0.0
-    t = 0.0
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    t = tl.zeros([ROWS], tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(LOGITS + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite from the first block on
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        mask = (cols < n_cols)[None, :]
+        x = tl.load(
+            LOGITS + row[:, None] * stride + cols[None, :], mask=mask, other=float("-inf")
+        ).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))  # finite from the first block on
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
         m = m_new
-        t += tl.sum(tl.where((cols == local) & mask, x, 0.0), axis=0)  # padding is -inf
-    tl.store(MAX + row, m)
-    tl.store(SUMEXP + row, s)
-    tl.store(TARGET + row, t)
+        t += tl.sum(tl.where((cols[None, :] == local[:, None]) & mask, x, 0.0), axis=1)
+    tl.store(MAX + row, m, mask=live)
+    tl.store(SUMEXP + row, s, mask=live)
+    tl.store(TARGET + row, t, mask=live)
 
 
 @triton.jit
 def _ce_grad_kernel(
-    LOGITS, LABELS, LSE, DLOSS, DLOGITS, stride, stride_d, n_cols, vocab_start, ignore_index,
-    BLOCK_V: tl.constexpr,
+    LOGITS, LABELS, LSE, DLOSS, DLOGITS, stride, stride_d, n_rows, n_cols, vocab_start,
+    ignore_index, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row, live = _rows(n_rows, ROWS)
     label = tl.load(LABELS + row)
-    local = label - vocab_start
-    scale = tl.where(label == ignore_index, 0.0, tl.load(DLOSS + row))
-    lse = tl.load(LSE + row)
+    local = (label - vocab_start)[:, None]
+    scale = tl.where(label == ignore_index, 0.0, tl.load(DLOSS + row))[:, None]
+    lse = tl.load(LSE + row)[:, None]
     for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+        cols = start + tl.arange(0, BLOCK_V)[None, :]
         mask = cols < n_cols
-        x = tl.load(LOGITS + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(LOGITS + row[:, None] * stride + cols, mask=mask, other=0.0).to(tl.float32)
         g = (tl.exp(x - lse) - tl.where(cols == local, 1.0, 0.0)) * scale
-        tl.store(DLOGITS + row * stride_d + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
+        tl.store(
+            DLOGITS + row[:, None] * stride_d + cols,
+            g.to(DLOGITS.dtype.element_ty),
+            mask=mask & live[:, None],
+        )
 
 
 def _block_v(logits: torch.Tensor) -> tuple[int, int]:
-    # Small blocks under the interpreter so that tests exercise the multi-block online path.
-    cap = 4096 if logits.device.type == "cuda" else 64
-    return min(triton.next_power_of_2(logits.shape[-1]), cap), 8
+    # Under the interpreter: about 4 blocks a row (its cost is per op, not per element), at
+    # least 64 wide, so the tests' short rows still exercise the multi-block online path.
+    n = logits.shape[-1]
+    cap = 4096 if logits.device.type == "cuda" else max(64, triton.next_power_of_2(n) // 4)
+    return min(triton.next_power_of_2(n), cap), 8
 
 
 # Rows per slice of the torch references: their fp32 temporaries stay near 2**24 elements, so
@@ -146,9 +171,11 @@ def cross_entropy_shard_stats(
     n = x2.shape[0]
     m, s, t = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
     block, warps = _block_v(x2)
-    _ce_stats_kernel[(n,)](
-        x2, lab, m, s, t, x2.stride(0), x2.shape[1], vocab_start, BLOCK_V=block, num_warps=warps
-    )
+    per = rows_per_program(n, block)
+    _ce_stats_kernel[(triton.cdiv(n, per),)](
+        x2, lab, m, s, t, x2.stride(0), n, x2.shape[1], vocab_start, BLOCK_V=block, ROWS=per,
+        num_warps=warps,
+    )  # fmt: skip
     return m.view(labels.shape), s.view(labels.shape), t.view(labels.shape)
 
 
@@ -173,9 +200,11 @@ def cross_entropy_shard_grad(
     lse1, dl = lse.reshape(-1).float().contiguous(), grad_loss.reshape(-1).float().contiguous()
     d = torch.empty(x2.shape, dtype=logits.dtype, device=logits.device)
     block, warps = _block_v(x2)
-    _ce_grad_kernel[(x2.shape[0],)](
-        x2, lab, lse1, dl, d, x2.stride(0), d.stride(0), x2.shape[1], vocab_start, ignore_index,
-        BLOCK_V=block, num_warps=warps,
+    n = x2.shape[0]
+    per = rows_per_program(n, block)
+    _ce_grad_kernel[(triton.cdiv(n, per),)](
+        x2, lab, lse1, dl, d, x2.stride(0), d.stride(0), n, x2.shape[1], vocab_start,
+        ignore_index, BLOCK_V=block, ROWS=per, num_warps=warps,
     )  # fmt: skip
     return d.view(logits.shape)
 

@@ -21,6 +21,7 @@ def _qkv(b, hq, hkv, s, d, dtype, device="cpu"):
         (1, 3, 3, 50, 16),  # MHA, several diagonal and off-diagonal blocks
         (2, 2, 1, 16, 16),  # MQA, exactly one block
         (1, 2, 1, 19, 64),
+        (1, 2, 1, 150, 16),  # past 64: several tiles under the interpreter too (its are 64)
     ],
 )
 def test_attention(dtype, b, hq, hkv, s, d):

@@ -8,15 +8,17 @@ that; the other tests check each block op against its reference with the kernels
 
 import pytest
 import torch
-from megalite.kernels.attention import attention_ref
-from megalite.kernels.attention_blocks import (
+from megalite.kernels.attention import (
     _tile_lists,
+    attention_masked,
+    attention_masked_ref,
+    attention_ref,
+)
+from megalite.kernels.attention_blocks import (
     attention_block_bwd,
     attention_block_bwd_ref,
     attention_block_fwd,
     attention_block_fwd_ref,
-    attention_masked,
-    attention_masked_ref,
     merge_attention,
 )
 
@@ -66,6 +68,9 @@ CASES = {
         torch.stack([_docs(7, 12), _docs(3, 3, 13)]),
         torch.stack([_docs(7, 12), _docs(3, 3, 13)]),
     ),  # fmt: skip
+    # Longer than the interpreter's 64-token tiles: full, partial and skipped tiles there too.
+    "long_docs": (1, 2, 1, 16, R(150), R(150), _docs(64, 86), _docs(64, 86)),
+    "long_balanced": (1, 2, 1, 16, _balanced(40, 2, 0), _balanced(40, 2, 1), None, None),
 }
 
 
