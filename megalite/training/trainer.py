@@ -181,7 +181,7 @@ class Trainer:
     def _metrics(self, result, stats: StepReport, lr: float) -> dict:
         """What a logging step reports: the loss, and throughput and the pipeline bubble over
         the steps since the last logging step (`first_stage_times` reads their clock marks)."""
-        t, p = self.cfg.training, self.shape
+        t, shape = self.cfg.training, self.shape
         (loss,) = self._mean_over_dp([result.loss])
         steps = len(self._interval)
         compute, busy = first_stage_times(self._interval, self.groups.pp)
@@ -189,10 +189,12 @@ class Trainer:
         now = time.perf_counter()  # after the reads above: the device has caught up
         step_s = (now - self._interval_start) / steps
         self._interval, self._interval_start = [], now
-        tokens_per_s = t.global_batch_size * p.model.seq_length / step_s
+        tokens_per_s = t.global_batch_size * shape.model.seq_length / step_s
         world = self.groups.topo.world_size
-        pipelined = p.pp > 1
-        theory = bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule) if pipelined else 0.0
+        pipelined = shape.pp > 1
+        theory = 0.0
+        if pipelined:
+            theory = bubble_theory(shape.pp, shape.vpp, self.microbatches, shape.schedule)
         return {
             "iteration": self.iteration,
             "loss": loss,
@@ -201,8 +203,8 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_s,
             "consumed_samples": self.sampler.consumed_samples,
-            "mfu": None if self.peak is None else model_flops_per_token(p.model) * tokens_per_s / (self.peak * world),
-            "hfu": None if self.peak is None else hardware_flops_per_token(p.model, t.recompute) * tokens_per_s / (self.peak * world),
+            "mfu": None if self.peak is None else model_flops_per_token(shape.model) * tokens_per_s / (self.peak * world),
+            "hfu": None if self.peak is None else hardware_flops_per_token(shape.model, t.recompute) * tokens_per_s / (self.peak * world),
             # the first stage's idle time over its compute time, over the log interval
             "bubble_measured": idle_ratio(compute, busy) if pipelined else 0.0,
             "bubble_theory": theory,
@@ -277,7 +279,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over eval_iters global batches of the valid split (the same batches each time)."""
-        t, p = self.cfg.training, self.shape
+        t, shape = self.cfg.training, self.shape
         if self.data.valid is None or t.eval_iters == 0:
             return None
         for c in self.chunks:
@@ -285,15 +287,15 @@ class Trainer:
         data = self.groups.data
         sampler = BatchSampler(len(self.data.valid), t.global_batch_size, t.micro_batch_size,
                                data.rank, data.size, t.seed)  # fmt: skip
-        actions = get_schedule(
-            p.schedule, p.pp, p.vpp, self.microbatches, self.groups.pp.rank, forward_only=True
-        )
+        rank = self.groups.pp.rank
+        actions = get_schedule(shape.schedule, shape.pp, shape.vpp, self.microbatches, rank,
+                               forward_only=True)  # fmt: skip
         losses = []
         for _ in range(t.eval_iters):
             batch = self._microbatches(self.data.valid, sampler.next_batch())
             result = run_schedule(actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
                                   dtype=self.dtype, forward_only=True,
-                                  placement=p.placement)  # fmt: skip
+                                  placement=shape.placement)  # fmt: skip
             losses.append(result.loss)
         return sum(self._mean_over_dp(losses)) / len(losses)
 
@@ -354,11 +356,11 @@ class Trainer:
         return MegaliteError(message, every_rank=True)
 
     def _timeline_meta(self) -> dict:
-        p = self.shape
-        sizes = " ".join(f"{a}={n}" for a, n in p.sizes)
+        shape = self.shape
+        sizes = " ".join(f"{a}={n}" for a, n in shape.sizes)
         return {
-            "title": f"{sizes} vpp={p.vpp} {p.schedule}, m={self.microbatches}",
-            "bubble_theory": bubble_theory(p.pp, p.vpp, self.microbatches, p.schedule),
+            "title": f"{sizes} vpp={shape.vpp} {shape.schedule}, m={self.microbatches}",
+            "bubble_theory": bubble_theory(shape.pp, shape.vpp, self.microbatches, shape.schedule),
         }
 
     def _collective_failure(self, e: Exception) -> str:
