@@ -30,10 +30,10 @@ def _rank(rank, port, argv, stall_at):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     from megalite.errors import run_main
-    from megalite.training import launch, trainer
+    from megalite.training import build, launch
 
     if rank == VICTIM:
-        real = trainer.run_schedule
+        real = build.run_schedule  # the step's schedule runs in RankParts.run
 
         def stalling(*args, observe, **kw):
             def watch(i, a):
@@ -43,7 +43,7 @@ def _rank(rank, port, argv, stall_at):
 
             return real(*args, observe=watch, **kw)
 
-        trainer.run_schedule = stalling
+        build.run_schedule = stalling
     run_main(launch.main, argv)
 
 
