@@ -164,3 +164,12 @@ def test_graph_reads_relative_and_lazy_imports(tmp_path):
         "megalite.pkg.b": {"megalite.kernels"},
         "megalite.kernels": set(),
     }
+
+
+def test_architecture_doc_states_these_layers():
+    """docs/architecture.md writes the same order as LAYERS (`a`, `b` < `c` < ...)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start = text.index("Imports run one way")
+    order = text[start:].split("\n\n")[1].replace("\n", " ")
+    written = [[u.strip().strip("`") for u in layer.split(",")] for layer in order.split("<")]
+    assert written == LAYERS
