@@ -18,8 +18,9 @@ as soon as its reduce-scatter lands (at most the stage's `in_flight` + 1 staged 
 With sharded optimizer state each rank updates its shard of every bucket, then the buckets are
 all-gathered back into the parameter buffer. `all_gather_params(overlap=True)` launches the
 gathers in forward order and returns; a forward pre-hook on each module waits for the buckets
-holding that module's parameters, so the gathers of later layers overlap the forward of earlier
-ones (Megatron's --overlap-param-gather). `wait_params` waits for all (checkpoints).
+holding that module's parameters (an untied head's weight, read by the chunk itself, after the
+final norm), so the gathers of later layers overlap the forward of earlier ones (Megatron's
+--overlap-param-gather). `wait_params` waits for all (checkpoints).
 
 "DP" here is the group of ranks holding the same parameters (`ProcessGroups.replicas`: dp, or
 the product of every replicated axis).
@@ -118,30 +119,55 @@ class GradBuffer:
         self.zero_grad(1)
 
     def _wait_before_forward(self, chunks: list[nn.Module]):
-        """Forward pre-hooks that wait for the parameter gathers a module reads: every module
-        waits for the buckets of its subtree; the chunk itself for the parameters of plain
-        `nn.Module` containers (never called: their parent reads them)."""
+        """Hooks that wait for the parameter gathers right before the parameters are read, each
+        hook in gather (forward) order. Every called module waits, in a pre-hook, for the
+        buckets of its subtree (a layer, the embedding; the MoE layer for its `router`). The
+        parameters of plain containers right under the chunk (the untied head, `output`) are
+        read by the chunk itself, where the container sits among its children: so they are
+        waited for after the forward of the called module registered just before it (the
+        final norm), or in the chunk's pre-hook when nothing comes before. Waiting for them
+        in the chunk's pre-hook would make the embedding wait for the head's gather, the
+        last one launched, and so for every gather (no overlap at all)."""
         bucket_of = {r.param: r.bucket for r in self.ranges}
+        order = {b: i for i, b in enumerate(self._forward_order())}
 
-        def hook(buckets):
-            def wait(module, args):
-                for b in buckets:
+        def buckets(params):
+            return sorted({bucket_of[p] for p in params if p in bucket_of}, key=order.get)
+
+        def wait(bs):
+            def hook(module, *args):
+                for b in bs:
                     if b.gather is not None:
                         b.gather[0].wait()
                         b.gather = None
 
-            return wait
+            return hook
 
         for chunk in chunks:
             for name, module in chunk.named_modules():
-                if name and type(module) is not nn.Module:
-                    owned = {bucket_of[p] for p in module.parameters() if p in bucket_of}
-                else:  # the chunk, or a container: its own parameters
-                    owned = {bucket_of[p] for p in module.parameters(recurse=False)
-                             if p in bucket_of}  # fmt: skip
-                if owned:
-                    target = module if name and type(module) is not nn.Module else chunk
-                    target.register_forward_pre_hook(hook(sorted(owned, key=id)))
+                if name and _called(module) and (bs := buckets(module.parameters())):
+                    module.register_forward_pre_hook(wait(bs))
+            own = buckets(chunk.parameters(recurse=False))
+            before = None  # the last called module among the chunk's children so far
+            for child in chunk.children():
+                if _called(child):
+                    before = child
+                    continue
+                called = [m for m in child.modules() if _called(m)]
+                inside = {p for m in called for p in m.parameters()}
+                read = buckets(p for p in child.parameters() if p not in inside)
+                if read and before is not None:  # (never later than the module before it)
+                    before.register_forward_hook(wait(read))
+                else:
+                    own += read
+                before = _top_level(called) or before
+            if own:
+                chunk.register_forward_pre_hook(wait(sorted(set(own), key=order.get)))
+
+    def _forward_order(self) -> list[Bucket]:
+        """The buckets in the order the forward reads them: chunk by chunk, each chunk's
+        buckets from the last laid out (layout runs backward)."""
+        return sorted(self.buckets, key=lambda b: (b.chunk, -b.start))
 
     def _grad_view(self, r: ParamRange) -> torch.Tensor:
         o = r.offset - r.bucket.start
@@ -263,8 +289,7 @@ class GradBuffer:
         read them (or `wait_params`); otherwise waited for here."""
         if not self.zero.shard_state or self.dp.size == 1:
             return
-        forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.start))
-        for b in forward_order:
+        for b in self._forward_order():
             # The shard is part of the output: gather from a copy rather than rely on the
             # backend handling overlapping input and output.
             src = self.param_shard(b).clone()
@@ -386,6 +411,21 @@ class GradBuffers:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _called(module: nn.Module) -> bool:
+    """Whether a module is called by its parent's forward, as far as its type tells: plain
+    `nn.Module`s and the list/dict containers only hold modules and parameters."""
+    containers = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+    return type(module) is not nn.Module and not isinstance(module, containers)
+
+
+def _top_level(called: list[nn.Module]) -> nn.Module | None:
+    """The last of `called` (in registration order) that is not inside another of them: the
+    last one a container's owner runs (the last layer of a ModuleDict, not its last linear)."""
+    inner = {id(m) for c in called for m in c.modules() if m is not c}
+    top = [m for m in called if id(m) not in inner]
+    return top[-1] if top else None
 
 
 def _landed(work) -> bool:
