@@ -255,13 +255,16 @@ def _probe(rank, world, tmp, device_name, which, queue):
     def all_gather():
         t = torch.full((n,), float(rank), device=device)
         o = torch.empty(n * world, device=device)
-        dist.all_gather_single(o, t)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(o, t)
         return torch.equal(o.cpu(), torch.arange(world).float().repeat_interleave(n))
 
     def reduce_scatter():
         t = torch.arange(n * world, dtype=torch.float32, device=device)
         o = torch.empty(n, device=device)
-        w = dist.reduce_scatter_single(o, t, async_op=True)
+        w = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            o, t, async_op=True
+        )
         w.wait()
         expect = torch.arange(n * world, dtype=torch.float32)[rank * n : (rank + 1) * n] * world
         return torch.equal(o.cpu(), expect)

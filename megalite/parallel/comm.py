@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the single-tensor collectives (the old names still work there, deprecated);
+# setup.py's oldest torch (2.6) has only the old ones (tests/unit/test_torch_version.py)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommLedger:
@@ -150,7 +155,7 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group: Group, async_op=False)
         out.copy_(t)
         return None
     t0 = _enter(group, "all_gather")
-    work = dist.all_gather_single(out, t.contiguous(), group=group.pg, async_op=async_op)
+    work = _all_gather_single(out, t.contiguous(), group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(out), t0)
     return work
 
@@ -164,7 +169,7 @@ def reduce_scatter(
         out.copy_(t)
         return None
     t0 = _enter(group, "reduce_scatter")
-    work = dist.reduce_scatter_single(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
+    work = _reduce_scatter_single(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(t), t0)
     return work
 
