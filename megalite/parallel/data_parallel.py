@@ -18,8 +18,8 @@ as soon as its reduce-scatter lands (at most the stage's `in_flight` + 1 staged 
 With sharded optimizer state each rank updates its shard of every bucket, then the buckets are
 all-gathered back into the parameter buffer. `all_gather_params(overlap=True)` launches the
 gathers in forward order and returns; a forward pre-hook on each module waits for the buckets
-holding that module's parameters (an untied head's weight, read by the chunk itself, after the
-final norm), so the gathers of later layers overlap the forward of earlier ones (Megatron's
+holding that module's parameters (a plain container's, such as the untied head's, when they are
+read from it), so the gathers of later layers overlap the forward of earlier ones (Megatron's
 --overlap-param-gather). `wait_params` waits for all (checkpoints).
 
 "DP" here is the group of ranks holding the same parameters (`ProcessGroups.replicas`: dp, or
@@ -119,15 +119,14 @@ class GradBuffer:
         self.zero_grad(1)
 
     def _wait_before_forward(self, chunks: list[nn.Module]):
-        """Hooks that wait for the parameter gathers right before the parameters are read, each
-        hook in gather (forward) order. Every called module waits, in a pre-hook, for the
-        buckets of its subtree (a layer, the embedding; the MoE layer for its `router`). The
-        parameters of plain containers right under the chunk (the untied head, `output`) are
-        read by the chunk itself, where the container sits among its children: so they are
-        waited for after the forward of the called module registered just before it (the
-        final norm), or in the chunk's pre-hook when nothing comes before. Waiting for them
-        in the chunk's pre-hook would make the embedding wait for the head's gather, the
-        last one launched, and so for every gather (no overlap at all)."""
+        """Each parameter's gather is waited for right before it is read, in gather (forward)
+        order: every called module waits, in a pre-hook, for the buckets of its subtree (a
+        layer, the embedding; the MoE layer for its `router`), the chunk for its own
+        parameters. The parameters of plain `nn.Module` containers (the untied head `output`)
+        are read by an owner that no hook sees (the chunk, after its final norm): such a
+        container waits when the parameter is read from it (`_GatheredOnRead`). A wait for
+        them in the chunk's pre-hook would make the embedding wait for the head's gather, the
+        last launched, and so for every gather (no overlap at all)."""
         bucket_of = {r.param: r.bucket for r in self.ranges}
         order = {b: i for i, b in enumerate(self._forward_order())}
 
@@ -135,11 +134,8 @@ class GradBuffer:
             return sorted({bucket_of[p] for p in params if p in bucket_of}, key=order.get)
 
         def wait(bs):
-            def hook(module, *args):
-                for b in bs:
-                    if b.gather is not None:
-                        b.gather[0].wait()
-                        b.gather = None
+            def hook(module, args):
+                _wait_gathers(bs)
 
             return hook
 
@@ -147,22 +143,15 @@ class GradBuffer:
             for name, module in chunk.named_modules():
                 if name and _called(module) and (bs := buckets(module.parameters())):
                     module.register_forward_pre_hook(wait(bs))
-            own = buckets(chunk.parameters(recurse=False))
-            before = None  # the last called module among the chunk's children so far
-            for child in chunk.children():
-                if _called(child):
-                    before = child
-                    continue
-                called = [m for m in child.modules() if _called(m)]
-                inside = {p for m in called for p in m.parameters()}
-                read = buckets(p for p in child.parameters() if p not in inside)
-                if read and before is not None:  # (never later than the module before it)
-                    before.register_forward_hook(wait(read))
-                else:
-                    own += read
-                before = _top_level(called) or before
-            if own:
-                chunk.register_forward_pre_hook(wait(sorted(set(own), key=order.get)))
+                elif name and type(module) in (nn.Module, _GatheredOnRead):
+                    owned = {n: buckets([p]) for n, p in module.named_parameters(recurse=False)}
+                    if any(owned.values()):  # (its own buckets: several buffers share a model)
+                        module.__class__ = _GatheredOnRead
+                        gathers = module.__dict__.setdefault("_gathers", {})
+                        for n, bs in owned.items():
+                            gathers[n] = gathers.get(n, []) + bs
+            if own := buckets(chunk.parameters(recurse=False)):
+                chunk.register_forward_pre_hook(wait(own))
 
     def _forward_order(self) -> list[Bucket]:
         """The buckets in the order the forward reads them: chunk by chunk, each chunk's
@@ -417,15 +406,26 @@ def _called(module: nn.Module) -> bool:
     """Whether a module is called by its parent's forward, as far as its type tells: plain
     `nn.Module`s and the list/dict containers only hold modules and parameters."""
     containers = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
-    return type(module) is not nn.Module and not isinstance(module, containers)
+    plain = type(module) in (nn.Module, _GatheredOnRead)
+    return not plain and not isinstance(module, containers)
 
 
-def _top_level(called: list[nn.Module]) -> nn.Module | None:
-    """The last of `called` (in registration order) that is not inside another of them: the
-    last one a container's owner runs (the last layer of a ModuleDict, not its last linear)."""
-    inner = {id(m) for c in called for m in c.modules() if m is not c}
-    top = [m for m in called if id(m) not in inner]
-    return top[-1] if top else None
+class _GatheredOnRead(nn.Module):
+    """A plain container (no forward) whose parameters wait for their overlapped gather when
+    they are read from it: its owner reads them itself, where no module hook sees it."""
+
+    def __getattr__(self, name):
+        gathers = self.__dict__.get("_gathers")
+        if gathers and gathers.get(name):
+            _wait_gathers(gathers[name])
+        return super().__getattr__(name)
+
+
+def _wait_gathers(buckets):
+    for b in buckets:
+        if b.gather is not None:
+            b.gather[0].wait()
+            b.gather = None
 
 
 def _landed(work) -> bool:

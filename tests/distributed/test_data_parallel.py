@@ -108,7 +108,7 @@ def test_reduced_gradients_equal_one_process(stage):
 
 class _Chunk(nn.Module):
     """A GPT chunk's shape: an embedding and a head in plain containers (the head's weight
-    read by the chunk itself, after the final norm), layers in a ModuleDict, one of them with a
+    read by the chunk itself, after the final norm), layers in a ModuleDict, each with a
     router in a plain container read by the layer."""
 
     def __init__(self):
@@ -120,9 +120,11 @@ class _Chunk(nn.Module):
         self.final_norm = nn.LayerNorm(8)
         self.output = nn.Module()
         self.output.weight = nn.Parameter(torch.randn(16, 8))
+        self.scale = nn.Module()  # registered last, read first: registration order is no guide
+        self.scale.weight = nn.Parameter(1 + 0.1 * torch.randn(8))
 
     def forward(self, ids):
-        x = self.embedding.word(ids)
+        x = self.embedding.word(ids) * self.scale.weight
         for layer in self.layers.values():
             x = layer(x)
         return self.final_norm(x) @ self.output.weight.t()
@@ -186,7 +188,8 @@ def test_overlapped_gathers_are_waited_for_where_the_forward_reads_them():
             waited = {n for k, n in log[:at] if k == "wait"}
             assert mine <= waited and not any(n.startswith(f"layers.{i + 1}") for n in waited)
         head = log.index(("wait", "output.weight"))
-        assert head > log.index(("run", "final_norm"))
+        assert head > log.index(("run", "final_norm"))  # read by the chunk after the norm
+        assert first < log.index(("wait", "scale.weight")) < log.index(("run", "layers.0"))
         assert len([e for e in log if e[0] == "wait"]) == len(out["whole"])  # each once
         model = _Chunk().double()
         model.load_state_dict(out["whole"])
