@@ -33,7 +33,7 @@ setup(
         ]
     },
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6",  # P2POp(group_peer=): tests/unit/test_torch_version.py
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
         "sentencepiece",
         "safetensors",

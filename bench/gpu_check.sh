@@ -7,19 +7,28 @@
 #                a wheel is reachable
 #   kernels_bf16 pytest -m gpu tests/kernels: every Triton kernel compiled, in bf16 and at full
 #                size, against its plain-torch reference (forward and backward)
+#   kernels_large  bench/gpu_large_check.py kernels: the cross-entropy at 20,480 tokens x 128,256
+#                (past 2^31 elements), attention at 8K tokens, RMSNorm at 32K x 8192, bf16,
+#                against fp32 references
 #   nccl_1rank   torchrun --nproc_per_node 1 pretrain_gpt.py: the trainer on CUDA through the
 #                real NCCL process group (TCP rendezvous, tp=pp=dp=1), --kernels triton, bf16
 #   multirank    bench/gpu_trainer_check.py multirank: tp2, pp2 and dp2 + ZeRO-1 with both ranks
 #                on the one GPU (over gloo with CUDA tensors: NCCL refuses two ranks on one
 #                device), losses checked against a one-rank run
 #   syncs        bench/gpu_trainer_check.py syncs: host syncs per training step
-#                (torch.cuda.set_sync_debug_mode) and the step time
-#   mfu_triton, mfu_torch
-#                llama-1b shape, bf16, 10 steps: MFU and tokens/s with --kernels triton / torch
+#                (torch.cuda.set_sync_debug_mode) and the step time; fails above one
+#   mfu_torch, mfu_triton
+#                llama-1b shape, bf16, 10 steps: MFU and tokens/s, eager (--kernels torch) and
+#                with the Triton kernels; the eager run also records a timeline of its last
+#                step (--profile-steps 10:11: timeline.json, timeline.png)
+#   memory       bench/gpu_large_check.py memory: the eager run's peak and state bytes against
+#                the planner's estimate for the same flags
 #   kernels_table  bench/kernels.py: Triton vs eager / torch.compile / Liger, with what is left
 #
 # Results in $OUT (default bench_out/): gpu_check.log (everything printed), multirank.json,
-# syncs.json, kernels.json, nccl_1rank.jsonl, mfu_triton.jsonl, mfu_torch.jsonl.
+# syncs.json, kernels.json, kernels_large.json, memory.json, nccl_1rank.jsonl, mfu_triton.jsonl,
+# mfu_torch.jsonl, timeline.json, timeline.png.
+# Every Python piece also runs on CPU in a small mode (tests/unit/test_gpu_check.py).
 #
 # The GPU machine may have no internet: put the wheels it lacks (liger-kernel, the test extras)
 # in a folder and point WHEELS at it, e.g. on a networked machine
@@ -94,33 +103,43 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
 run install 90 bash -c "$(declare -p PY pip_args); $(declare -f install); install"
 [ "${status[install]}" -eq 0 ] || { say "FAIL install: stopping"; exit 1; }
 
-run kernels_bf16 120 $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider
+run kernels_bf16 100 $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider
+
+run kernels_large 60 $PY bench/gpu_large_check.py kernels --out "$OUT"
 
 # A world of one through torchrun: NCCL with a TCP rendezvous, as on a cluster.
 rm -f "$OUT/nccl_1rank.jsonl"
-run nccl_1rank 90 $PY -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
+run nccl_1rank 60 $PY -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_gpt.py \
     --config configs/tiny.yaml --kernels triton --precision bf16 --train-iters 20 \
     --eval-interval 0 --log-interval 5 --wandb-mode disabled --metrics-file "$OUT/nccl_1rank.jsonl"
 if [ "${status[nccl_1rank]}" -eq 0 ]; then
     metrics "$OUT/nccl_1rank.jsonl" nccl_1rank 2>&1 | tee -a "$LOG" || status[nccl_1rank]=1
 fi
 
-run multirank 100 $PY bench/gpu_trainer_check.py multirank --device cuda --steps 3 \
-    --timeout 45 --out "$OUT"
-
-run syncs 60 $PY bench/gpu_trainer_check.py syncs --device cuda --steps 5 --out "$OUT"
+run syncs 45 $PY bench/gpu_trainer_check.py syncs --device cuda --steps 5 --out "$OUT"
 
 # Model MFU: llama-1b shape, bf16, one GPU; the median of the last 6 of 10 logged steps (the
-# first ones include compilation and warm-up).
-for k in triton torch; do
+# first ones include compilation and warm-up). Eager first: it also gives the timeline and the
+# memory check (the planner is asked about the same flags).
+MFU_FLAGS=(--config configs/llama-1b.yaml --train-iters 10 --micro-batch-size 4
+    --global-batch-size 16 --eval-interval 0 --log-interval 1 --wandb-mode disabled)
+for k in torch triton; do
     rm -f "$OUT/mfu_$k.jsonl"
-    run "mfu_$k" 80 $PY pretrain_gpt.py --config configs/llama-1b.yaml --kernels "$k" \
-        --train-iters 10 --micro-batch-size 4 --global-batch-size 16 --eval-interval 0 \
-        --log-interval 1 --wandb-mode disabled --metrics-file "$OUT/mfu_$k.jsonl"
+    extra=()
+    [ "$k" = torch ] && extra=(--profile-steps 10:11)  # the timeline, into $OUT
+    run "mfu_$k" 80 $PY pretrain_gpt.py "${MFU_FLAGS[@]}" --kernels "$k" "${extra[@]}" \
+        --metrics-file "$OUT/mfu_$k.jsonl"
     if [ "${status[mfu_$k]}" -eq 0 ]; then
         metrics "$OUT/mfu_$k.jsonl" "kernels=$k" 2>&1 | tee -a "$LOG" || status[mfu_$k]=1
     fi
+    if [ "$k" = torch ]; then
+        run memory 20 $PY bench/gpu_large_check.py memory --metrics "$OUT/mfu_torch.jsonl" \
+            --out "$OUT" "${MFU_FLAGS[@]}" --kernels torch
+    fi
 done
+
+run multirank 80 $PY bench/gpu_trainer_check.py multirank --device cuda --steps 3 \
+    --timeout 40 --out "$OUT"
 
 # The kernel table last: it takes what is left of the budget (BENCH_ARGS narrows it, e.g.
 # BENCH_ARGS="--impls megalite eager").

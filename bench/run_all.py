@@ -11,7 +11,8 @@ show that every benchmark runs and roughly where it stands, not the documented f
 
 Not run here, because they need a GPU: bench/gpu_check.sh (its syntax is checked with bash -n)
 and bench/kernels.py (only its --dry-run, which lists the cases). bench/gpu_trainer_check.py,
-which gpu_check.sh runs on a GPU, runs here on CPU.
+which gpu_check.sh runs on a GPU, runs here on CPU; bench/gpu_large_check.py kernels in its
+--smoke mode (its memory check needs a run's metrics: tests/unit/test_gpu_check.py).
 
 Exits non-zero when any benchmark fails, times out, or a script in bench/ has no entry in
 QUICK (add one: a benchmark nobody runs rots).
@@ -206,6 +207,10 @@ QUICK = {
         "on CPU (counts reads of device values only); the GPU run is gpu_check.sh's",
     ),
     "kernels.py": (["--dry-run"], "needs a GPU: only lists its cases"),
+    "gpu_large_check.py kernels": (
+        ["kernels", "--smoke", "--device", "cpu"],
+        "tiny sizes on CPU, the references only; the GPU run is gpu_check.sh's",
+    ),
 }
 # scripts of bench/ that are not benchmarks
 HELPERS = {"run_all.py", "_common.py"}

@@ -16,10 +16,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the single-tensor collectives (the old names still work there, deprecated);
+# setup.py's oldest torch (2.6) has only the old ones (tests/unit/test_torch_version.py)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommLedger:
     """Bytes, calls and seconds per group kind ("tp", "pp", "dp", ...) since the last reset.
+
+    Seconds are those the caller's stream spent in a collective (or blocked in a p2p wait): on
+    CPU tensors host time; on CUDA tensors the time between two CUDA events on the current
+    stream around the call, since NCCL returns before the device has done anything (host time
+    would be the enqueue, ~0). The events are read when the ledger is (`snapshot`, a logging
+    step, one host sync). An asynchronous collective counts only its launch: its time shows in
+    the wait that needs it.
 
     `entered` is kept apart and never reset: per group kind, how many collectives this rank has
     entered since the start and the last one's name. It is bumped before the collective can
@@ -34,6 +46,7 @@ class CommLedger:
     calls: dict = field(default_factory=lambda: defaultdict(int))
     seconds: dict = field(default_factory=lambda: defaultdict(float))
     entered: dict = field(default_factory=dict)  # kind -> [sequence number, op name]
+    _spans: list = field(default_factory=list, init=False, repr=False)  # (kind, start, end) events
     _timeline: object = field(default=None, init=False, repr=False)
 
     @property
@@ -71,12 +84,37 @@ class CommLedger:
         self.calls[kind] += 1
         self.seconds[kind] += seconds
 
+    def add_span(self, kind: str, start):
+        """Add the seconds since `start` (from `clock_start`: a host time, or a CUDA event)."""
+        if isinstance(start, float):
+            self.seconds[kind] += time.perf_counter() - start
+            return
+        end = _device_event()
+        end.record()
+        self._spans.append((kind, start, end))
+        if len(self._spans) > 4096:  # never logged for a while: fold in what has completed
+            self._settle(block=False)
+
+    def _settle(self, block: bool = True):
+        """Fold the event spans into `seconds` (`block`: waiting for them; else those done)."""
+        pending = []
+        for kind, start, end in self._spans:
+            if block:
+                end.synchronize()
+            if block or end.query():
+                self.seconds[kind] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((kind, start, end))
+        self._spans = pending
+
     def reset(self):
         self.bytes.clear()
         self.calls.clear()
         self.seconds.clear()
+        self._spans = []
 
     def snapshot(self) -> dict:
+        self._settle()
         return {
             k: {
                 "bytes": self.bytes[k],
@@ -115,14 +153,29 @@ class Group:
             )
 
 
-def _enter(group: Group, op: str) -> float:
-    """Note the collective in the ledger's `entered` record before it can block; its start."""
-    group.ledger.enter(group.kind, op)
+def _device_event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def clock_start(t: torch.Tensor | None = None):
+    """The start of a span the ledger times (`CommLedger.add_span`): with a CUDA tensor an
+    event recorded on the current stream, else the host clock."""
+    if t is not None and t.device.type == "cuda" and torch.cuda.is_available():  # (not fake)
+        event = _device_event()
+        event.record()
+        return event
     return time.perf_counter()
 
 
-def _record(group: Group, nbytes: float, t0: float):
-    group.ledger.add(group.kind, nbytes, time.perf_counter() - t0)
+def _enter(group: Group, op: str, t: torch.Tensor | None = None):
+    """Note the collective in the ledger's `entered` record before it can block; its start."""
+    group.ledger.enter(group.kind, op)
+    return clock_start(t)
+
+
+def _record(group: Group, nbytes: float, t0):
+    group.ledger.add(group.kind, nbytes)
+    group.ledger.add_span(group.kind, t0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -137,7 +190,7 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op=Fal
     group.check(t)
     if group.size == 1:
         return None
-    t0 = _enter(group, "all_reduce")
+    t0 = _enter(group, "all_reduce", t)
     work = dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
     _record(group, 2 * (group.size - 1) / group.size * _nbytes(t), t0)
     return work
@@ -149,8 +202,8 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group: Group, async_op=False)
     if group.size == 1:
         out.copy_(t)
         return None
-    t0 = _enter(group, "all_gather")
-    work = dist.all_gather_single(out, t.contiguous(), group=group.pg, async_op=async_op)
+    t0 = _enter(group, "all_gather", t)
+    work = _all_gather_single(out, t.contiguous(), group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(out), t0)
     return work
 
@@ -163,8 +216,8 @@ def reduce_scatter(
     if group.size == 1:
         out.copy_(t)
         return None
-    t0 = _enter(group, "reduce_scatter")
-    work = dist.reduce_scatter_single(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
+    t0 = _enter(group, "reduce_scatter", t)
+    work = _reduce_scatter_single(out, t.contiguous(), op=op, group=group.pg, async_op=async_op)
     _record(group, (group.size - 1) / group.size * _nbytes(t), t0)
     return work
 
@@ -174,7 +227,7 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group):
     group.check(t)
     if group.size == 1:
         return
-    t0 = _enter(group, "broadcast")
+    t0 = _enter(group, "broadcast", t)
     dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
     _record(group, _nbytes(t), t0)
 
@@ -316,7 +369,7 @@ def _all_to_all(x: torch.Tensor, group: Group, out_sizes: list, in_sizes: list) 
     group.check(x)
     x = x.contiguous()
     out = x.new_empty((sum(out_sizes), *x.shape[1:]))
-    t0 = _enter(group, "all_to_all")
+    t0 = _enter(group, "all_to_all", x)
     dist.all_to_all_single(out, x, out_sizes, in_sizes, group=group.pg)
     _record(group, _nbytes(x), t0)
     return out

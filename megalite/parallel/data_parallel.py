@@ -18,8 +18,9 @@ as soon as its reduce-scatter lands (at most the stage's `in_flight` + 1 staged 
 With sharded optimizer state each rank updates its shard of every bucket, then the buckets are
 all-gathered back into the parameter buffer. `all_gather_params(overlap=True)` launches the
 gathers in forward order and returns; a forward pre-hook on each module waits for the buckets
-holding that module's parameters, so the gathers of later layers overlap the forward of earlier
-ones (Megatron's --overlap-param-gather). `wait_params` waits for all (checkpoints).
+holding that module's parameters (a plain container's, such as the untied head's, when they are
+read from it), so the gathers of later layers overlap the forward of earlier ones (Megatron's
+--overlap-param-gather). `wait_params` waits for all (checkpoints).
 
 "DP" here is the group of ranks holding the same parameters (`ProcessGroups.replicas`: dp, or
 the product of every replicated axis).
@@ -118,30 +119,44 @@ class GradBuffer:
         self.zero_grad(1)
 
     def _wait_before_forward(self, chunks: list[nn.Module]):
-        """Forward pre-hooks that wait for the parameter gathers a module reads: every module
-        waits for the buckets of its subtree; the chunk itself for the parameters of plain
-        `nn.Module` containers (never called: their parent reads them)."""
+        """Each parameter's gather is waited for right before it is read, in gather (forward)
+        order: every called module waits, in a pre-hook, for the buckets of its subtree (a
+        layer, the embedding; the MoE layer for its `router`), the chunk for its own
+        parameters. The parameters of plain `nn.Module` containers (the untied head `output`)
+        are read by an owner that no hook sees (the chunk, after its final norm): such a
+        container waits when the parameter is read from it (`_GatheredOnRead`). A wait for
+        them in the chunk's pre-hook would make the embedding wait for the head's gather, the
+        last launched, and so for every gather (no overlap at all)."""
         bucket_of = {r.param: r.bucket for r in self.ranges}
+        order = {b: i for i, b in enumerate(self._forward_order())}
 
-        def hook(buckets):
-            def wait(module, args):
-                for b in buckets:
-                    if b.gather is not None:
-                        b.gather[0].wait()
-                        b.gather = None
+        def buckets(params):
+            return sorted({bucket_of[p] for p in params if p in bucket_of}, key=order.get)
 
-            return wait
+        def wait(bs):
+            def hook(module, args):
+                _wait_gathers(bs)
+
+            return hook
 
         for chunk in chunks:
             for name, module in chunk.named_modules():
-                if name and type(module) is not nn.Module:
-                    owned = {bucket_of[p] for p in module.parameters() if p in bucket_of}
-                else:  # the chunk, or a container: its own parameters
-                    owned = {bucket_of[p] for p in module.parameters(recurse=False)
-                             if p in bucket_of}  # fmt: skip
-                if owned:
-                    target = module if name and type(module) is not nn.Module else chunk
-                    target.register_forward_pre_hook(hook(sorted(owned, key=id)))
+                if name and _called(module) and (bs := buckets(module.parameters())):
+                    module.register_forward_pre_hook(wait(bs))
+                elif name and type(module) in (nn.Module, _GatheredOnRead):
+                    owned = {n: buckets([p]) for n, p in module.named_parameters(recurse=False)}
+                    if any(owned.values()):  # (its own buckets: several buffers share a model)
+                        module.__class__ = _GatheredOnRead
+                        gathers = module.__dict__.setdefault("_gathers", {})
+                        for n, bs in owned.items():
+                            gathers[n] = gathers.get(n, []) + bs
+            if own := buckets(chunk.parameters(recurse=False)):
+                chunk.register_forward_pre_hook(wait(own))
+
+    def _forward_order(self) -> list[Bucket]:
+        """The buckets in the order the forward reads them: chunk by chunk, each chunk's
+        buckets from the last laid out (layout runs backward)."""
+        return sorted(self.buckets, key=lambda b: (b.chunk, -b.start))
 
     def _grad_view(self, r: ParamRange) -> torch.Tensor:
         o = r.offset - r.bucket.start
@@ -263,8 +278,7 @@ class GradBuffer:
         read them (or `wait_params`); otherwise waited for here."""
         if not self.zero.shard_state or self.dp.size == 1:
             return
-        forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.start))
-        for b in forward_order:
+        for b in self._forward_order():
             # The shard is part of the output: gather from a copy rather than rely on the
             # backend handling overlapping input and output.
             src = self.param_shard(b).clone()
@@ -386,6 +400,32 @@ class GradBuffers:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _called(module: nn.Module) -> bool:
+    """Whether a module is called by its parent's forward, as far as its type tells: plain
+    `nn.Module`s and the list/dict containers only hold modules and parameters."""
+    containers = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+    plain = type(module) in (nn.Module, _GatheredOnRead)
+    return not plain and not isinstance(module, containers)
+
+
+class _GatheredOnRead(nn.Module):
+    """A plain container (no forward) whose parameters wait for their overlapped gather when
+    they are read from it: its owner reads them itself, where no module hook sees it."""
+
+    def __getattr__(self, name):
+        gathers = self.__dict__.get("_gathers")
+        if gathers and gathers.get(name):
+            _wait_gathers(gathers[name])
+        return super().__getattr__(name)
+
+
+def _wait_gathers(buckets):
+    for b in buckets:
+        if b.gather is not None:
+            b.gather[0].wait()
+            b.gather = None
 
 
 def _landed(work) -> bool:

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import comm
 from megalite.parallel.comm import Group
 
 _ready: set[int] = set()  # process groups that have run a collective
@@ -41,11 +42,13 @@ class Batch:
 
     def wait(self, op: int | None = None) -> float:
         """Block until operation `op` of the batch (default: every one) completed; returns the
-        seconds blocked. Where the backend fused the batch into one work (NCCL), that is the
-        whole batch anyway."""
+        host seconds blocked (on NCCL ~0: the wait only orders the streams; the ledger times it
+        on the device, comm.CommLedger). Where the backend fused the batch into one work
+        (NCCL), that is the whole batch anyway."""
         if self.done:
             return 0.0
         t0 = time.perf_counter()
+        start = comm.clock_start(self.ops[0][1] if self.ops else None)
         whole = op is None or len(self.works) != len(self.ops)
         for i in range(len(self.works)) if whole else [op]:
             if i not in self.waited:
@@ -53,9 +56,8 @@ class Batch:
                 self.waited.add(i)
         if whole:
             self.done, self.ops = True, None  # the tensors may go now
-        seconds = time.perf_counter() - t0
-        self.group.ledger.seconds[self.group.kind] += seconds
-        return seconds
+        self.group.ledger.add_span(self.group.kind, start)
+        return time.perf_counter() - t0
 
 
 def post(ops: list[tuple[bool, torch.Tensor, int]], group: Group) -> Batch:

@@ -1,7 +1,8 @@
 """Hang reports: what each surviving rank was doing when a peer stalled, and the diagnosis.
 
 When a collective or a pipeline wait times out (--distributed-timeout-minutes) or its peer
-goes away, every rank that notices writes `hang-rank<N>.json` into the run's directory
+goes away, every rank that notices (on NCCL: once its watchdog aborts the communicators, see
+`prepare_nccl`) writes `hang-rank<N>.json` into the run's directory
 (--hang-report-dir, else beside --metrics-file, else --save) before it exits:
 
   {"rank": 4, "world_size": 8, "sizes": [["tp", 2], ["dp", 2], ["pp", 2]], "order": "tp-dp-pp",
@@ -21,7 +22,7 @@ that the k-th send from one rank to another meets the other's k-th receive from 
 the rank everyone waits on and the action it never finished.
 
 On NCCL the host runs ahead of the device, so `entered` says what was queued, not what the
-device reached: `enable_flight_recorder` turns on torch's NCCL flight recorder
+device reached: `prepare_nccl` turns on torch's NCCL flight recorder
 (TORCH_NCCL_TRACE_BUFFER_SIZE), which dumps each rank's recent collectives on a timeout into
 the same directory (`nccl-trace-rank<N>`, read with torch's `torchfrtrace`); a report also
 carries the recorder's last entries (`flight_recorder`) wherever torch keeps them (gloo too,
@@ -51,18 +52,36 @@ def report_dir(cfg) -> Path | None:
     return Path(cfg.checkpoint.save) if cfg.checkpoint.save else None
 
 
-def enable_flight_recorder(cfg):
-    """On CUDA, before the process group exists: keep a trace of recent NCCL collectives and
-    dump it on a timeout into the report directory (a user's own settings win)."""
+# NCCL's watchdog, on a collective past the process group's timeout, by default kills the
+# process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): no hang report, no one-line error, since the host
+# thread never sees an exception (`wait()` on NCCL only orders the streams). 2 (CleanUpOnly)
+# aborts the communicators instead and lets the host thread raise: the stuck host sync returns
+# once the aborted kernels exit, and the next collective or wait fails with the timeout, which
+# the trainer turns into its report and message. TORCH_NCCL_BLOCKING_WAIT=1 (every wait a host
+# wait, raising at the timeout) is the stronger, slower form, left to the user for debugging.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def prepare_nccl(cfg, cuda: bool | None = None, env=None) -> dict:
+    """On CUDA (the NCCL backend), before the process group exists: a stalled collective
+    raises in the host thread (NCCL_ERROR_HANDLING), and torch's flight recorder keeps recent
+    NCCL collectives and dumps them on a timeout into the report directory. A user's own
+    settings win. Returns the variables in effect; nothing on gloo (whose waits raise)."""
     import torch
 
+    env = os.environ if env is None else env
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return {}
+    wanted = dict(NCCL_ERROR_HANDLING)
     directory = report_dir(cfg)
-    if not torch.cuda.is_available() or directory is None:
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")  # read into the reports too
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(directory / "nccl-trace-rank"))
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        wanted["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"  # read into the reports too
+        wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(directory / "nccl-trace-rank")
+    for k, v in wanted.items():
+        env.setdefault(k, v)
+    return {k: env[k] for k in wanted}
 
 
 class HangRecorder:

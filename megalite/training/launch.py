@@ -58,10 +58,10 @@ def main(argv):
             print_plan(cfg, shape)
         return
     from megalite.parallel import groups as pg
-    from megalite.training.hang import enable_flight_recorder
+    from megalite.training.hang import prepare_nccl
     from megalite.training.trainer import Trainer
 
-    enable_flight_recorder(cfg)  # NCCL only: before the process group exists
+    prepare_nccl(cfg)  # NCCL only: before the process group exists
     groups = setup(shape, cfg.parallel.distributed_timeout_minutes)
     # However the run ends, its groups' threads are joined before the interpreter finalizes
     # (pg.destroy); on an error only after the message is out (a join can wait on a stuck peer).

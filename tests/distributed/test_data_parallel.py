@@ -104,3 +104,93 @@ def test_reduced_gradients_equal_one_process(stage):
             assert out["gathered"] and out["model_reads_it"]
     # the shards of the ranks hold every element (stage 0: each rank all of them)
     assert all(c.all() for c in covered.values())
+
+
+class _Chunk(nn.Module):
+    """A GPT chunk's shape: an embedding and a head in plain containers (the head's weight
+    read by the chunk itself, after the final norm), layers in a ModuleDict, each with a
+    router in a plain container read by the layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embedding = nn.Module()
+        self.embedding.word = nn.Embedding(16, 8)
+        self.layers = nn.ModuleDict({str(i): _RoutedLayer() for i in range(3)})
+        self.final_norm = nn.LayerNorm(8)
+        self.output = nn.Module()
+        self.output.weight = nn.Parameter(torch.randn(16, 8))
+        self.scale = nn.Module()  # registered last, read first: registration order is no guide
+        self.scale.weight = nn.Parameter(1 + 0.1 * torch.randn(8))
+
+    def forward(self, ids):
+        x = self.embedding.word(ids) * self.scale.weight
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.final_norm(x) @ self.output.weight.t()
+
+
+class _RoutedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(torch.randn(8, 8))
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.mlp(torch.tanh(x @ self.router.weight.t()))
+
+
+class _Noted:
+    """A gather's work that notes in `log` when it is waited for."""
+
+    def __init__(self, work, name, log):
+        self.work, self.name, self.log = work, name, log
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+        return self.work.wait()
+
+
+def _overlapped_gather(rank, world):
+    groups = build_groups(Topology(dp=world), torch.device("cpu"))
+    chunk = _Chunk().double()
+    whole = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+    # one parameter a bucket: each gather belongs to one module
+    buf = GradBuffer([chunk], groups.replicas, zero_stage=1, bucket_size_mb=8 / 2**20)
+    names = {r.bucket: r.name for r in buf.ranges}
+    with torch.no_grad():  # every rank's shard right, the rest of the buffer garbage
+        values = buf.param_buffer.clone()
+        buf.param_buffer.fill_(float("nan"))
+        for b in buf.buckets:
+            buf.param_shard(b).copy_(values[b.shard_start : b.shard_end])
+    buf.all_gather_params(overlap=True)
+    log = []
+    for b in buf.buckets:
+        b.gather = (_Noted(b.gather[0], names[b], log), b.gather[1])
+    for name, m in chunk.named_modules():  # after the buffer's hooks: they run first
+        m.register_forward_pre_hook(lambda m, a, name=name: log.append(("run", name)))
+    out = chunk(torch.arange(6).view(2, 3))
+    return {"log": log, "out": out.detach(), "whole": whole}
+
+
+def test_overlapped_gathers_are_waited_for_where_the_forward_reads_them():
+    """--overlap-param-gather: the embedding waits for its own gather only, each layer for its
+    own (router included), the untied head's weight after the final norm; the forward's
+    result equals one process's."""
+    for out in spawn(_overlapped_gather, 2):
+        log = out["log"]
+        first = log.index(("run", "embedding.word"))
+        assert [n for k, n in log[:first] if k == "wait"] == ["embedding.word.weight"]
+        for i in range(3):  # a layer waits for its router and linear, no later layer's
+            at = log.index(("run", f"layers.{i}"))
+            mine = {f"layers.{i}.router.weight", f"layers.{i}.mlp.weight", f"layers.{i}.mlp.bias"}
+            waited = {n for k, n in log[:at] if k == "wait"}
+            assert mine <= waited and not any(n.startswith(f"layers.{i + 1}") for n in waited)
+        head = log.index(("wait", "output.weight"))
+        assert head > log.index(("run", "final_norm"))  # read by the chunk after the norm
+        assert first < log.index(("wait", "scale.weight")) < log.index(("run", "layers.0"))
+        assert len([e for e in log if e[0] == "wait"]) == len(out["whole"])  # each once
+        model = _Chunk().double()
+        model.load_state_dict(out["whole"])
+        torch.testing.assert_close(out["out"], model(torch.arange(6).view(2, 3)), rtol=0, atol=0)

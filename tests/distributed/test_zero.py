@@ -503,3 +503,36 @@ def test_zero2_stages_at_most_the_planned_buckets():
     llama model at 0.25 MB buckets: 7 of them; without the wait when staging, 1.18x the bound)."""
     for peak, bound, n in spawn(_staged_real_model, 2):
         assert n >= 4 and 0 < peak <= bound, (peak, bound, n)
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops issued (on a GPU each is one or a few kernel launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:  # views (the shard pieces) launch nothing
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_adamw_update_is_a_few_ops_whatever_the_number_of_buckets(precision):
+    """Finding 3 (issue 32): the update was ~7 ops per 2^18-element slice of every bucket
+    (launch-bound on a GPU); now a fixed handful of foreach ops, as many for 2 blocks as for 8
+    (each block in buckets of its own)."""
+    groups = single_groups()
+    counts = {}
+    for n in (2, 8):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        chunks = [Chunk(dict(enumerate(blocks(n, groups.tp, dtype))))]
+        opt = DistributedOptimizer(chunks, groups, config(0, precision, bucket_mb=1e-4))
+        assert len(opt.buffer.buckets) >= 2 * n
+        grads = [torch.ones_like(b.shard_grad) for b in opt.buffer.buckets]
+        with _OpCounter() as c:
+            opt._adamw(LR, grads)
+        counts[n] = c.ops
+    assert counts[2] == counts[8]
+    assert len(counts[8]) <= 10 and all(op.startswith("aten._foreach") for op in counts[8])

@@ -100,3 +100,19 @@ def test_a_silent_rank_no_report_places(tmp_path):
                 action={"index": 2, "kind": "F", "chunk": 0, "mb": 1, "peer": None})  # fmt: skip
     text = hang.diagnose(_write(tmp_path, r))
     assert text.startswith("rank 1 (") and "no peer's report places it" in text
+
+
+def test_nccl_raises_in_the_host_thread_and_gloo_is_left_alone(tmp_path):
+    """Issue 32, finding 6: NCCL's watchdog kills the process by default, before any report;
+    on CUDA the launcher asks it to abort the communicators and let the host thread raise."""
+    cfg = Config()
+    env = {}
+    assert hang.prepare_nccl(cfg, cuda=False, env=env) == {} and env == {}  # gloo
+    got = hang.prepare_nccl(cfg, cuda=True, env=env)
+    assert got == env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # no report dir: no trace
+    cfg.logging.hang_report_dir = str(tmp_path / "hangs")
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # the user's own setting wins
+    got = hang.prepare_nccl(cfg, cuda=True, env=env)
+    assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert got["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and (tmp_path / "hangs").is_dir()
+    assert got["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "hangs" / "nccl-trace-rank")
