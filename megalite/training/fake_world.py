@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,26 @@ def _int_fill(cfg, shape) -> int:
     return max(1, tokens * m.moe_router_topk // m.num_experts)
 
 
+def _grouped_mm(x, w, offsets):
+    """Grouped GEMM's shapes and gradients without reading `offsets` (the torch reference checks
+    them on the host, where the GPU kernel reads them on the device): (n, in) x (E, out, in)."""
+    return x @ w[0].transpose(0, 1)
+
+
+@contextmanager
+def _fake_kernels():
+    """The ops the model is built with, with `_grouped_mm` in place of the grouped GEMM."""
+    from megalite import kernels
+
+    real = kernels.select
+    kernels.select = lambda mode, device: kernels.override(real(mode, device),
+                                                           grouped_mm=_grouped_mm)  # fmt: skip
+    try:
+        yield
+    finally:
+        kernels.select = real
+
+
 def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     """Play `rank` of a `world_size` run of `cfg`: build its trainer on fake CUDA tensors over
     the fake process group and run `steps` non-logging steps; the last is counted. In a fresh
@@ -144,7 +165,7 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     topo = shape.topology()
     m = cfg.model
     rows = np.random.default_rng(0).integers(0, m.vocab_size, (64, m.seq_length + 1))
-    with Recorder(world_size) as rec, fake_cuda(_int_fill(cfg, shape)) as fake:
+    with Recorder(world_size) as rec, fake_cuda(_int_fill(cfg, shape)) as fake, _fake_kernels():
         groups = build_groups(topo, torch.device(DEVICE))
         trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
                                                               tokenizer=None))  # fmt: skip
