@@ -250,12 +250,12 @@ def update_expert_bias(chunks, world: Group, num_layers: int):
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert bias moves by
     the update rate towards balance, b_e += u sign(mean load - load_e), from the step's loads
     summed over every rank holding the layer. One all-reduce of (layers, E) over the world
-    (each rank fills its own layers' rows), on the device: no host read."""
+    (each rank fills its own layers' rows), on the device: no host read. A rank whose stage
+    holds no MoE layer (--moe-layer-freq) enters it too, with zero rows: the others wait for it."""
     layers = [(i, m) for i, m in moe_layers(chunks) if m.expert_bias is not None]
-    if not layers:
-        return
-    e = layers[0][1].e
-    loads = torch.zeros(num_layers, e, dtype=torch.float64, device=layers[0][1].stats.device)
+    e = layers[0][1].e if layers else chunks[0].cfg.num_experts
+    device = layers[0][1].stats.device if layers else world.device
+    loads = torch.zeros(num_layers, e, dtype=torch.float64, device=device)
     for i, m in layers:
         loads[i] = m.step_load
         m.step_load.zero_()
