@@ -25,8 +25,11 @@ READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "num
 FACTORIES = {"tensor", "as_tensor"}  # from host values: on "cuda" a blocking copy
 
 
+GPU = ["cuda"]  # the device type that plays the GPU (fake_cuda(gpu=...))
+
+
 def _cuda(device) -> bool:
-    return device is not None and torch.device(device).type == "cuda"
+    return device is not None and torch.device(device).type == GPU[0]
 
 
 class FakeCuda:
@@ -139,7 +142,7 @@ class _Entry(TorchFunctionMode):
         if name in FACTORIES and _cuda(kwargs.get("device")):
             data = args[0] if args else kwargs.get("data")
             if not isinstance(data, torch.Tensor) or data.device.type == "cpu":
-                s.hit(f"torch.{name} to cuda from the host")
+                s.hit(f"torch.{name} on the device from a host value")
         if name == "pin_memory" and isinstance(args[0], torch.Tensor):
             out = torch.ops.aten.clone(args[0])  # page-locked memory of its own
             out._fake_pinned = True
@@ -152,7 +155,7 @@ class _Entry(TorchFunctionMode):
             return _setitem(*args)
         if name == "copy_" and isinstance(args[0], torch.Tensor):
             dst, src = args[0], args[1]
-            if dst.device.type == "cuda" and src.device.type == "cpu":
+            if dst.device.type == "cuda" and src.device.type == "cpu" and GPU[0] == "cuda":
                 self._h2d(src, kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
             with torch._C.DisableTorchFunctionSubclass():
                 return torch.ops.aten.copy_(dst, src, kwargs.get("non_blocking", False))
@@ -177,7 +180,12 @@ class _Entry(TorchFunctionMode):
         non_blocking = kwargs.get("non_blocking", False)
         if device is not None and not isinstance(device, torch.device):
             device = torch.device(device)
-        if device is not None and device.type == "cuda" and t.device.type == "cpu":
+        if (
+            device is not None
+            and device.type == "cuda"
+            and t.device.type == "cpu"
+            and GPU[0] == "cuda"
+        ):
             self._h2d(t, non_blocking)
         if (device is None or device.type == t.device.type) and (dtype in (None, t.dtype)):
             return t
@@ -211,8 +219,11 @@ def _event_class(state: FakeCuda):
 
 
 @contextmanager
-def fake_cuda(int_fill: int = 1):
-    """Fake CUDA tensors with the device's asks counted; yields a `FakeCuda`."""
+def fake_cuda(int_fill: int = 1, gpu: str = "cuda"):
+    """Fake CUDA tensors with the device's asks counted; yields a `FakeCuda`. `gpu`: the device
+    type whose host-value factories count as blocking copies ("cpu": fake CPU tensors stand for
+    the GPU, where autograd cannot run on fake CUDA tensors: a CPU-only torch build)."""
+    GPU[0] = gpu
     state = FakeCuda(int_fill)
     rng = {}
     names = ("get_rng_state", "set_rng_state", "get_device_name", "Event", "synchronize")

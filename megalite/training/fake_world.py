@@ -165,7 +165,11 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     topo = shape.topology()
     m = cfg.model
     rows = np.random.default_rng(0).integers(0, m.vocab_size, (64, m.seq_length + 1))
-    with Recorder(world_size) as rec, fake_cuda(_int_fill(cfg, shape)) as fake, _fake_kernels():
+    with (
+        Recorder(world_size) as rec,
+        fake_cuda(_int_fill(cfg, shape), gpu=DEVICE) as fake,
+        _fake_kernels(),
+    ):
         groups = build_groups(topo, torch.device(DEVICE))
         trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
                                                               tokenizer=None))  # fmt: skip
