@@ -170,6 +170,12 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
         fake_cuda(_int_fill(cfg, shape), gpu=DEVICE) as fake,
         _fake_kernels(),
     ):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        mem = MemTracker()  # its per-module statistics refuse a module run per micro-batch
+        for hook in ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook"):
+            setattr(mem, hook, lambda *a, **k: None)
+        mem.__enter__()
         groups = build_groups(topo, torch.device(DEVICE))
         trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
                                                               tokenizer=None))  # fmt: skip
@@ -177,11 +183,13 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
         for _ in range(steps):
             fake.reset()
             trainer.train_step(log=False)
+        mem.__exit__(None, None, None)
+        peak = max(int(v["Total"]) for v in mem.get_tracker_snapshot("peak").values())
     members = {g.kind: tuple(g.ranks) for g in [*groups.groups.values(), groups.embed,
                                                 groups.world] if g is not None}  # fmt: skip
     planned = plan(cfg, shape).stages[topo.coords(rank)["pp"]]["total"]
     return RoleReport(rank, topo.coords(rank), dict(rec.calls), members, fake.syncs,
-                      [w for w, _ in fake.where], 0, planned, time.perf_counter() - t0)  # fmt: skip
+                      [w for w, _ in fake.where], peak, planned, time.perf_counter() - t0)  # fmt: skip
 
 
 def _entry(cfg, world_size, rank, path):
@@ -265,3 +273,31 @@ def match(reports: list[RoleReport]) -> Matching:
                             first[i] if i < len(first) else None,
                             seq[i] if i < len(seq) else None))  # fmt: skip
     return Matching(dict(compared), bad)
+
+
+def print_fake_world(cfg, shape, parallel: int = 2) -> bool:
+    """`--dry-run --fake-world`: the witnesses of `shape`'s world run a step; per group kind the
+    groups compared and any mismatch, per rank its seconds, host syncs and memory peak next to
+    the planner's. True when every group matched and every rank read the host once."""
+    from dataclasses import replace
+
+    vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    ranks = witnesses(shape.topology())
+    print(f"fake world: {shape.world_size} ranks ({shape}), running ranks {ranks}", flush=True)
+    reports = run_roles(cfg, shape.world_size, ranks, parallel)
+    m = match(reports)
+    for kind, n in sorted(m.compared.items()):
+        bad = [x for x in m.mismatches if x[0] == kind]
+        print(
+            f"  {kind:>8}: {n} group(s) compared, "
+            + (f"{len(bad)} MISMATCHED" if bad else "matched")
+        )
+    for kind, ranks_, a, b, i, first, other in m.mismatches[:10]:
+        print(f"    {kind} {ranks_[:4]}...: rank {a} issues {first} at #{i}, rank {b} {other}")
+    print("  rank   coords                     s  syncs  peak MiB  planned MiB")
+    for r in reports:
+        coords = " ".join(f"{k}{v}" for k, v in r.coords.items() if shape.size(k) > 1)
+        print(f"  {r.rank:>5}  {coords:<24} {r.seconds:5.1f}  {r.syncs:>5}  "
+              f"{r.peak_bytes / 2**20:8.1f}  {r.planned_bytes / 2**20:11.1f}")  # fmt: skip
+    return m.ok and all(r.syncs == 1 for r in reports)
