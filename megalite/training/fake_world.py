@@ -95,9 +95,13 @@ class Recorder:
             setattr(dist, name, fn)
 
 
-def witnesses(topo) -> list[int]:
+def witnesses(topo, full: bool = True) -> list[int]:
     """Rank 0's neighbours along each axis at the first and the last pipeline stage, and every
-    pipeline stage of rank 0 (see the module's docstring)."""
+    pipeline stage of rank 0 (see the module's docstring). Not `full`: every stage of rank 0
+    and its next neighbour along each other axis (the first stage's groups compared only)."""
+    if not full:
+        others = {topo.stride(a) for a in topo.axes if a != "pp" and topo.size(a) > 1}
+        return sorted({*(topo.rank(pp=i) for i in range(topo.size("pp"))), *others})
     last = topo.size("pp") - 1
     out = set()
     for stage in {0, last}:

@@ -1,6 +1,8 @@
 """The fake world: chosen ranks of large layouts run a real training step on fake tensors over
 torch's fake process group, one process each (megalite/training/fake_world.py)."""
 
+import pytest
+
 from megalite.shape import validate
 from megalite.testing import tiny_config
 from megalite.training.fake_world import match, run_roles, witnesses
@@ -44,3 +46,25 @@ def test_a_stage_without_moe_layers_skips_the_expert_bias_all_reduce():
     m_ = match(run_roles(cfg, 16, ranks))
     world = [x for x in m_.mismatches if x[0] == "world"]
     assert not world, world
+
+
+LAYOUTS = {  # 1,024 ranks each: context parallelism, ZeRO-3, the zero-bubble V schedule
+    "cp2-zero1": ({"tp": 8, "cp": 2, "pp": 4}, {"zero_stage": 1}, 16),
+    "zero3": ({"tp": 8, "pp": 4}, {"zero_stage": 3}, 32),
+    "zbv": ({"tp": 8, "pp": 4, "pp_schedule": "zbv"}, {"zero_stage": 2}, 32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_1024_rank_layouts_match(name):
+    par, opt, dp = LAYOUTS[name]
+    cfg = _cfg(**par)
+    for k, v in opt.items():
+        setattr(cfg.optimizer, k, v)
+    cfg.training.global_batch_size = dp * 8
+    shape = validate(cfg, 1024)
+    reports = run_roles(cfg, 1024, witnesses(shape.topology(), full=False))
+    m = match(reports)
+    assert m.ok, m.mismatches[:3]
+    assert {"tp", "pp", "world"} <= set(m.compared), m.compared
+    assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
