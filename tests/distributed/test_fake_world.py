@@ -68,3 +68,24 @@ def test_1024_rank_layouts_match(name):
     assert m.ok, m.mismatches[:3]
     assert {"tp", "pp", "world"} <= set(m.compared), m.compared
     assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+
+
+def test_full_recompute_keeps_the_routing_of_the_forward():
+    """Finding 7 (issue 32): with ep>1 and full recompute, routing (the split sizes' all-gather
+    over ep and their host read) ran again in backward. Now as often as without recompute."""
+    runs = {}
+    for recompute in ("none", "full"):
+        cfg = _cfg(layers=2, ep=2)
+        m = cfg.model
+        m.num_experts = 4
+        cfg.optimizer.zero_stage = 2
+        cfg.training.recompute, cfg.training.global_batch_size = recompute, 4
+        runs[recompute] = run_roles(cfg, 2, [0])[0]
+    ep = (0, 1)
+
+    def gathers(r):
+        return sum(op == "all_gather_single" for op, _, _ in r.calls.get(ep, []))
+
+    none, full = runs["none"], runs["full"]
+    assert gathers(none) > 0
+    assert (gathers(full), full.syncs) == (gathers(none), none.syncs), (full.where, none.where)
