@@ -1,17 +1,20 @@
-"""A CUDA device on a CPU-only torch: fake tensors that report `cuda:0`, and what a rank's code
-asks of the device counted (host syncs, blocking host-to-device copies, bytes held).
+"""Fake devices on a CPU-only torch, and what a rank's code asks of the device counted: host
+syncs and blocking host-to-device copies.
 
 `FakeTensorMode` computes shapes, dtypes and devices without data. Around it `fake_cuda()`:
 - routes the Python entry points that a CPU-only build refuses for "cuda" before any mode sees
-  them (`Tensor.to`, `Tensor.copy_`, `Tensor.cuda`, `pin_memory`) to the aten ops they run;
-- stands in for the CUDA generator state (dropout streams, recompute's replay);
+  them (`Tensor.to`, `copy_`, `cuda`, `pin_memory`, indexing) to the aten ops they run, and
+  stands in for the CUDA generator state and events. Forward and optimizer code runs on fake
+  "cuda" tensors this way; autograd's backward does not (its engine needs the device guard
+  and hooks of a CUDA build), so the fake world uses fake CPU tensors, the CPU playing the GPU
+  (`gpu="cpu"`; docs/fake_world.md);
 - answers host reads (`tolist`, `item`, `bool(...)`) of a fake tensor with a fill value, since
   there are no values: 0.0 for floating tensors (the step's norm and flags: no skip, no stop),
   `int_fill` for integer ones (the expert router's counts: balanced routing), and counts each as
-  a host sync, with a blocking host-to-device copy (a host value or unpinned memory copied to
-  the device, which waits for the device's queue on CUDA);
+  a host sync, with blocking host-to-device copies (a tensor made on the device from a host
+  value; a copy from unpinned memory), which wait for the device's queue on CUDA.
 
-The reads and copies are what a real GPU would have to wait for; `where` says which line asked.
+`where` says which line asked.
 """
 
 import traceback

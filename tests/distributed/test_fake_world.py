@@ -33,9 +33,9 @@ def test_1024_ranks_tp8_pp4_dp32_vpp_collectives_match():
     assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
 
 
-def test_a_stage_without_moe_layers_skips_the_expert_bias_all_reduce():
+def test_stages_without_moe_layers_enter_the_expert_bias_all_reduce():
     """Finding 5 (issue 32): 8 layers, an MoE layer every 4th, pp=4: stages 1 and 3 hold none and
-    skip the world all-reduce of the expert-bias loads that stages 0 and 2 enter."""
+    skipped the world all-reduce of the expert-bias loads that stages 0 and 2 enter."""
     cfg = _cfg(pp=4, ep=2)
     m = cfg.model
     m.num_experts, m.moe_layer_freq, m.moe_router_enable_expert_bias = 4, 4, True
