@@ -89,3 +89,15 @@ def test_full_recompute_keeps_the_routing_of_the_forward():
     none, full = runs["none"], runs["full"]
     assert gathers(none) > 0
     assert (gathers(full), full.syncs) == (gathers(none), none.syncs), (full.where, none.where)
+
+
+def test_dry_run_fake_world_prints_groups_syncs_and_memory(capsys):
+    """`--dry-run --fake-world`'s report (training/launch.py calls it after the plan)."""
+    from megalite.training.fake_world import print_fake_world
+
+    cfg = _cfg(layers=2, tp=2, pp=2)
+    cfg.training.global_batch_size = 2
+    assert print_fake_world(cfg, validate(cfg, 4))
+    out = capsys.readouterr().out
+    assert "tp: 2 group(s) compared, matched" in out and "pp: 2 group(s)" in out, out
+    assert "planned MiB" in out and "MISMATCHED" not in out, out
