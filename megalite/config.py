@@ -316,6 +316,11 @@ class TrainingConfig:
     max_skipped_steps: int = opt(5, "stop after this many non-finite steps in a row")
     eval_only: bool = opt(False, "with --load: compute eval_loss on the valid split and exit")
     dry_run: bool = opt(False, "print the memory/communication plan and exit (no process group)")
+    fake_world: bool = opt(
+        False,
+        "with --dry-run: run chosen ranks' training step on fake tensors over a fake process "
+        "group (one process each) and print matched collectives, host syncs and memory",
+    )
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
     debug: bool = opt(False, "show full tracebacks on errors")
     exit_duration_in_mins: float | None = opt(

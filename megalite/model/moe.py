@@ -32,6 +32,7 @@ load-balancing loss, the capacity).
 """
 
 import math
+from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -75,6 +76,18 @@ class _AttachLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, torch.full((), ctx.scale, dtype=ctx.dtype, device=g.device), None
+
+
+def _checkpoint_phase() -> str | None:
+    """ "forward" in the first pass of a torch.utils.checkpoint region, "recompute" in its
+    replay during backward, None elsewhere: the saved-tensor hooks checkpoint installs say which."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    name = getattr(hooks[0], "__qualname__", "") if hooks else ""
+    if name.startswith("_checkpoint_hook"):
+        return "forward"
+    if name.startswith("_recomputation_hook"):
+        return "recompute"
+    return None
 
 
 class _Weight(nn.Module):
@@ -122,6 +135,9 @@ class MoELayer(nn.Module):
         self.register_buffer("expert_bias", zeros, persistent=False)
         zeros = torch.zeros(e, **stat_kw) if bias else None
         self.register_buffer("step_load", zeros, persistent=False)
+        # Routing decisions of checkpointed forwards, oldest first, for their recomputation
+        # (micro-batches are recomputed in the order they ran forward).
+        self._kept = deque()
 
     # ---- routing ------------------------------------------------------------------------------
 
@@ -176,13 +192,19 @@ class MoELayer(nn.Module):
         logits, probs, top, w = self.route(tokens)
         training = self.training and torch.is_grad_enabled()
         dropping = self.capacity_factor is not None
-        keep = self._capacity_keep(top, b, s) if dropping else None
+        # Full recompute replays this forward in backward: the routing decided in the first
+        # pass (capacity and the dispatch plan: an all-gather and a host read) is kept for it.
+        phase = _checkpoint_phase() if training else None
+        kept = self._kept.popleft() if phase == "recompute" and self._kept else None
+        keep = kept[0] if kept else (self._capacity_keep(top, b, s) if dropping else None)
         # Assignments a = token * k + choice, sorted by expert (dropped ones last, as expert E).
         key = top.reshape(-1) if keep is None else top.masked_fill(~keep, e).reshape(-1)
         order = torch.sort(key, stable=True).indices  # (T k,)
         counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, key, torch.ones_like(key))
-        p = expert_parallel.plan(counts[:e], self.ep, t * k, dropping)
+        p = kept[1] if kept else expert_parallel.plan(counts[:e], self.ep, t * k, dropping)
+        if phase == "forward":
+            self._kept.append((keep, p))
         # Each token repeated k times, then permuted: a gather by a permutation, whose backward
         # (a scatter of distinct rows, then the sum over k) is deterministic.
         rows = tokens.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, order)
@@ -250,12 +272,12 @@ def update_expert_bias(chunks, world: Group, num_layers: int):
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert bias moves by
     the update rate towards balance, b_e += u sign(mean load - load_e), from the step's loads
     summed over every rank holding the layer. One all-reduce of (layers, E) over the world
-    (each rank fills its own layers' rows), on the device: no host read."""
+    (each rank fills its own layers' rows), on the device: no host read. A rank whose stage
+    holds no MoE layer (--moe-layer-freq) enters it too, with zero rows: the others wait for it."""
     layers = [(i, m) for i, m in moe_layers(chunks) if m.expert_bias is not None]
-    if not layers:
-        return
-    e = layers[0][1].e
-    loads = torch.zeros(num_layers, e, dtype=torch.float64, device=layers[0][1].stats.device)
+    e = layers[0][1].e if layers else chunks[0].cfg.num_experts
+    device = layers[0][1].stats.device if layers else world.device
+    loads = torch.zeros(num_layers, e, dtype=torch.float64, device=device)
     for i, m in layers:
         loads[i] = m.step_load
         m.step_load.zero_()

@@ -26,11 +26,24 @@ def step_status(counted: list[torch.Tensor], checked: list[torch.Tensor], group:
     # A sum is non-finite iff some element is (finite fp32 gradients cannot overflow fp64).
     total = sum((g.sum(dtype=dtype) for g in checked), torch.zeros((), dtype=dtype, device=device))
     nonfinite = (~torch.isfinite(total) | ~torch.isfinite(sumsq)).to(dtype)
-    # flags: host floats, or 0-d device tensors (the trainer's loss) joining the same reduction
-    extra = [torch.as_tensor(f, dtype=dtype, device=device).reshape(()) for f in flags]
+    # flags: host floats, or 0-d device tensors (the trainer's loss) joining the same reduction.
+    # The host floats travel in one pinned, non-blocking copy: a tensor made on the device from
+    # a host value (torch.as_tensor(f, device=...)) would wait for the device's queue each time.
+    host = [float(f) for f in flags if not isinstance(f, torch.Tensor)]
+    values = iter(_to_device(torch.tensor(host, dtype=dtype), device).unbind() if host else ())
+    extra = [
+        f.to(dtype).reshape(()) if isinstance(f, torch.Tensor) else next(values) for f in flags
+    ]
     status = torch.stack([sumsq, nonfinite, *extra])
     comm.all_reduce(status, group)
     return status.tolist()
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for it (pinned memory on CUDA)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device) if device is not None else t
 
 
 def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group):

@@ -208,7 +208,11 @@ class Shard:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, t in moved.items():
             if isinstance(t, torch.Tensor):
-                moved[name] = t.to(device, non_blocking=non_blocking)
+                # a non-blocking copy from pageable memory is a blocking one: pin it first
+                pin = (
+                    non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda"
+                )
+                moved[name] = (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
         return Shard(**moved)
 
 

@@ -56,6 +56,10 @@ def main(argv):
 
         if rank == 0:
             print_plan(cfg, shape)
+            if cfg.training.fake_world:
+                from megalite.training.fake_world import print_fake_world
+
+                print_fake_world(cfg, shape)
         return
     from megalite.parallel import groups as pg
     from megalite.training.hang import prepare_nccl

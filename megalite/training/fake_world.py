@@ -1,0 +1,307 @@
+"""A fake-CUDA world: chosen ranks of a large layout run their real training step, one process
+each, on fake CUDA tensors over torch's fake process group, to prove without a GPU that
+
+- every group's members issue the same collectives in the same order (op, shape, dtype): a
+  rank that skips or adds one hangs NCCL or corrupts the result (the schedule's p2p is proven
+  by pipeline/verify.py; this covers the rest);
+- a non-logging step reads the host once (the optimizer's status), counted on the CUDA path:
+  host reads and blocking host-to-device copies (megalite/training/fake_cuda.py);
+- each rank's device memory peaks where the planner says (megalite/plan/memory.py).
+
+Witnesses: the members of a group differ only along that group's axes, so comparing a group
+needs ranks that differ along them. `witnesses()` takes rank 0 and, for each axis, its
+neighbours along that axis (every position of pp; the first, second and last of the others:
+positions in between run the same code on the same shapes), at the first and the last
+pipeline stage (the embedding and the head differ). Every group with two witnesses or more in
+it is compared; the world's and the products' groups too.
+
+`run_roles(cfg, world, ranks)` runs them (one spawned process each: the default process group
+is global per process); `match(reports)` compares; `--dry-run --fake-world` prints it all.
+"""
+
+import multiprocessing as mp
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DEVICE = "cpu"  # see fake_cuda.py: autograd on fake CUDA tensors needs a CUDA build
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast",
+               "all_to_all_single", "all_gather_object", "gather_object", "barrier")  # fmt: skip
+
+
+@dataclass
+class RoleReport:
+    """One rank's fake step: per group (its ranks) the collectives it issued in order, the
+    groups it belongs to, host syncs of the counted step (and where), device bytes at peak."""
+
+    rank: int
+    coords: dict
+    calls: dict  # ranks tuple -> [(op, shape, dtype), ...]
+    groups: dict  # kind -> ranks tuple: every group this rank is a member of
+    syncs: int = 0
+    where: list = field(default_factory=list)
+    peak_bytes: int = 0
+    planned_bytes: int = 0
+    seconds: float = 0.0
+
+
+class Recorder:
+    """Patches torch.distributed's collectives (comm.py and p2p.py call them through the module)
+    to note (op, shape, dtype) per group before passing the call on."""
+
+    def __init__(self, world_size: int):
+        self.calls = defaultdict(list)
+        self.world = tuple(range(world_size))
+        self._ranks = {}
+
+    def ranks(self, pg) -> tuple:
+        if pg is None or pg is dist.group.WORLD:
+            return self.world
+        if pg not in self._ranks:
+            self._ranks[pg] = tuple(dist.get_process_group_ranks(pg))
+        return self._ranks[pg]
+
+    def note(self, op: str, pg, t):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else ()
+        if op == "all_to_all_single" and shape:  # the rows sent depend on the routing
+            shape = ("*", *shape[1:])
+        dtype = str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else "object"
+        self.calls[self.ranks(pg)].append((op, shape, dtype))
+
+    def __enter__(self):
+        self.saved = {n: getattr(dist, n) for n in COLLECTIVES}
+
+        def wrap(name, fn):
+            def recorded(*args, **kw):
+                pg = kw.get("group")
+                t = args[1] if name in ("all_gather_single", "reduce_scatter_single") else (
+                    args[0] if args and name != "barrier" else None)  # fmt: skip
+                self.note(name, pg, t)
+                return fn(*args, **kw)
+
+            return recorded
+
+        for name, fn in self.saved.items():
+            setattr(dist, name, wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def witnesses(topo, full: bool = True) -> list[int]:
+    """Rank 0's neighbours along each axis at the first and the last pipeline stage, and every
+    pipeline stage of rank 0 (see the module's docstring). Not `full`: every stage of rank 0
+    and its next neighbour along each other axis (the first stage's groups compared only)."""
+    if not full:
+        others = {topo.stride(a) for a in topo.axes if a != "pp" and topo.size(a) > 1}
+        return sorted({*(topo.rank(pp=i) for i in range(topo.size("pp"))), *others})
+    last = topo.size("pp") - 1
+    out = set()
+    for stage in {0, last}:
+        base = topo.rank(pp=stage)
+        for axis in topo.axes:
+            n = topo.size(axis)
+            picks = range(n) if axis == "pp" else sorted({0, min(1, n - 1), n - 1})
+            for i in picks:
+                if axis == "pp":
+                    out.add(topo.rank(pp=i))
+                else:
+                    out.add(base + i * topo.stride(axis))
+    return sorted(out)
+
+
+def _int_fill(cfg, shape) -> int:
+    """The routing counts a fake read returns: each expert's share of a rank's assignments
+    under balanced routing (T tokens x k choices / E experts)."""
+    m = cfg.model
+    if not m.num_experts:
+        return 1
+    tokens = cfg.training.micro_batch_size * m.seq_length // (shape.cp * shape.tp)
+    return max(1, tokens * m.moe_router_topk // m.num_experts)
+
+
+def _grouped_mm(x, w, offsets):
+    """Grouped GEMM's shapes and gradients without reading `offsets` (the torch reference checks
+    them on the host, where the GPU kernel reads them on the device): (n, in) x (E, out, in)."""
+    return x @ w[0].transpose(0, 1)
+
+
+@contextmanager
+def _fake_kernels():
+    """The ops the model is built with, with `_grouped_mm` in place of the grouped GEMM."""
+    from megalite import kernels
+
+    real = kernels.select
+    kernels.select = lambda mode, device: kernels.override(real(mode, device),
+                                                           grouped_mm=_grouped_mm)  # fmt: skip
+    try:
+        yield
+    finally:
+        kernels.select = real
+
+
+def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
+    """Play `rank` of a `world_size` run of `cfg`: build its trainer on fake CUDA tensors over
+    the fake process group and run `steps` non-logging steps; the last is counted. In a fresh
+    process (it starts the default process group)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megalite.parallel.groups import build_groups
+    from megalite.plan.layouts import plan
+    from megalite.shape import validate
+    from megalite.training.fake_cuda import fake_cuda
+    from megalite.training.trainer import Trainer
+
+    t0 = time.perf_counter()
+    os.environ.setdefault("LOCAL_RANK", "1")  # no layout warnings from every role
+    shape = validate(cfg, world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    topo = shape.topology()
+    m = cfg.model
+    rows = np.random.default_rng(0).integers(0, m.vocab_size, (64, m.seq_length + 1))
+    with (
+        Recorder(world_size) as rec,
+        fake_cuda(_int_fill(cfg, shape), gpu=DEVICE) as fake,
+        _fake_kernels(),
+    ):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        mem = MemTracker()  # its per-module statistics refuse a module run per micro-batch
+        for hook in ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook"):
+            setattr(mem, hook, lambda *a, **k: None)
+        mem.__enter__()
+        groups = build_groups(topo, torch.device(DEVICE))
+        trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
+                                                              tokenizer=None))  # fmt: skip
+        rec.calls.clear()  # group creation is not a step's
+        for _ in range(steps):
+            fake.reset()
+            trainer.train_step(log=False)
+        mem.__exit__(None, None, None)
+        peak = max(int(v["Total"]) for v in mem.get_tracker_snapshot("peak").values())
+    members = {g.kind: tuple(g.ranks) for g in [*groups.groups.values(), groups.embed,
+                                                groups.world] if g is not None}  # fmt: skip
+    planned = plan(cfg, shape).stages[topo.coords(rank)["pp"]]["total"]
+    return RoleReport(rank, topo.coords(rank), dict(rec.calls), members, fake.syncs,
+                      [w for w, _ in fake.where], peak, planned, time.perf_counter() - t0)  # fmt: skip
+
+
+def _entry(cfg, world_size, rank, path):
+    import pickle
+    import traceback
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+    try:
+        out = (run_role(cfg, world_size, rank), None)
+    except BaseException as e:  # the parent reports it
+        out = (None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(path, "wb") as fh:
+        pickle.dump(out, fh)
+
+
+def run_roles(cfg, world_size: int, ranks: list[int], parallel: int = 2,
+              timeout: float = 300) -> list[RoleReport]:  # fmt: skip
+    """`run_role` for each of `ranks`, one spawned process each, `parallel` at a time; each
+    hands its report back in a file."""
+    import pickle
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(0, len(ranks), parallel):
+            procs = []
+            for r in ranks[i : i + parallel]:
+                p = ctx.Process(target=_entry, args=(cfg, world_size, r, f"{tmp}/{r}.pkl"))
+                p.start()
+                procs.append((r, p))
+            for r, p in procs:
+                p.join(timeout)
+                if p.is_alive():
+                    p.kill()
+                    raise RuntimeError(f"rank {r} of the fake world ran past {timeout}s")
+                try:
+                    with open(f"{tmp}/{r}.pkl", "rb") as fh:
+                        report, error = pickle.load(fh)
+                except FileNotFoundError:
+                    report, error = None, f"exited with {p.exitcode} and no report"
+                if error:
+                    raise RuntimeError(f"rank {r} of the fake world failed: {error}")
+                out[r] = report
+    return [out[r] for r in ranks]
+
+
+@dataclass
+class Matching:
+    """Per group kind: how many groups were compared, and the mismatches found."""
+
+    compared: dict  # kind -> number of groups with two witnesses or more
+    mismatches: list  # (kind, group ranks, rank a, rank b, first differing position, a's, b's)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def match(reports: list[RoleReport]) -> Matching:
+    """Compare, for every group that holds two reports or more, their sequences for it."""
+    groups = {}
+    for r in reports:
+        for kind, ranks in r.groups.items():
+            groups.setdefault(ranks, kind)
+    by_rank = {r.rank: r for r in reports}
+    compared, bad = defaultdict(int), []
+    for ranks, kind in sorted(groups.items(), key=lambda kv: (kv[1], kv[0])):
+        present = [by_rank[x] for x in ranks if x in by_rank]
+        if len(ranks) < 2 or len(present) < 2:
+            continue
+        compared[kind] += 1
+        first = present[0].calls.get(ranks, [])
+        for other in present[1:]:
+            seq = other.calls.get(ranks, [])
+            if seq != first:
+                i = next((i for i, (a, b) in enumerate(zip(first, seq)) if a != b),
+                         min(len(first), len(seq)))  # fmt: skip
+                bad.append((kind, ranks, present[0].rank, other.rank, i,
+                            first[i] if i < len(first) else None,
+                            seq[i] if i < len(seq) else None))  # fmt: skip
+    return Matching(dict(compared), bad)
+
+
+def print_fake_world(cfg, shape, parallel: int = 2) -> bool:
+    """`--dry-run --fake-world`: the witnesses of `shape`'s world run a step; per group kind the
+    groups compared and any mismatch, per rank its seconds, host syncs and memory peak next to
+    the planner's. True when every group matched and every rank read the host once."""
+    from dataclasses import replace
+
+    vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    ranks = witnesses(shape.topology())
+    print(f"fake world: {shape.world_size} ranks ({shape}), running ranks {ranks}", flush=True)
+    reports = run_roles(cfg, shape.world_size, ranks, parallel)
+    m = match(reports)
+    for kind, n in sorted(m.compared.items()):
+        bad = [x for x in m.mismatches if x[0] == kind]
+        print(
+            f"  {kind:>8}: {n} group(s) compared, "
+            + (f"{len(bad)} MISMATCHED" if bad else "matched")
+        )
+    for kind, ranks_, a, b, i, first, other in m.mismatches[:10]:
+        print(f"    {kind} {ranks_[:4]}...: rank {a} issues {first} at #{i}, rank {b} {other}")
+    print("  rank   coords                     s  syncs  peak MiB  planned MiB")
+    for r in reports:
+        coords = " ".join(f"{k}{v}" for k, v in r.coords.items() if shape.size(k) > 1)
+        print(f"  {r.rank:>5}  {coords:<24} {r.seconds:5.1f}  {r.syncs:>5}  "
+              f"{r.peak_bytes / 2**20:8.1f}  {r.planned_bytes / 2**20:11.1f}")  # fmt: skip
+    return m.ok and all(r.syncs == 1 for r in reports)

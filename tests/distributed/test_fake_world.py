@@ -1,0 +1,103 @@
+"""The fake world: chosen ranks of large layouts run a real training step on fake tensors over
+torch's fake process group, one process each (megalite/training/fake_world.py)."""
+
+import pytest
+
+from megalite.shape import validate
+from megalite.testing import tiny_config
+from megalite.training.fake_world import match, run_roles, witnesses
+
+
+def _cfg(layers=8, **par):
+    cfg = tiny_config(hidden=64)
+    m = cfg.model
+    m.num_layers, m.num_attention_heads, m.seq_length = layers, 8, 64
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _world(cfg, world):
+    shape = validate(cfg, world)
+    reports = run_roles(cfg, world, witnesses(shape.topology()))
+    return reports, match(reports)
+
+
+def test_1024_ranks_tp8_pp4_dp32_vpp_collectives_match():
+    cfg = _cfg(tp=8, pp=4, vpp=2)
+    cfg.training.global_batch_size = 32 * 8
+    reports, m = _world(cfg, 1024)
+    assert m.ok, m.mismatches[:3]
+    # every kind of group was compared, the world among all the witnesses
+    assert {"tp", "pp", "dp", "world", "embed"} <= set(m.compared), m.compared
+    assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+
+
+def test_stages_without_moe_layers_enter_the_expert_bias_all_reduce():
+    """Finding 5 (issue 32): 8 layers, an MoE layer every 4th, pp=4: stages 1 and 3 hold none and
+    skipped the world all-reduce of the expert-bias loads that stages 0 and 2 enter."""
+    cfg = _cfg(pp=4, ep=2)
+    m = cfg.model
+    m.num_experts, m.moe_layer_freq, m.moe_router_enable_expert_bias = 4, 4, True
+    cfg.optimizer.zero_stage = 2
+    cfg.training.global_batch_size = 8
+    shape = validate(cfg, 16)
+    ranks = [shape.topology().rank(pp=i) for i in range(4)]
+    m_ = match(run_roles(cfg, 16, ranks))
+    world = [x for x in m_.mismatches if x[0] == "world"]
+    assert not world, world
+
+
+LAYOUTS = {  # 1,024 ranks each: context parallelism, ZeRO-3, the zero-bubble V schedule
+    "cp2-zero1": ({"tp": 8, "cp": 2, "pp": 4}, {"zero_stage": 1}, 16),
+    "zero3": ({"tp": 8, "pp": 4}, {"zero_stage": 3}, 32),
+    "zbv": ({"tp": 8, "pp": 4, "pp_schedule": "zbv"}, {"zero_stage": 2}, 32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_1024_rank_layouts_match(name):
+    par, opt, dp = LAYOUTS[name]
+    cfg = _cfg(**par)
+    for k, v in opt.items():
+        setattr(cfg.optimizer, k, v)
+    cfg.training.global_batch_size = dp * 8
+    shape = validate(cfg, 1024)
+    reports = run_roles(cfg, 1024, witnesses(shape.topology(), full=False))
+    m = match(reports)
+    assert m.ok, m.mismatches[:3]
+    assert {"tp", "pp", "world"} <= set(m.compared), m.compared
+    assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+
+
+def test_full_recompute_keeps_the_routing_of_the_forward():
+    """Finding 7 (issue 32): with ep>1 and full recompute, routing (the split sizes' all-gather
+    over ep and their host read) ran again in backward. Now as often as without recompute."""
+    runs = {}
+    for recompute in ("none", "full"):
+        cfg = _cfg(layers=2, ep=2)
+        m = cfg.model
+        m.num_experts = 4
+        cfg.optimizer.zero_stage = 2
+        cfg.training.recompute, cfg.training.global_batch_size = recompute, 4
+        runs[recompute] = run_roles(cfg, 2, [0])[0]
+    ep = (0, 1)
+
+    def gathers(r):
+        return sum(op == "all_gather_single" for op, _, _ in r.calls.get(ep, []))
+
+    none, full = runs["none"], runs["full"]
+    assert gathers(none) > 0
+    assert (gathers(full), full.syncs) == (gathers(none), none.syncs), (full.where, none.where)
+
+
+def test_dry_run_fake_world_prints_groups_syncs_and_memory(capsys):
+    """`--dry-run --fake-world`'s report (training/launch.py calls it after the plan)."""
+    from megalite.training.fake_world import print_fake_world
+
+    cfg = _cfg(layers=2, tp=2, pp=2)
+    cfg.training.global_batch_size = 2
+    assert print_fake_world(cfg, validate(cfg, 4))
+    out = capsys.readouterr().out
+    assert "tp: 2 group(s) compared, matched" in out and "pp: 2 group(s)" in out, out
+    assert "planned MiB" in out and "MISMATCHED" not in out, out
