@@ -37,6 +37,7 @@ SINCE = {
     "init_process_group": (2, 3),  # device_id=
     "all_gather_into_tensor": (2, 0),
     "reduce_scatter_tensor": (2, 0),
+    "get_process_group_ranks": (2, 0),
     # renamed in 2.13: called only through comm.py's fallback to the names above
     "all_gather_single": (2, 13),
     "reduce_scatter_single": (2, 13),
