@@ -206,6 +206,7 @@ QUICK = {
         "on CPU (counts reads of device values only); the GPU run is gpu_check.sh's",
     ),
     "kernels.py": (["--dry-run"], "needs a GPU: only lists its cases"),
+    "../tools/check_kernels.py": (["--full", "--write", "docs/kernels.md"], "nothing (sm_86/89)"),
 }
 # scripts of bench/ that are not benchmarks
 HELPERS = {"run_all.py", "_common.py"}
