@@ -211,6 +211,7 @@ QUICK = {
         ["kernels", "--smoke", "--device", "cpu"],
         "tiny sizes on CPU, the references only; the GPU run is gpu_check.sh's",
     ),
+    "../tools/check_kernels.py": (["--full", "--write", "docs/kernels.md"], "nothing (sm_86/89)"),
 }
 # scripts of bench/ that are not benchmarks
 HELPERS = {"run_all.py", "_common.py"}

@@ -29,7 +29,8 @@ def _tile(n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     # (ROWS, 1)), column indices (1, BLOCK), and the store mask.
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
-    return tl.minimum(r, n_rows - 1), cols, (r < n_rows) & (cols < n)
+    # int64 rows: row * stride passes 2^31 on large (tokens, ffn) activations.
+    return tl.minimum(r, n_rows - 1).to(tl.int64), cols, (r < n_rows) & (cols < n)
 
 
 @triton.jit

@@ -25,6 +25,7 @@ from megalite.kernels.attention_core import (
     config,
     precision,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 CAUSAL = (None, None, None, None)  # ids meaning q_pos = k_pos = 0..s-1, no doc ids
 
@@ -114,10 +115,45 @@ def _causal_lists(s: int, bm: int, bn: int, by_key: bool, device: torch.device):
     return _tile_lists(pos, pos, None, None, bm, bn, s, by_key)
 
 
+# Lists of explicit ids, kept while their tensors live: every layer of a micro-batch (and the
+# ring's steps, forward and backward) passes views of the same position and doc tensors (the
+# micro-batch's Shard), so each (query block, key block, tiling) is built once, not per layer.
+# Keyed weakly on the storage owner ("root") of the query positions; views are told apart by
+# offset, shape and strides, and an in-place write (a new _version) empties the entry.
+_ID_LISTS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def _view_key(t: torch.Tensor | None):
+    if t is None:
+        return None
+    return id(_root(t)), t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+
 def _lists(ids, bm, bn, sk, by_key, device):
     if ids is CAUSAL:
         return _causal_lists(sk, bm, bn, by_key, device)
-    return _tile_lists(*ids, bm, bn, sk, by_key)
+    try:
+        versions = tuple(None if t is None else t._version for t in ids)
+    except RuntimeError:  # inference-mode tensors keep no version: build every time
+        return _tile_lists(*ids, bm, bn, sk, by_key)
+    owner = _root(ids[0])
+    entry = _ID_LISTS.get(owner)
+    if entry is None or entry["versions"] != versions:
+        entry = _ID_LISTS[owner] = {"versions": versions, "others": [], "lists": {}}
+    key = (tuple(_view_key(t) for t in ids), bm, bn, sk, by_key)
+    if key not in entry["lists"]:
+        # The entry holds the other ids' roots (so their id() in the key stays theirs), never
+        # its owner (which would then never be freed).
+        for t in ids[1:]:
+            if t is not None and _root(t) is not owner and all(_root(t) is not o for o in
+                                                               entry["others"]):  # fmt: skip
+                entry["others"].append(_root(t))
+        entry["lists"][key] = _tile_lists(*ids, bm, bn, sk, by_key)
+    return entry["lists"][key]
 
 
 def _id_args(ids, s, device):
@@ -205,6 +241,9 @@ def block_reason(q, k, v, *more) -> str | None:
             reason = "q, k and v have mixed dtypes"
         elif q.shape[-1] not in HEAD_DIMS:
             reason = f"head dim {q.shape[-1]} not in {HEAD_DIMS}"
+        elif max(t.shape[2] * t.stride(2) for t in (q, k, v, *more)) >= 2**31:
+            # The kernels' batch and head bases are int64, offsets within a head's rows int32.
+            reason = "a head's rows span 2^31 elements or more (int32 in-tile offsets)"
     return reason
 
 

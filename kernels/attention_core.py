@@ -72,7 +72,7 @@ def attn_fwd(
     PREC: tl.constexpr,
 ):  # fmt: skip
     mt = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64: b * sq_b, bh * seqq may pass 2^31
     b, h = bh // hq, bh % hq
     hk = h // group
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,7 +164,7 @@ def attn_bwd_dkdv(
     PREC: tl.constexpr,
 ):  # fmt: skip
     nt = tl.program_id(0)
-    bhk = tl.program_id(1)
+    bhk = tl.program_id(1).to(tl.int64)  # int64 bases, as in attn_fwd
     b, hk = bhk // hkv, bhk % hkv
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -255,7 +255,7 @@ def attn_bwd_dq(
     PREC: tl.constexpr,
 ):  # fmt: skip
     mt = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64: b * sq_b, bh * seqq may pass 2^31
     b, h = bh // hq, bh % hq
     hk = h // group
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -307,7 +307,7 @@ def attn_bwd_delta(
     D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     # delta_i = sum_d o_id * do_id = sum_j p_ij dp_ij: the softmax backward's row term.
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64: b * sq_b, bh * seqq may pass 2^31
     b, h = bh // hq, bh % hq
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -334,8 +334,8 @@ def config(q: torch.Tensor) -> dict:
     if q.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         return dict(fwd=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq=(64, 32, 4, 2))
     if d <= 64:
-        return dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 4, 3), dq=(128, 32, 4, 3))
-    return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 4, 2), dq=(64, 32, 4, 2))
+        return dict(fwd=(128, 64, 4, 3), dkdv=(32, 128, 8, 2), dq=(128, 32, 8, 3))
+    return dict(fwd=(128, 64, 8, 3), dkdv=(32, 64, 8, 2), dq=(64, 32, 4, 2))
 
 
 def precision(q: torch.Tensor) -> str:

@@ -37,8 +37,9 @@ from megalite.kernels._triton import (
 @triton.jit
 def _rows(n_rows, ROWS: tl.constexpr):
     # This program's ROWS rows (1 on a GPU): indices clamped for loads, and which ones are real.
+    # int64: row * stride passes 2^31 at tokens x vocab >= 2^31 (4 x 8192 x 128256).
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    return tl.minimum(r, n_rows - 1), r < n_rows
+    return tl.minimum(r, n_rows - 1).to(tl.int64), r < n_rows
 
 
 @triton.jit

@@ -102,15 +102,33 @@ def _grouped_dw_kernel(
 
 
 def _config(x: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); shared by the forward and both gradients."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the forward / dx kernel."""
     if x.device.type != "cuda":
         # The interpreter's cost is per program and per op: small tiles keep tests short and
         # still give several row tiles per expert and several k steps.
         return 16, 16, 16, 1, 1
     if x.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         return 64, 64, 32, 4, 3
-    # 4 stages of (128x32 + 32x128) 16-bit tiles: 64 KiB of shared memory, fine on sm80+.
-    return 128, 128, 32, 4, 4
+    # 4 stages of (128x32 + 32x128) 16-bit tiles: 64 KiB of shared memory, fine on sm80+;
+    # 8 warps, since 4 hold a 128x128 fp32 accumulator in 255 registers and spill on sm_80
+    # (docs/kernels.md).
+    return 128, 128, 32, 8, 4
+
+
+def _dw_config(x: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the weight-gradient kernel.
+
+    Its loop runs over rows (BLOCK_M), so a stage holds a (BLOCK_N, BLOCK_M) dy tile and a
+    (BLOCK_M, BLOCK_K) x tile: with the forward's 128-row tiles that is 40 KiB a stage, 160 KiB
+    at 4 stages, more than sm_86/89 (99 KiB) allow. Here the row step is 32: 16 KiB a stage
+    (16-bit), stages as many (2..4) as the device's shared memory per block holds."""
+    if x.device.type != "cuda":
+        return _config(x)  # the interpreter: the same tiles as ever (same numerics)
+    smem = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    bm, bn, bk = (32, 64, 64) if x.dtype == torch.float32 else (32, 128, 128)
+    stage = (bn * bm + bm * bk) * x.element_size()
+    stages = max(2, min(4, (smem - 16 * 1024) // stage))  # room left for the epilogue
+    return bm, bn, bk, 8, stages  # 4 warps spill at fp32 on sm_80 (docs/kernels.md)
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -143,7 +161,7 @@ def _dw(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, e: int) -> tor
     if t == 0:
         return torch.zeros((e, n, k), dtype=x.dtype, device=x.device)
     dw = torch.empty((e, n, k), dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = _config(x)
+    bm, bn, bk, warps, stages = _dw_config(x)
     _grouped_dw_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk), e)](
         dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

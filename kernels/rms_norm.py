@@ -28,7 +28,7 @@ def _rms_norm_fwd(
 ):
     # ROWS rows a program (1 on a GPU); rows past the end re-read the last row, never stored.
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row1 = tl.minimum(r, n_rows - 1)  # (ROWS,)
+    row1 = tl.minimum(r, n_rows - 1).to(tl.int64)  # (ROWS,); int64: row * stride may pass 2^31
     row = row1[:, None]
     live = r < n_rows
     cols = tl.arange(0, BLOCK)
@@ -56,7 +56,7 @@ def _rms_norm_bwd(
     end = tl.minimum((pid + 1) * rows_per_prog, n_rows)
     for start in range(pid * rows_per_prog, end, ROWS):  # ROWS rows at a time (1 on a GPU)
         r = start + tl.arange(0, ROWS)
-        row = tl.minimum(r, n_rows - 1)[:, None]  # (ROWS, 1)
+        row = tl.minimum(r, n_rows - 1).to(tl.int64)[:, None]  # (ROWS, 1), int64 as above
         live = (r < end)[:, None]
         x = tl.load(X + row * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols[None, :], mask=mask & live, other=0.0)

@@ -14,9 +14,9 @@ def _rotary_kernel(
     sx_b, sx_s, sx_h, sy_b, sy_s, sy_h, sc_s, sign,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # b * sx_b is an offset into the whole tensor
     b, s = pid // seq, pid % seq
-    h = tl.arange(0, BLOCK_H)[:, None]  # (BLOCK_H, 1)
+    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)  # (BLOCK_H, 1); int64 as pid
     d = tl.arange(0, BLOCK_D)[None, :]  # (1, BLOCK_D)
     mask = (h < heads) & (d < half)
     c = tl.load(COS + s * sc_s + d, mask=d < half, other=0.0).to(tl.float32)  # (1, BLOCK_D)

@@ -324,3 +324,34 @@ def test_attention_masked_gpu(dtype):
         lambda q, k, v: attention_masked_ref(q, k, v, perm, perm, doc, doc),
         _qkv(2, 8, 2, 1024, 1024, 128, dtype, "cuda", grad=True),
     )
+
+
+def test_tile_lists_built_once_per_micro_batch(monkeypatch):
+    # Finding 10 (issue 32): every layer and ring step of a micro-batch passes views of the same
+    # (cp, s) index tensor; its tile lists are built once per (query block, key block, tiling),
+    # not per layer, and again after the index is written in place.
+    import importlib
+
+    attn = importlib.import_module("megalite.kernels.attention")  # the package's name is the op
+    built = []
+    real = attn._tile_lists
+    monkeypatch.setattr(attn, "_tile_lists", lambda *a: built.append(a[4:]) or real(*a))
+    cp, chunk = 2, 40
+    index = torch.stack([_balanced(chunk, cp, r) for r in range(cp)])  # (cp, 2 * chunk)
+    q, k, v = _qkv(1, 2, 1, 2 * chunk, 2 * chunk, 16, torch.float32)
+    me = 0
+
+    def layer():
+        for src in range(cp):  # one rank's ring, forward then backward
+            out, lse = attention_block_fwd(q, k, v, index[me], index[src])
+            attention_block_bwd(q, k, v, out, lse, out, index[me], index[src])
+
+    layer()
+    per_layer = len(built)
+    assert per_layer > 0
+    for _ in range(3):
+        layer()
+    assert len(built) == per_layer  # before: 4 x per_layer
+    index[1, 0] = index[1, 0]  # an in-place write: the lists may be stale, so they are rebuilt
+    layer()
+    assert len(built) == 2 * per_layer
