@@ -17,9 +17,17 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the single-tensor collectives (the old names still work there, deprecated);
-# setup.py's oldest torch (2.6) has only the old ones (tests/unit/test_torch_version.py)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# setup.py's oldest torch (2.6) has only the old ones (tests/unit/test_torch_version.py). Looked
+# up at each call, so a wrapper put on torch.distributed (the fake world's recorder) sees them.
+
+
+def _all_gather_single(*args, **kw):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kw)
+
+
+def _reduce_scatter_single(*args, **kw):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kw)
 
 
 @dataclass
