@@ -29,6 +29,7 @@ from torch import nn
 
 from megalite.config import Config
 from megalite.model.moe import update_expert_bias
+from megalite.optim.adamw import adamw
 from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
 from megalite.parallel import comm
@@ -37,11 +38,6 @@ from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.specs import spec_of
 from megalite.parallel.zero import ZERO
 from megalite.parallel.zero3 import Zero3Buffer
-
-# Elements per group of the Adam update: each group is a few foreach ops over the pieces of
-# shards it holds (a handful of kernel launches, whatever the number of buckets), and bounds the
-# one temporary (the denominator) to this many state elements (256 MiB in fp32).
-ADAM_GROUP = 2**26
 
 
 @dataclass(frozen=True)
@@ -190,35 +186,15 @@ class DistributedOptimizer:
         buf.all_gather_params(overlap=o.overlap_param_gather)
         return report
 
-    @torch.no_grad()
     def _adamw(self, lr: float, grads: list[torch.Tensor]):
-        """torch.optim.AdamW's update (its multi-tensor path: the single-tensor one's
-        arithmetic, element for element), as foreach ops over groups of shard pieces."""
+        """The AdamW update of this rank's shards (optim/adamw.py), into the fp32 masters
+        when there are any, copied back to the parameters."""
         o, buf = self.opt_cfg, self.buffer
         self.step_count += 1
-        beta1, beta2 = o.adam_beta1, o.adam_beta2
-        bias_correction1 = 1 - beta1**self.step_count
-        bias_correction2_sqrt = (1 - beta2**self.step_count) ** 0.5
-        step_size = lr / bias_correction1
         shards = [buf.param_shard(b) for b in buf.buckets]
         weights = self.masters or shards
-        if o.weight_decay:
-            decayed = [w[lo:hi] for w, segs in zip(weights, self._decay) for lo, hi in segs]
-            if decayed:
-                torch._foreach_mul_(decayed, 1 - lr * o.weight_decay)
-        for group in _groups([w.numel() for w in weights], ADAM_GROUP):
-            w, g, m, v = (
-                [t[i][lo:hi] for i, lo, hi in group]
-                for t in (weights, grads, self.exp_avg, self.exp_avg_sq)
-            )
-            torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, o.adam_eps)
-            torch._foreach_addcdiv_(w, m, denom, value=-step_size)
-            del denom
+        decayed = [w[lo:hi] for w, segs in zip(weights, self._decay) for lo, hi in segs]
+        adamw(weights, grads, self.exp_avg, self.exp_avg_sq, decayed, lr, self.step_count, o)
         if self.masters:
             torch._foreach_copy_(shards, self.masters)
 
@@ -370,23 +346,6 @@ class DistributedOptimizer:
         self.step_count = int(d["step"])
         if self.scaler and "loss_scale" in d:
             self.scaler.load_state_dict(d)
-
-
-def _groups(sizes: list[int], cap: int) -> list[list[tuple[int, int, int]]]:
-    """Tensors of `sizes` cut into groups of pieces (tensor index, lo, hi), at most `cap`
-    elements a group, in order."""
-    out, group, held = [], [], 0
-    for i, n in enumerate(sizes):
-        lo = 0
-        while lo < n:
-            hi = min(n, lo + cap - held)
-            group.append((i, lo, hi))
-            held += hi - lo
-            lo = hi
-            if held == cap:
-                out.append(group)
-                group, held = [], 0
-    return out + ([group] if group else [])
 
 
 def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, keep_params=False):
