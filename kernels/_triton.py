@@ -39,6 +39,16 @@ INTERPRET_TILE = 2**14
 _warned: set[tuple[str, str]] = set()
 
 
+@triton.jit
+def program_rows(n_rows, ROWS: tl.constexpr):
+    """This program's ROWS rows of a row kernel (1 on a GPU, see rows_per_program): their
+    indices clamped to the last row for loads (rows past the end re-read it and are never
+    stored), as int64 since row * stride passes 2^31 at large tokens x width (4 x 8192 x 128256
+    logits), and which of them are real rows."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    return tl.minimum(r, n_rows - 1).to(tl.int64), r < n_rows
+
+
 def warn_once(op: str, reason: str) -> None:
     if (op, reason) not in _warned:
         _warned.add((op, reason))

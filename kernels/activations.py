@@ -8,7 +8,15 @@ a few flops for an activation-sized buffer.
 
 import torch
 import torch.nn.functional as F
-from megalite.kernels._triton import rows, rows_per_program, tl, triton, unsupported, warn_once
+from megalite.kernels._triton import (
+    program_rows,
+    rows,
+    rows_per_program,
+    tl,
+    triton,
+    unsupported,
+    warn_once,
+)
 
 # A constexpr: compiled kernels may read no other global (the interpreter does not check);
 # written right of the tensor it scales, as the interpreter wraps constexpr * tensor wrongly.
@@ -27,10 +35,9 @@ def _tanh(z):
 def _tile(n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     # This program's (ROWS, BLOCK) tile (ROWS = 1 on a GPU): row indices (clamped for loads,
     # (ROWS, 1)), column indices (1, BLOCK), and the store mask.
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    row, live = program_rows(n_rows, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
-    # int64 rows: row * stride passes 2^31 on large (tokens, ffn) activations.
-    return tl.minimum(r, n_rows - 1).to(tl.int64), cols, (r < n_rows) & (cols < n)
+    return row[:, None], cols, live[:, None] & (cols < n)
 
 
 @triton.jit

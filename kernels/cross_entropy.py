@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from megalite.kernels._triton import (
     at_least_fp32,
+    program_rows,
     rows,
     rows_per_program,
     tl,
@@ -35,19 +36,11 @@ from megalite.kernels._triton import (
 
 
 @triton.jit
-def _rows(n_rows, ROWS: tl.constexpr):
-    # This program's ROWS rows (1 on a GPU): indices clamped for loads, and which ones are real.
-    # int64: row * stride passes 2^31 at tokens x vocab >= 2^31 (4 x 8192 x 128256).
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    return tl.minimum(r, n_rows - 1).to(tl.int64), r < n_rows
-
-
-@triton.jit
 def _ce_stats_kernel(
     LOGITS, LABELS, MAX, SUMEXP, TARGET, stride, n_rows, n_cols, vocab_start,
     BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    row, live = _rows(n_rows, ROWS)
+    row, live = program_rows(n_rows, ROWS)
     local = tl.load(LABELS + row) - vocab_start  # target's column in this shard (may be outside)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
@@ -72,7 +65,7 @@ def _ce_grad_kernel(
     LOGITS, LABELS, LSE, DLOSS, DLOGITS, stride, stride_d, n_rows, n_cols, vocab_start,
     ignore_index, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    row, live = _rows(n_rows, ROWS)
+    row, live = program_rows(n_rows, ROWS)
     label = tl.load(LABELS + row)
     local = (label - vocab_start)[:, None]
     scale = tl.where(label == ignore_index, 0.0, tl.load(DLOSS + row))[:, None]

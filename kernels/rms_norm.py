@@ -10,6 +10,7 @@ ROWS is 1.
 import torch
 from megalite.kernels._triton import (
     at_least_fp32,
+    program_rows,
     row_block,
     rows,
     rows_per_program,
@@ -26,11 +27,8 @@ MAX_N = 65536
 def _rms_norm_fwd(
     X, W, Y, RSTD, stride_x, stride_y, n_rows, n, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr
 ):
-    # ROWS rows a program (1 on a GPU); rows past the end re-read the last row, never stored.
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row1 = tl.minimum(r, n_rows - 1).to(tl.int64)  # (ROWS,); int64: row * stride may pass 2^31
+    row1, live = program_rows(n_rows, ROWS)  # (ROWS,): clamped int64 indices, real rows
     row = row1[:, None]
-    live = r < n_rows
     cols = tl.arange(0, BLOCK)
     mask = (cols < n)[None, :]
     x = tl.load(X + row * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
