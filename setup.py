@@ -52,6 +52,7 @@ setup(
             "pytest-timeout",
             "hypothesis",
             "transformers",
+            "megatron-core==0.16.1",  # the oracle for Megatron data, samples and checkpoints
             "matplotlib",
             "tokenizers",
             "pyarrow",
