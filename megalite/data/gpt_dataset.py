@@ -172,8 +172,8 @@ def build_datasets(cfg) -> Datasets:
     d, m = cfg.data, cfg.model
     fractions = parse_split(d.split, cfg.training.eval_only)
     weights, prefixes = parse_data_path(d.data_path) if d.data_path else (None, [])
-    if d.tokenizer_model:
-        tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type)
+    if d.tokenizer_model or d.vocab_file or d.merge_file:
+        tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type, d.vocab_file, d.merge_file)
         _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path)
     elif d.data_path:
         raise MegaliteError(
@@ -192,12 +192,7 @@ def build_datasets(cfg) -> Datasets:
     splits = [[] for _ in SPLIT_NAMES]
     for k, prefix in enumerate(prefixes):
         indexed = IndexedDataset(prefix)
-        if indexed.vocab_size != tokenizer.vocab_size:
-            raise MegaliteError(
-                f"dataset {prefix} was tokenized with a {indexed.vocab_size}-piece vocabulary "
-                f"but {tokenizer.model_path} has {tokenizer.vocab_size}; pass the tokenizer it was "
-                "made with to --tokenizer-model"
-            )
+        indexed.check_vocab(tokenizer.vocab_size, tokenizer.model_path, tokenizer.fingerprint)
         for s, (start, stop) in enumerate(split_documents(len(indexed), fractions)):
             if fractions[s] == 0:
                 continue
