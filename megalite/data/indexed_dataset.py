@@ -303,7 +303,11 @@ def _encode_batch(records: list[tuple[list[str], ...]]) -> list[list[tuple[np.nd
             if seqs and eod:  # samples crossing documents see where one ends
                 seqs.append([tok.eos_id])
                 lengths[-1] += 1
-            fields.append((np.fromiter((i for s in seqs for i in s), np.int64), lengths))
+            arr, at = np.empty(sum(lengths), dtype=np.int64), 0
+            for ids in seqs:  # slice assignment: no Python loop over the tokens
+                arr[at : at + len(ids)] = ids
+                at += len(ids)
+            fields.append((arr, lengths))
         out.append(fields)
     return out
 
