@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megalite.config_read import parse_args
 from megalite.data import corpus
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 REPO = Path(__file__).resolve().parents[2]
 ODD = "  indented\n\ttabbed\r\n trailing  \n\nünïcödé 漢字 \x00 ▁x 12345 it's we'll 🙂 ½\n"
@@ -175,3 +177,15 @@ def test_megatron_command_line_bad_input_is_one_line(gpt2_files, tmp_path, args,
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
     assert not list(tmp_path.glob("o*"))
+
+
+def test_megatron_data_of_another_tokenizer_is_one_line(gpt2_files, tmp_path):
+    # Megatron's own files (no sidecar: vocabulary unknown) hold ids past this 500-id vocabulary
+    builder = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    builder.add_document(torch.arange(0, 700, 7), [100])
+    builder.finalize(str(tmp_path / "m.idx"))
+    vocab, merges = gpt2_files
+    args = ["--data-path", str(tmp_path / "m"), "--vocab-file", vocab, "--merge-file", merges]
+    with pytest.raises(MegaliteError, match="holds token id 693, outside the 500 ids") as e:
+        build_datasets(parse_args([*args, "--seq-length", "16"]))
+    assert "\n" not in str(e.value)
