@@ -45,7 +45,11 @@ def parse_args(argv):
     p.add_argument(
         "--input", nargs="+", required=True, help="text, JSONL (.gz too), Parquet or directories"
     )
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX.bin and PREFIX.idx (Megatron's way: PREFIX_<key>_document.*)",
+    )
     p.add_argument("--json-key", help="JSONL field / Parquet column holding the text [text]")
     p.add_argument(
         "--json-keys",
@@ -80,7 +84,9 @@ def parse_args(argv):
     p.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     p.add_argument(
-        "--split-sentences", action="store_true", help="(Megatron's; not supported: see --help)"
+        "--split-sentences",
+        action="store_true",
+        help="Megatron's nltk splitting: refused; give a field's sentences as a JSON list",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal)")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
