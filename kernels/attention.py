@@ -272,63 +272,76 @@ class _MaskedAttention(torch.autograd.Function):
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window=None
 ) -> torch.Tensor:
-    """Causal attention, q (b, hq, s, d), k and v (b, hkv, s, d), hq a multiple of hkv.
+    """Causal attention, q (b, hq, s, d), k and v (b, hkv, s, d), hq a multiple of hkv; with
+    `window` W each query sees the last W keys, itself included (a sliding window).
 
     Returns (b, hq, s, d) in q's layout. Falls back to the torch reference (with one warning)
-    for dropout, head dims outside HEAD_DIMS, or unsupported dtypes and devices.
+    for dropout, a window, head dims outside HEAD_DIMS, or unsupported dtypes and devices.
     """
     reason = block_reason(q, k, v)
     if reason is None:
-        if dropout_p > 0.0:
+        if window is not None:
+            reason = "a sliding window is not implemented in the Triton kernel"
+        elif dropout_p > 0.0:
             reason = "attention dropout is not implemented in the Triton kernel"
         elif q.shape[2] != k.shape[2]:
             reason = f"shapes q {tuple(q.shape)} k {tuple(k.shape)}: causal needs one length"
     if reason:
         warn_once("attention", reason)
-        return attention_ref(q, k, v, dropout_p)
+        return attention_ref(q, k, v, dropout_p, window)
     return _MaskedAttention.apply(q, k, v, default_scale(q, None), *CAUSAL)
 
 
-def attention_masked(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
+def attention_masked(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, window=None):
     """Causal-by-position attention with optional document masking, with autograd.
 
     q (b, hq, s_q, d), k and v (b, hkv, s_k, d); positions and doc ids as in attention_block_fwd
-    (any order: a load-balanced permutation of the sequence works). Returns (b, hq, s_q, d) in
-    q's dtype and layout; rows that see no key are 0.
+    (any order: a load-balanced permutation of the sequence works); `window` W: also
+    k_pos > q_pos - W (torch reference only). Returns (b, hq, s_q, d) in q's dtype and layout;
+    rows that see no key are 0.
     """
     ids = check_ids(q, k, q_pos, k_pos, q_doc, k_doc)
     reason = block_reason(q, k, v)
+    if reason is None and window is not None:
+        reason = "a sliding window is not implemented in the Triton kernel"
     if reason:
         warn_once("attention_masked", reason)
-        return attention_masked_ref(q, k, v, *ids)
+        return attention_masked_ref(q, k, v, *ids, window=window)
     return _MaskedAttention.apply(q, k, v, default_scale(q, None), *ids)
 
 
 def attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window=None
 ) -> torch.Tensor:
-    """q (b, hq, s, d), k and v (b, hkv, s, d) with hq a multiple of hkv -> (b, hq, s, d)."""
+    """q (b, hq, s, d), k and v (b, hkv, s, d) with hq a multiple of hkv -> (b, hq, s, d);
+    `window` W: query i sees keys i-W+1..i."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    i = torch.arange(q.shape[2], device=q.device)
+    band = (i[None] <= i[:, None]) & (i[None] > i[:, None] - window)  # (s, s) key j for query i
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p)
 
 
-def _visible_ref(q_pos, k_pos, q_doc, k_doc) -> torch.Tensor:
+def _visible_ref(q_pos, k_pos, q_doc, k_doc, window=None) -> torch.Tensor:
     """(1|b, s_q, s_k) bool: key j visible to query i."""
     q_pos, k_pos = q_pos.reshape(-1, 1, q_pos.shape[-1]), k_pos.reshape(-1, 1, k_pos.shape[-1])
     vis = k_pos <= q_pos.transpose(1, 2)
+    if window is not None:
+        vis = vis & (k_pos > q_pos.transpose(1, 2) - window)
     if q_doc is not None:
         q_doc, k_doc = q_doc.reshape(-1, q_doc.shape[-1], 1), k_doc.reshape(-1, 1, k_doc.shape[-1])
         vis = vis & (k_doc == q_doc)
     return vis
 
 
-def attention_masked_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
+def attention_masked_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, window=None):
     """Plain-torch attention_masked: scaled_dot_product_attention with the visibility mask."""
-    vis = _visible_ref(q_pos, k_pos, q_doc, k_doc).to(q.device)  # (1|b, sq, sk)
+    vis = _visible_ref(q_pos, k_pos, q_doc, k_doc, window).to(q.device)  # (1|b, sq, sk)
     # Rows that see no key attend to every key (a finite softmax on every backend, hence finite
     # gradients), then are zeroed: their output and gradients are 0.
     empty = ~vis.any(-1, keepdim=True)

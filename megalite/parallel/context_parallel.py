@@ -172,15 +172,19 @@ def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None):
     return _exchange(o[:, :, back], group, 2)  # (b, hq, s/cp, d)
 
 
-def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None):
+def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None,
+                      **window):  # fmt: skip
     """Causal attention of this rank's tokens over the whole sequence of every rank of `group`,
     document-masked when the shard has document ids: q (b, hq, s/cp, d), k, v (b, hkv, s/cp, d).
-    At cp = 1 that is masked attention over this rank's sequences."""
+    At cp = 1 that is masked attention over this rank's sequences; `window=W` (a sliding
+    window, by sequence index) only there: validate() refuses it with cp > 1."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
     if group.size == 1:
         pos, doc = shard.index[0], None if shard.docs is None else shard.docs[0]
-        return ops.attention_masked(q, k, v, pos, pos, doc, doc)
+        return ops.attention_masked(q, k, v, pos, pos, doc, doc, **window)
+    if window:
+        raise ValueError("context parallelism does not support a sliding window")
     attend = a2a_attention if comm_type == "a2a" else ring_attention
     return attend(q, k, v, group, shard.index, shard.docs, ops)
 
