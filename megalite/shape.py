@@ -256,8 +256,8 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
 
 
 def _check_attention(cfg: Config) -> str | None:
-    """Why this model's attention variant cannot run with these kernels or axes, or None."""
-    m, p = cfg.model, cfg.parallel
+    """Why this model's attention variant cannot run with these kernels, or None."""
+    m = cfg.model
     if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
         return f"--rope-scaling-factor={m.rope_scaling_factor} must be positive"
     if m.sliding_window is None:
@@ -267,8 +267,6 @@ def _check_attention(cfg: Config) -> str | None:
             f"--sliding-window {m.sliding_window} runs in the torch attention only; use "
             "--kernels torch (or auto)"
         )
-    if p.cp > 1:
-        return f"--sliding-window {m.sliding_window} does not run with --cp {p.cp} yet; use --cp 1"
     return None
 
 

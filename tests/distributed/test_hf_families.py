@@ -4,6 +4,8 @@
   parallelism) equal the single-process chunk's within 1e-10: Qwen3's q_norm and k_norm (their
   gradient is each rank's heads' part, summed over TP) with split and with replicated k/v
   heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window.
+- Context parallelism: Mistral's sliding window at cp2 (ring and all-to-all, with and without
+  packed documents) and cp2*tp2 gives one process's loss and gradients.
 - Generation: random transformers Qwen3 and Llama 3 (llama3 rope scaling) models converted to
   megalite and loaded at tp2*pp2 give transformers' greedy tokens and the one-process sampled ones.
 """
@@ -23,6 +25,7 @@ from megalite.parallel.specs import spec_of
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
 from megalite.testing import spawn
+from tests.distributed import test_context_parallel
 from tests.distributed.test_generation import NEW, PROMPTS, _chunks, _one_process, _run
 
 pytestmark = pytest.mark.distributed
@@ -76,6 +79,22 @@ def _layers(rank, world):
 
 def test_tp2_layers_match_one_process():
     assert all(spawn(_layers, 2))
+
+
+WINDOW_CASES = [dict(flavour="mistral", sliding_window=5, num_query_groups=2)]
+
+
+def _cp_window(rank, world, tp, comm_type):
+    test_context_parallel.MODEL_CASES = WINDOW_CASES  # this spawned process's copy only
+    return test_context_parallel._cp_model(rank, world, tp, comm_type)
+
+
+@pytest.mark.parametrize("tp,world,comm_type", [(1, 2, "p2p"), (1, 2, "a2a"), (2, 4, "p2p")])
+def test_sliding_window_with_context_parallelism_matches_one_process(tp, world, comm_type):
+    for rank_out in spawn(_cp_window, world, tp, comm_type):
+        for _, documents, _, errs in rank_out:
+            bad = {k: v for k, v in errs.items() if v > 1e-10}
+            assert not bad, (comm_type, documents, bad)
 
 
 def _generate(rank, world, paths):
