@@ -31,8 +31,8 @@ def attention_block_fwd(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=Non
     q (b, hq, s_q, d); k, v (b, hkv, s_k, d) with hq a multiple of hkv. q_pos (s_q,) and k_pos
     (s_k,) are integer global positions, or (b, s_q) / (b, s_k) per batch row; query i sees key j
     iff k_pos[j] <= q_pos[i] and, with doc ids (same shapes, both or neither), q_doc[i] ==
-    k_doc[j]. scale defaults to 1/sqrt(d). `window` W (a sliding window, torch reference only):
-    also k_pos[j] > q_pos[i] - W.
+    k_doc[j] (and, with a sliding window W, k_pos[j] > q_pos[i] - W). scale defaults to
+    1/sqrt(d).
 
     Returns (out, lse): out (b, hq, s_q, d), the softmax over the visible keys of this block only,
     in fp32 (fp64 for fp64 inputs), in q's layout when q is dense; lse (b, hq, s_q) fp32 (fp64),
@@ -41,12 +41,10 @@ def attention_block_fwd(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=Non
     """
     ids = check_ids(q, k, q_pos, k_pos, q_doc, k_doc)
     reason = block_reason(q, k, v)
-    if reason is None and window is not None:
-        reason = "a sliding window is not implemented in the Triton kernel"
     if reason:
         warn_once("attention_block_fwd", reason)
         return attention_block_fwd_ref(q, k, v, *ids, scale=scale, window=window)
-    return block_fwd(q, k, v, ids, default_scale(q, scale), torch.float32)
+    return block_fwd(q, k, v, ids, default_scale(q, scale), torch.float32, window or 0)
 
 
 def attention_block_bwd(
@@ -62,12 +60,11 @@ def attention_block_bwd(
     """
     ids = check_ids(q, k, q_pos, k_pos, q_doc, k_doc)
     reason = block_reason(q, k, v, out, dout)
-    if reason is None and window is not None:
-        reason = "a sliding window is not implemented in the Triton kernel"
     if reason:
         warn_once("attention_block_bwd", reason)
         return attention_block_bwd_ref(q, k, v, out, lse, dout, *ids, scale=scale, window=window)
-    return block_bwd(q, k, v, out, lse, dout, ids, default_scale(q, scale), torch.float32)
+    scale = default_scale(q, scale)
+    return block_bwd(q, k, v, out, lse, dout, ids, scale, torch.float32, window or 0)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

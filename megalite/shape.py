@@ -256,17 +256,10 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
 
 
 def _check_attention(cfg: Config) -> str | None:
-    """Why this model's attention variant cannot run with these kernels, or None."""
+    """Why this model's attention variant cannot run, or None."""
     m = cfg.model
     if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
         return f"--rope-scaling-factor={m.rope_scaling_factor} must be positive"
-    if m.sliding_window is None:
-        return None
-    if cfg.training.kernels == "triton":
-        return (
-            f"--sliding-window {m.sliding_window} runs in the torch attention only; use "
-            "--kernels torch (or auto)"
-        )
     return None
 
 

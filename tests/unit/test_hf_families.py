@@ -181,17 +181,19 @@ def test_what_megalite_cannot_honour_is_refused_in_one_line():
         hf.hf_config(dataclasses.replace(llama, sliding_window=4))
 
 
-def test_validate_refuses_a_window_with_the_triton_kernels():
+def test_validate_takes_head_dim_windows_and_rope_scaling():
     cfg = Config()
     cfg.model = dataclasses.replace(cfg.model, flavour="mistral", sliding_window=8)
+    cfg.training.kernels = "triton"  # the Triton attention takes the window
     validate(cfg, 1)
-    cfg.training.kernels = "triton"
-    with pytest.raises(MegaliteError, match="runs in the torch attention only"):
-        validate(cfg, 1)
-    cfg.training.kernels, cfg.parallel.cp = "torch", 2
-    validate(
-        cfg, 2
-    )  # context parallelism honours the window (tests/distributed/test_hf_families.py)
+    cfg.parallel.cp = 2  # context parallelism honours it (tests/distributed/test_hf_families.py)
+    validate(cfg, 2)
     cfg.parallel.cp = 1
     cfg.model = dataclasses.replace(cfg.model, hidden_size=36, kv_channels=16)  # 36 % 4 != 0
     assert validate(cfg, 1).model.head_dim == 16
+    cfg.model = dataclasses.replace(cfg.model, rope_scaling="yarn", rope_scaling_factor=0.0)
+    with pytest.raises(MegaliteError, match="--rope-scaling-factor=0.0 must be positive"):
+        validate(cfg, 1)
+    cfg.model = dataclasses.replace(cfg.model, sliding_window=0, rope_scaling="none")
+    with pytest.raises(MegaliteError, match="--sliding-window=0 must be a positive integer"):
+        validate(cfg, 1)
