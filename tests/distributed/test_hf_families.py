@@ -6,8 +6,9 @@
   heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window.
 - Context parallelism: Mistral's sliding window at cp2 (ring and all-to-all, with and without
   packed documents) and cp2*tp2 gives one process's loss and gradients.
-- Generation: random transformers Qwen3 and Llama 3 (llama3 rope scaling) models converted to
-  megalite and loaded at tp2*pp2 give transformers' greedy tokens and the one-process sampled ones.
+- Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling) and Mistral (a window of
+  8) models converted to megalite and loaded at tp2*pp2 give transformers' greedy tokens and the
+  one-process sampled ones.
 """
 
 import pytest
@@ -109,12 +110,12 @@ def _generate(rank, world, paths):
     return out
 
 
-def test_qwen3_and_llama3_generate_at_tp2_pp2_what_transformers_does(tmp_path):
+def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_path):
     from tests.unit.test_checkpoint_hf import convert, hf_greedy
     from tests.unit.test_hf_families import hf_family
 
     models, paths = [], []
-    for name in ("qwen3", "llama3"):
+    for name in ("qwen3", "llama3", "mistral"):  # Mistral: a window of 8 in the KV cache
         m = hf_family(name, seed=5)
         m.save_pretrained(tmp_path / name, safe_serialization=True)
         convert.main([str(tmp_path / name), str(tmp_path / f"{name}-ml"), "--to", "megalite"])
