@@ -134,6 +134,19 @@ def test_conversion_round_trip_through_checkpoints(name, tmp_path):
     assert_round_trip_exact(m, tmp_path / "ml", tmp_path / "out")
 
 
+def test_a_resume_takes_the_checkpoints_head_dim_and_refuses_another(tmp_path):
+    from megalite.checkpoint.args import with_checkpoint_model
+
+    m = hf_family("qwen3")
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert.main([str(tmp_path / "hf"), str(tmp_path / "ml"), "--to", "megalite"])
+    assert with_checkpoint_model(Config(), set(), tmp_path / "ml").model.head_dim == 16
+    cfg = Config()
+    cfg.model.kv_channels = 8
+    with pytest.raises(MegaliteError, match="has kv_channels=16 but this run's --kv-channels is 8"):
+        with_checkpoint_model(cfg, {"model.kv_channels"}, tmp_path / "ml")
+
+
 def test_rope_tables_are_transformers():
     """Each scaling's cos/sin equal transformers' rotary embedding's (yarn's attention factor
     included), at every position of the sequence."""
