@@ -37,7 +37,8 @@ class ModelFeatures:
     tied: bool  # the output layer is the word embedding unless --untie-... says otherwise
     hf_model_type: str  # transformers' model_type with this weight layout (checkpoint/hf.py)
     doc: str = ""
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, --qk-layernorm)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3; Megatron's
+    # --qk-layernorm)
 
     @property
     def rms_norm(self) -> bool:
