@@ -8,7 +8,7 @@ import torch.nn as nn
 from megalite.kernels import TORCH_OPS
 
 from megalite.config import ModelConfig
-from megalite.model.layers import rotary_tables
+from megalite.model.rope import rotary_tables
 
 
 class Attention(nn.Module):

@@ -12,7 +12,8 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
   (tensor-parallel linears, the fused q/k/v and gate/up, the output layer, the MoE router).
 - `attention(q, k, v, dropout_p=0.0)`: causal attention of q (b, hq, s, d) over k, v
   (b, hkv, s, d), hq a multiple of hkv, scale 1/sqrt(d) -> (b, hq, s, d): the core of training
-  and whole-sequence inference (`Attention._core`). Packed documents and context parallelism
+  and whole-sequence inference (`Attention._core`). A model with `--sliding-window W` also
+  passes `window=W` (to the masked and block ops too); others never do. Packed documents and context parallelism
   use `attention_masked` and the `attention_block_*` ops; a KV cache `attention_masked`.
 """
 

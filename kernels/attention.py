@@ -4,7 +4,7 @@ Both run the one set of kernels in attention_core.py. Causal attention is the ca
 q_pos = k_pos = 0..s-1 (no doc ids), whose tile lists are cached per shape; attention_masked
 takes any integer positions and optional doc ids (key j visible to query i iff
 k_pos[j] <= q_pos[i] and q_doc[i] == k_doc[j]), so query and key rows may be any slices of the
-sequence in any order. The output takes q's layout, so q = x.view(b, s, h, d).transpose(1, 2)
+sequence in any order. Both take a sliding window W (Mistral's: also k_pos[j] > q_pos[i] - W). The output takes q's layout, so q = x.view(b, s, h, d).transpose(1, 2)
 gives an output whose transpose back is free. The launchers here also serve the ring-attention
 blocks of attention_blocks.py. Each op has a plain-torch `_ref`.
 """
@@ -69,7 +69,7 @@ def _tile_range(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     return x.amin(-1), x.amax(-1)
 
 
-def _tile_lists(qp, kp, qd, kd, bm, bn, sk, by_key):
+def _tile_lists(qp, kp, qd, kd, bm, bn, sk, by_key, window=0):
     """Which (query tile, key tile) pairs the kernels visit, as lists the kernels read.
 
     Returns cnt (B, 2, rows) int32 and idx (B, 2, rows, cols) int32, B = 1 or b (per-row ids):
@@ -77,12 +77,15 @@ def _tile_lists(qp, kp, qd, kd, bm, bn, sk, by_key):
     ones (those need the element mask), in increasing order, idx[.., :cnt] valid. Rows are
     query tiles (cols key tiles) or, with by_key, the transpose. Tiles are judged by the range
     of their positions and doc ids, so the lists are exact for sorted doc ids and conservative
-    (never wrong) otherwise.
+    (never wrong) otherwise. `window` W > 0: keys also need k_pos > q_pos - W.
     """
     qlo, qhi = _tile_range(qp, bm)  # (B, mt)
     klo, khi = _tile_range(kp, bn)  # (B, nt)
     some = klo[:, None, :] <= qhi[:, :, None]  # (B, mt, nt): some key may be visible
     full = khi[:, None, :] <= qlo[:, :, None]
+    if window > 0:
+        some = some & (khi[:, None, :] > qlo[:, :, None] - window)
+        full = full & (klo[:, None, :] > qhi[:, :, None] - window)
     if qd is not None:
         dqlo, dqhi = _tile_range(qd, bm)
         dklo, dkhi = _tile_range(kd, bn)
@@ -109,10 +112,10 @@ def _causal_pos(s: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_lists(s: int, bm: int, bn: int, by_key: bool, device: torch.device):
+def _causal_lists(s: int, bm: int, bn: int, by_key: bool, device: torch.device, window=0):
     # Cached: every layer and step of a causal model asks for the same few lists.
     pos = _causal_pos(s, device)
-    return _tile_lists(pos, pos, None, None, bm, bn, s, by_key)
+    return _tile_lists(pos, pos, None, None, bm, bn, s, by_key, window)
 
 
 # Lists of explicit ids, kept while their tensors live: every layer of a micro-batch (and the
@@ -133,18 +136,18 @@ def _view_key(t: torch.Tensor | None):
     return id(_root(t)), t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
 
-def _lists(ids, bm, bn, sk, by_key, device):
+def _lists(ids, bm, bn, sk, by_key, device, window=0):
     if ids is CAUSAL:
-        return _causal_lists(sk, bm, bn, by_key, device)
+        return _causal_lists(sk, bm, bn, by_key, device, window)
     try:
         versions = tuple(None if t is None else t._version for t in ids)
     except RuntimeError:  # inference-mode tensors keep no version: build every time
-        return _tile_lists(*ids, bm, bn, sk, by_key)
+        return _tile_lists(*ids, bm, bn, sk, by_key, window)
     owner = _root(ids[0])
     entry = _ID_LISTS.get(owner)
     if entry is None or entry["versions"] != versions:
         entry = _ID_LISTS[owner] = {"versions": versions, "others": [], "lists": {}}
-    key = (tuple(_view_key(t) for t in ids), bm, bn, sk, by_key)
+    key = (tuple(_view_key(t) for t in ids), bm, bn, sk, by_key, window)
     if key not in entry["lists"]:
         # The entry holds the other ids' roots (so their id() in the key stays theirs), never
         # its owner (which would then never be freed).
@@ -152,7 +155,7 @@ def _lists(ids, bm, bn, sk, by_key, device):
             if t is not None and _root(t) is not owner and all(_root(t) is not o for o in
                                                                entry["others"]):  # fmt: skip
                 entry["others"].append(_root(t))
-        entry["lists"][key] = _tile_lists(*ids, bm, bn, sk, by_key)
+        entry["lists"][key] = _tile_lists(*ids, bm, bn, sk, by_key, window)
     return entry["lists"][key]
 
 
@@ -167,8 +170,9 @@ def _id_args(ids, s, device):
     return (qp, kp, qd, kd), strides, per_row, has_doc
 
 
-def block_fwd(q, k, v, ids, scale, out_dtype):
-    """Launch the forward kernel: out (q's layout, out_dtype), lse (b, hq, sq) fp32 natural log."""
+def block_fwd(q, k, v, ids, scale, out_dtype, window=0):
+    """Launch the forward kernel: out (q's layout, out_dtype), lse (b, hq, sq) fp32 natural log;
+    `window` W > 0: a sliding window of W keys (0: none)."""
     q, k, v = _unit_d(q, k, v)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -176,18 +180,18 @@ def block_fwd(q, k, v, ids, scale, out_dtype):
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     (qp, kp, qd, kd), id_strides, per_row, has_doc = _id_args(ids, sk, q.device)
     bm, bn, warps, stages = config(q)["fwd"]
-    cnt, idx = _lists(ids, bm, bn, sk, False, q.device)
+    cnt, idx = _lists(ids, bm, bn, sk, False, q.device, window)
     attn_fwd[(triton.cdiv(sq, bm), b * hq)](
         q, k, v, o, lse, qp, kp, qd, kd, cnt, idx, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), *id_strides, per_row, idx.shape[-1], hq,
-        hq // hkv, sq, sk, scale * LOG2E, HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn,
+        hq // hkv, sq, sk, scale * LOG2E, window, HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn,
         PREC=precision(q), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return o, lse
 
 
-def block_bwd(q, k, v, o, lse, do, ids, scale, grad_dtype):
+def block_bwd(q, k, v, o, lse, do, ids, scale, grad_dtype, window=0):
     """Launch the backward kernels: dq, dk, dv in grad_dtype (q's, k's, v's layout if dense)."""
     q, k, v, o = _unit_d(q, k, v, o)
     (do,) = _unit_d(do.to(q.dtype))  # the dots pair do with v and p, in q's dtype
@@ -210,20 +214,20 @@ def block_bwd(q, k, v, o, lse, do, ids, scale, grad_dtype):
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
     )  # fmt: skip
     bm, bn, warps, stages = cfg["dkdv"]
-    cnt, idx = _lists(ids, bm, bn, sk, True, q.device)
+    cnt, idx = _lists(ids, bm, bn, sk, True, q.device, window)
     attn_bwd_dkdv[(triton.cdiv(sk, bn), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, qp, kp, qd, kd, cnt, idx, *strides, dk.stride(0),
         dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *id_strides,
-        per_row, idx.shape[-1], hq, hkv, group, sq, sk, scale * LOG2E, scale,
+        per_row, idx.shape[-1], hq, hkv, group, sq, sk, scale * LOG2E, scale, window,
         HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q), num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     bm, bn, warps, stages = cfg["dq"]
-    cnt, idx = _lists(ids, bm, bn, sk, False, q.device)
+    cnt, idx = _lists(ids, bm, bn, sk, False, q.device, window)
     attn_bwd_dq[(triton.cdiv(sq, bm), b * hq)](
         q, k, v, do, lse, delta, dq, qp, kp, qd, kd, cnt, idx, *strides, dq.stride(0),
         dq.stride(1), dq.stride(2), *id_strides, per_row, idx.shape[-1], hq, group, sq, sk,
-        scale * LOG2E, scale, HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q),
+        scale * LOG2E, scale, window, HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return dq, dk, dv
@@ -253,10 +257,12 @@ def default_scale(q: torch.Tensor, scale: float | None) -> float:
 
 class _MaskedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, *ids):
+    def forward(ctx, q, k, v, scale, q_pos, k_pos, q_doc, k_doc, window=0):
+        ids = (q_pos, k_pos, q_doc, k_doc)
         ids = CAUSAL if ids[0] is None else ids
-        o, lse = block_fwd(q, k, v, ids, scale, q.dtype)  # (b, hq, s_q, d) in q's layout
+        o, lse = block_fwd(q, k, v, ids, scale, q.dtype, window)  # (b, hq, s_q, d), q's layout
         ctx.scale, ctx.causal, ctx.has_doc = scale, ids is CAUSAL, ids[2] is not None
+        ctx.window = window
         ctx.save_for_backward(q, k, v, o, lse, *(t if t is not None else q for t in ids))
         return o
 
@@ -267,14 +273,15 @@ class _MaskedAttention(torch.autograd.Function):
             ids = CAUSAL
         elif not ctx.has_doc:
             ids[2:] = [None, None]
-        dq, dk, dv = block_bwd(q, k, v, o, lse, do, tuple(ids), ctx.scale, q.dtype)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = block_bwd(q, k, v, o, lse, do, tuple(ids), ctx.scale, q.dtype, ctx.window)
+        return dq, dk, dv, *(None,) * (len(ctx.needs_input_grad) - 3)  # the window is optional
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window=None
 ) -> torch.Tensor:
-    """Causal attention, q (b, hq, s, d), k and v (b, hkv, s, d), hq a multiple of hkv.
+    """Causal attention, q (b, hq, s, d), k and v (b, hkv, s, d), hq a multiple of hkv; with
+    `window` W each query sees the last W keys, itself included (a sliding window).
 
     Returns (b, hq, s, d) in q's layout. Falls back to the torch reference (with one warning)
     for dropout, head dims outside HEAD_DIMS, or unsupported dtypes and devices.
@@ -287,48 +294,56 @@ def attention(
             reason = f"shapes q {tuple(q.shape)} k {tuple(k.shape)}: causal needs one length"
     if reason:
         warn_once("attention", reason)
-        return attention_ref(q, k, v, dropout_p)
-    return _MaskedAttention.apply(q, k, v, default_scale(q, None), *CAUSAL)
+        return attention_ref(q, k, v, dropout_p, window)
+    return _MaskedAttention.apply(q, k, v, default_scale(q, None), *CAUSAL, window or 0)
 
 
-def attention_masked(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
+def attention_masked(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, window=None):
     """Causal-by-position attention with optional document masking, with autograd.
 
     q (b, hq, s_q, d), k and v (b, hkv, s_k, d); positions and doc ids as in attention_block_fwd
-    (any order: a load-balanced permutation of the sequence works). Returns (b, hq, s_q, d) in
-    q's dtype and layout; rows that see no key are 0.
+    (any order: a load-balanced permutation of the sequence works); `window` W: also
+    k_pos > q_pos - W. Returns (b, hq, s_q, d) in q's dtype and layout;
+    rows that see no key are 0.
     """
     ids = check_ids(q, k, q_pos, k_pos, q_doc, k_doc)
     reason = block_reason(q, k, v)
     if reason:
         warn_once("attention_masked", reason)
-        return attention_masked_ref(q, k, v, *ids)
-    return _MaskedAttention.apply(q, k, v, default_scale(q, None), *ids)
+        return attention_masked_ref(q, k, v, *ids, window=window)
+    return _MaskedAttention.apply(q, k, v, default_scale(q, None), *ids, window or 0)
 
 
 def attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window=None
 ) -> torch.Tensor:
-    """q (b, hq, s, d), k and v (b, hkv, s, d) with hq a multiple of hkv -> (b, hq, s, d)."""
+    """q (b, hq, s, d), k and v (b, hkv, s, d) with hq a multiple of hkv -> (b, hq, s, d);
+    `window` W: query i sees keys i-W+1..i."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    i = torch.arange(q.shape[2], device=q.device)
+    band = (i[None] <= i[:, None]) & (i[None] > i[:, None] - window)  # (s, s) key j for query i
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p)
 
 
-def _visible_ref(q_pos, k_pos, q_doc, k_doc) -> torch.Tensor:
+def _visible_ref(q_pos, k_pos, q_doc, k_doc, window=None) -> torch.Tensor:
     """(1|b, s_q, s_k) bool: key j visible to query i."""
     q_pos, k_pos = q_pos.reshape(-1, 1, q_pos.shape[-1]), k_pos.reshape(-1, 1, k_pos.shape[-1])
     vis = k_pos <= q_pos.transpose(1, 2)
+    if window is not None:
+        vis = vis & (k_pos > q_pos.transpose(1, 2) - window)
     if q_doc is not None:
         q_doc, k_doc = q_doc.reshape(-1, q_doc.shape[-1], 1), k_doc.reshape(-1, 1, k_doc.shape[-1])
         vis = vis & (k_doc == q_doc)
     return vis
 
 
-def attention_masked_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
+def attention_masked_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, window=None):
     """Plain-torch attention_masked: scaled_dot_product_attention with the visibility mask."""
-    vis = _visible_ref(q_pos, k_pos, q_doc, k_doc).to(q.device)  # (1|b, sq, sk)
+    vis = _visible_ref(q_pos, k_pos, q_doc, k_doc, window).to(q.device)  # (1|b, sq, sk)
     # Rows that see no key attend to every key (a finite softmax on every backend, hence finite
     # gradients), then are zeroed: their output and gradients are 0.
     empty = ~vis.any(-1, keepdim=True)

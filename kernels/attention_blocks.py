@@ -25,13 +25,14 @@ from megalite.kernels.attention import (
 )
 
 
-def attention_block_fwd(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=None):
+def attention_block_fwd(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=None, window=None):
     """Attention of a query block against one key/value block (one step of ring attention).
 
     q (b, hq, s_q, d); k, v (b, hkv, s_k, d) with hq a multiple of hkv. q_pos (s_q,) and k_pos
     (s_k,) are integer global positions, or (b, s_q) / (b, s_k) per batch row; query i sees key j
     iff k_pos[j] <= q_pos[i] and, with doc ids (same shapes, both or neither), q_doc[i] ==
-    k_doc[j]. scale defaults to 1/sqrt(d).
+    k_doc[j] (and, with a sliding window W, k_pos[j] > q_pos[i] - W). scale defaults to
+    1/sqrt(d).
 
     Returns (out, lse): out (b, hq, s_q, d), the softmax over the visible keys of this block only,
     in fp32 (fp64 for fp64 inputs), in q's layout when q is dense; lse (b, hq, s_q) fp32 (fp64),
@@ -42,11 +43,13 @@ def attention_block_fwd(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=Non
     reason = block_reason(q, k, v)
     if reason:
         warn_once("attention_block_fwd", reason)
-        return attention_block_fwd_ref(q, k, v, *ids, scale=scale)
-    return block_fwd(q, k, v, ids, default_scale(q, scale), torch.float32)
+        return attention_block_fwd_ref(q, k, v, *ids, scale=scale, window=window)
+    return block_fwd(q, k, v, ids, default_scale(q, scale), torch.float32, window or 0)
 
 
-def attention_block_bwd(q, k, v, out, lse, dout, q_pos, k_pos, q_doc=None, k_doc=None, scale=None):
+def attention_block_bwd(
+    q, k, v, out, lse, dout, q_pos, k_pos, q_doc=None, k_doc=None, scale=None, window=None
+):
     """Gradient contribution of one (query block, key/value block) pair.
 
     q, k, v, ids and scale as in attention_block_fwd; out (b, hq, s_q, d), lse (b, hq, s_q) are
@@ -59,8 +62,9 @@ def attention_block_bwd(q, k, v, out, lse, dout, q_pos, k_pos, q_doc=None, k_doc
     reason = block_reason(q, k, v, out, dout)
     if reason:
         warn_once("attention_block_bwd", reason)
-        return attention_block_bwd_ref(q, k, v, out, lse, dout, *ids, scale=scale)
-    return block_bwd(q, k, v, out, lse, dout, ids, default_scale(q, scale), torch.float32)
+        return attention_block_bwd_ref(q, k, v, out, lse, dout, *ids, scale=scale, window=window)
+    scale = default_scale(q, scale)
+    return block_bwd(q, k, v, out, lse, dout, ids, scale, torch.float32, window or 0)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -78,21 +82,22 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return out_a * w_a + out_b * w_b, lse
 
 
-def _grouped(q, k, v, *ids, scale):
+def _grouped(q, k, v, *ids, scale, window=None):
     """Upcast to at least fp32 and group query heads: q (b, hkv, g, s_q, d), k and v
     (b, hkv, 1, s_k, d), visibility (1|b, 1, 1, s_q, s_k), and the scale."""
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     q = at_least_fp32(q).reshape(b, hkv, hq // hkv, sq, d)  # head h = hk * g + i, as the kernels
     k, v = (at_least_fp32(t).to(q.dtype).unsqueeze(2) for t in (k, v))
-    vis = _visible_ref(*ids).to(q.device)[:, None, None]
+    vis = _visible_ref(*ids, window).to(q.device)[:, None, None]
     return q, k, v, vis, default_scale(q, scale)
 
 
-def attention_block_fwd_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=None):
+def attention_block_fwd_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale=None, window=None):
     """Plain-torch attention_block_fwd, computed in fp32 (fp64 for fp64 inputs)."""
     b, hq, sq, d = q.shape
-    q, k, v, vis, scale = _grouped(q, k, v, q_pos, k_pos, q_doc, k_doc, scale=scale)
+    q, k, v, vis, scale = _grouped(q, k, v, q_pos, k_pos, q_doc, k_doc, scale=scale,
+                                   window=window)  # fmt: skip
     s = (q @ k.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))  # (b, hkv, g, sq, sk)
     lse = torch.logsumexp(s, -1, keepdim=True)  # -inf where no key is visible
     p = torch.exp(s - torch.where(lse == float("-inf"), 0.0, lse))  # 0 on those rows
@@ -100,12 +105,13 @@ def attention_block_fwd_ref(q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, scale
 
 
 def attention_block_bwd_ref(
-    q, k, v, out, lse, dout, q_pos, k_pos, q_doc=None, k_doc=None, scale=None
+    q, k, v, out, lse, dout, q_pos, k_pos, q_doc=None, k_doc=None, scale=None, window=None
 ):
     """Plain-torch attention_block_bwd, computed in fp32 (fp64 for fp64 inputs)."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    q, k, v, vis, scale = _grouped(q, k, v, q_pos, k_pos, q_doc, k_doc, scale=scale)
+    q, k, v, vis, scale = _grouped(q, k, v, q_pos, k_pos, q_doc, k_doc, scale=scale,
+                                   window=window)  # fmt: skip
     out, dout = (t.to(q.dtype).reshape(q.shape) for t in (out, dout))
     lse = lse.to(q.dtype).reshape(*q.shape[:-1], 1)
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # rows that see nothing: p = 0

@@ -2,7 +2,8 @@
 ring-block attention (the ops are in attention.py and attention_blocks.py).
 
 Visibility is data: query i sees key j iff k_pos[j] <= q_pos[i] and (with doc ids)
-q_doc[i] == k_doc[j]; causal attention is q_pos = k_pos = 0..s-1. The host lists, per row tile,
+q_doc[i] == k_doc[j] and (with a sliding window W > 0, a runtime int: 0 is none)
+k_pos[j] > q_pos[i] - W; causal attention is q_pos = k_pos = 0..s-1. The host lists, per row tile,
 the column tiles that are fully visible (no mask) and those that are partly visible (masked per
 element); every other tile is skipped, so a causal pass costs about half the square. Lists are
 tensors read by the kernels, so nothing syncs with the host or recompiles per mask.
@@ -25,9 +26,9 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _sees(qpos, kpos, qdoc, kdoc, HAS_DOC: tl.constexpr):
+def _sees(qpos, kpos, qdoc, kdoc, window, HAS_DOC: tl.constexpr):
     # Already broadcast to the tile's shape: (BM, 1) vs (1, BN) or the transpose.
-    vis = kpos <= qpos
+    vis = (kpos <= qpos) & ((kpos > qpos - window) | (window <= 0))
     if HAS_DOC:
         vis = vis & (kdoc == qdoc)
     return vis
@@ -36,7 +37,8 @@ def _sees(qpos, kpos, qdoc, kdoc, HAS_DOC: tl.constexpr):
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX, count, sk_s, sv_s, offs_d, seqk, qk_scale,
-    MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
         offs_n = tl.load(IDX + i) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,7 +50,8 @@ def _fwd_inner(
             kdoc = kpos
             if HAS_DOC:
                 kdoc = tl.load(KD + offs_n, mask=kmask, other=0)
-            vis = _sees(qpos[:, None], kpos[None, :], qdoc[:, None], kdoc[None, :], HAS_DOC)
+            vis = _sees(qpos[:, None], kpos[None, :], qdoc[:, None], kdoc[None, :], window,
+                        HAS_DOC)  # fmt: skip
             qk = tl.where(vis & kmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # the running max; -inf until a key is seen
         m_use = m_new
@@ -67,7 +70,7 @@ def _fwd_inner(
 def attn_fwd(
     Q, K, V, O, LSE, QP, KP, QD, KD, CNT, IDX,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-    sqp_b, skp_b, sqd_b, skd_b, list_b, tiles, hq, group, seqq, seqk, qk_scale,
+    sqp_b, skp_b, sqd_b, skd_b, list_b, tiles, hq, group, seqq, seqk, qk_scale, window,
     HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
@@ -100,11 +103,11 @@ def attn_fwd(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX, tl.load(CNT), sk_s, sv_s, offs_d, seqk,
-        qk_scale, False, HAS_DOC, BLOCK_N, PREC,
+        qk_scale, window, False, HAS_DOC, BLOCK_N, PREC,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX + rows * tiles, tl.load(CNT + rows),
-        sk_s, sv_s, offs_d, seqk, qk_scale, True, HAS_DOC, BLOCK_N, PREC,
+        sk_s, sv_s, offs_d, seqk, qk_scale, window, True, HAS_DOC, BLOCK_N, PREC,
     )  # fmt: skip
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     l_i = tl.where(empty, 1.0, l_i)
@@ -129,7 +132,7 @@ def _load_lse(LSE, offs_m, qmask):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, kpos, kdoc, Q, DO, LSE, DELTA, QP, QD, IDX, count, sq_s, sd_s, offs_d, seqq,
-    qk_scale, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr,
+    qk_scale, window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
@@ -143,7 +146,8 @@ def _dkdv_inner(
             qdoc = qpos
             if HAS_DOC:
                 qdoc = tl.load(QD + offs_m, mask=qmask, other=0)
-            vis = _sees(qpos[None, :], kpos[:, None], qdoc[None, :], kdoc[:, None], HAS_DOC)
+            vis = _sees(qpos[None, :], kpos[:, None], qdoc[None, :], kdoc[:, None], window,
+                        HAS_DOC)  # fmt: skip
             pT = tl.where(vis, pT, 0.0)
         do = tl.load(DO + offs_m[:, None] * sd_s + offs_d[None, :], mask=qmask[:, None], other=0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
@@ -159,7 +163,7 @@ def attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, QP, KP, QD, KD, CNT, IDX,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
     sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, sqp_b, skp_b, sqd_b, skd_b, list_b, tiles,
-    hq, hkv, group, seqq, seqk, qk_scale, sm_scale,
+    hq, hkv, group, seqq, seqk, qk_scale, sm_scale, window,
     HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
@@ -201,11 +205,11 @@ def attn_bwd_dkdv(
         DELTAh = DELTA + (b * hq + h) * seqq
         dk, dv = _dkdv_inner(
             dk, dv, k, v, kpos, kdoc, Qh, DOh, LSEh, DELTAh, QP, QD, IDX, n_full, sq_s, sd_s,
-            offs_d, seqq, qk_scale, False, HAS_DOC, BLOCK_M, PREC,
+            offs_d, seqq, qk_scale, window, False, HAS_DOC, BLOCK_M, PREC,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, kpos, kdoc, Qh, DOh, LSEh, DELTAh, QP, QD, IDX + rows * tiles, n_part,
-            sq_s, sd_s, offs_d, seqq, qk_scale, True, HAS_DOC, BLOCK_M, PREC,
+            sq_s, sd_s, offs_d, seqq, qk_scale, window, True, HAS_DOC, BLOCK_M, PREC,
         )  # fmt: skip
     dk *= sm_scale
     tl.store(
@@ -223,7 +227,7 @@ def attn_bwd_dkdv(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX, count, sk_s, sv_s, offs_d, seqk,
-    qk_scale, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr,
+    qk_scale, window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
@@ -237,7 +241,8 @@ def _dq_inner(
             kdoc = kpos
             if HAS_DOC:
                 kdoc = tl.load(KD + offs_n, mask=kmask, other=0)
-            vis = _sees(qpos[:, None], kpos[None, :], qdoc[:, None], kdoc[None, :], HAS_DOC)
+            vis = _sees(qpos[:, None], kpos[None, :], qdoc[:, None], kdoc[None, :], window,
+                        HAS_DOC)  # fmt: skip
             p = tl.where(vis & kmask[None, :], p, 0.0)
         dp = tl.dot(do, vT, input_precision=PREC)
         ds = p * (dp - delta[:, None])
@@ -250,7 +255,7 @@ def attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, QP, KP, QD, KD, CNT, IDX,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
     sdq_b, sdq_h, sdq_s, sqp_b, skp_b, sqd_b, skd_b, list_b, tiles,
-    hq, group, seqq, seqk, qk_scale, sm_scale,
+    hq, group, seqq, seqk, qk_scale, sm_scale, window,
     HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
@@ -287,11 +292,12 @@ def attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     dq = _dq_inner(
         dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX, tl.load(CNT), sk_s, sv_s, offs_d,
-        seqk, qk_scale, False, HAS_DOC, BLOCK_N, PREC,
+        seqk, qk_scale, window, False, HAS_DOC, BLOCK_N, PREC,
     )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX + rows * tiles,
-        tl.load(CNT + rows), sk_s, sv_s, offs_d, seqk, qk_scale, True, HAS_DOC, BLOCK_N, PREC,
+        tl.load(CNT + rows), sk_s, sv_s, offs_d, seqk, qk_scale, window, True, HAS_DOC, BLOCK_N,
+        PREC,
     )  # fmt: skip
     dq *= sm_scale
     tl.store(

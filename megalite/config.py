@@ -37,6 +37,8 @@ class ModelFeatures:
     tied: bool  # the output layer is the word embedding unless --untie-... says otherwise
     hf_model_type: str  # transformers' model_type with this weight layout (checkpoint/hf.py)
     doc: str = ""
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3; Megatron's
+    # --qk-layernorm)
 
     @property
     def rms_norm(self) -> bool:
@@ -65,6 +67,19 @@ FLAVOURS = {
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
         hf_model_type="llama",
         doc="RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied",
+    ),
+    "qwen2": ModelFeatures(
+        "rmsnorm", "rotary", gated_mlp=True, qkv_bias=True, linear_bias=False, tied=False,
+        hf_model_type="qwen2", doc="Qwen2/2.5: llama with biases on q, k, v",
+    ),
+    "qwen3": ModelFeatures(
+        "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
+        hf_model_type="qwen3", qk_norm=True,
+        doc="Qwen3 (dense): llama with an RMSNorm over each head's q and k",
+    ),
+    "mistral": ModelFeatures(
+        "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
+        hf_model_type="mistral", doc="Mistral: llama's layers, usually with --sliding-window",
     ),
 }  # fmt: skip
 
@@ -95,6 +110,35 @@ class ModelConfig:
     attention_dropout: float = opt(0.0, "dropout on attention probabilities")
     norm_epsilon: float = opt(1e-5, "epsilon of LayerNorm/RMSNorm", "--layernorm-epsilon")
     rotary_base: float = opt(10000.0, "RoPE base (llama)")
+    kv_channels: int | None = opt(
+        None, "head dim of q, k, v (default: hidden_size / num_attention_heads; Qwen3 sets it)"
+    )
+    # ---- RoPE scaling (model/rope.py): longer contexts than the model was trained on ----
+    rope_scaling: str = opt(
+        "none",
+        "RoPE frequency scaling: none, linear (positions / factor), llama3 (Llama 3.1: low "
+        "frequencies / factor, a smooth ramp between) or yarn (NTK-by-parts with attention "
+        "factor)",
+        choices=("none", "linear", "llama3", "yarn"),
+    )
+    rope_scaling_factor: float = opt(8.0, "RoPE scaling: the context extension factor")
+    rope_original_max_position_embeddings: int = opt(
+        8192, "RoPE scaling (llama3, yarn): the context length of pretraining"
+    )
+    rope_low_freq_factor: float = opt(1.0, "llama3 RoPE scaling: low_freq_factor")
+    rope_high_freq_factor: float = opt(4.0, "llama3 RoPE scaling: high_freq_factor")
+    yarn_beta_fast: float = opt(32.0, "yarn RoPE scaling: beta_fast (extrapolation bound)")
+    yarn_beta_slow: float = opt(1.0, "yarn RoPE scaling: beta_slow (interpolation bound)")
+    yarn_mscale: float | None = opt(None, "yarn RoPE scaling: mscale (with mscale_all_dim)")
+    yarn_mscale_all_dim: float | None = opt(None, "yarn RoPE scaling: mscale_all_dim")
+    yarn_attention_factor: float | None = opt(
+        None, "yarn RoPE scaling: cos/sin multiplier (default: from factor and the mscales)"
+    )
+    yarn_truncate: bool = opt(True, "yarn RoPE scaling: round the correction range outwards")
+    sliding_window: int | None = opt(
+        None,
+        "each query attends to the last W keys, itself included (Mistral; default: all earlier)",
+    )
     init_method_std: float = opt(0.02, "std of the normal initialisation")
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "separate output layer (default: tied for gpt2, untied for llama)"
@@ -145,7 +189,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def ffn(self) -> int:

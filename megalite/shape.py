@@ -121,6 +121,7 @@ def _positive(cfg: Config):
         "moe-ffn-hidden-size": m.moe_ffn_hidden_size, "moe-layer-freq": m.moe_layer_freq,
         "moe-shared-expert-intermediate-size": m.moe_shared_expert_intermediate_size,
         "expert-model-parallel-size": p.ep, "expert-tensor-parallel-size": p.etp,
+        "kv-channels": m.kv_channels, "sliding-window": m.sliding_window,
     }  # fmt: skip
     for name, v in values.items():
         if v is not None and v < 1:
@@ -160,7 +161,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         axes = parse_order(p.order, sizes)
     except ValueError as e:
         raise MegaliteError(f"--order: {e}") from None
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise MegaliteError(
             f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}"
         )
@@ -254,6 +255,14 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
     return None
 
 
+def _check_attention(cfg: Config) -> str | None:
+    """Why this model's attention variant cannot run, or None."""
+    m = cfg.model
+    if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
+        return f"--rope-scaling-factor={m.rope_scaling_factor} must be positive"
+    return None
+
+
 def validate(cfg: Config, world_size: int) -> RunShape:
     """Reject impossible configs with one sentence; the run's shape. cfg is not changed."""
     _positive(cfg)
@@ -273,6 +282,9 @@ def validate(cfg: Config, world_size: int) -> RunShape:
         raise MegaliteError(
             "--reset-attention-mask does not support attention dropout; set --attention-dropout 0"
         )
+    reason = _check_attention(cfg)
+    if reason:
+        raise MegaliteError(reason)
     if p.distributed_timeout_minutes <= 0:
         raise MegaliteError("--distributed-timeout-minutes must be positive")
     if cfg.model.num_experts and not shape.zero.experts:

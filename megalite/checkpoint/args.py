@@ -30,6 +30,7 @@ def _effective(m: ModelConfig) -> dict:
         "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads,
         "num_query_groups": m.heads_kv,
+        "kv_channels": m.head_dim,
         "ffn_hidden_size": m.ffn,
         "max_position_embeddings": (m.max_position_embeddings or m.seq_length)
         if m.features.learned_positions else None,

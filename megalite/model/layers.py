@@ -8,8 +8,10 @@ Inference with a KV cache passes `kv`, one layer's view of a `megalite.generatio
 x then holds only the new tokens (never sequence-parallel), their keys and values are appended
 to the cache, and attention runs over every cached slot with explicit positions.
 
-What the flavour decides is read from `cfg.features` (config.ModelFeatures); every matmul and
-the attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).
+What the flavour decides is read from `cfg.features` (config.ModelFeatures: biases, Qwen3's
+per-head q/k norms); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
+scaling in model/rope.py, a sliding window handed to the attention ops). Every matmul and the
+attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).
 `sequence_parallel` is the chunk's `SequenceParallel` switch (or a bool), shared by its layers.
 """
 
@@ -22,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.model.moe import MoELayer
+from megalite.model.rope import rotary_tables
 from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
@@ -55,12 +58,21 @@ class Norm(nn.Module):
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def rotary_tables(cfg: ModelConfig, device=None):
-    """cos, sin (seq_length, head_dim/2) in fp32, as Hugging Face Llama computes them."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.outer(torch.arange(cfg.seq_length, dtype=torch.int64).float(), inv_freq)
-    return freqs.cos().to(device), freqs.sin().to(device)
+class HeadNorm(nn.Module):
+    """RMSNorm over each head's features (`features.qk_norm`: Qwen3's q_norm and k_norm, before
+    RoPE): one weight (head_dim,) shared by every head. The heads are split over TP, so the
+    forward needs no communication and each rank's weight gradient is its heads' part, summed
+    over TP."""
+
+    def __init__(self, cfg: ModelConfig, tp: Group, ops, dtype=None, device=None):
+        super().__init__()
+        self.ops, self.eps = ops, cfg.norm_epsilon
+        spec = shard_spec(tp, None, partial_grad=True, no_weight_decay=True)
+        w = torch.ones(cfg.head_dim, dtype=dtype, device=device)
+        self.weight = mark(nn.Parameter(w), **spec)
+
+    def forward(self, x):  # (b, s, heads, hd)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -90,6 +102,8 @@ class Attention(nn.Module):
         self.kv_heads = nkv // tp.size if self.split_kv else 1
         self.kv_group = None if self.split_kv else tp.rank * nkv // tp.size
         self.rotary = cfg.features.rotary
+        # sliding window: passed to the attention ops only when set (a custom op need not know it)
+        self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
         kw = {
             "group": tp,
             "bias": cfg.features.qkv_bias,
@@ -112,6 +126,9 @@ class Attention(nn.Module):
             device=device,
             ops=ops,
         )
+        if cfg.features.qk_norm:
+            self.q_norm = HeadNorm(cfg, tp, ops, dtype, device)
+            self.k_norm = HeadNorm(cfg, tp, ops, dtype, device)
         if self.rotary:
             cos, sin = rotary_tables(cfg, device)
             self.register_buffer("cos", cos, persistent=False)
@@ -121,12 +138,13 @@ class Attention(nn.Module):
         """q (b, nh/t, s, hd), k and v (b, kv heads, s, hd) -> (b, nh/t, s, hd): `ops.attention`,
         the seam for an attention variant (or the masked/context-parallel blocks of `shard`)."""
         if shard is not None and shard.attention_masked:  # cp > 1 or documents (no dropout)
-            return context_attention(q, k, v, self.cp, shard, self.cp_comm_type, self.ops)
+            return context_attention(q, k, v, self.cp, shard, self.cp_comm_type, self.ops,
+                                     **self.window)  # fmt: skip
         p = self.cfg.attention_dropout if self.training else 0.0
         if p > 0:
             with self.rng.fork():  # heads are sharded: each rank drops its own
-                return self.ops.attention(q, k, v, p)
-        return self.ops.attention(q, k, v)
+                return self.ops.attention(q, k, v, p, **self.window)
+        return self.ops.attention(q, k, v, **self.window)
 
     def _rotate_at(self, q, k, positions):
         """RoPE of q and k (b, s, heads, hd) at per-row positions (b, s), in one call: the rows
@@ -150,6 +168,8 @@ class Attention(nn.Module):
         if self.kv_group is not None:
             k = k[:, :, self.kv_group : self.kv_group + 1]
             v = v[:, :, self.kv_group : self.kv_group + 1]
+        if hasattr(self, "q_norm"):  # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and kv is not None:
             q, k = self._rotate_at(q, k, kv.positions)
         elif self.rotary and shard is not None:  # true (or in-document) positions
@@ -160,10 +180,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
         if kv is not None:
             k, v = kv.append(k, v)  # (b, kv heads, every cached slot, hd)
-            if s == 1 and kv.k_doc is None:  # one new token, no padding: it sees every slot
+            if s == 1 and kv.k_doc is None and not self.window:  # one token sees every slot
                 o = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
-            else:  # a query sees the slots up to its own, padding excluded (document id -1)
-                o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc)
+            else:  # a query sees the slots up to its own (in its window), padding excluded
+                o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc,
+                                              **self.window)  # fmt: skip
         elif self.recompute_core and self.training:
             o = checkpoint(self._core, q, k, v, shard, use_reentrant=False,
                            context_fn=self.rng.recompute_contexts)  # fmt: skip

@@ -62,7 +62,7 @@ def _wait(batch, group: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, positions, docs, ops):
+    def forward(ctx, q, k, v, group, positions, docs, ops, window):
         # q (b, hq, s, d), k, v (b, hkv, s, d): this rank's tokens; positions/docs: (cp, s) of
         # every rank's tokens (known everywhere: every cp rank holds the same samples)
         cp, me = group.size, group.rank
@@ -74,14 +74,14 @@ class _RingAttention(torch.autograd.Function):
             batch = _ring_step(group, kv, nxt) if nxt is not None else None
             o, l = ops.attention_block_fwd(
                 q, kv[0], kv[1], positions[me], positions[src],
-                None if docs is None else docs[me], None if docs is None else docs[src],
+                None if docs is None else docs[me], None if docs is None else docs[src], **window,
             )  # fmt: skip
             out, lse = (o, l) if out is None else ops.merge_attention(out, lse, o, l)
             if batch is not None:
                 _wait(batch, group)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, positions, *(() if docs is None else (docs,)))
-        ctx.group, ctx.ops = group, ops
+        ctx.group, ctx.ops, ctx.window = group, ops, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -105,6 +105,7 @@ class _RingAttention(torch.autograd.Function):
             g_q, g_k, g_v = ops.attention_block_bwd(
                 q, kv[0], kv[1], out, lse, dout, positions[me], positions[src],
                 None if docs is None else docs[me], None if docs is None else docs[src],
+                **ctx.window,
             )  # fmt: skip
             dq += g_q
             if arriving is not None:
@@ -121,17 +122,18 @@ class _RingAttention(torch.autograd.Function):
         if arriving is not None:
             _wait(arriving[0], group)
             dkv = arriving[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 5
 
 
-def ring_attention(q, k, v, group: Group, positions, docs=None, ops=None):
+def ring_attention(q, k, v, group: Group, positions, docs=None, ops=None, **window):
     """Causal (and, with `docs`, document-masked) attention of this rank's queries against the
     keys of every rank of `group`. q (b, hq, s/cp, d), k and v (b, hkv, s/cp, d); positions
     (cp, s/cp): the global positions of every rank's tokens; docs (cp, s/cp) their document
-    ids, or None. Returns (b, hq, s/cp, d) in q's dtype."""
+    ids, or None; `window=W`: a sliding window over the positions. Returns (b, hq, s/cp, d) in
+    q's dtype."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
-    return _RingAttention.apply(q, k, v, group, positions, docs, ops)
+    return _RingAttention.apply(q, k, v, group, positions, docs, ops, window)
 
 
 def _exchange(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -149,7 +151,7 @@ def _exchange(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return got.reshape(cp, b, h, s // cp, d).transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None):
+def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, **window):
     """ring_attention's result by all-to-all (Ulysses): same arguments and result; the heads of
     q and of k, v must be divisible by the group's size."""
     if ops is None:
@@ -164,25 +166,27 @@ def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None):
     back = order.argsort()
     q, k, v = (t[:, :, order] for t in (q, k, v))
     if docs is None:
-        o = ops.attention(q, k, v)
+        o = ops.attention(q, k, v, **window)
     else:
         d = docs.permute(1, 0, 2).reshape(docs.shape[1], -1)[:, order]  # (b, s)
         every = positions.reshape(-1)[order]
-        o = ops.attention_masked(q, k, v, every, every, d, d)
+        o = ops.attention_masked(q, k, v, every, every, d, d, **window)
     return _exchange(o[:, :, back], group, 2)  # (b, hq, s/cp, d)
 
 
-def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None):
+def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None,
+                      **window):  # fmt: skip
     """Causal attention of this rank's tokens over the whole sequence of every rank of `group`,
     document-masked when the shard has document ids: q (b, hq, s/cp, d), k, v (b, hkv, s/cp, d).
-    At cp = 1 that is masked attention over this rank's sequences."""
+    At cp = 1 that is masked attention over this rank's sequences. `window=W`: a sliding window
+    by sequence index (the torch ops: the Triton ones fall back to them for it)."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
     if group.size == 1:
         pos, doc = shard.index[0], None if shard.docs is None else shard.docs[0]
-        return ops.attention_masked(q, k, v, pos, pos, doc, doc)
+        return ops.attention_masked(q, k, v, pos, pos, doc, doc, **window)
     attend = a2a_attention if comm_type == "a2a" else ring_attention
-    return attend(q, k, v, group, shard.index, shard.docs, ops)
+    return attend(q, k, v, group, shard.index, shard.docs, ops, **window)
 
 
 @dataclass

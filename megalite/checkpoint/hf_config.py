@@ -1,0 +1,326 @@
+"""config.json of Hugging Face transformers <-> megalite's ModelConfig, both ways.
+
+An imported config.json is read as features first (`ModelFeatures`) and then matched to the
+row of `megalite.config.FLAVOURS` that has them; every field it carries is read, or checked,
+and one megalite cannot honour (a rope type it lacks, a per-layer attention pattern, partial
+rotary dimensions, an activation other than SiLU, quantisation) is refused in one line, never
+dropped. Export writes the config of the architecture the flavour's `hf_model_type` names, and
+refuses a model that architecture cannot express. The weights are megalite/checkpoint/hf.py's.
+
+Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj ...):
+- LlamaForCausalLM (Llama 2/3.x): optional rope scaling (llama3, linear, yarn), tied embeddings;
+- Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q, k, v only;
+- Qwen3ForCausalLM (Qwen3 dense): q_norm and k_norm over each head, head_dim set explicitly;
+- MistralForCausalLM: `sliding_window` (every layer);
+- MixtralForCausalLM: experts in every layer (no sliding window).
+Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all sliding).
+"""
+
+from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
+from megalite.errors import MegaliteError
+
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}  # fmt: skip
+LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+          "mistral": "Mistral"}  # fmt: skip
+
+# RoPE parameters per rope_type: config.json key -> ModelConfig field
+ROPE_FIELDS = {
+    "default": {},
+    "linear": {"factor": "rope_scaling_factor"},
+    "llama3": {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_position_embeddings"},
+    "yarn": {"factor": "rope_scaling_factor", "beta_fast": "yarn_beta_fast",
+             "beta_slow": "yarn_beta_slow", "mscale": "yarn_mscale",
+             "mscale_all_dim": "yarn_mscale_all_dim", "attention_factor": "yarn_attention_factor",
+             "original_max_position_embeddings": "rope_original_max_position_embeddings",
+             "truncate": "yarn_truncate"},
+}  # fmt: skip
+RUNTIME = {"none": "default"}  # ModelConfig.rope_scaling -> rope_type where the names differ
+# transformers' values for yarn keys left out: not written (nor None), as transformers writes them
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+
+
+def exports_as_mixtral(cfg: ModelConfig) -> bool:
+    """An MoE model exports as Mixtral; one Mixtral cannot express is refused."""
+    if not cfg.num_experts:
+        return False
+    unsupported = {
+        f"the {cfg.flavour} flavour": cfg.features.hf_model_type != "llama",
+        "--moe-layer-freq > 1": cfg.moe_layer_freq != 1,
+        "a shared expert": bool(cfg.moe_shared_expert_intermediate_size),
+        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax,
+        "the expert bias": cfg.moe_router_enable_expert_bias,
+        "a sliding window": cfg.sliding_window is not None,
+    }
+    why = [k for k, v in unsupported.items() if v]
+    if why:
+        raise MegaliteError(
+            f"this mixture-of-experts model has {', '.join(why)}, which MixtralForCausalLM "
+            "cannot express; it cannot be exported to Hugging Face"
+        )
+    return True
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+
+def _gpt2_config(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": [ARCHITECTURES["gpt2"]],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_position_embeddings or cfg.seq_length,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_attention_heads,
+        "n_inner": cfg.ffn,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_epsilon,
+        "initializer_range": cfg.init_method_std,
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.hidden_dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "tie_word_embeddings": True,
+    }
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers >= 5's rope_parameters: the base, the rope_type and its parameters."""
+    kind = RUNTIME.get(cfg.rope_scaling, cfg.rope_scaling)
+    out = {"rope_theta": cfg.rotary_base, "rope_type": kind}
+    for key, name in ROPE_FIELDS[kind].items():
+        value = getattr(cfg, name)
+        if value is not None and (kind != "yarn" or YARN_DEFAULTS.get(key) != value):
+            out[key] = value
+    return out
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The config.json of the equivalent transformers model."""
+    kind = cfg.features.hf_model_type
+    if kind == "gpt2" and not exports_as_mixtral(cfg):
+        return _gpt2_config(cfg)
+    rope = rope_parameters(cfg)
+    out = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.heads_kv,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length,
+        "rms_norm_eps": cfg.norm_epsilon,
+        "rope_theta": cfg.rotary_base,  # where transformers < 5 reads it
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tied,
+        "attention_bias": cfg.features.qkv_bias,
+        "mlp_bias": cfg.features.linear_bias,
+        "initializer_range": cfg.init_method_std,
+        "attention_dropout": cfg.attention_dropout,
+    }
+    if rope["rope_type"] != "default":
+        out["rope_scaling"] = rope  # transformers < 5 reads the scaling here
+    window = cfg.sliding_window
+    if exports_as_mixtral(cfg):  # Llama's fields with experts (Mixtral has no bias options)
+        del out["attention_bias"], out["mlp_bias"]
+        out.update({
+            "architectures": [ARCHITECTURES["mixtral"]],
+            "model_type": "mixtral",
+            "intermediate_size": cfg.moe_ffn,
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_router_topk,
+            "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+            "sliding_window": None,
+        })  # fmt: skip
+    elif kind == "mistral":  # no bias options; a window on every layer (or none)
+        del out["attention_bias"], out["mlp_bias"]
+        out["sliding_window"] = window
+    elif kind in ("qwen2", "qwen3"):  # biases fixed by the architecture (qwen3: attention_bias)
+        del out["mlp_bias"]
+        if kind == "qwen2":  # no head_dim field unless it differs from hidden / heads
+            del out["attention_bias"]
+            if cfg.kv_channels is None:
+                del out["head_dim"]
+        layer = "full_attention" if window is None else "sliding_attention"
+        out.update(use_sliding_window=window is not None, sliding_window=window,
+                   layer_types=[layer] * cfg.num_layers)  # fmt: skip
+        if window is not None:
+            out["max_window_layers"] = 0  # the window from the first layer on
+    elif window is not None:
+        raise MegaliteError(
+            f"{ARCHITECTURES[kind]} has no sliding window; this model (--sliding-window "
+            f"{window}) cannot be exported to Hugging Face as {kind}"
+        )
+    return out
+
+
+# ---- import ---------------------------------------------------------------------------------
+
+
+def _flavour(features: ModelFeatures, arch: str) -> str:
+    """The flavour whose row has these features (the output tying aside: a flag sets it)."""
+    differ = {}
+    for name, row in FLAVOURS.items():
+        theirs = {k: v for k, v in vars(features).items() if k not in ("tied", "doc")}
+        mine = {k: getattr(row, k) for k in theirs}
+        if theirs == mine:
+            return name
+        if row.hf_model_type == features.hf_model_type:
+            differ = {k: v for k, v in theirs.items() if v != mine[k]}
+    what = ", ".join(f"{k}={v}" for k, v in differ.items()) or str(features)
+    raise MegaliteError(
+        f"{arch} models with {what} are not supported: no megalite flavour has these features "
+        "(megalite.config.FLAVOURS)"
+    )
+
+
+def _features(hf: dict, kind: str) -> ModelFeatures:
+    """The features a Llama-layout config.json states (`kind`: its weight layout)."""
+    attention = bool(hf.get("attention_bias"))  # Llama, Qwen3: q, k, v and o_proj
+    qkv = attention or kind == "qwen2"  # Qwen2: q, k, v always, o_proj never
+    return ModelFeatures("rmsnorm", "rotary", gated_mlp=True, qkv_bias=qkv,
+                         linear_bias=attention or bool(hf.get("mlp_bias")),
+                         tied=bool(hf.get("tie_word_embeddings", False)),
+                         hf_model_type="llama" if kind == "mixtral" else kind,
+                         qk_norm=kind == "qwen3")  # fmt: skip
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    arch = (hf.get("architectures") or [hf.get("model_type", "?")])[0]
+    if hf.get("quantization_config"):
+        raise MegaliteError(f"{arch} checkpoints with a quantization_config are not supported")
+    if arch == ARCHITECTURES["gpt2"] or hf.get("model_type") == "gpt2":
+        return _gpt2_from_hf(hf)
+    for kind, name in ARCHITECTURES.items():
+        if kind != "gpt2" and (arch == name or hf.get("model_type") == kind):
+            return _llama_config(hf, kind)
+    raise MegaliteError(
+        f"Hugging Face architecture {arch!r} is not supported; megalite converts "
+        f"{', '.join(ARCHITECTURES.values())}"
+    )
+
+
+def _gpt2_from_hf(hf: dict) -> ModelConfig:
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise MegaliteError(
+            f"GPT-2 activation {hf['activation_function']!r} is not supported; megalite uses gelu_new"
+        )
+    # what GPT2LMHeadModel always is: its config.json has no switch for these
+    gpt2 = ModelFeatures("layernorm", "learned", gated_mlp=False, qkv_bias=True,
+                         linear_bias=True, tied=True, hf_model_type="gpt2")  # fmt: skip
+    return ModelConfig(
+        flavour=_flavour(gpt2, "GPT-2"),
+        num_layers=hf["n_layer"],
+        hidden_size=hf["n_embd"],
+        num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
+        seq_length=hf["n_positions"],
+        max_position_embeddings=hf["n_positions"],
+        vocab_size=hf["vocab_size"],
+        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def _rope(hf: dict, default: float, arch: str) -> dict:
+    """ModelConfig's RoPE fields: the base at the top of config.json (transformers < 5) or in
+    rope_parameters (>= 5), the scaling in either rope_scaling or rope_parameters."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_FIELDS:
+        raise MegaliteError(
+            f"{arch} models with rope_type {kind!r} are not supported; megalite has "
+            f"{', '.join(ROPE_FIELDS)}"
+        )
+    names = ROPE_FIELDS[kind]
+    unknown = set(scaling) - {"rope_type", "type", "rope_theta", *names}
+    if scaling.get("partial_rotary_factor", 1.0) == 1.0:
+        unknown.discard("partial_rotary_factor")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        unknown.add("partial_rotary_factor")
+    if unknown:
+        raise MegaliteError(
+            f"{arch} models with rope parameters {', '.join(sorted(unknown))} are not supported"
+        )
+    base = scaling.get("rope_theta", params.get("rope_theta", hf.get("rope_theta", default)))
+    out = {"rotary_base": float(base), "rope_scaling": {"default": "none"}.get(kind, kind)}
+    for key, name in names.items():
+        if scaling.get(key) is not None:
+            out[name] = scaling[key]
+    if kind == "yarn" and scaling.get("factor") is None:  # transformers' default factor
+        context = out["rope_original_max_position_embeddings"]
+        out["rope_scaling_factor"] = hf["max_position_embeddings"] / context
+    return out
+
+
+def _window(hf: dict, kind: str, arch: str) -> int | None:
+    """The sliding window of every layer, or None; a per-layer pattern is refused."""
+    if kind in ("qwen2", "qwen3"):
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        if window is None:  # transformers then attends over everything, whatever layer_types
+            return None
+        n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
+        types = set(hf.get("layer_types") or [])  # older configs: sliding from max_window_layers
+        types = types or {"sliding_attention" if i >= first else "full_attention" for i in range(n)}
+        if types == {"full_attention"}:
+            return None
+        if types != {"sliding_attention"}:
+            raise MegaliteError(
+                f"{arch} with a sliding window on some layers only (use_sliding_window, "
+                "max_window_layers, layer_types) is not supported; megalite's window covers "
+                "every layer or none"
+            )
+        return window
+    window = hf.get("sliding_window")
+    if kind == "mixtral" and window is not None:
+        raise MegaliteError(
+            f"Mixtral with sliding_window={window} is not supported; megalite attends over the "
+            "whole sequence"
+        )
+    if kind == "llama" and window is not None:
+        raise MegaliteError(f"Llama with sliding_window={window} is not supported")
+    return window
+
+
+def _llama_config(hf: dict, kind: str) -> ModelConfig:
+    """The ModelConfig of a Llama-layout config.json; the defaults are transformers' for fields
+    the file leaves out."""
+    arch = LABELS[kind]
+    seq, eps, rope = (4096, 1e-5, 1e6) if kind == "mixtral" else (2048, 1e-6, 10000.0)
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    window = _window(hf, kind, arch)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise MegaliteError(f"{arch} with hidden_act={hf['hidden_act']!r} is not supported (silu)")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise MegaliteError(f"{arch} with pretraining_tp={hf['pretraining_tp']} is not supported")
+    head_dim = hf.get("head_dim") or h // heads
+    experts = {}
+    if kind == "mixtral":
+        experts = {"num_experts": hf["num_local_experts"],
+                   "moe_router_topk": hf["num_experts_per_tok"],
+                   "moe_ffn_hidden_size": hf["intermediate_size"],
+                   "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.0)}  # fmt: skip
+    return ModelConfig(
+        flavour=_flavour(_features(hf, kind), arch),
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=None if head_dim * heads == h else head_dim,
+        seq_length=hf.get("max_position_embeddings", seq),
+        vocab_size=hf["vocab_size"],
+        norm_epsilon=hf.get("rms_norm_eps", eps),
+        **_rope(hf, rope, arch),
+        sliding_window=window,
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        **experts,
+    )
