@@ -39,6 +39,8 @@ class ModelFeatures:
     doc: str = ""
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3; Megatron's
     # --qk-layernorm)
+    latent_attention: bool = False  # multi-head latent attention (DeepSeek-V2/V3, model/mla.py):
+    # low-rank q and kv with their norms, a decoupled RoPE key shared by the heads
 
     @property
     def rms_norm(self) -> bool:
@@ -80,6 +82,11 @@ FLAVOURS = {
     "mistral": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
         hf_model_type="mistral", doc="Mistral: llama's layers, usually with --sliding-window",
+    ),
+    "deepseek_v3": ModelFeatures(
+        "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
+        hf_model_type="deepseek_v3", latent_attention=True,
+        doc="DeepSeek-V3: llama's layers with multi-head latent attention (--q-lora-rank, ...)",
     ),
 }  # fmt: skip
 
@@ -139,6 +146,21 @@ class ModelConfig:
         None,
         "each query attends to the last W keys, itself included (Mistral; default: all earlier)",
     )
+    # ---- multi-head latent attention (the deepseek_v3 flavour; model/mla.py) ----
+    q_lora_rank: int | None = opt(
+        None, "MLA: rank of the compressed query (default: a full-rank q projection)"
+    )
+    kv_lora_rank: int = opt(32, "MLA: rank of the compressed key/value latent (cached)")
+    qk_nope_head_dim: int = opt(128, "MLA: per-head q/k dims without RoPE", "--qk-head-dim")
+    qk_rope_head_dim: int = opt(
+        64, "MLA: q/k dims with RoPE (the key's shared by all heads)", "--qk-pos-emb-head-dim"
+    )
+    v_head_dim: int = opt(128, "MLA: per-head value dims")
+    # ---- multi-token prediction (DeepSeek-V3's MTP; model/mtp.py) ----
+    mtp_num_layers: int = opt(
+        0, "MTP: modules predicting tokens 2, 3, ... ahead (one transformer layer each)"
+    )
+    mtp_loss_scaling_factor: float = opt(0.1, "MTP: weight of the mean MTP loss")
     init_method_std: float = opt(0.02, "std of the normal initialisation")
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "separate output layer (default: tied for gpt2, untied for llama)"

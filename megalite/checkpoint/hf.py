@@ -8,7 +8,8 @@ GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v into `c_attn`;
 `AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on. The layout follows
 the model's features (`cfg.features.hf_model_type`, its biases, Qwen3's q_norm and k_norm);
 config.json is read and written by megalite/checkpoint/hf_config.py (features matched to a row
-of `megalite.config.FLAVOURS`). Llama, Qwen2, Qwen3, Mistral and Mixtral share Llama's names.
+of `megalite.config.FLAVOURS`). Llama, Qwen2, Qwen3, Mistral and Mixtral share Llama's names;
+DeepSeek-V3's latent attention has its own (megalite/checkpoint/hf_deepseek.py).
 
 Mixtral (a Llama-flavoured model with experts in every layer, no shared expert, top-k weights
 renormalised): megalite's stacked expert tensors are the ones recent transformers keep in
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megalite.checkpoint import hf_deepseek
 from megalite.checkpoint.hf_config import exports_as_mixtral as _mixtral
 from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
 from megalite.config import ModelConfig
@@ -93,7 +95,13 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     V = cfg.vocab_size
     out = {}
     unpad = set(VOCAB_TENSORS)
-    if _gpt2_layout(cfg):
+    if cfg.features.latent_attention:  # DeepSeek-V3: rotary rows back to pairs
+        for m, h, rope in hf_deepseek.names(cfg):
+            w = state[m][:V] if m in unpad else state[m]
+            out[h] = hf_deepseek.reorder_rope(w, rope, False) if rope else w.clone()
+        if cfg.tied:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             w = state[m][:V] if m in unpad else state[m]
             out[h] = w.t().contiguous() if t else w.clone()
@@ -128,7 +136,10 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
         return hf_state[name]
 
     out = {}
-    if _gpt2_layout(cfg):
+    if cfg.features.latent_attention:  # DeepSeek-V3: rotary rows from pairs to halves
+        for m, h, rope in hf_deepseek.names(cfg):
+            out[m] = hf_deepseek.reorder_rope(get(h), rope, True) if rope else get(h).clone()
+    elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             out[m] = get(h).t().contiguous() if t else get(h).clone()
         h_ = cfg.hidden_size

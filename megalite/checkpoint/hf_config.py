@@ -12,18 +12,21 @@ Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj 
 - Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q, k, v only;
 - Qwen3ForCausalLM (Qwen3 dense): q_norm and k_norm over each head, head_dim set explicitly;
 - MistralForCausalLM: `sliding_window` (every layer);
-- MixtralForCausalLM: experts in every layer (no sliding window).
+- MixtralForCausalLM: experts in every layer (no sliding window);
+- DeepseekV3ForCausalLM: multi-head latent attention, dense layers (checkpoint/hf_deepseek.py).
 Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all sliding).
 """
 
+from megalite.checkpoint import hf_deepseek
 from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.errors import MegaliteError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}  # fmt: skip
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "deepseek_v3": hf_deepseek.ARCH}  # fmt: skip
 LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "mistral": "Mistral"}  # fmt: skip
+          "mistral": "Mistral", "deepseek_v3": "DeepSeek-V3"}  # fmt: skip
 
 # RoPE parameters per rope_type: config.json key -> ModelConfig field
 ROPE_FIELDS = {
@@ -128,6 +131,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     if rope["rope_type"] != "default":
         out["rope_scaling"] = rope  # transformers < 5 reads the scaling here
     window = cfg.sliding_window
+    if cfg.features.latent_attention:  # MLA's fields (checkpoint/hf_deepseek.py)
+        return hf_deepseek.hf_config(cfg, out)
     if exports_as_mixtral(cfg):  # Llama's fields with experts (Mixtral has no bias options)
         del out["attention_bias"], out["mlp_bias"]
         out.update({
@@ -189,7 +194,8 @@ def _features(hf: dict, kind: str) -> ModelFeatures:
                          linear_bias=attention or bool(hf.get("mlp_bias")),
                          tied=bool(hf.get("tie_word_embeddings", False)),
                          hf_model_type="llama" if kind == "mixtral" else kind,
-                         qk_norm=kind == "qwen3")  # fmt: skip
+                         qk_norm=kind == "qwen3",
+                         latent_attention=kind == "deepseek_v3")  # fmt: skip
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -302,6 +308,8 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
         raise MegaliteError(f"{arch} with pretraining_tp={hf['pretraining_tp']} is not supported")
     head_dim = hf.get("head_dim") or h // heads
     experts = {}
+    if kind == "deepseek_v3":  # MLA: no head_dim of its own (transformers sets it to the rope dims)
+        experts, head_dim = hf_deepseek.model_fields(hf), h // heads
     if kind == "mixtral":
         experts = {"num_experts": hf["num_local_experts"],
                    "moe_router_topk": hf["num_experts_per_tok"],

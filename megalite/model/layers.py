@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.mla import LatentAttention
 from megalite.model.moe import MoELayer
 from megalite.model.rope import rotary_tables
 from megalite.parallel.comm import Group
@@ -262,7 +263,8 @@ class TransformerLayer(nn.Module):
             recompute,
         )
         self.input_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
-        self.attention = Attention(
+        attention = LatentAttention if cfg.features.latent_attention else Attention
+        self.attention = attention(
             cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw, cp=cp,
             cp_comm_type=cp_comm_type,
         )  # fmt: skip

@@ -1,0 +1,122 @@
+"""DeepseekV3ForCausalLM <-> megalite (`features.latent_attention`): weight names and config.json.
+
+Names per layer i (model.layers.{i}.): input_layernorm, post_attention_layernorm, and MLA's
+self_attn.q_a_proj, q_a_layernorm, q_b_proj (or q_proj without q_lora_rank),
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; a dense layer's mlp.gate_proj, up_proj,
+down_proj. Layers from `first_k_dense_replace` on are MoE layers: refused until megalite routes
+as DeepSeek-V3 does (sigmoid, groups, shared experts).
+
+RoPE: with `rope_interleave` (DeepSeek's default) the rotary dims of q and of the shared key are
+stored as pairs (x0, x1), (x2, x3), ...; megalite rotates halves (x0..x_{d/2-1} with the rest),
+so on import those rows of q_b_proj (q_proj) and kv_a_proj_with_mqa are reordered evens first
+then odds, and back on export. Scores are unchanged: q and k are reordered alike.
+
+Multi-token prediction: checkpoints on the hub store DeepSeek-V3's MTP modules as extra layers
+model.layers.{num_hidden_layers + k}.* (`num_nextn_predict_layers`); transformers' model has no
+MTP and ignores them. megalite does not read them (MTP modules start fresh): they are dropped on
+import, and num_nextn_predict_layers is written as 0 on export.
+"""
+
+import torch
+
+from megalite.config import ModelConfig
+from megalite.errors import MegaliteError
+
+ARCH = "DeepseekV3ForCausalLM"
+
+
+def _attention_names(cfg: ModelConfig):
+    """(megalite suffix, hf suffix, rope rows: (per-row-group size, offset) or None)."""
+    dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        yield "q_a.weight", "q_a_proj.weight", None
+        yield "q_a_norm.weight", "q_a_layernorm.weight", None
+        yield "q_b.weight", "q_b_proj.weight", (dn + dr, dn)  # each head's last dr rows
+    else:
+        yield "q.weight", "q_proj.weight", (dn + dr, dn)
+    yield "kv_a.weight", "kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + dr, cfg.kv_lora_rank)
+    yield "kv_a_norm.weight", "kv_a_layernorm.weight", None
+    yield "kv_b.weight", "kv_b_proj.weight", None
+    yield "out.weight", "o_proj.weight", None
+
+
+def names(cfg: ModelConfig):
+    """(megalite name, hf name, rope rows) for every tensor (the embedding and head included)."""
+    yield "embedding.word.weight", "model.embed_tokens.weight", None
+    for i in range(cfg.num_layers):
+        m, h = f"layers.{i}.", f"model.layers.{i}."
+        yield m + "input_norm.weight", h + "input_layernorm.weight", None
+        yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight", None
+        for a, b, rope in _attention_names(cfg):
+            yield m + "attention." + a, h + "self_attn." + b, rope
+        for a in ("gate", "up", "down"):
+            yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight", None
+    yield "final_norm.weight", "model.norm.weight", None
+    if not cfg.tied:
+        yield "output.weight", "lm_head.weight", None
+
+
+def reorder_rope(w: torch.Tensor, rows, to_halves: bool) -> torch.Tensor:
+    """Rows of w grouped by `rows` = (group size, offset): each group's rows from the offset
+    on (the rotary dims) from pairs to halves (`to_halves`) or back."""
+    size, offset = rows
+    g = w.reshape(-1, size, *w.shape[1:])
+    rope = g[:, offset:]
+    d = rope.shape[1]
+    if to_halves:
+        rope = torch.cat([rope[:, 0::2], rope[:, 1::2]], 1)
+    else:
+        rope = torch.stack([rope[:, : d // 2], rope[:, d // 2 :]], 2).reshape(rope.shape)
+    return torch.cat([g[:, :offset], rope], 1).reshape(w.shape)
+
+
+# ---- config.json ----------------------------------------------------------------------------
+
+
+def hf_config(cfg: ModelConfig, common: dict) -> dict:
+    """config.json of DeepseekV3ForCausalLM; `common` holds the Llama-layout fields."""
+    if cfg.num_experts:
+        raise MegaliteError(
+            "a DeepSeek-V3 model with experts cannot be exported yet: megalite's routing is not "
+            "DeepSeek-V3's (sigmoid, groups, shared experts)"
+        )
+    if cfg.sliding_window is not None:
+        raise MegaliteError(f"{ARCH} has no sliding window; this model cannot be exported")
+    out = {k: v for k, v in common.items() if k not in ("head_dim", "mlp_bias")}
+    out.update({
+        "architectures": [ARCH], "model_type": "deepseek_v3", "num_key_value_heads":
+        cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "first_k_dense_replace": cfg.num_layers,
+        "rope_interleave": True, "num_nextn_predict_layers": 0,
+    })  # fmt: skip
+    return out
+
+
+def model_fields(hf: dict) -> dict:
+    """ModelConfig fields of a DeepseekV3 config.json beyond the Llama-layout ones; what megalite
+    cannot honour is refused in one line."""
+    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    first_dense = hf.get("first_k_dense_replace", 3)
+    if first_dense is not None and first_dense < n:
+        raise MegaliteError(
+            f"{ARCH} with MoE layers (first_k_dense_replace={first_dense} < "
+            f"num_hidden_layers={n}) is not supported yet: megalite converts dense DeepSeek-V3 "
+            "models (first_k_dense_replace >= num_hidden_layers)"
+        )
+    if hf.get("num_key_value_heads") not in (None, heads):
+        raise MegaliteError(
+            f"{ARCH} with num_key_value_heads={hf['num_key_value_heads']} != "
+            f"num_attention_heads={heads} is not supported (latent attention has one per head)"
+        )
+    if hf.get("attention_bias"):
+        raise MegaliteError(f"{ARCH} with attention_bias=True is not supported")
+    if not hf.get("rope_interleave", True):
+        raise MegaliteError(f"{ARCH} with rope_interleave=False is not supported (pairs only)")
+    return {
+        "q_lora_rank": hf.get("q_lora_rank", 1536),
+        "kv_lora_rank": hf.get("kv_lora_rank", 512),
+        "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
+        "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
+        "v_head_dim": hf.get("v_head_dim") or 128,
+    }
