@@ -43,7 +43,8 @@ class KVCache:
 
     `pad` (b,): padding slots at the start of each row; `capacity`: slots per row. The chunk
     calls `extend(s)` before a forward of s new tokens, then each attention layer appends to
-    `layer(name)`: buffers (b, kv heads, capacity, hd), allocated at the first write.
+    `layer(name)`: buffers (b, kv heads, capacity, hd), allocated at the first write (latent
+    attention caches its compressed latent and RoPE key there instead).
     """
 
     def __init__(self, pad: torch.Tensor, capacity: int, padded: bool = True):
@@ -81,11 +82,13 @@ class LayerKV:
         return getattr(self.__dict__["cache"], name)
 
     def append(self, k, v):
-        """k, v (b, kv heads, s, hd) of the new tokens -> every slot so far (b, kvh, length, hd)."""
+        """k, v (b, kv heads, s, hd) of the new tokens -> every slot so far (b, kvh, length, hd).
+        Latent attention (model/mla.py) appends its latent (b, 1, s, r) as k and its RoPE key
+        (b, 1, s, dr) as v: each buffer takes its own last dim."""
         c = self.cache
         if self.k is None:
-            shape = (k.shape[0], k.shape[1], c.capacity, k.shape[3])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+            self.k = k.new_empty((*k.shape[:2], c.capacity, k.shape[3]))
+            self.v = v.new_empty((*v.shape[:2], c.capacity, v.shape[3]))
         self.k[:, :, c.start : c.length] = k
         self.v[:, :, c.start : c.length] = v
         return self.k[:, :, : c.length], self.v[:, :, : c.length]
