@@ -171,6 +171,9 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         )
     if m.features.rotary and m.head_dim % 2:
         raise MegaliteError(f"head dim {m.head_dim} must be even for rotary embeddings")
+    reason = _check_latent_attention(m) or _check_mtp(cfg, sizes)
+    if reason:
+        raise MegaliteError(reason)
     for ax in AXES.values():
         reason = ax.check(cfg, sizes) if ax.check else None
         if reason:
@@ -260,6 +263,38 @@ def _check_attention(cfg: Config) -> str | None:
     m = cfg.model
     if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
         return f"--rope-scaling-factor={m.rope_scaling_factor} must be positive"
+    return None
+
+
+def _check_latent_attention(m) -> str | None:
+    """Latent attention (model/mla.py) has its own head dims and one k/v per query head."""
+    if not m.features.latent_attention:
+        return None
+    if m.qk_rope_head_dim % 2:
+        return f"qk_rope_head_dim={m.qk_rope_head_dim} must be even for rotary embeddings"
+    if m.kv_channels is not None:
+        return (f"--kv-channels does not apply to latent attention ({m.flavour}); set "
+                "--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim")  # fmt: skip
+    if m.heads_kv != m.num_attention_heads:
+        return (f"--num-query-groups={m.heads_kv} does not apply to latent attention "
+                f"({m.flavour}): every head has its own keys and values")  # fmt: skip
+    return None
+
+
+def _check_mtp(cfg: Config, sizes: dict) -> str | None:
+    """Multi-token prediction (model/mtp.py) shifts each row's labels: whole rows, RoPE."""
+    m, d = cfg.model, cfg.data
+    if not m.mtp_num_layers:
+        return None
+    if m.mtp_num_layers < 0 or m.mtp_num_layers >= m.seq_length:
+        return f"--mtp-num-layers={m.mtp_num_layers} must be in [0, seq_length={m.seq_length})"
+    if sizes.get("cp", 1) > 1:
+        return "multi-token prediction does not run with --cp yet; use --cp 1"
+    if not m.features.rotary:
+        return f"multi-token prediction needs rotary positions; the {m.flavour} flavour has none"
+    if d.reset_attention_mask or d.reset_position_ids:
+        return ("multi-token prediction does not run on packed documents yet (--reset-attention-"
+                "mask, --reset-position-ids)")  # fmt: skip
     return None
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megalite.config import ModelConfig
 from megalite.kernels import TORCH_OPS
 from megalite.model.layers import Norm, TransformerLayer
+from megalite.model.mtp import MTPModule, mtp_loss
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -98,11 +99,40 @@ class GPTChunk(nn.Module):
                 if cfg.tied:  # the first stage's embedding, summed with it over `embed`
                     spec.update(tied_to=WORD_EMBEDDING, grad_sum=("embed",))
                 self.output.weight = mark(nn.Parameter(w), **spec)
+            if cfg.mtp_num_layers:  # multi-token prediction (model/mtp.py) after the head
+                self._build_mtp(cfg, ops, rng, recompute, kw, ep, cp, cp_comm_type)
         name_parameters(self, cfg.vocab_size)
-        if cfg.tied and has_embedding and not has_head:  # its twin is on the head's stage
+        twin = cfg.tied or cfg.mtp_num_layers  # the head's stage holds a copy of the embedding
+        if twin and has_embedding and not has_head:  # its twin is on the head's stage
             update(self.embedding.word.weight, grad_sum=("embed",))
         if torch.device(device or "cpu").type != "meta":  # the planner builds shapes only
             self.init_parameters(seed)
+
+    def _build_mtp(self, cfg, ops, rng, recompute, kw, ep, cp, cp_comm_type):
+        """The MTP modules, and the embedding they read when this chunk lacks it: a copy of
+        the first stage's (the tied output layer itself when there is one)."""
+        L = cfg.num_layers
+        self.mtp = nn.ModuleDict(
+            {str(k): MTPModule(cfg, self.tp, ops, self.seq_parallel, rng, recompute, **kw,
+                               ep=ep if cfg.is_moe_layer(L + k) else None, cp=cp,
+                               cp_comm_type=cp_comm_type)
+             for k in range(cfg.mtp_num_layers)}
+        )  # fmt: skip
+        if self.has_embedding:
+            return
+        self.mtp_embedding = VocabParallelEmbedding(
+            self.vocab, cfg.hidden_size, self.tp, self.seq_parallel, **kw
+        )
+        if hasattr(self, "output") and cfg.tied:  # already the embedding's copy: share it
+            self.mtp_embedding.weight = self.output.weight
+        else:
+            update(self.mtp_embedding.weight, tied_to=WORD_EMBEDDING, grad_sum=("embed",))
+
+    def mtp_embed(self, ids):
+        """The word embedding of ids (b, s) for the MTP modules, on the head's stage."""
+        if self.has_embedding:
+            return self.embedding.word(ids)
+        return self.mtp_embedding(ids)
 
     # ---- initialisation: every logical tensor drawn whole from (seed, name), then sliced ------
 
@@ -171,10 +201,19 @@ class GPTChunk(nn.Module):
     def head_weight(self):
         return self.embedding.word.weight if not hasattr(self, "output") else self.output.weight
 
-    def logits(self, x):
-        """(b, s[/t], h) -> this rank's vocabulary slice of the logits (b, s, V_padded/t)."""
-        x = enter_tp_region(self.final_norm(x), self.tp, self.sp)
+    def logits(self, x, norm=None):
+        """(b, s[/t], h) -> this rank's vocabulary slice of the logits (b, s, V_padded/t);
+        `norm`: another final norm than the model's (an MTP module's)."""
+        x = enter_tp_region((norm or self.final_norm)(x), self.tp, self.sp)
         return self.ops.linear(x, self.head_weight())
+
+    def _token_loss(self, logits, labels):
+        """Per-token cross entropy (b, s) of this rank's vocabulary slice of the logits."""
+        if self.tp.size > 1:
+            return vocab_parallel_cross_entropy(
+                logits, labels, self.tp, self.cfg.vocab_size, ops=self.ops
+            )
+        return self.ops.cross_entropy(logits[..., : self.cfg.vocab_size], labels)
 
     def forward(self, x, labels=None, cache=None, shard=None):
         """Training and whole-sequence inference; with `cache` (a megalite.generation.KVCache),
@@ -194,16 +233,15 @@ class GPTChunk(nn.Module):
         logits = self.logits(x)
         if labels is None:  # whole logits over the real vocabulary (generation, conversion checks)
             return comm.gather_from_group(logits, self.tp, dim=-1)[..., : self.cfg.vocab_size]
-        if self.tp.size > 1:
-            loss = vocab_parallel_cross_entropy(
-                logits, labels, self.tp, self.cfg.vocab_size, ops=self.ops
-            )
-        else:
-            loss = self.ops.cross_entropy(logits[..., : self.cfg.vocab_size], labels)
+        loss = self._token_loss(logits, labels)
         if shard is not None and shard.loss_mask is not None:  # (b, s): per-token losses
             # the step's mean over the tokens with a loss, once averaged over micro-batches and cp
-            return (loss * shard.loss_mask).sum() * shard.loss_weight
-        return loss.mean()
+            loss = (loss * shard.loss_mask).sum() * shard.loss_weight
+        else:
+            loss = loss.mean()
+        if hasattr(self, "mtp"):  # the main loss plus the scaled mean MTP loss
+            loss = loss + mtp_loss(self, x, labels, shard, self._token_loss)
+        return loss
 
     def _forward_cached(self, x, cache):
         if self.sp:

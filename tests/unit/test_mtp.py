@@ -1,0 +1,98 @@
+"""Multi-token prediction (model/mtp.py), in one process (fp64).
+
+- The loss is the model's plus the scaling factor times the mean of the modules' losses, module
+  k predicting token t+1+k from [enorm(emb(t+k)); hnorm(h^{k-1})] (written out by hand here).
+- Pipeline layouts: the model cut into a first chunk (embedding, layer 0) and a head chunk
+  (layer 1, head, MTP modules and a tied copy of the embedding) gives one chunk's loss, and its
+  gradients, the two embedding halves summed as the `embed` group sums them; with tied
+  embeddings the head chunk's output layer is the MTP embedding.
+- validate() refuses what MTP does not run with.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.config import Config, ModelConfig
+from megalite.errors import MegaliteError
+from megalite.model.gpt import GPTChunk
+from megalite.shape import validate
+
+CFG = ModelConfig(flavour="deepseek_v3", num_layers=2, hidden_size=32, num_attention_heads=4,
+                  q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                  v_head_dim=8, vocab_size=100, make_vocab_size_divisible_by=8, seq_length=8,
+                  mtp_num_layers=2, mtp_loss_scaling_factor=0.3)  # fmt: skip
+IDS = torch.randint(0, 100, (3, 9), generator=torch.Generator().manual_seed(0))
+TOKENS, LABELS = IDS[:, :-1], IDS[:, 1:]
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_the_loss_adds_the_scaled_mean_of_each_depths_prediction():
+    chunk = GPTChunk(CFG, seed=3, dtype=torch.float64)
+    eps, V = CFG.norm_epsilon, CFG.vocab_size
+    with torch.no_grad():
+        h = chunk.embed(TOKENS)
+        for layer in chunk.layers.values():
+            h = layer(h)
+        head = chunk.output.weight[:V]
+        main = F.cross_entropy((_rms(h, chunk.final_norm.weight, eps) @ head.T).flatten(0, 1),
+                               LABELS.flatten())  # fmt: skip
+        s, losses = LABELS.shape[1], []
+        for k, m in enumerate(chunk.mtp.values(), 1):  # token t+k in, t+1+k the target
+            emb = chunk.embedding.word.weight[IDS[:, k : k + s - k]]  # (b, s - k, h)
+            x = torch.cat([_rms(emb, m.enorm.weight, eps), _rms(h[:, : s - k], m.hnorm.weight,
+                                                                 eps)], -1)  # fmt: skip
+            h = m.layer(x @ m.eh_proj.weight.T)  # causal: the first s - k positions alone
+            logits = _rms(h, m.final_norm.weight, eps) @ head.T
+            losses.append(F.cross_entropy(logits.flatten(0, 1), IDS[:, k + 1 :].flatten()))
+            h = F.pad(h, (0, 0, 0, k))  # back to s positions for the next depth (those unused)
+        expected = main + 0.3 * sum(losses) / 2
+        assert abs(chunk(TOKENS, LABELS).item() - expected.item()) <= 1e-12
+        off = GPTChunk(dataclasses.replace(CFG, mtp_num_layers=0), seed=3, dtype=torch.float64)
+        assert abs(off(TOKENS, LABELS).item() - main.item()) <= 1e-12
+        assert abs(expected.item() - main.item()) > 1e-3  # the modules' losses count
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_pipeline_cut_gives_one_chunks_loss_and_gradients(tied):
+    cfg = dataclasses.replace(CFG, untie_embeddings_and_output_weights=not tied)
+    whole = GPTChunk(cfg, seed=3, dtype=torch.float64)
+    first = GPTChunk(cfg, layers=[0], has_head=False, seed=3, dtype=torch.float64)
+    last = GPTChunk(cfg, layers=[1], has_embedding=False, seed=3, dtype=torch.float64)
+    expected = whole(TOKENS, LABELS)
+    expected.backward()
+    loss = last(first(TOKENS), LABELS)
+    assert abs(loss.item() - expected.item()) <= 1e-12
+    loss.backward()
+    grads = {n: p.grad for c in (first, last) for n, p in c.named_parameters()}
+    embed = "output.weight" if tied else "mtp_embedding.weight"
+    assert (last.mtp_embedding.weight is last.output.weight) == tied
+    assert "embed" in first.embedding.word.weight._spec.grad_sum
+    summed = grads.pop("embedding.word.weight") + grads.pop(embed)  # the `embed` group's sum
+    assert (summed - whole.embedding.word.weight.grad).abs().max() <= 1e-12
+    for name, p in whole.named_parameters():
+        if name != "embedding.word.weight":
+            assert (grads[name] - p.grad).abs().max() <= 1e-12, name
+
+
+def test_validate_refuses_what_mtp_does_not_run_with():
+    def refused(match, world=1, **change):
+        cfg = Config()
+        cfg.model = dataclasses.replace(CFG, **change.pop("model", {}))
+        for section, fields in change.items():
+            for k, v in fields.items():
+                setattr(getattr(cfg, section), k, v)
+        with pytest.raises(MegaliteError, match=match):
+            validate(cfg, world)
+
+    refused("does not run with --cp", world=2, parallel={"cp": 2})
+    refused("needs rotary positions", model={"flavour": "gpt2", "num_query_groups": None})
+    refused("packed documents", data={"reset_attention_mask": True})
+    refused(r"must be in \[0, seq_length=8\)", model={"mtp_num_layers": 8})
+    refused("--kv-channels does not apply", model={"kv_channels": 16})
+    refused("--num-query-groups=2 does not apply", model={"num_query_groups": 2})
