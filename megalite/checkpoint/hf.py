@@ -101,6 +101,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
             out[h] = hf_deepseek.reorder_rope(w, rope, False) if rope else w.clone()
         if cfg.tied:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        out.update(hf_deepseek.mtp_copies(cfg, out))
     elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             w = state[m][:V] if m in unpad else state[m]

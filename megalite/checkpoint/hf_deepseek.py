@@ -12,9 +12,13 @@ so on import those rows of q_b_proj (q_proj) and kv_a_proj_with_mqa are reordere
 then odds, and back on export. Scores are unchanged: q and k are reordered alike.
 
 Multi-token prediction: checkpoints on the hub store DeepSeek-V3's MTP modules as extra layers
-model.layers.{num_hidden_layers + k}.* (`num_nextn_predict_layers`); transformers' model has no
-MTP and ignores them. megalite does not read them (MTP modules start fresh): they are dropped on
-import, and num_nextn_predict_layers is written as 0 on export.
+model.layers.{num_hidden_layers + k}.* (`num_nextn_predict_layers` of them): enorm, hnorm,
+eh_proj, shared_head.norm, the layer's own tensors, and copies of the shared embed_tokens and
+shared_head.head. transformers' model has no MTP (it loads such a checkpoint without them, as
+unexpected keys), yet its config says num_nextn_predict_layers=1 by default with no weights
+behind it; so an imported config has no MTP (--mtp-num-layers 0: those layers are not read).
+`from_hf` with a config whose mtp_num_layers is set reads them into `mtp.{k}.*`; export writes
+a model's MTP modules in the hub's layout (the copies too) and num_nextn_predict_layers.
 """
 
 import torch
@@ -40,20 +44,41 @@ def _attention_names(cfg: ModelConfig):
     yield "out.weight", "o_proj.weight", None
 
 
+def _layer_names(cfg: ModelConfig, m: str, h: str):
+    yield m + "input_norm.weight", h + "input_layernorm.weight", None
+    yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight", None
+    for a, b, rope in _attention_names(cfg):
+        yield m + "attention." + a, h + "self_attn." + b, rope
+    for a in ("gate", "up", "down"):
+        yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight", None
+
+
 def names(cfg: ModelConfig):
     """(megalite name, hf name, rope rows) for every tensor (the embedding and head included)."""
     yield "embedding.word.weight", "model.embed_tokens.weight", None
     for i in range(cfg.num_layers):
-        m, h = f"layers.{i}.", f"model.layers.{i}."
-        yield m + "input_norm.weight", h + "input_layernorm.weight", None
-        yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight", None
-        for a, b, rope in _attention_names(cfg):
-            yield m + "attention." + a, h + "self_attn." + b, rope
-        for a in ("gate", "up", "down"):
-            yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight", None
+        yield from _layer_names(cfg, f"layers.{i}.", f"model.layers.{i}.")
     yield "final_norm.weight", "model.norm.weight", None
     if not cfg.tied:
         yield "output.weight", "lm_head.weight", None
+    for k in range(cfg.mtp_num_layers):  # the hub's MTP layers follow the model's
+        m, h = f"mtp.{k}.", f"model.layers.{cfg.num_layers + k}."
+        for a in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            yield m + a, h + a, None
+        yield m + "final_norm.weight", h + "shared_head.norm.weight", None
+        yield from _layer_names(cfg, m + "layer.", h)
+
+
+def mtp_copies(cfg: ModelConfig, out: dict) -> dict:
+    """The hub's MTP layers also store the shared embedding and head: copies, written on export
+    (and not read on import)."""
+    head = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+    copies = {}
+    for k in range(cfg.mtp_num_layers):
+        h = f"model.layers.{cfg.num_layers + k}."
+        copies[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        copies[h + "shared_head.head.weight"] = head.clone()
+    return copies
 
 
 def reorder_rope(w: torch.Tensor, rows, to_halves: bool) -> torch.Tensor:
@@ -88,7 +113,7 @@ def hf_config(cfg: ModelConfig, common: dict) -> dict:
         cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "v_head_dim": cfg.v_head_dim, "first_k_dense_replace": cfg.num_layers,
-        "rope_interleave": True, "num_nextn_predict_layers": 0,
+        "rope_interleave": True, "num_nextn_predict_layers": cfg.mtp_num_layers,
     })  # fmt: skip
     return out
 

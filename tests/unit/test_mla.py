@@ -154,3 +154,34 @@ def test_mla_parameters_and_head_dims():
     loss = chunk(ids, ids)
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in chunk.parameters())
+
+
+def test_mtp_modules_are_stored_as_the_hubs_extra_layers(tmp_path):
+    """--mtp-num-layers 1: exported as model.layers.2.* (enorm, hnorm, eh_proj, shared_head and
+    the layer, with copies of the shared embedding and head), read back identically;
+    transformers loads the export without them and gives the model's logits."""
+    cfg = dataclasses.replace(hf.model_config_from_hf(hf_deepseek("q-lora-yarn").config.to_dict()),
+                              mtp_num_layers=1)  # fmt: skip
+    state = {n: p.detach() for n, p in GPTChunk(cfg, seed=4).named_parameters()}
+    out = hf.to_hf(state, cfg)
+    for key in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
+                "embed_tokens", "self_attn.kv_b_proj", "mlp.down_proj"):  # fmt: skip
+        assert f"model.layers.2.{key}.weight" in out, key
+    assert torch.equal(out["model.layers.2.shared_head.head.weight"], out["lm_head.weight"])
+    config = hf.hf_config(cfg)
+    assert config["num_nextn_predict_layers"] == 1
+    assert hf.model_config_from_hf(config).mtp_num_layers == 0  # transformers' default: 1
+    back_cfg = dataclasses.replace(hf.model_config_from_hf(config), mtp_num_layers=1)
+    back = hf.from_hf(out, back_cfg)
+    assert sorted(back) == sorted(state)
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k
+    m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).eval()
+    missing, unexpected = m.load_state_dict(out, strict=False)
+    assert not missing and all(k.startswith("model.layers.2.") for k in unexpected)
+    chunk = GPTChunk(cfg).eval()
+    chunk.load_full_state(state)
+    with torch.no_grad():
+        assert (chunk(IDS) - m(IDS).logits).abs().max() <= 1e-5
+    with pytest.raises(MegaliteError, match="lacks tensor model.layers.2.enorm.weight"):
+        hf.from_hf(hf.to_hf(state, dataclasses.replace(cfg, mtp_num_layers=0)), back_cfg)
