@@ -1,7 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention with low-rank q and yarn's mscale, two multi-token
-prediction modules) trains at tp2*pp2*dp2 (ZeRO-1, sequence parallel) and at pp2*vpp2 (the MTP
-modules on the last virtual chunk, the embedding tied across stages) with the single-process
-loss at every step (fp32, relative difference <= 1e-4)."""
+prediction modules) trains with the single-process loss at every step (fp32, relative
+difference <= 1e-4) at tp2*pp2*dp2 (ZeRO-1, sequence parallel), at pp2*vpp2 (the MTP modules
+on the last virtual chunk, the embedding tied across stages) and at pp2*dp2 (ZeRO-3)."""
 
 import pytest
 
@@ -19,6 +19,7 @@ DEEPSEEK = ["--flavour", "deepseek_v3", "--q-lora-rank", "12", "--kv-lora-rank",
 LAYOUTS = {
     "tp2-pp2-dp2": (8, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--zero-stage", "1"]),
     "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),
+    "pp2-dp2-zero3": (4, ["--pp", "2", "--zero-stage", "3"]),
 }
 
 
