@@ -46,8 +46,9 @@ def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=Fal
         kinds.setdefault(m.is_moe_layer(i), i)
     reps = tuple(sorted(kinds.values())) or (0,)
     template = _template(fields, tp, sp and tp > 1, has_embedding, has_head, reps, ep)
-    before = [x for x in template if not x[0].startswith(("layers.", "final_norm", "output"))]
-    after = [x for x in template if x[0].startswith(("final_norm", "output"))]
+    head = ("final_norm", "output", "mtp")  # the head, then the MTP modules (model/mtp.py)
+    before = [x for x in template if not x[0].startswith(("layers.", *head))]
+    after = [x for x in template if x[0].startswith(head)]
     out = list(before)
     for i in layers:
         rep = f"layers.{kinds[m.is_moe_layer(i)]}."

@@ -96,3 +96,21 @@ def test_validate_refuses_what_mtp_does_not_run_with():
     refused(r"must be in \[0, seq_length=8\)", model={"mtp_num_layers": 8})
     refused("--kv-channels does not apply", model={"kv_channels": 16})
     refused("--num-query-groups=2 does not apply", model={"num_query_groups": 2})
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_the_planner_lists_the_mtp_parameters_in_the_models_order(tp, sp):
+    """plan/memory.py expands one meta-device layer per kind: the MTP modules and the head
+    stage's embedding copy come after the head, as GPTChunk registers them."""
+    from megalite.parallel.comm import Group
+    from megalite.parallel.specs import spec_of
+    from megalite.pipeline.partition import rank_chunks
+    from megalite.plan import memory
+
+    m = dataclasses.replace(CFG, num_layers=4)
+    group = Group("tp", list(range(tp)), tp - 1)
+    for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
+        chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
+        real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
+                for n, p in chunk.named_parameters()]  # fmt: skip
+        assert memory.chunk_params(m, tp, **kw, sp=sp) == real
