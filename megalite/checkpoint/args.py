@@ -38,7 +38,17 @@ def _effective(m: ModelConfig) -> dict:
         "norm_epsilon": m.norm_epsilon,
         "rotary_base": m.rotary_base if m.features.rotary else None,
         "untie_embeddings_and_output_weights": not m.tied,
+        **_latent_attention(m),
+        "mtp_num_layers": m.mtp_num_layers,
     }  # fmt: skip
+
+
+def _latent_attention(m: ModelConfig) -> dict:
+    """MLA's dims (model/mla.py), which shape its parameters; none without latent attention."""
+    if not m.features.latent_attention:
+        return {}
+    names = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return {name: getattr(m, name) for name in names}
 
 
 def _shape_example(tensors: dict, model: ModelConfig) -> str:

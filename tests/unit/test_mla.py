@@ -185,3 +185,19 @@ def test_mtp_modules_are_stored_as_the_hubs_extra_layers(tmp_path):
         assert (chunk(IDS) - m(IDS).logits).abs().max() <= 1e-5
     with pytest.raises(MegaliteError, match="lacks tensor model.layers.2.enorm.weight"):
         hf.from_hf(hf.to_hf(state, dataclasses.replace(cfg, mtp_num_layers=0)), back_cfg)
+
+
+def test_a_resume_takes_the_checkpoints_latent_dims_and_refuses_others(tmp_path):
+    from megalite.checkpoint.args import with_checkpoint_model
+    from megalite.config import Config
+    from tests.unit.test_checkpoint_hf import convert
+
+    hf_deepseek("q-lora-yarn").save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert.main([str(tmp_path / "hf"), str(tmp_path / "ml"), "--to", "megalite"])
+    m = with_checkpoint_model(Config(), set(), tmp_path / "ml").model
+    assert (m.flavour, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == ("deepseek_v3", 24, 16, 12)
+    for name, flag in (("kv_lora_rank", "--kv-lora-rank"), ("mtp_num_layers", "--mtp-num-layers")):
+        cfg = Config()
+        setattr(cfg.model, name, 8)
+        with pytest.raises(MegaliteError, match=f"has {name}=.* but this run's {flag} is 8"):
+            with_checkpoint_model(cfg, {f"model.{name}"}, tmp_path / "ml")
