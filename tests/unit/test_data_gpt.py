@@ -14,13 +14,12 @@ from megalite.data import corpus
 from megalite.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
+    Sequences,
     build_datasets,
-    parse_data_path,
-    parse_split,
     prepare_builtin,
-    split_documents,
 )
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from megalite.data.splits import parse_data_path, parse_split, split_documents
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError
 
@@ -37,21 +36,23 @@ def write(prefix, docs, vocab_size=1000):
         for d in docs:
             w.add_document(d)
         w.finalize()
-    return IndexedDataset(prefix)
+    return Sequences.of(IndexedDataset(prefix))
 
 
 def test_samples_are_stream_windows_crossing_documents(tmp_path):
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 1000, rng.integers(1, 30)) for _ in range(40)]
     ds = GPTDataset(write(tmp_path / "d", docs), 0, 40, seq_length=8, seed=5)
-    stream = np.concatenate(docs)
+    assert sorted(ds.document_index.tolist()) == list(range(40))  # one epoch, shuffled
+    assert ds.document_index.tolist() != list(range(40))
+    stream = np.concatenate([docs[k] for k in ds.document_index])  # the shuffled documents
     assert len(ds) == (len(stream) - 1) // 8
     got = sorted(tuple(ds[i]) for i in range(len(ds)))
     want = sorted(tuple(stream[j * 8 : j * 8 + 9]) for j in range(len(ds)))
     assert got == want  # every window exactly once, in a shuffled order
     assert all(ds[i].dtype == np.int64 and len(ds[i]) == 9 for i in range(len(ds)))
     assert [tuple(ds[i]) for i in range(5)] != want[:5] or len(ds) < 5
-    again = GPTDataset(IndexedDataset(tmp_path / "d"), 0, 40, seq_length=8, seed=5)
+    again = GPTDataset(Sequences.of(IndexedDataset(tmp_path / "d")), 0, 40, seq_length=8, seed=5)
     assert all((ds[i] == again[i]).all() for i in range(len(ds)))  # deterministic
     with pytest.raises(IndexError):
         ds[len(ds)]
@@ -95,9 +96,9 @@ class Fake:
 
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 2], [0.05, 0.9, 0.05]])
 def test_blend_proportions(weights):
-    parts = [Fake(k, n) for k, n in enumerate([300, 50, 1000][: len(weights)])]
-    blend = BlendedDataset(parts, weights)
-    total = sum(len(p) for p in parts)
+    total = 1000
+    parts = [Fake(k, n) for k, n in enumerate([900, 1000, 800][: len(weights)])]
+    blend = BlendedDataset(parts, weights, total)
     assert len(blend) == total
     share = np.asarray(weights) / sum(weights)
     # every prefix holds each dataset's share to within one sample (plus rounding)
@@ -105,11 +106,12 @@ def test_blend_proportions(weights):
         tags = Counter(blend[i][0] for i in range(prefix))
         for k in range(len(parts)):
             assert abs(tags[k] - share[k] * prefix) <= 2, (prefix, k)
-    # a part asked for more than it holds repeats in order, one asked for less is a prefix
-    per_part = Counter(blend[i] for i in range(total))
-    for k, p in enumerate(parts):
-        seen = sorted(i for (t, i) in per_part if t == k)
-        assert seen == list(range(min(len(p), blend.counts[k])))
+    # each part's samples are taken in its own order, from its first
+    for k in range(len(parts)):
+        seen = [i for (t, i) in (blend[j] for j in range(total)) if t == k]
+        assert seen == list(range(len(seen)))
+    with pytest.raises(MegaliteError, match="takes 700 samples from dataset 0, which has 600"):
+        BlendedDataset([Fake(0, 600), Fake(1, 300)], [0.7, 0.3], total)
 
 
 def _config(seq_length=16, **data):
