@@ -231,3 +231,36 @@ def test_full_builtin_corpus(tmp_path):
     text = out.tokenizer.decode(out.train[0])
     assert len(text) > 128  # a learned vocabulary: more than one character per token
     print(f"full built-in corpus: {time.perf_counter() - t:.1f} s")
+
+
+def test_per_split_paths_flags_and_errors(prepared, tmp_path):
+    from megalite.config_read import parse_args
+
+    a, b, model = str(prepared / "a"), str(prepared / "b"), str(prepared / "tok.model")
+    argv = ["--train-data-path", "0.3", a, "0.7", b, "--valid-data-path", b, "--tokenizer-model",
+            model, "--data-cache-path", str(tmp_path / "idx"), "--seq-length", "16"]  # fmt: skip
+    cfg = parse_args(argv)
+    assert cfg.data.train_data_path == ["0.3", a, "0.7", b] and cfg.data.data_cache_path == str(
+        tmp_path / "idx"
+    )
+    out = build_datasets(cfg)
+    assert isinstance(out.train, BlendedDataset) and out.test is None
+    assert len(out.train) >= cfg.training.train_iters * cfg.training.global_batch_size
+    assert len(list((tmp_path / "idx").glob("gpt-train-*"))) == 2  # the cache was written
+    # the valid split is all of b: its samples are b's own windows
+    whole_b = GPTDataset(Sequences.of(IndexedDataset(b)), 0, len(IndexedDataset(b)), 16, 1234, 16)
+    assert all(np.array_equal(out.valid[i], whole_b[i]) for i in range(len(out.valid)))
+    for extra, message in (
+        (["--data-path", a], "not both"),
+        (["--train-data-path", "0", a], "--train-data-path weight 0"),
+    ):
+        with pytest.raises(MegaliteError, match=message):
+            build_datasets(parse_args([*argv, *extra]))
+    no_train = ["--valid-data-path", b, "--tokenizer-model", model]
+    with pytest.raises(MegaliteError, match="training needs --train-data-path"):
+        build_datasets(parse_args(no_train))
+    eval_only = build_datasets(parse_args([*no_train, "--eval-only"]))
+    assert eval_only.train is None and len(eval_only.valid) > 0
+    with pytest.raises(MegaliteError, match="--eval-only .* needs --valid-data-path"):
+        build_datasets(parse_args(["--train-data-path", a, "--tokenizer-model", model,
+                                   "--eval-only"]))  # fmt: skip
