@@ -272,14 +272,19 @@ class DataConfig:
     tokenizer_type: str | None = opt(
         None,
         "sentencepiece or huggingface (Megatron's GPTSentencePieceTokenizer, "
-        "HuggingFaceTokenizer too); default: from --tokenizer-model's path",
+        "SentencePieceTokenizer, HuggingFaceTokenizer too; GPT2BPETokenizer with --vocab-file "
+        "and --merge-file); default: from --tokenizer-model's path",
         choices=(
             "sentencepiece",
             "huggingface",
             "GPTSentencePieceTokenizer",
+            "SentencePieceTokenizer",
             "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
         ),
     )
+    vocab_file: str | None = opt(None, "GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: str | None = opt(None, "GPT2BPETokenizer: GPT-2's merges.txt")
     split: str = opt("98,2,0", "train,valid,test proportions")
     tokenizer_vocab_size: int = opt(
         2048, "vocabulary of the tokenizer trained for the built-in corpus"

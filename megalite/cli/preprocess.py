@@ -11,17 +11,27 @@ Inputs are text files (each one document), directories (every file inside, in so
 JSONL files (`.jsonl`/`.json`, one document per line under --json-key) and Parquet files (one
 document per row, the --json-key column; needs pyarrow); JSONL and text may be gzip-compressed
 (`.jsonl.gz`, `.txt.gz`). The tokenizer is a sentencepiece .model or a Hugging Face
-tokenizer.json (needs tokenizers), told apart by the path or --tokenizer-type. Each document
-ends with EOS. Train with `--data-path PREFIX --tokenizer-model M` (the same tokenizer).
+tokenizer.json (needs tokenizers), told apart by the path or --tokenizer-type, or GPT-2's BPE
+(`--vocab-file vocab.json --merge-file merges.txt`). Each document ends with EOS. Train with
+`--data-path PREFIX --tokenizer-model M` (the same tokenizer).
+
+Megatron-LM's command line works as well: with `--json-keys K [K ...]` or `--append-eod` the run
+is Megatron's preprocessing, writing PREFIX_<key>_document.bin/.idx for every key, EOD only with
+--append-eod, empty texts kept as empty documents, a list of strings read as a document's
+sentences: the same files Megatron's tools/preprocess_data.py writes for the same input.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/my \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 8                    # -> data/my_text_document.bin/.idx
 """
 
 import argparse
 import os
 import sys
 
-from megalite.data.corpus import iter_documents
-from megalite.data.indexed_dataset import build_indexed_dataset
-from megalite.data.tokenizer import KINDS, Tokenizer, load_tokenizer
+from megalite.data.corpus import iter_documents, iter_records
+from megalite.data.indexed_dataset import build_datasets_of_fields, build_indexed_dataset
+from megalite.data.tokenizer import KINDS, SENTENCEPIECE, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 
 
@@ -35,11 +45,23 @@ def parse_args(argv):
     p.add_argument(
         "--input", nargs="+", required=True, help="text, JSONL (.gz too), Parquet or directories"
     )
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument(
-        "--json-key", default="text", help="JSONL field / Parquet column holding the text [text]"
+        "--output-prefix",
+        required=True,
+        help="writes PREFIX.bin and PREFIX.idx (Megatron's way: PREFIX_<key>_document.*)",
     )
-    tok = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--json-key", help="JSONL field / Parquet column holding the text [text]")
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        help="Megatron's preprocessing: the JSONL fields to tokenize, one dataset each",
+    )
+    p.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="Megatron's preprocessing, with an end-of-document token after each document",
+    )
+    tok = p.add_mutually_exclusive_group()
     tok.add_argument(
         "--tokenizer-model",
         help="an existing sentencepiece .model, Hugging Face tokenizer.json or a directory "
@@ -53,23 +75,53 @@ def parse_args(argv):
     p.add_argument(
         "--tokenizer-type",
         choices=tuple(KINDS),
-        help="sentencepiece or huggingface (default: from --tokenizer-model's path)",
+        help="sentencepiece or huggingface (default: from --tokenizer-model's path); Megatron's "
+        "names too",
     )
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
     p.add_argument("--vocab-size", type=int, help="pieces of the trained tokenizer")
     p.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="Megatron's nltk splitting: refused; give a field's sentences as a JSON list",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal)")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     args = p.parse_args(argv)
+    args.megatron = args.json_keys is not None or args.append_eod
+    files = args.vocab_file is not None or args.merge_file is not None
+    if not (args.tokenizer_model or args.train_tokenizer or files):
+        raise MegaliteError(
+            "no tokenizer given; pass --tokenizer-model, --train-tokenizer, or --tokenizer-type "
+            "GPT2BPETokenizer with --vocab-file and --merge-file"
+        )
+    if args.train_tokenizer and files:
+        raise MegaliteError(
+            "--train-tokenizer trains its own tokenizer; drop --vocab-file/--merge-file"
+        )
+    if args.split_sentences:
+        raise MegaliteError(
+            "--split-sentences (nltk) is not supported; split the text beforehand and give each "
+            "JSON field as a list of sentences, which is read as Megatron reads it"
+        )
+    if args.json_key and args.json_keys:
+        raise MegaliteError("--json-key and --json-keys both given; keep one of them")
+    if args.megatron and args.train_tokenizer:
+        raise MegaliteError(
+            "Megatron-style preprocessing (--json-keys, --append-eod) takes an existing "
+            "tokenizer; train one first with --train-tokenizer, then pass it to --tokenizer-model"
+        )
+    if args.json_keys and len(set(args.json_keys)) != len(args.json_keys):
+        raise MegaliteError(f"--json-keys {' '.join(args.json_keys)} names a key twice")
+    args.json_key = args.json_key or "text"
     if args.train_tokenizer and not args.vocab_size:
         raise MegaliteError("--train-tokenizer needs --vocab-size N (e.g. 8192)")
     if args.tokenizer_model and args.vocab_size:
         raise MegaliteError("--vocab-size only applies with --train-tokenizer; drop one of them")
-    if (
-        args.train_tokenizer
-        and args.tokenizer_type
-        and KINDS[args.tokenizer_type] != "sentencepiece"
-    ):
+    if args.train_tokenizer and args.tokenizer_type and KINDS[args.tokenizer_type] != SENTENCEPIECE:
         raise MegaliteError(
             "--train-tokenizer trains a sentencepiece model; train a Hugging Face tokenizer with "
             "the tokenizers package and pass its tokenizer.json to --tokenizer-model"
@@ -88,22 +140,45 @@ def main(argv):
         )
         print(f"tokenizer: {model}", file=sys.stderr)
     # checks the tokenizer before any input is read
-    tokenizer = load_tokenizer(model, args.tokenizer_type)
-    stats = build_indexed_dataset(
-        iter_documents(args.input, args.json_key),
-        tokenizer.model_path,
-        args.output_prefix,
-        workers=args.workers,
-        progress=not args.quiet,
-        tokenizer_type=tokenizer.kind,
-    )
+    tokenizer = load_tokenizer(model, args.tokenizer_type, args.vocab_file, args.merge_file)
+    if args.megatron:
+        stats, out = _megatron(args, tokenizer)
+    else:
+        stats = build_indexed_dataset(
+            iter_documents(args.input, args.json_key),
+            tokenizer.model_path,
+            args.output_prefix,
+            workers=args.workers,
+            progress=not args.quiet,
+            tokenizer_type=tokenizer.kind,
+        )
+        out = f"{args.output_prefix}.bin/.idx"
     print(
         f"{stats['documents']} documents, {stats['tokens']} tokens in {stats['seconds']:.1f} s "
-        f"({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s) -> "
-        f"{args.output_prefix}.bin/.idx",
+        f"({stats['tokens'] / max(stats['seconds'], 1e-9):,.0f} tokens/s) -> {out}",
         file=sys.stderr,
     )
     return 0
+
+
+def _megatron(args, tokenizer) -> tuple[dict, str]:
+    """Megatron's preprocessing: one PREFIX_<key>_document dataset per --json-keys key."""
+    keys = args.json_keys or ["text"]
+    if args.append_eod and tokenizer.eos_id < 0:
+        raise MegaliteError(
+            f"--append-eod needs an end-of-document token, but tokenizer {tokenizer.model_path} "
+            "has none; use a tokenizer that has one (e.g. </s> or <|endoftext|>)"
+        )
+    prefixes = [f"{args.output_prefix}_{key}_document" for key in keys]
+    stats = build_datasets_of_fields(
+        iter_records(args.input, keys),
+        tokenizer,
+        prefixes,
+        args.append_eod,
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    return stats, ", ".join(f"{p}.bin/.idx" for p in prefixes)
 
 
 def cli():

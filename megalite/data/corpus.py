@@ -156,29 +156,59 @@ def _read_text(path: Path) -> str:
         raise MegaliteError(f"input {path} is not a complete gzip file ({e})") from None
 
 
-def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
+def _jsonl_objects(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line of a JSONL file."""
     with _open_text(path) as fh:
         try:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    yield lineno, json.loads(line)
                 except json.JSONDecodeError:
                     raise MegaliteError(
                         f"{path} line {lineno} is not valid JSON; JSONL inputs hold one object "
                         "per line"
                     ) from None
-                if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                    raise MegaliteError(
-                        f"{path} line {lineno} has no string field {key!r}; pass --json-key with "
-                        "the field that holds the text"
-                    )
-                yield obj[key]
         except UnicodeDecodeError:
             raise MegaliteError(f"input {path} is not UTF-8 text; convert it first") from None
         except (gzip.BadGzipFile, EOFError) as e:
             raise MegaliteError(f"input {path} is not a complete gzip file ({e})") from None
+
+
+def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
+    for lineno, obj in _jsonl_objects(path):
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            raise MegaliteError(
+                f"{path} line {lineno} has no string field {key!r}; pass --json-key with "
+                "the field that holds the text"
+            )
+        yield obj[key]
+
+
+def iter_records(paths: list[str], keys: list[str]) -> Iterator[tuple[list[str], ...]]:
+    """Megatron's preprocessing input: for every line of the JSONL inputs, in order, the fields
+    `keys`, each as its list of sentences (a string is one sentence; a list of strings, text
+    already split, several). Empty texts are kept: Megatron writes them as empty documents."""
+    for path in input_files(paths):
+        if not is_jsonl(path):
+            raise MegaliteError(
+                f"input {path} is not JSONL (.jsonl, .json, .jsonl.gz); Megatron-style "
+                "preprocessing (--json-keys, --append-eod) reads JSON lines"
+            )
+        for lineno, obj in _jsonl_objects(path):
+            fields = []
+            for key in keys:
+                value = obj.get(key) if isinstance(obj, dict) else None
+                if isinstance(value, str):
+                    value = [value]
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise MegaliteError(
+                        f"{path} line {lineno} has no field {key!r} holding text (a string or a "
+                        "list of strings); pass --json-keys with the fields that hold it"
+                    )
+                fields.append(value)
+            yield tuple(fields)
 
 
 def _parquet_documents(path: Path, key: str) -> Iterator[str]:

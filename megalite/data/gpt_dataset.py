@@ -42,8 +42,9 @@ from megalite.errors import MegaliteError
 
 @dataclass(frozen=True)
 class Sequences:
-    """An indexed dataset as the order needs it: each sequence's length and token offset in
-    `tokens` (a megalite document is one sequence)."""
+    """What the order reads of an indexed dataset (either format): each sequence's length and
+    token offset in `tokens`. Megatron's GPTDataset works on sequences, not documents (a
+    megalite document is one sequence; a Megatron one may hold several, e.g. sentences)."""
 
     lengths: np.ndarray  # (num_sequences,) int32
     offsets: np.ndarray  # (num_sequences,) int64, into tokens
@@ -51,8 +52,8 @@ class Sequences:
 
     @classmethod
     def of(cls, indexed: IndexedDataset) -> "Sequences":
-        offs = np.asarray(indexed.doc_offsets, dtype=np.int64)
-        return cls(np.diff(offs).astype(np.int32), offs[:-1], indexed.tokens)
+        lengths = np.asarray(indexed.sequence_lengths, dtype=np.int32)
+        return cls(lengths, np.asarray(indexed.sequence_offsets, np.int64), indexed.tokens)
 
 
 class GPTDataset:
@@ -154,8 +155,8 @@ def build_datasets(cfg) -> Datasets:
     """
     d, m, t = cfg.data, cfg.model, cfg.training
     blends, fractions = split_blends(d, t.eval_only)
-    if d.tokenizer_model:
-        tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type)
+    if d.tokenizer_model or d.vocab_file or d.merge_file:
+        tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type, d.vocab_file, d.merge_file)
         _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path)
     elif any(b and b.prefixes for b in blends):
         raise MegaliteError(
@@ -177,12 +178,7 @@ def build_datasets(cfg) -> Datasets:
     def sequences(prefix) -> Sequences:
         if prefix not in opened:
             indexed = IndexedDataset(prefix)
-            if indexed.vocab_size != tokenizer.vocab_size:
-                raise MegaliteError(
-                    f"dataset {prefix} was tokenized with a {indexed.vocab_size}-piece "
-                    f"vocabulary but {tokenizer.model_path} has {tokenizer.vocab_size}; pass "
-                    "the tokenizer it was made with to --tokenizer-model"
-                )
+            indexed.check_vocab(tokenizer.vocab_size, tokenizer.model_path, tokenizer.fingerprint)
             opened[prefix] = Sequences.of(indexed)
         return opened[prefix]
 

@@ -1,48 +1,49 @@
 """Tokenizers: sentencepiece (round-trips any text; trained here) and Hugging Face `tokenizers`.
 
-`load_tokenizer(path, kind)` opens either; both classes have the same interface (`encode`,
-`encode_batch`, `decode`, `vocab_size`, `bos_id`, `eos_id`, `unk_id`, `pad_id`, `model_path`,
-`kind`, `file_name`), so callers never ask which one they hold.
+`load_tokenizer(path, kind)` opens either (and GPT-2's BPE from vocab.json + merges.txt, as a
+Hugging Face one: gpt2_bpe.py); both classes have the same interface (`encode`, `encode_batch`,
+`decode`, `vocab_size`, `bos_id`, `eos_id`, `unk_id`, `pad_id`, `model_path`, `kind`,
+`file_name`, `fingerprint`), so callers never ask which one they hold.
 """
 
-import io
 import os
-import re
 from collections.abc import Iterator
+from hashlib import sha256
 from pathlib import Path
 
 import sentencepiece as spm
 
+from megalite.data import gpt2_bpe, sp_train
 from megalite.data.corpus import iter_documents
 from megalite.errors import MegaliteError
 
-# Options chosen so decode(encode(text)) == text for source code and any other text:
-# no normalisation, spaces kept as they are (indentation is content; runs of spaces may form
-# pieces of their own), no dummy leading space, newlines and tabs as pieces, and UTF-8 byte
-# pieces for characters the vocabulary lacks (never <unk>).
-_ROUND_TRIP = dict(
-    normalization_rule_name="identity",
-    remove_extra_whitespaces=False,
-    add_dummy_prefix=False,
-    allow_whitespace_only_pieces=True,
-    user_defined_symbols=["\n", "\t"],
-    byte_fallback=True,
-    split_digits=True,
-)
 _META = "\u2581"  # sentencepiece's whitespace symbol
-SPECIAL_IDS = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=3)
-# Training reads at most this many lines, sampled over the whole input: enough for a
-# vocabulary of a few thousand pieces, and it bounds time and memory on large inputs.
-INPUT_SENTENCE_SIZE = 300_000
-
-SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"
+SENTENCEPIECE, HUGGINGFACE, GPT2BPE = "sentencepiece", "huggingface", "GPT2BPETokenizer"
 # Megatron-LM's --tokenizer-type names are accepted too, so its command lines carry over.
+# SentencePieceTokenizer is read as Megatron-core reads it today: the model's own pieces and its
+# </s> as end of document (Megatron's legacy wrapper added <EOD> and friends past the vocabulary).
 KINDS = {
     SENTENCEPIECE: SENTENCEPIECE,
     "GPTSentencePieceTokenizer": SENTENCEPIECE,
+    "SentencePieceTokenizer": SENTENCEPIECE,
     HUGGINGFACE: HUGGINGFACE,
     "HuggingFaceTokenizer": HUGGINGFACE,
+    GPT2BPE: GPT2BPE,  # vocab.json + merges.txt, read as a Hugging Face tokenizer
 }
+# Text whose ids (with the vocabulary size and the specials) identify a tokenizer whatever file
+# holds it: a checkpoint's tokenizer.json copy fingerprints as the vocab.json/merges.txt it came
+# from. Code, digits, whitespace runs and non-Latin text reach most of a vocabulary's rules.
+_PROBE = (
+    "The quick brown fox jumps over the lazy dog. 1234567890 3.14159\n"
+    "def f(x):\n    return {'a': [x ** 2, None]}  # done\n\tTabs\r\n  spaces   here\n"
+    "Übergrößenträger naïve café 漢字かなカナ 한국어 русский ελληνικά عربى 🙂 ½ ∑\n"
+)
+
+
+def fingerprint(tok) -> str:
+    """16 hex digits naming what `tok` does (see _PROBE); datasets record it (indexed_dataset)."""
+    facts = f"{tok.vocab_size} {tok.eos_id} {tok.bos_id} {tok.encode(_PROBE)}"
+    return sha256(facts.encode()).hexdigest()[:16]
 
 
 class Tokenizer:
@@ -104,6 +105,10 @@ class Tokenizer:
         }
         return {f"{r}_token": self.sp.IdToPiece(i) for r, i in roles.items() if i >= 0}
 
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
@@ -148,67 +153,12 @@ class Tokenizer:
                 yield from doc.splitlines(keepends=True)
 
         out = Path(f"{model_prefix}.model")
-        proto = _train_proto(lines(), vocab_size, model_type)
+        proto = sp_train.train_proto(lines(), vocab_size, model_type)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         tmp.write_bytes(proto)
         os.replace(tmp, out)
         return out
-
-
-def _train_proto(sentences: Iterator[str], vocab_size: int, model_type: str) -> bytes:
-    model = io.BytesIO()
-    failed = []
-
-    def guarded():
-        # sentencepiece turns an exception raised by the iterator into a RuntimeError that
-        # names only a line of code: keep the original (e.g. a MegaliteError about the input).
-        try:
-            yield from sentences
-        except Exception as e:
-            failed.append(e)
-            raise
-
-    # The sampling of input lines is random: a fixed seed makes the same input give the same model.
-    spm.set_random_generator_seed(1)
-    try:
-        spm.SentencePieceTrainer.Train(
-            sentence_iterator=guarded(),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            input_sentence_size=INPUT_SENTENCE_SIZE,
-            shuffle_input_sentence=True,
-            max_sentence_length=16384,  # bytes; longer lines are left out of training only
-            character_coverage=0.9995,  # rare characters become byte pieces
-            num_threads=os.cpu_count() or 1,
-            minloglevel=2,
-            **SPECIAL_IDS,
-            **_ROUND_TRIP,
-        )
-    except RuntimeError as e:
-        if failed:
-            raise failed[0] from None
-        raise MegaliteError(_explain(str(e), vocab_size)) from None
-    return model.getvalue()
-
-
-def _explain(error: str, vocab_size: int) -> str:
-    """sentencepiece's training error as one actionable sentence."""
-    if m := re.search(
-        r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", error
-    ):
-        return (
-            f"--vocab-size {vocab_size} is more than this input supports ({m[1]} pieces); "
-            "lower it or give more text"
-        )
-    if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", error):
-        return (
-            f"--vocab-size {vocab_size} is too small: this input needs at least {m[1]} pieces "
-            "(256 byte pieces, specials and its characters); raise it"
-        )
-    last = error.strip().splitlines()[-1]
-    return f"sentencepiece could not train a {vocab_size}-piece tokenizer ({last}); check the input"
 
 
 # ---- Hugging Face tokenizers -------------------------------------------------------------------
@@ -318,6 +268,10 @@ class HFTokenizer:
         roles = {"bos": self._bos, "eos": self._eos, "pad": self._pad, "unk": self._unk}
         return {f"{r}_token": name for r, (name, _) in roles.items() if name is not None}
 
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self)
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
@@ -332,16 +286,23 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def tokenizer_kind(path: str | os.PathLike, kind: str | None = None) -> str:
-    """'sentencepiece' or 'huggingface': `kind` (Megatron's names accepted) or, when None, from
-    the path: a directory or a .json file is Hugging Face, a .model file sentencepiece."""
+def tokenizer_kind(path: str | os.PathLike | None, kind: str | None = None) -> str:
+    """'sentencepiece', 'huggingface' or 'GPT2BPETokenizer': `kind` (Megatron's names accepted)
+    or, when None, from the path: a directory or a .json file is Hugging Face, a .model file
+    sentencepiece."""
     if kind is not None:
         if kind not in KINDS:
             raise MegaliteError(
                 f"unknown tokenizer type {kind!r}; use sentencepiece or huggingface (Megatron's "
-                "GPTSentencePieceTokenizer and HuggingFaceTokenizer work too)"
+                "GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer and "
+                "GPT2BPETokenizer work too)"
             )
         return KINDS[kind]
+    if path is None:
+        raise MegaliteError(
+            "no tokenizer given; pass --tokenizer-model (or --tokenizer-type GPT2BPETokenizer "
+            "with --vocab-file and --merge-file)"
+        )
     p = Path(path)
     if p.is_dir() or p.suffix == ".json":
         return HUGGINGFACE
@@ -358,8 +319,31 @@ def tokenizer_kind(path: str | os.PathLike, kind: str | None = None) -> str:
     )
 
 
-def load_tokenizer(path: str | os.PathLike, kind: str | None = None) -> Tokenizer | HFTokenizer:
+def load_tokenizer(
+    path: str | os.PathLike | None,
+    kind: str | None = None,
+    vocab_file: str | os.PathLike | None = None,
+    merge_file: str | os.PathLike | None = None,
+) -> Tokenizer | HFTokenizer:
     """The tokenizer at `path`, of `kind` (see `tokenizer_kind`): a `Tokenizer` or an
-    `HFTokenizer`, which have the same interface."""
-    cls = {SENTENCEPIECE: Tokenizer, HUGGINGFACE: HFTokenizer}[tokenizer_kind(path, kind)]
+    `HFTokenizer`, which have the same interface. `vocab_file` and `merge_file` (GPT-2's
+    vocab.json and merges.txt) make GPT-2's BPE, an `HFTokenizer`; `kind` may then be omitted
+    or GPT2BPETokenizer, and `path` must be."""
+    files = vocab_file is not None or merge_file is not None
+    if kind is None and path is None and files:
+        kind = GPT2BPE
+    which = tokenizer_kind(path, kind)
+    if which == GPT2BPE:
+        if path is not None:
+            raise MegaliteError(
+                "GPT2BPETokenizer reads --vocab-file and --merge-file, not --tokenizer-model; "
+                "drop --tokenizer-model (or pass --tokenizer-type HuggingFaceTokenizer)"
+            )
+        return HFTokenizer(gpt2_bpe.tokenizer_json(vocab_file, merge_file))
+    if files:
+        raise MegaliteError(
+            "--vocab-file and --merge-file make GPT-2's BPE: pass --tokenizer-type "
+            "GPT2BPETokenizer and no --tokenizer-model"
+        )
+    cls = {SENTENCEPIECE: Tokenizer, HUGGINGFACE: HFTokenizer}[which]
     return cls(path)

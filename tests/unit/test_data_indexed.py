@@ -13,6 +13,7 @@ import pytest
 from megalite.data import corpus
 from megalite.data.indexed_dataset import (
     HEADER,
+    MEGALITE,
     IndexedDataset,
     IndexedDatasetWriter,
     build_indexed_dataset,
@@ -93,8 +94,9 @@ def test_large_vocab_uses_int32(tmp_path):
 
 @pytest.fixture
 def written(tmp_path):
+    """Data in megalite's first format (Megatron's: tests/unit/test_megatron_index.py)."""
     prefix = str(tmp_path / "d")
-    with IndexedDatasetWriter(prefix, vocab_size=1000) as w:
+    with IndexedDatasetWriter(prefix, vocab_size=1000, index_format=MEGALITE) as w:
         for n in (5, 3, 7):
             w.add_document(np.arange(n))
         w.finalize()

@@ -22,7 +22,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megalite.config import Config
 from megalite.data import gpt_dataset
 from megalite.data import sample_order as order
-from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from megalite.data.indexed_dataset import MEGALITE, IndexedDataset, IndexedDatasetWriter
 from megalite.data.sampler import BatchSampler
 from megalite.data.splits import parse_split, split_documents, split_sizes
 
@@ -37,26 +37,35 @@ class FakeTokenizer:
     eod = EOS
     unique_identifiers = OrderedDict(kind="fake")
     model_path = "fake.model"
+    fingerprint = None
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Prefixes 'a' (50 documents) and 'b' (80): {name: (megatron prefix, megalite prefix)}."""
+    """{name: (Megatron's prefix, the prefix megalite reads)}: 'a' (50 documents of one
+    sequence), 'b' (80 documents of one to three sequences, as Megatron's sentence splitting
+    writes) read by megalite from Megatron's files, and 'a-own': megalite's own index format
+    of 'a'."""
     d = tmp_path_factory.mktemp("order")
     rng = np.random.default_rng(0)
-    out = {}
-    for name, ndocs in (("a", 50), ("b", 80)):
-        megatron, megalite = str(d / f"{name}_text_document"), str(d / f"{name}_megalite")
+    out, written = {}, {}
+    for name, ndocs, most in (("a", 50, 1), ("b", 80, 3)):
+        megatron, docs = str(d / f"{name}_text_document"), []
         builder = IndexedDatasetBuilder(megatron + ".bin", dtype=np.uint16)
-        with IndexedDatasetWriter(megalite, FakeTokenizer.vocab_size) as writer:
-            for _ in range(ndocs):
-                n = int(rng.integers(1, 60))
-                doc = np.concatenate([rng.integers(1, 1000, n - 1), [EOS]])  # EOS ends each
-                builder.add_document(torch.tensor(doc), [n])
-                writer.add_document(doc)
-            writer.finalize()
+        for _ in range(ndocs):
+            lengths = rng.integers(1, 40, int(rng.integers(1, most + 1))).tolist()
+            doc = rng.integers(1, 1000, sum(lengths))
+            doc[-1] = EOS  # the writer's EOS ends each document
+            builder.add_document(torch.tensor(doc), lengths)
+            docs.append(doc)
         builder.finalize(megatron + ".idx")
-        out[name] = (megatron, megalite)
+        out[name], written[name] = (megatron, megatron), docs
+    own = str(d / "a_own")
+    with IndexedDatasetWriter(own, FakeTokenizer.vocab_size, index_format=MEGALITE) as w:
+        for doc in written["a"]:
+            w.add_document(doc)
+        w.finalize()
+    out["a-own"] = (out["a"][0], own)
     return out
 
 
@@ -117,11 +126,12 @@ def training(iters, gbs=8, eval_interval=10, eval_iters=2, seed=1234):
 
 
 CASES = {
-    # one prefix over 8 epochs: the last, short one shuffled apart (the 80% rule)
+    # one prefix over 13 epochs: the last, short one shuffled apart (the 80% rule)
     "epochs": (training(75), dict(data_path=["a"], split="80,15,5")),
     # two epochs, the last one shuffled with the first
-    "two-epochs": (training(20, seed=7), dict(data_path=["a"], split="80,15,5")),
+    "two-epochs": (training(11, seed=7), dict(data_path=["a"], split="80,15,5")),
     "one-epoch": (training(3), dict(data_path=["a"], split="80,20")),
+    "megalite-index": (training(30), dict(data_path=["a-own"], split="80,15,5")),
     "blend": (training(50, seed=3), dict(data_path=["0.3", "a", "0.7", "b"], split="80,15,5")),
     "blend-by-size": (training(50, seed=3), dict(data_path=["a", "b"], split="90,10")),
     "one-weighted": (training(20), dict(data_path=["1", "a"], split="80,15,5")),
@@ -156,8 +166,7 @@ def test_samples_equal_megatron(data, monkeypatch, case):
 
 
 def test_the_cases_cover_both_last_epoch_rules(data):
-    lengths = IndexedDataset(data["a"][1]).doc_offsets
-    lengths = np.diff(lengths)
+    lengths = IndexedDataset(data["a"][1]).sequence_lengths
     start, stop = split_documents(len(lengths), parse_split("80,15,5"))[0]
     tokens = int(lengths[start:stop].sum())
     rules = []
