@@ -35,7 +35,7 @@ import numpy as np
 from megalite.data import corpus, index_cache
 from megalite.data import sample_order as order
 from megalite.data.indexed_dataset import IndexedDataset, build_indexed_dataset
-from megalite.data.splits import SPLIT_NAMES, Blend, split_blends, split_documents, split_sizes
+from megalite.data.splits import SPLIT_NAMES, Blend, split_blends, split_sequences, split_sizes
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError
 
@@ -88,7 +88,6 @@ class GPTDataset:
         arrays = index_cache.cached(cache_dir, name, key, build)
         self.document_index = arrays["document_index"]
         self.sample_index, self.shuffle_index = arrays["sample_index"], arrays["shuffle_index"]
-        self.cache_key = key  # a blend of this dataset names it in its own key
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
@@ -109,8 +108,7 @@ class BlendedDataset:
     def __init__(self, datasets: list, weights: list[float], size: int, cache_dir=None, name=""):
         self.datasets = datasets
         self.weights = order.normalise(weights)
-        parts = [d.cache_key for d in datasets] if cache_dir else None
-        key = {"kind": "blend", "weights": self.weights, "size": size, "parts": parts}
+        key = {"kind": "blend", "weights": self.weights, "size": size}  # all the arrays depend on
 
         def build():
             ds, local = order.blending_indices(self.weights, size)
@@ -123,8 +121,8 @@ class BlendedDataset:
         for k, (n, d) in enumerate(zip(counts, datasets)):
             if n > len(d):  # the 0.5% surplus did not cover the greedy rule's rounding
                 raise MegaliteError(
-                    f"the blend takes {n} samples from dataset {k}, which has {len(d)}; give "
-                    "the blend weights closer to the datasets' sizes"
+                    f"the blend takes {n} samples from dataset {k}, which has {len(d)}; give it "
+                    "more data or a smaller weight"
                 )
 
     def __len__(self) -> int:
@@ -136,8 +134,8 @@ class BlendedDataset:
 
 @dataclass
 class Datasets:
-    """What the trainer needs; a split is None when its share of --split is 0 (`train` only
-    with --eval-only)."""
+    """What the trainer needs; a split is None when its share of --split is 0 or it has no
+    --*-data-path of its own (`train` only with --eval-only)."""
 
     train: GPTDataset | BlendedDataset | None
     valid: GPTDataset | BlendedDataset | None
@@ -185,7 +183,7 @@ def build_datasets(cfg) -> Datasets:
     def part(s: int, prefix: str, whole: bool, num_samples: int | None) -> GPTDataset:
         seqs = sequences(prefix)
         n = len(seqs.lengths)
-        start, stop = (0, n) if whole else split_documents(n, fractions)[s]
+        start, stop = (0, n) if whole else split_sequences(n, fractions)[s]
         if int(np.sum(seqs.lengths[start:stop], dtype=np.int64)) <= m.seq_length:
             where = f"{prefix}" if whole else f"the {SPLIT_NAMES[s]} split of {prefix}"
             fix = "" if whole else "a larger share with --split (e.g. 100,0,0 for none), "

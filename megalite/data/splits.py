@@ -70,13 +70,13 @@ def parse_data_path(
     return values, list(prefixes)
 
 
-def split_documents(num_docs: int, fractions: list[float]) -> list[tuple[int, int]]:
+def split_sequences(num_sequences: int, fractions: list[float]) -> list[tuple[int, int]]:
     """Sequence ranges [start, stop) of train, valid, test: Megatron's bookends, each cumulative
-    share times num_docs rounded; a split with a share but no sequence takes one from the
+    share times num_sequences rounded; a split with a share but no sequence takes one from the
     largest (when it can spare it), where Megatron would have an empty split it cannot use."""
-    sizes = [round(sum(fractions[: k + 1]) * num_docs) for k in range(3)]
+    sizes = [round(sum(fractions[: k + 1]) * num_sequences) for k in range(3)]
     sizes = [b - a for a, b in zip([0] + sizes, sizes)]
-    sizes[0] += num_docs - sum(sizes)
+    sizes[0] += num_sequences - sum(sizes)
     for k in range(3):
         largest = max(range(3), key=lambda j: sizes[j])
         if fractions[k] > 0 and sizes[k] == 0 and sizes[largest] > 1:

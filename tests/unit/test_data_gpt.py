@@ -19,7 +19,7 @@ from megalite.data.gpt_dataset import (
     prepare_builtin,
 )
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from megalite.data.splits import parse_data_path, parse_split, split_documents
+from megalite.data.splits import parse_data_path, parse_split, split_sequences
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError
 
@@ -58,13 +58,13 @@ def test_samples_are_stream_windows_crossing_documents(tmp_path):
         ds[len(ds)]
 
 
-def test_split_is_by_documents(tmp_path):
+def test_split_is_by_sequences(tmp_path):
     docs = [np.full(10, k) for k in range(50)]
     indexed = write(tmp_path / "d", docs)
-    ranges = split_documents(50, parse_split("80,10,10"))
+    ranges = split_sequences(50, parse_split("80,10,10"))
     assert ranges == [(0, 40), (40, 45), (45, 50)]
-    assert split_documents(5, parse_split("98,2,0")) == [(0, 4), (4, 5), (5, 5)]
-    assert split_documents(1, parse_split("98,2,0")) == [(0, 1), (1, 1), (1, 1)]
+    assert split_sequences(5, parse_split("98,2,0")) == [(0, 4), (4, 5), (5, 5)]
+    assert split_sequences(1, parse_split("98,2,0")) == [(0, 1), (1, 1), (1, 1)]
     valid = GPTDataset(indexed, *ranges[1], seq_length=4, seed=0)
     seen = {int(t) for i in range(len(valid)) for t in valid[i]}
     assert seen <= set(range(40, 45))  # no training document leaks in
@@ -110,7 +110,9 @@ def test_blend_proportions(weights):
     for k in range(len(parts)):
         seen = [i for (t, i) in (blend[j] for j in range(total)) if t == k]
         assert seen == list(range(len(seen)))
-    with pytest.raises(MegaliteError, match="takes 700 samples from dataset 0, which has 600"):
+    with pytest.raises(
+        MegaliteError, match="takes 700 samples from dataset 0, which has 600; give it more data"
+    ):
         BlendedDataset([Fake(0, 600), Fake(1, 300)], [0.7, 0.3], total)
 
 

@@ -24,7 +24,7 @@ from megalite.data import gpt_dataset
 from megalite.data import sample_order as order
 from megalite.data.indexed_dataset import MEGALITE, IndexedDataset, IndexedDatasetWriter
 from megalite.data.sampler import BatchSampler
-from megalite.data.splits import parse_split, split_documents, split_sizes
+from megalite.data.splits import parse_split, split_sequences, split_sizes
 
 SEQ = 16
 EOS = 0
@@ -167,7 +167,7 @@ def test_samples_equal_megatron(data, monkeypatch, case):
 
 def test_the_cases_cover_both_last_epoch_rules(data):
     lengths = IndexedDataset(data["a"][1]).sequence_lengths
-    start, stop = split_documents(len(lengths), parse_split("80,15,5"))[0]
+    start, stop = split_sequences(len(lengths), parse_split("80,15,5"))[0]
     tokens = int(lengths[start:stop].sum())
     rules = []
     for case in ("epochs", "two-epochs"):
