@@ -23,7 +23,7 @@ from megalite.config import Config
 from megalite.data import gpt_dataset
 from megalite.data import sample_order as order
 from megalite.data.indexed_dataset import MEGALITE, IndexedDataset, IndexedDatasetWriter
-from megalite.data.sampler import BatchSampler
+from megalite.data.sampler import BatchSampler, get_batch
 from megalite.data.splits import parse_split, split_sequences, split_sizes
 
 SEQ = 16
@@ -155,6 +155,10 @@ def test_samples_equal_megatron(data, monkeypatch, case):
         assert len(mine) == len(ref), name
         for i in range(len(ref)):
             assert np.array_equal(mine[i], sample(ref, i)), (case, name, i)
+        # what the trainer feeds the model: Megatron's tokens and labels
+        tokens, labels = get_batch(mine, [0, len(ref) - 1])
+        assert torch.equal(tokens, torch.stack([ref[0]["tokens"], ref[len(ref) - 1]["tokens"]]))
+        assert torch.equal(labels, torch.stack([ref[0]["labels"], ref[len(ref) - 1]["labels"]]))
     # global batches: every dp rank's micro-batches of step k are the train samples Megatron's
     # sampler gives it (run by hand: runs of mbs*dp, rank r takes its r-th mbs; a blend by
     # size can be shorter than the run, where Megatron stops and megalite starts over)
