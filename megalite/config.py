@@ -336,6 +336,16 @@ class DataConfig:
     data_cache_dir: str = opt(
         "data_cache", "where the built-in corpus and its tokenizer are cached"
     )
+    data_cache_path: str | None = opt(
+        None, "where the built sample-order indices are cached as .npy (default: not cached)"
+    )
+    train_data_path: list[str] = opt(
+        list, "the training split's own prefixes, optionally weighted (instead of --data-path)"
+    )
+    valid_data_path: list[str] = opt(
+        list, "the validation split's own prefixes, optionally weighted"
+    )
+    test_data_path: list[str] = opt(list, "the test split's own prefixes, optionally weighted")
     reset_position_ids: bool = opt(False, "positions restart at 0 after each end-of-document token")
     reset_attention_mask: bool = opt(
         False, "tokens attend within their own document only (packed samples)"
