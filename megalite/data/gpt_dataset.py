@@ -153,6 +153,7 @@ def build_datasets(cfg) -> Datasets:
     """
     d, m, t = cfg.data, cfg.model, cfg.training
     blends, fractions = split_blends(d, t.eval_only)
+    tokenizer = None
     if d.tokenizer_model or d.vocab_file or d.merge_file:
         tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type, d.vocab_file, d.merge_file)
         _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path)
@@ -165,9 +166,9 @@ def build_datasets(cfg) -> Datasets:
         builtin = "trained for the built-in corpus"
         _check_vocab(d.tokenizer_vocab_size, m, builtin, " (or lower --tokenizer-vocab-size)")
     if not any(b and b.prefixes for b in blends):
-        prefix, model = prepare_builtin(
-            d.data_cache_dir, d.tokenizer_vocab_size, d.tokenizer_model, d.tokenizer_type
-        )
+        # A given tokenizer by its file (GPT-2's BPE from --vocab-file/--merge-file included).
+        given = (tokenizer.model_path, None) if tokenizer else (None, None)
+        prefix, model = prepare_builtin(d.data_cache_dir, d.tokenizer_vocab_size, *given)
         blends = [b and Blend([prefix], None) for b in blends]
         tokenizer = load_tokenizer(model)
 
