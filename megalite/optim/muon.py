@@ -163,15 +163,19 @@ class MuonState:
             spec, start = spec_of(r.param), r.offset - r.bucket.start
             local = full[i][start : start + r.param.numel()].view(r.param.shape)
             out, s = orthogonalise(self._whole(local, spec), parts, o)
-            mine = spec.local(out).reshape(-1)[plo:phi]
+            mine = (spec.local(out) if self._tp_split(spec) else out).reshape(-1)[plo:phi]
             piece = weights[i][lo:hi]
             if decay and o.weight_decay:
                 piece.mul_(1 - lr * o.weight_decay)
             piece.add_(mine.to(piece.dtype), alpha=-lr * s)
 
+    @staticmethod
+    def _tp_split(spec: ParamSpec) -> bool:
+        return spec.split_axis == "tp" and spec.split_size > 1
+
     def _whole(self, local: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
         """The whole logical matrix of a TP-split parameter's local piece (gathered over tp)."""
-        if spec.split_axis != "tp" or spec.split_size == 1:
+        if not self._tp_split(spec):  # (experts: whole on their ep rank)
             return local
         t = self.tp.size
         out = local.new_empty(t * local.numel())
