@@ -11,7 +11,8 @@ per parameter. A step:
   2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check and the
      caller's flags, in one all-reduce and one host read (the only one in a training step);
      any non-finite gradient skips the step on every rank
-  3. unscale (fp16) and clip in one multiply, AdamW on the shards, masters -> parameters
+  3. unscale (fp16) and clip in one multiply, AdamW on the shards (or Muon: optim/muon.py,
+     the matrices' updates gathered whole over DP and TP), masters -> parameters
   4. stage 1/2: all-gather the updated parameter shards into the flat parameter buffer, by
      default overlapped with the next forward (each bucket waited for where it is first read);
      stage 3 keeps the shards, gathered unit by unit where they are used (parallel/zero3.py)
@@ -32,7 +33,7 @@ from megalite.model.moe import update_expert_bias
 from megalite.optim.adamw import adamw
 from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
-from megalite.optim.muon import MuonState
+from megalite.optim.muon import muon_state
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import GradBuffer, GradBuffers, ParamRange
 from megalite.parallel.groups import ProcessGroups
@@ -109,15 +110,15 @@ class DistributedOptimizer:
         state_dtype = torch.float32 if low else buf.param_dtype
         shards = [buf.param_shard(b) for b in buf.buckets]
         self.masters = [s.to(state_dtype, copy=True) for s in shards] if low else None
-        self.exp_avg = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
-        self.exp_avg_sq = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
         self.step_count = 0
         # --optimizer muon: the matrices' momentum orthogonalised, AdamW for the rest (muon.py)
-        self.muon = None
-        if o.optimizer == "muon":
-            decay = lambda r: not spec_of(r.param).no_weight_decay  # noqa: E731
-            self.muon = MuonState(buf, groups.tp, o, state_dtype, decay)
+        decay = lambda r: not spec_of(r.param).no_weight_decay  # noqa: E731
+        self.muon = muon_state(o, buf, groups.tp, state_dtype, decay)
+        if self.muon:  # (its momentum shares exp_avg; exp_avg_sq holds AdamW's elements only)
             self.exp_avg, self.exp_avg_sq = self.muon.exp_avg, self.muon.exp_avg_sq
+        else:
+            self.exp_avg = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
+            self.exp_avg_sq = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
 
         # Per bucket shard: where weight decay applies, which elements count in the norm.
         self._decay = [[] for _ in buf.buckets]

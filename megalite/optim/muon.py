@@ -82,6 +82,11 @@ def orthogonalise(u: torch.Tensor, parts: int, o: OptimizerConfig) -> tuple[torc
     return out, scale(rows // parts, cols, o.muon_scale)
 
 
+def muon_state(o: OptimizerConfig, buffer, tp, dtype: torch.dtype, decay) -> "MuonState | None":
+    """Muon's state over `buffer` under --optimizer muon, None under AdamW."""
+    return MuonState(buffer, tp, o, dtype, decay) if o.optimizer == "muon" else None
+
+
 class MuonState:
     """Muon's state and step over a gradient buffer's shards: the momentum of the matrices and
     the AdamW first moment share the flat `exp_avg` shards, the AdamW second moment

@@ -6,6 +6,7 @@ each rank's. A checkpoint saved at tp2·dp2 ZeRO-1 resumes there bitwise and res
 pp2·dp2 ZeRO-2 within 1e-6 of one process."""
 
 import functools
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -133,6 +134,11 @@ def test_muon_layouts_equal_one_process(tmp_path):
             assert planned == real, f"{name} rank {rank}: planner {planned} != {real} bytes"
             for i, (got, ref) in enumerate(zip(steps, single(moe)), 1):
                 _close(got, ref, f"{name} rank {rank} step {i}")
+    # topology-free: the momentum of the whole logical matrix, no second moment for it
+    tensors = json.loads((tmp_path / "iter_0000003" / "index.json").read_text())["tensors"]
+    assert tensors["optimizer.momentum.layers.0.attention.k.weight"]["shape"] == [16, 32]
+    assert "optimizer.exp_avg_sq.layers.0.attention.k.weight" not in tensors
+    assert "optimizer.exp_avg_sq.layers.0.input_norm.weight" in tensors
     four = [r for r in results if "resume" in r]
     assert len(four) == 4
     ref = single(False)[4]  # after 5 steps

@@ -32,10 +32,10 @@ def ns_reference(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if g.shape[0] > g.shape[1] else x
 
 
-def muon_reference(w, g, buf, parts: int, mode: str):
+def muon_reference(w, g, buf, parts: int, mode: str, nesterov: bool):
     """The update of one parameter (2-D, or (E, out, in) experts), in place, fp64."""
     buf.lerp_(g, 1 - BETA)
-    u = g.lerp(buf, BETA)
+    u = g.lerp(buf, BETA) if nesterov else buf
     mats = u.reshape(-1, u.shape[-2] // parts, u.shape[-1])  # every matrix of the parameter
     out = torch.stack([ns_reference(m) for m in mats]).reshape(u.shape)
     rows, cols = u.shape[-2] // parts, u.shape[-1]
@@ -43,7 +43,7 @@ def muon_reference(w, g, buf, parts: int, mode: str):
     w.mul_(1 - LR * WD).add_(out, alpha=-LR * s)
 
 
-def config(mode="rms") -> Config:
+def config(mode="rms", nesterov=True) -> Config:
     cfg = Config()
     m, t, o = cfg.model, cfg.training, cfg.optimizer
     m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = "llama", 2, 32, 4
@@ -52,7 +52,7 @@ def config(mode="rms") -> Config:
     m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 24
     t.micro_batch_size, t.global_batch_size, t.kernels = 2, 4, "torch"
     o.optimizer, o.muon_scale, o.lr, o.weight_decay = "muon", mode, LR, WD
-    o.lr_decay_style, o.clip_grad = "constant", 0.5
+    o.lr_decay_style, o.clip_grad, o.muon_nesterov = "constant", 0.5, nesterov
     cfg.logging.wandb_mode = "disabled"
     return cfg
 
@@ -78,9 +78,9 @@ def test_newton_schulz_orthogonalises_each_matrix_as_the_reference():
     assert scale(64, 32, "rms") == 0.2 * 8 and scale(64, 32, "shape") == math.sqrt(2)
 
 
-@pytest.mark.parametrize("mode", ["rms", "shape"])
-def test_single_process_muon_equals_the_reference(mode):
-    tr = trainer(config(mode))
+@pytest.mark.parametrize("mode, nesterov", [("rms", True), ("shape", False)])
+def test_single_process_muon_equals_the_reference(mode, nesterov):
+    tr = trainer(config(mode, nesterov))
     params = {n: p for c in tr.chunks for n, p in c.named_parameters()}
     parts = {n: muon_parts(n, spec_of(p)) for n, p in params.items()}
     assert parts["layers.0.mlp.experts.gate_up.weight"] == 2
@@ -103,7 +103,7 @@ def test_single_process_muon_equals_the_reference(mode):
             p.grad = grads[n].double()
         torch_adam.step()
         for n, buf in bufs.items():
-            muon_reference(ref[n], grads[n].double(), buf, parts[n], mode)
+            muon_reference(ref[n], grads[n].double(), buf, parts[n], mode, nesterov)
         for n, p in params.items():
             want = adam[n].detach() if n in adam else ref[n]
             assert (p.detach().double() - want).abs().max() < 1e-6, n
@@ -121,3 +121,17 @@ def test_validate_refuses_bad_muon_flags():
         setattr(cfg.optimizer, field, value)
         with pytest.raises(MegaliteError, match=field.replace("_", "-")):
             validate(cfg, 1)
+
+
+def test_an_adamw_checkpoint_does_not_resume_as_muon(tmp_path):
+    cfg = config()
+    cfg.optimizer.optimizer, cfg.checkpoint.save = "adamw", str(tmp_path)
+    tr = trainer(cfg)
+    tr.train_step(log=False)
+    tr.save()
+    index = (tmp_path / "iter_0000001" / "index.json").read_text()
+    assert "optimizer.exp_avg_sq.layers.0.attention.q.weight" in index
+    cfg = config()
+    cfg.checkpoint.load = str(tmp_path)
+    with pytest.raises(MegaliteError, match="another --optimizer"):
+        trainer(cfg).resume()
