@@ -47,8 +47,8 @@ def muon_parts(name: str, spec: ParamSpec) -> int:
         return 0
     if "embed" in name or "output" in name:  # a position table, a head without vocab rows
         return 0
-    if dims == 3 and spec.expert:
-        return 2 if name.endswith("gate_up.weight") else 1
+    if spec.expert:  # (E, out, in): E matrices; an expert bias (E, out) is E vectors
+        return (2 if name.endswith("gate_up.weight") else 1) if dims == 3 else 0
     return 1 if dims == 2 else 0
 
 
@@ -82,9 +82,14 @@ def orthogonalise(u: torch.Tensor, parts: int, o: OptimizerConfig) -> tuple[torc
     return out, scale(rows // parts, cols, o.muon_scale)
 
 
+def muon_on(o: OptimizerConfig) -> bool:
+    """Whether the run updates its matrices with Muon (the one place that reads the flag)."""
+    return o.optimizer == "muon"
+
+
 def muon_state(o: OptimizerConfig, buffer, tp, dtype: torch.dtype, decay) -> "MuonState | None":
     """Muon's state over `buffer` under --optimizer muon, None under AdamW."""
-    return MuonState(buffer, tp, o, dtype, decay) if o.optimizer == "muon" else None
+    return MuonState(buffer, tp, o, dtype, decay) if muon_on(o) else None
 
 
 class MuonState:
@@ -199,4 +204,4 @@ def second_moments(o: OptimizerConfig, ranges, lo: int, hi: int) -> int:
     """(the planner) Elements of the flat range [lo, hi) of a bucket (this rank's shard) that
     have an AdamW second moment: all of them under AdamW (padding too, as its shards), under
     Muon only the AdamW parameters'. `ranges` [(name, offset, numel, spec)]."""
-    return hi - lo if o.optimizer != "muon" else adam_elements(ranges, lo, hi)
+    return adam_elements(ranges, lo, hi) if muon_on(o) else hi - lo

@@ -1,6 +1,6 @@
 """Muon at every layout computes the single-process update: 10 steps of a tiny Llama-style
 model (k/v narrower than q; a MoE twin with 4 experts for ep) with the real Trainer, fp32, the
-parameters after every step within 1e-6 of one process at tp2, pp2, dp2 with ZeRO 0-3, ep2,
+parameters after every step within 1e-6 of one process at tp2, pp2, dp2 with ZeRO 0-3, ep2, cp2,
 tp2·dp2 ZeRO-1, ep2·tp2 ZeRO-2 and pp2·dp2 ZeRO-3; the planner's optimizer-state bytes equal
 each rank's. A checkpoint saved at tp2·dp2 ZeRO-1 resumes there bitwise and resharded at
 pp2·dp2 ZeRO-2 within 1e-6 of one process."""
@@ -68,6 +68,7 @@ LAYOUTS = {  # name: (world, moe, parallel flags)
     "pp2": (2, False, {"pp": 2}),
     **{f"dp2 zero{z}": (2, False, {"zero_stage": z}) for z in range(4)},
     "ep2": (2, True, {"ep": 2}),
+    "cp2": (2, False, {"cp": 2}),
     "tp2 dp2 zero1": (4, False, {"tp": 2, "zero_stage": 1}),
     "ep2 tp2 zero2": (4, True, {"tp": 2, "ep": 2, "zero_stage": 2}),
     "pp2 dp2 zero3": (4, False, {"pp": 2, "zero_stage": 3}),
@@ -86,7 +87,8 @@ def _run(rank, world, save_dir):
             tr.train_step(log=False)
             steps.append(params(tr))
         shape, g = validate(cfg, world), tr.groups
-        planned = memory.state_memory(cfg, shape, g.pp.rank, dp_rank=g.replicas.rank)
+        ranks = {"dp_rank": g.replicas.rank, "edp_rank": g.edp.rank if moe else 0}
+        planned = memory.state_memory(cfg, shape, g.pp.rank, **ranks)
         out[name] = steps, (planned["optimizer"], tr.opt.state_bytes())
     if save_dir:
         out["resume"] = _resume(world, save_dir)

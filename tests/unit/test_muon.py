@@ -13,7 +13,7 @@ from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.optim.muon import muon_parts, newton_schulz, scale
 from megalite.parallel.groups import single_process_groups
-from megalite.parallel.specs import spec_of
+from megalite.parallel.specs import ParamSpec, spec_of
 from megalite.shape import validate
 
 LR, WD, BETA = 1e-2, 0.1, 0.95
@@ -113,6 +113,15 @@ def test_single_process_muon_equals_the_reference(mode, nesterov):
     # AdamW's second moment only for what AdamW updates
     adam_numel = sum(params[n].numel() for n in adam)
     assert sum(t.numel() for t in tr.opt.exp_avg_sq) == adam_numel
+
+
+def test_expert_biases_and_vectors_stay_on_adamw():
+    ep = {"split_dim": 0, "split_axis": "ep", "split_size": 2}
+    bias = ParamSpec(shape=(4, 8), local_shape=(2, 8), **ep)
+    down = ParamSpec(shape=(4, 8, 6), local_shape=(2, 8, 6), **ep)
+    assert muon_parts("layers.0.mlp.experts.up.bias", bias) == 0
+    assert muon_parts("layers.0.mlp.experts.down.weight", down) == 1
+    assert muon_parts("layers.0.attention.sinks", ParamSpec(shape=(4,), local_shape=(4,))) == 0
 
 
 def test_validate_refuses_bad_muon_flags():
