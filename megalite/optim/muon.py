@@ -20,8 +20,8 @@ The update of a matrix W (m, n) with gradient G at step t:
 
 Sharded, every layout computes the single-process update (DistributedOptimizer):
 the momentum lives with the AdamW moments in the ZeRO shards (it is elementwise); the Nesterov
-update U of each rank's shard is all-gathered over the data-parallel group (the whole bucket:
-`gather_shards`), then over tp along the parameter's split dimension, so every rank holding a
+update U of each rank's shard is all-gathered over the data-parallel group, bucket by bucket
+(one bucket's update is alive at a time), then over tp along the parameter's split dimension, so every rank holding a
 piece of a matrix orthogonalises the same whole matrix and keeps its piece. Experts are whole
 on their ep rank, one matrix each. The AdamW second moment exists only for the AdamW elements.
 """
@@ -114,6 +114,13 @@ class MuonState:
             self.adam.append((i, s[0], s[1], held[i], decay(r)))
             self._sq_at[r.name] = (i, held[i] - s[0])
             held[i] += s[1] - s[0]
+        self.matrices_of = {}  # bucket index -> its entries of self.matrices
+        for entry in self.matrices:
+            self.matrices_of.setdefault(entry[1], []).append(entry)
+        # buckets holding a matrix anywhere (not only in this rank's shard): gathered by all
+        self.buckets_with_matrices = sorted(
+            {index[r.bucket] for r in buffer.ranges if muon_parts(r.name, spec_of(r.param))}
+        )
         shards = [buffer.param_shard(b) for b in buffer.buckets]
         self.exp_avg = [torch.zeros_like(s, dtype=dtype) for s in shards]
         self.exp_avg_sq = [torch.zeros(n, dtype=dtype, device=s.device)
@@ -160,24 +167,31 @@ class MuonState:
                 decayed.append(w[-1])
         adamw(w, g, m, v, decayed, lr, step, o)
 
-        # The Nesterov update of this rank's pieces, gathered whole over DP (the buckets).
-        update = [torch.zeros_like(x) for x in self.exp_avg]
-        for _, i, (lo, hi, _, _), _, _ in self.matrices:
-            mom, grad = self.exp_avg[i][lo:hi], grads[i][lo:hi].to(self.exp_avg[i].dtype)
-            mom.lerp_(grad, 1 - o.muon_momentum)
-            update[i][lo:hi] = grad.lerp(mom, o.muon_momentum) if o.muon_nesterov else mom
-        full = self.buffer.gather_shards(update)
-        # Every rank runs this loop over the same matrices as its TP peers (they share the
-        # bucket layout), so the TP gathers pair up.
-        for r, i, (lo, hi, plo, phi), parts, decay in self.matrices:
-            spec, start = spec_of(r.param), r.offset - r.bucket.start
-            local = full[i][start : start + r.param.numel()].view(r.param.shape)
-            out, s = orthogonalise(self._whole(local, spec), parts, o)
-            mine = (spec.local(out) if self._tp_split(spec) else out).reshape(-1)[plo:phi]
-            piece = weights[i][lo:hi]
-            if decay and o.weight_decay:
-                piece.mul_(1 - lr * o.weight_decay)
-            piece.add_(mine.to(piece.dtype), alpha=-lr * s)
+        # Bucket by bucket (the same on every DP peer): the Nesterov update of this rank's
+        # pieces, gathered over the bucket's group, so each matrix is whole here; then every
+        # rank runs the matrices of the bucket in the same order as its TP peers (they share
+        # the bucket layout), so the TP gathers pair up.
+        for i in self.buckets_with_matrices:
+            b, mats = self.buffer.buckets[i], self.matrices_of.get(i, [])
+            update = torch.zeros_like(self.exp_avg[i])
+            for _, _, (lo, hi, _, _), _, _ in mats:
+                mom, grad = self.exp_avg[i][lo:hi], grads[i][lo:hi].to(update.dtype)
+                mom.lerp_(grad, 1 - o.muon_momentum)
+                update[lo:hi] = grad.lerp(mom, o.muon_momentum) if o.muon_nesterov else mom
+            full = update
+            if update.numel() < b.numel:  # sharded: gather the bucket
+                full = update.new_empty(b.numel)
+                comm.all_gather(full, update, self.buffer.group_of(b))
+            del update
+            for r, _, (lo, hi, plo, phi), parts, decay in mats:
+                spec, start = spec_of(r.param), r.offset - b.start
+                local = full[start : start + r.param.numel()].view(r.param.shape)
+                out, s = orthogonalise(self._whole(local, spec), parts, o)
+                mine = (spec.local(out) if self._tp_split(spec) else out).reshape(-1)[plo:phi]
+                piece = weights[i][lo:hi]
+                if decay and o.weight_decay:
+                    piece.mul_(1 - lr * o.weight_decay)
+                piece.add_(mine.to(piece.dtype), alpha=-lr * s)
 
     @staticmethod
     def _tp_split(spec: ParamSpec) -> bool:

@@ -1,8 +1,8 @@
 """Muon at every layout computes the single-process update: 10 steps of a tiny Llama-style
 model (k/v narrower than q; a MoE twin with 4 experts for ep) with the real Trainer, fp32, the
-parameters after every step within 1e-6 of one process at tp2, pp2, dp2 with ZeRO 0-3, ep2, cp2,
-tp2·dp2 ZeRO-1, ep2·tp2 ZeRO-2 and pp2·dp2 ZeRO-3; the planner's optimizer-state bytes equal
-each rank's. A checkpoint saved at tp2·dp2 ZeRO-1 resumes there bitwise and resharded at
+parameters after every step within 1e-6 of one process at tp2, pp2, dp2 with ZeRO 0-3 (and
+small buckets), ep2, cp2, tp2·dp2 ZeRO-1, ep2·tp2 ZeRO-2 and pp2·dp2 ZeRO-3; the planner's
+optimizer-state bytes equal each rank's. A checkpoint saved at tp2·dp2 ZeRO-1 resumes there bitwise and resharded at
 pp2·dp2 ZeRO-2 within 1e-6 of one process."""
 
 import functools
@@ -34,7 +34,7 @@ def config(moe=False, **parallel) -> Config:
     o.optimizer, o.lr, o.lr_decay_style, o.clip_grad = "muon", 3e-3, "constant", 0.5
     cfg.logging.wandb_mode = "disabled"
     for k, v in parallel.items():
-        setattr(cfg.optimizer if k == "zero_stage" else cfg.parallel, k, v)
+        setattr(cfg.optimizer if hasattr(cfg.optimizer, k) else cfg.parallel, k, v)
     return cfg
 
 
@@ -67,6 +67,8 @@ LAYOUTS = {  # name: (world, moe, parallel flags)
     "tp2": (2, False, {"tp": 2}),
     "pp2": (2, False, {"pp": 2}),
     **{f"dp2 zero{z}": (2, False, {"zero_stage": z}) for z in range(4)},
+    # small buckets: matrices cut by shard and bucket edges, buckets holding no matrix
+    "dp2 zero2 buckets": (2, False, {"zero_stage": 2, "bucket_size_mb": 0.004}),
     "ep2": (2, True, {"ep": 2}),
     "cp2": (2, False, {"cp": 2}),
     "tp2 dp2 zero1": (4, False, {"tp": 2, "zero_stage": 1}),
