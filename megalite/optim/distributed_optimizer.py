@@ -305,7 +305,9 @@ class DistributedOptimizer:
             kinds = self.muon.flat()
         if self.masters:
             kinds["master"] = self.masters
-        gathered = {k: self._per_param(v) for k, v in kinds.items()}
+        once = {}  # (Muon's momentum and AdamW's first moment share their shards)
+        gathered = {k: once.get(id(v)) or once.setdefault(id(v), self._per_param(v))
+                    for k, v in kinds.items()}  # fmt: skip
         specs = {r.name: spec_of(r.param) for r in self.buffer.ranges}
         own = lambda n: (*self.state_kinds(n, specs[n]), *(("master",) if self.masters else ()))  # noqa: E731
         return {n: {k: gathered[k][n] for k in own(n)} for n in gathered["exp_avg"]}
