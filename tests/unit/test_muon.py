@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megalite.config import Config
+from megalite.config_read import parse_args
 from megalite.errors import MegaliteError
 from megalite.optim.muon import muon_parts, newton_schulz, scale
 from megalite.parallel.groups import single_process_groups
@@ -122,6 +123,14 @@ def test_expert_biases_and_vectors_stay_on_adamw():
     assert muon_parts("layers.0.mlp.experts.up.bias", bias) == 0
     assert muon_parts("layers.0.mlp.experts.down.weight", down) == 1
     assert muon_parts("layers.0.attention.sinks", ParamSpec(shape=(4,), local_shape=(4,))) == 0
+
+
+def test_muon_flags_parse():
+    o = parse_args(["--optimizer", "muon", "--muon-scale", "shape", "--no-muon-nesterov",
+                    "--muon-ns-steps", "4", "--muon-momentum", "0.9"]).optimizer  # fmt: skip
+    assert (o.optimizer, o.muon_scale, o.muon_nesterov, o.muon_ns_steps, o.muon_momentum) == (
+        "muon", "shape", False, 4, 0.9)  # fmt: skip
+    assert parse_args([]).optimizer.optimizer == "adamw"
 
 
 def test_validate_refuses_bad_muon_flags():
