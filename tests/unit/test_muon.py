@@ -125,6 +125,23 @@ def test_expert_biases_and_vectors_stay_on_adamw():
     assert muon_parts("layers.0.attention.sinks", ParamSpec(shape=(4,), local_shape=(4,))) == 0
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planned_state_bytes_are_the_real_ones(precision):
+    from megalite.plan import memory
+
+    cfg = config()
+    cfg.training.precision = precision
+    tr = trainer(cfg)
+    adam = sum(p.numel() for c in tr.chunks for n, p in c.named_parameters()
+               if not muon_parts(n, spec_of(p)))  # fmt: skip
+    planned = memory.state_memory(cfg, validate(cfg, 1), 0)["optimizer"]
+    assert planned == tr.opt.state_bytes()
+    # momentum / first moment for every element (bucket padding too), a second moment for
+    # AdamW's alone, fp32 masters under bf16
+    padded = sum(b.numel for b in tr.opt.buffer.buckets)
+    assert planned == 4 * (padded + adam + (padded if precision == "bf16" else 0))
+
+
 def test_muon_flags_parse():
     o = parse_args(["--optimizer", "muon", "--muon-scale", "shape", "--no-muon-nesterov",
                     "--muon-ns-steps", "4", "--muon-momentum", "0.9"]).optimizer  # fmt: skip
