@@ -1,6 +1,7 @@
 """Muon in one process against a plain reference written here: Keller Jordan's Newton-Schulz
 on each matrix in fp64 (q, k, v, out, each expert's gate and up apart, down), AdamW
-(torch.optim.AdamW, fp64) on the embedding, norms, router and output layer."""
+(torch.optim.AdamW, fp64) on the embedding, norms, router and output layer; which parameters
+are matrices, the planner's state bytes, no host read added, the flags and their checks."""
 
 import math
 from types import SimpleNamespace
@@ -140,6 +141,22 @@ def test_planned_state_bytes_are_the_real_ones(precision):
     # AdamW's alone, fp32 masters under bf16
     padded = sum(b.numel for b in tr.opt.buffer.buckets)
     assert planned == 4 * (padded + adam + (padded if precision == "bf16" else 0))
+
+
+def test_muon_adds_no_host_read_to_a_step():
+    from megalite.testing import HostSyncCounter
+
+    reads = {}
+    for name in ("adamw", "muon"):
+        cfg = config()
+        cfg.optimizer.optimizer = name
+        tr = trainer(cfg)
+        tr.train_step(log=False)
+        counter = HostSyncCounter()
+        with counter.counting():
+            tr.train_step(log=False)
+        reads[name] = [w for w, where in counter.where if "grouped_mm_ref" not in where]
+    assert len(reads["muon"]) == len(reads["adamw"]) > 0, reads
 
 
 def test_muon_flags_parse():
