@@ -45,7 +45,7 @@ def muon_parts(name: str, spec: ParamSpec) -> int:
     dims = len(spec.shape)
     if dims < 2 or spec.vocab_dim is not None or spec.tied_to or "router" in name:
         return 0
-    if "embed" in name or "output" in name:  # a position table, a head without vocab rows
+    if name.split(".")[0] in ("embedding", "output"):  # a position table, any head
         return 0
     if spec.expert:  # (E, out, in): E matrices; an expert bias (E, out) is E vectors
         return (2 if name.endswith("gate_up.weight") else 1) if dims == 3 else 0
