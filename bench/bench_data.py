@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.data import corpus
-from megalite.data.gpt_dataset import GPTDataset
+from megalite.data.gpt_dataset import GPTDataset, Sequences
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.sampler import get_batch
 from megalite.data.tokenizer import Tokenizer
@@ -167,11 +167,12 @@ def main():
             out[f"{key}_median_tok_s"] = n / float(np.median(runs[name]))
             out[f"{key}_mb_s"] = jsonl_bytes / 2**20 / min(runs[name])
 
-        indexed = IndexedDataset(tmp / "tool_1w")
+        indexed = Sequences.of(IndexedDataset(tmp / "tool_1w"))
+        n = len(indexed.lengths)
         for seq in (128, 1024):
-            ds = GPTDataset(indexed, 0, len(indexed), seq, seed=0)
+            ds = GPTDataset(indexed, 0, n, seq, seed=0)
             out[f"fetch_us_seq{seq}"] = best(lambda ds=ds: fetch_us(ds), args.repeats)
-        ds = GPTDataset(indexed, 0, len(indexed), 128, seed=0)
+        ds = GPTDataset(indexed, 0, n, 128, seed=0)
         out["get_batch_us_mbs8_seq128"] = best(lambda: batch_us(ds), args.repeats)
 
     base = out["plain_encode_mb_s"]

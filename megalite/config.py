@@ -322,6 +322,21 @@ class OptimizerConfig:
     initial_loss_scale: float = opt(2.0**16, "fp16: starting loss scale")
     loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale doubles")
     min_loss_scale: float = opt(1.0, "fp16: the scale never falls below this")
+    optimizer: str = opt(
+        "adamw",
+        "adamw, or muon: Newton-Schulz orthogonalised momentum for the hidden matrices, AdamW "
+        "for embeddings, output layer, norms, biases and routers (docs/optimizers.md)",
+        choices=("adamw", "muon"),
+    )
+    muon_momentum: float = opt(0.95, "muon: momentum of the matrices")
+    muon_nesterov: bool = opt(True, "muon: Nesterov momentum")
+    muon_ns_steps: int = opt(5, "muon: Newton-Schulz iterations")
+    muon_scale: str = opt(
+        "rms",
+        "muon: update scale; rms: 0.2 sqrt(max(m, n)), the update's RMS near AdamW's "
+        "(Moonlight; AdamW's lr and weight decay carry over); shape: sqrt(max(1, m/n))",
+        choices=("rms", "shape"),
+    )
 
 
 @dataclass
@@ -358,6 +373,16 @@ class DataConfig:
     data_cache_dir: str = opt(
         "data_cache", "where the built-in corpus and its tokenizer are cached"
     )
+    data_cache_path: str | None = opt(
+        None, "where the built sample-order indices are cached as .npy (default: not cached)"
+    )
+    train_data_path: list[str] = opt(
+        list, "the training split's own prefixes, optionally weighted (instead of --data-path)"
+    )
+    valid_data_path: list[str] = opt(
+        list, "the validation split's own prefixes, optionally weighted"
+    )
+    test_data_path: list[str] = opt(list, "the test split's own prefixes, optionally weighted")
     reset_position_ids: bool = opt(False, "positions restart at 0 after each end-of-document token")
     reset_attention_mask: bool = opt(
         False, "tokens attend within their own document only (packed samples)"

@@ -312,6 +312,10 @@ def validate(cfg: Config, world_size: int) -> RunShape:
               f"{shape.vpp} chunks per rank", file=sys.stderr)  # fmt: skip
     if o.min_lr > o.lr:
         raise MegaliteError(f"min_lr={o.min_lr} is larger than lr={o.lr}")
+    if not 0 <= o.muon_momentum < 1:
+        raise MegaliteError(f"--muon-momentum {o.muon_momentum} must be in [0, 1)")
+    if o.muon_ns_steps < 1:
+        raise MegaliteError(f"--muon-ns-steps {o.muon_ns_steps} must be at least 1")
     d = cfg.data
     if d.reset_attention_mask and cfg.model.attention_dropout > 0:
         raise MegaliteError(

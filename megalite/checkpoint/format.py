@@ -8,7 +8,7 @@ A checkpoint is a directory (`RUN/iter_0000020/`) holding
   or tokenizer.json     model, or a Hugging Face tokenizers file (the name says which)
 
 The index names every logical tensor (model weights by their logical name, optimizer state as
-`optimizer.<kind>.<name>` with kind exp_avg, exp_avg_sq or master), its global shape and dtype,
+`optimizer.<kind>.<name>` with kind exp_avg, exp_avg_sq, momentum (Muon) or master), its global shape and dtype,
 and the slices the files hold as index ranges of the global tensor:
 
   "tensors": {"layers.0.mlp.up.weight": {"shape": [128, 32], "dtype": "float32",
@@ -43,7 +43,7 @@ LATEST = "latest"
 TOKENIZER = "tokenizer.model"  # a sentencepiece model
 HF_TOKENIZER = "tokenizer.json"  # a Hugging Face tokenizers file
 TOKENIZERS = (TOKENIZER, HF_TOKENIZER)
-OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "momentum", "master")
 
 
 def iter_dirname(iteration: int) -> str:

@@ -149,13 +149,18 @@ def load_optimizer(chunks, tp, optimizer, ckpt: Checkpoint, fresh: bool = False)
     scalars = None if fresh else ckpt.index.get("optimizer")
     state = {}
     for name, p, spec in rank_params(chunks):
+        needed = optimizer.state_kinds(name, spec)  # AdamW's moments, or Muon's momentum
         if scalars is None:
-            state[name] = {k: torch.zeros_like(p) for k in ("exp_avg", "exp_avg_sq")}
+            state[name] = {k: torch.zeros_like(p) for k in needed}
             continue
         kinds = [k for k in fmt.OPTIMIZER_KINDS if ckpt.has(opt_name(k, name))]
-        if "exp_avg" not in kinds or "exp_avg_sq" not in kinds:
+        if any(k not in kinds for k in needed):
+            other = "" if "exp_avg" not in kinds and "momentum" not in kinds else (
+                " (saved with another --optimizer; --no-load-optim starts it afresh)"
+            )  # fmt: skip
             raise MegaliteError(
-                f"checkpoint {ckpt.dir} lacks the optimizer state of {name}; the index is incomplete"
+                f"checkpoint {ckpt.dir} lacks the optimizer state of {name}"
+                + (other or "; the index is incomplete")
             )
         state[name] = {k: FlatRead(ckpt, opt_name(k, name), spec, p.shape) for k in kinds}
     optimizer.load_state_tensors(state)

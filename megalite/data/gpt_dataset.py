@@ -1,26 +1,27 @@
-"""GPT training samples from indexed datasets: splits, shuffling, blending, and the entry point.
+"""GPT training samples from indexed datasets, in Megatron-LM's order, and the entry point.
 
-Sample scheme (the simplest that wastes no tokens): a split's documents are one token stream
-(EOS after each document), and sample j is tokens [j*seq, j*seq + seq + 1) of that stream, so
-consecutive samples overlap by one token (the last label of one is the first input of the next)
-and samples cross document boundaries. A split has (tokens - 1) // seq samples; the tail is
-left out. Sample i of a `GPTDataset` is sample perm[i] for a fixed permutation drawn from the
-seed, so any prefix of the dataset is a random subset (which blending relies on).
+The order is megatron-core's (`megalite.data.sample_order` has the algorithm): for the same data
+prefixes, weights, seed, sequence length and split, sample i of a split is token for token the
+sample Megatron's GPTDataset/BlendedDataset give, so global batch i (samples [i*G, (i+1)*G))
+matches a Megatron run's. A sample is seq_length + 1 consecutive tokens of the split's shuffled
+documents (EOS ends each document), crossing document boundaries.
 
-Splits (`--split 98,2,0`) are by documents: the first 98% of documents train, the next 2%
-validate, the rest test, so no text is shared between splits. Shares are rounded to whole
-documents, and a split with a non-zero share gets at least one document when there are enough.
+Splits (`--split 98,2,0`) are by sequences (a megalite document is one sequence): bookends of
+the cumulative shares rounded to whole sequences, as Megatron does; a split with a share that
+rounds to no sequence takes one from the largest (Megatron cannot use such a split at all).
+`--train-data-path/--valid-data-path/--test-data-path` give each split its own prefixes (whole
+datasets, no --split).
 
-Blending (`--data-path 0.7 a 0.3 b`, Megatron style): an epoch of the blend has as many
-samples as its parts together, and the share of dataset k is its normalised weight; a part
-given more than it holds repeats (in its own shuffled order), one given less contributes a
-random subset. The parts are interleaved evenly, so every prefix of the blend keeps the
-proportions to within two samples per dataset. Without weights (`--data-path a b`) each dataset
-weighs its size: one epoch is every sample once.
+Each split is sized for the run, as in Megatron: train_iters * G training samples,
+(train_iters // eval_interval + 1) * eval_iters * G validation samples (eval_iters * G with
+--eval-interval 0) and eval_iters * G test samples; a dataset holds whole epochs, at least that.
+
+Blending (`--data-path 0.7 a 0.3 b`): each part builds ceil(size * w) samples (plus 0.5%) and
+the blend interleaves them by Megatron's greedy rule, so every prefix keeps the proportions.
+Without weights (`--data-path a b`) each part is one epoch and weighs its size.
 """
 
 import fcntl
-import math
 import os
 import shutil
 import sys
@@ -31,68 +32,110 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data import corpus
+from megalite.data import corpus, index_cache
+from megalite.data import sample_order as order
 from megalite.data.indexed_dataset import IndexedDataset, build_indexed_dataset
+from megalite.data.splits import SPLIT_NAMES, Blend, split_blends, split_sequences, split_sizes
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError
 
-SPLIT_NAMES = ("train", "valid", "test")
+
+@dataclass(frozen=True)
+class Sequences:
+    """What the order reads of an indexed dataset (either format): each sequence's length and
+    token offset in `tokens`. Megatron's GPTDataset works on sequences, not documents (a
+    megalite document is one sequence; a Megatron one may hold several, e.g. sentences)."""
+
+    lengths: np.ndarray  # (num_sequences,) int32
+    offsets: np.ndarray  # (num_sequences,) int64, into tokens
+    tokens: np.ndarray  # the whole token stream (memory-mapped)
+
+    @classmethod
+    def of(cls, indexed: IndexedDataset) -> "Sequences":
+        lengths = np.asarray(indexed.sequence_lengths, dtype=np.int32)
+        return cls(lengths, np.asarray(indexed.sequence_offsets, np.int64), indexed.tokens)
 
 
 class GPTDataset:
-    """The samples of documents [doc_start, doc_stop) of an indexed dataset, shuffled by seed."""
+    """Samples of the sequences [start, stop) of `seqs` in Megatron's order (sample_order),
+    at least `num_samples` of them (None: one epoch), arrays cached under `cache_dir`."""
 
     def __init__(
-        self, indexed: IndexedDataset, doc_start: int, doc_stop: int, seq_length: int, seed
+        self,
+        seqs: Sequences,
+        start: int,
+        stop: int,
+        seq_length: int,
+        seed: int,
+        num_samples: int | None = None,
+        cache_dir: str | None = None,
+        name: str = "gpt",
     ):
-        self.indexed, self.seq_length = indexed, seq_length
-        self.start = int(indexed.doc_offsets[doc_start])
-        num_tokens = int(indexed.doc_offsets[doc_stop]) - self.start
-        self.num_samples = max(0, (num_tokens - 1) // seq_length)
-        self.perm = np.random.default_rng(seed).permutation(self.num_samples)
+        self.seqs, self.seq_length = seqs, seq_length
+        indices = np.arange(start, stop, dtype=np.int32)
+        key = {
+            "kind": "gpt",
+            "sequences": [start, stop, index_cache.fingerprint(seqs.lengths[start:stop])],
+            "num_samples": num_samples,
+            "seq_length": seq_length,
+            "seed": seed,
+        }
+
+        def build():
+            d, s, p = order.build_gpt_indices(seqs.lengths, indices, num_samples, seq_length, seed)
+            return {"document_index": d, "sample_index": s, "shuffle_index": p}
+
+        arrays = index_cache.cached(cache_dir, name, key, build)
+        self.document_index = arrays["document_index"]
+        self.sample_index, self.shuffle_index = arrays["sample_index"], arrays["shuffle_index"]
 
     def __len__(self) -> int:
-        return self.num_samples
+        return len(self.shuffle_index)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
-        s = self.start + int(self.perm[i]) * self.seq_length
-        return np.asarray(self.indexed.tokens[s : s + self.seq_length + 1], dtype=np.int64)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range [0, {len(self)})")
+        j = int(self.shuffle_index[i])
+        pieces = order.sample_pieces(self.document_index, self.sample_index, self.seqs.lengths, j)
+        tok, offs = self.seqs.tokens, self.seqs.offsets
+        parts = [tok[offs[s] + a : offs[s] + b] for s, a, b in pieces]
+        return np.concatenate(parts).astype(np.int64)  # (seq_length + 1,)
 
 
 class BlendedDataset:
-    """Datasets mixed by weight; see the module docstring for the epoch and its proportions."""
+    """`size` samples of `datasets` mixed by (normalised) weights: Megatron's blending indices."""
 
-    def __init__(self, datasets: list, weights: list[float]):
+    def __init__(self, datasets: list, weights: list[float], size: int, cache_dir=None, name=""):
         self.datasets = datasets
-        sizes = [len(d) for d in datasets]
-        total = sum(sizes)
-        w = np.asarray(weights, dtype=np.float64) / sum(weights)
-        # Largest-remainder rounding: the counts add up to exactly `total`.
-        exact = w * total
-        counts = np.floor(exact).astype(np.int64)
-        counts[np.argsort(-(exact - counts), kind="stable")[: total - counts.sum()]] += 1
-        self.counts = counts
-        # Place the j-th of dataset k's n_k samples at time (j + 0.5) / n_k and sort by time:
-        # an even interleave computed without a Python loop over the samples.
-        ks = np.repeat(np.arange(len(datasets)), counts)
-        js = np.concatenate([np.arange(n) for n in counts])
-        order = np.lexsort((ks, (js + 0.5) / counts[ks]))
-        self.dataset_index, self.sample_index = ks[order], js[order]
+        self.weights = order.normalise(weights)
+        key = {"kind": "blend", "weights": self.weights, "size": size}  # all the arrays depend on
+
+        def build():
+            ds, local = order.blending_indices(self.weights, size)
+            return {"dataset_index": ds, "dataset_sample_index": local}
+
+        arrays = index_cache.cached(cache_dir, name or "blend", key, build)
+        self.dataset_index = arrays["dataset_index"]
+        self.sample_index = arrays["dataset_sample_index"]
+        counts = np.bincount(self.dataset_index, minlength=len(datasets))
+        for k, (n, d) in enumerate(zip(counts, datasets)):
+            if n > len(d):  # the 0.5% surplus did not cover the greedy rule's rounding
+                raise MegaliteError(
+                    f"the blend takes {n} samples from dataset {k}, which has {len(d)}; give it "
+                    "more data or a smaller weight"
+                )
 
     def __len__(self) -> int:
         return len(self.dataset_index)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        ds = self.datasets[self.dataset_index[i]]
-        return ds[int(self.sample_index[i]) % len(ds)]
+        return self.datasets[self.dataset_index[i]][int(self.sample_index[i])]
 
 
 @dataclass
 class Datasets:
-    """What the trainer needs; a split is None when its share of --split is 0 (`train` only
-    with --eval-only)."""
+    """What the trainer needs; a split is None when its share of --split is 0 or it has no
+    --*-data-path of its own (`train` only with --eval-only)."""
 
     train: GPTDataset | BlendedDataset | None
     valid: GPTDataset | BlendedDataset | None
@@ -100,82 +143,21 @@ class Datasets:
     test: GPTDataset | BlendedDataset | None = None
 
 
-def parse_split(split: str, eval_only: bool = False) -> list[float]:
-    """'98,2,0' (or '98/2/0', or fewer values) -> three fractions summing to 1. Training needs
-    a training share; --eval-only (`eval_only`) needs none, only a validation share."""
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts):
-        raise MegaliteError(
-            f"--split {split!r} must be up to three non-negative numbers like 98,2,0"
-        )
-    parts += [0.0] * (3 - len(parts))
-    if eval_only and parts[1] <= 0:
-        raise MegaliteError(
-            f"--eval-only evaluates on the validation split, but --split {split!r} gives it no "
-            "data; make the second share > 0 (e.g. 0,100,0)"
-        )
-    if not eval_only and parts[0] <= 0:
-        raise MegaliteError(f"--split {split!r} gives training no data; make the first share > 0")
-    return [p / sum(parts) for p in parts]
-
-
-def parse_data_path(data_path: list[str]) -> tuple[list[float] | None, list[str]]:
-    """['0.7', 'a', '0.3', 'b'] -> ([0.7, 0.3], ['a', 'b']); ['a', 'b'] -> (None, ['a', 'b'])."""
-
-    def number(s):
-        try:
-            return float(s)
-        except ValueError:
-            return None
-
-    if number(data_path[0]) is None:
-        return None, list(data_path)
-    weights, prefixes = data_path[0::2], data_path[1::2]
-    if len(data_path) % 2 or any(number(p) is not None for p in prefixes):
-        raise MegaliteError(
-            f"--data-path {' '.join(data_path)} mixes weights and prefixes; give pairs like "
-            "0.7 PREFIX_A 0.3 PREFIX_B, or prefixes only"
-        )
-    values = [number(w) for w in weights]
-    for w, v in zip(weights, values):
-        if v is None or not math.isfinite(v) or v <= 0:
-            raise MegaliteError(f"--data-path weight {w} must be a positive number")
-    return values, list(prefixes)
-
-
-def split_documents(num_docs: int, fractions: list[float]) -> list[tuple[int, int]]:
-    """Document ranges [start, stop) of train, valid, test: shares rounded to whole documents,
-    and a split with a share but no document takes one from the largest (when it can spare it).
-    """
-    sizes = [round(sum(fractions[: k + 1]) * num_docs) for k in range(3)]
-    sizes = [b - a for a, b in zip([0] + sizes, sizes)]
-    sizes[0] += num_docs - sum(sizes)
-    for k in range(3):
-        largest = max(range(3), key=lambda j: sizes[j])
-        if fractions[k] > 0 and sizes[k] == 0 and sizes[largest] > 1:
-            sizes[k], sizes[largest] = 1, sizes[largest] - 1
-    bounds = np.cumsum([0] + sizes).tolist()
-    return [(bounds[k], bounds[k + 1]) for k in range(3)]
-
-
 def build_datasets(cfg) -> Datasets:
     """Train/valid(/test) datasets and the tokenizer for a `megalite.config.Config`.
 
-    With `cfg.data.data_path` empty, the built-in corpus is prepared once under
-    `cfg.data.data_cache_dir` (safe when every rank calls this at the same time). cfg is not
-    changed: the model's vocabulary is the tokenizer's unless --vocab-size says more
-    (`RunShape.with_vocab`).
+    With no data path, the built-in corpus is prepared once under `cfg.data.data_cache_dir`
+    (safe when every rank calls this at the same time). The sample-order arrays are cached
+    under --data-cache-path when given. cfg is not changed: the model's vocabulary is the
+    tokenizer's unless --vocab-size says more (`RunShape.with_vocab`).
     """
-    d, m = cfg.data, cfg.model
-    fractions = parse_split(d.split, cfg.training.eval_only)
-    weights, prefixes = parse_data_path(d.data_path) if d.data_path else (None, [])
+    d, m, t = cfg.data, cfg.model, cfg.training
+    blends, fractions = split_blends(d, t.eval_only)
+    tokenizer = None
     if d.tokenizer_model or d.vocab_file or d.merge_file:
         tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type, d.vocab_file, d.merge_file)
         _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path)
-    elif d.data_path:
+    elif any(b and b.prefixes for b in blends):
         raise MegaliteError(
             "--data-path needs the tokenizer its datasets were made with; pass --tokenizer-model"
         )
@@ -183,37 +165,53 @@ def build_datasets(cfg) -> Datasets:
         # Checked before the (slow, first-time) build: a trained model has exactly this size.
         builtin = "trained for the built-in corpus"
         _check_vocab(d.tokenizer_vocab_size, m, builtin, " (or lower --tokenizer-vocab-size)")
-    if not prefixes:
-        prefix, model = prepare_builtin(
-            d.data_cache_dir, d.tokenizer_vocab_size, d.tokenizer_model, d.tokenizer_type
-        )
-        prefixes, tokenizer = [prefix], load_tokenizer(model)
+    if not any(b and b.prefixes for b in blends):
+        # A given tokenizer by its file (GPT-2's BPE from --vocab-file/--merge-file included).
+        given = (tokenizer.model_path, None) if tokenizer else (None, None)
+        prefix, model = prepare_builtin(d.data_cache_dir, d.tokenizer_vocab_size, *given)
+        blends = [b and Blend([prefix], None) for b in blends]
+        tokenizer = load_tokenizer(model)
 
-    splits = [[] for _ in SPLIT_NAMES]
-    for k, prefix in enumerate(prefixes):
-        indexed = IndexedDataset(prefix)
-        indexed.check_vocab(tokenizer.vocab_size, tokenizer.model_path, tokenizer.fingerprint)
-        for s, (start, stop) in enumerate(split_documents(len(indexed), fractions)):
-            if fractions[s] == 0:
-                continue
-            ds = GPTDataset(indexed, start, stop, m.seq_length, seed=(cfg.training.seed, k, s))
-            if len(ds) == 0:
-                raise MegaliteError(
-                    f"the {SPLIT_NAMES[s]} split of {prefix} ({stop - start} of {len(indexed)} "
-                    f"documents) has fewer than seq_length+1={m.seq_length + 1} tokens; give it "
-                    "a larger share with --split (e.g. 100,0,0 for none), more data or a shorter "
-                    "--seq-length"
-                )
-            splits[s].append(ds)
+    opened = {}
 
-    def combine(parts):
-        if not parts:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        return BlendedDataset(parts, weights or [len(p) for p in parts])
+    def sequences(prefix) -> Sequences:
+        if prefix not in opened:
+            indexed = IndexedDataset(prefix)
+            indexed.check_vocab(tokenizer.vocab_size, tokenizer.model_path, tokenizer.fingerprint)
+            opened[prefix] = Sequences.of(indexed)
+        return opened[prefix]
 
-    train, valid, test = map(combine, splits)
+    def part(s: int, prefix: str, whole: bool, num_samples: int | None) -> GPTDataset:
+        seqs = sequences(prefix)
+        n = len(seqs.lengths)
+        start, stop = (0, n) if whole else split_sequences(n, fractions)[s]
+        if int(np.sum(seqs.lengths[start:stop], dtype=np.int64)) <= m.seq_length:
+            where = f"{prefix}" if whole else f"the {SPLIT_NAMES[s]} split of {prefix}"
+            fix = "" if whole else "a larger share with --split (e.g. 100,0,0 for none), "
+            raise MegaliteError(
+                f"{where} ({stop - start} of {n} sequences) has fewer than seq_length+1="
+                f"{m.seq_length + 1} tokens; give it {fix}more data or a shorter --seq-length"
+            )
+        return GPTDataset(seqs, start, stop, m.seq_length, t.seed, num_samples,
+                          d.data_cache_path, f"gpt-{SPLIT_NAMES[s]}")  # fmt: skip
+
+    def build(s: int, blend: Blend, size: int):
+        """Megatron's builder: one prefix alone, weighted parts built with a surplus, or
+        unweighted parts of one epoch each, blended by their sizes."""
+        name = f"blend-{SPLIT_NAMES[s]}"
+        if len(blend.prefixes) == 1 and (blend.weights is None or blend.whole):
+            return part(s, blend.prefixes[0], blend.whole, size)
+        if blend.weights is not None:
+            weights = order.normalise(blend.weights)
+            target, built = order.blend_sizes(weights, size)
+            parts = [part(s, p, blend.whole, n) for p, n in zip(blend.prefixes, built)]
+            return BlendedDataset(parts, weights, sum(target), d.data_cache_path, name)
+        parts = [part(s, p, blend.whole, None) for p in blend.prefixes]
+        lengths = [len(p) for p in parts]
+        return BlendedDataset(parts, lengths, min(size, sum(lengths)), d.data_cache_path, name)
+
+    sizes = split_sizes(t)
+    train, valid, test = (b and build(s, b, sizes[s]) for s, b in enumerate(blends))
     return Datasets(train=train, valid=valid, tokenizer=tokenizer, test=test)
 
 

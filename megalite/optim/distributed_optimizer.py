@@ -11,7 +11,8 @@ per parameter. A step:
   2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check and the
      caller's flags, in one all-reduce and one host read (the only one in a training step);
      any non-finite gradient skips the step on every rank
-  3. unscale (fp16) and clip in one multiply, AdamW on the shards, masters -> parameters
+  3. unscale (fp16) and clip in one multiply, AdamW on the shards (or Muon: optim/muon.py,
+     the matrices' updates gathered whole over DP and TP), masters -> parameters
   4. stage 1/2: all-gather the updated parameter shards into the flat parameter buffer, by
      default overlapped with the next forward (each bucket waited for where it is first read);
      stage 3 keeps the shards, gathered unit by unit where they are used (parallel/zero3.py)
@@ -32,6 +33,7 @@ from megalite.model.moe import update_expert_bias
 from megalite.optim.adamw import adamw
 from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
+from megalite.optim.muon import muon_state
 from megalite.parallel import comm
 from megalite.parallel.data_parallel import GradBuffer, GradBuffers, ParamRange
 from megalite.parallel.groups import ProcessGroups
@@ -108,9 +110,15 @@ class DistributedOptimizer:
         state_dtype = torch.float32 if low else buf.param_dtype
         shards = [buf.param_shard(b) for b in buf.buckets]
         self.masters = [s.to(state_dtype, copy=True) for s in shards] if low else None
-        self.exp_avg = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
-        self.exp_avg_sq = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
         self.step_count = 0
+        # --optimizer muon: the matrices' momentum orthogonalised, AdamW for the rest (muon.py)
+        decay = lambda r: not spec_of(r.param).no_weight_decay  # noqa: E731
+        self.muon = muon_state(o, buf, groups.tp, state_dtype, decay)
+        if self.muon:  # (its momentum shares exp_avg; exp_avg_sq holds AdamW's elements only)
+            self.exp_avg, self.exp_avg_sq = self.muon.exp_avg, self.muon.exp_avg_sq
+        else:
+            self.exp_avg = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
+            self.exp_avg_sq = [torch.zeros_like(s, dtype=state_dtype) for s in shards]
 
         # Per bucket shard: where weight decay applies, which elements count in the norm.
         self._decay = [[] for _ in buf.buckets]
@@ -193,8 +201,11 @@ class DistributedOptimizer:
         self.step_count += 1
         shards = [buf.param_shard(b) for b in buf.buckets]
         weights = self.masters or shards
-        decayed = [w[lo:hi] for w, segs in zip(weights, self._decay) for lo, hi in segs]
-        adamw(weights, grads, self.exp_avg, self.exp_avg_sq, decayed, lr, self.step_count, o)
+        if self.muon:
+            self.muon.step(weights, grads, lr, self.step_count)
+        else:
+            decayed = [w[lo:hi] for w, segs in zip(weights, self._decay) for lo, hi in segs]
+            adamw(weights, grads, self.exp_avg, self.exp_avg_sq, decayed, lr, self.step_count, o)
         if self.masters:
             torch._foreach_copy_(shards, self.masters)
 
@@ -261,6 +272,16 @@ class DistributedOptimizer:
 
     # ---- state for checkpoints and reports ------------------------------------------------
 
+    def state_kinds(self, name: str, spec) -> tuple[str, ...]:
+        """The optimizer state kinds a parameter has (besides "master")."""
+        return self.muon.kinds(name, spec) if self.muon else ("exp_avg", "exp_avg_sq")
+
+    def _state_views(self, r: ParamRange, i: int, lo: int, hi: int) -> dict:
+        """The state of the piece [lo, hi) of bucket i's shard, which range r holds, by kind."""
+        if self.muon:
+            return self.muon.views(r, i, lo, hi)
+        return {"exp_avg": self.exp_avg[i][lo:hi], "exp_avg_sq": self.exp_avg_sq[i][lo:hi]}
+
     def state_bytes(self) -> int:
         tensors = self.exp_avg + self.exp_avg_sq + (self.masters or [])
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -280,10 +301,16 @@ class DistributedOptimizer:
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         self.buffer.wait_params()  # the caller reads the parameters next (checkpoints)
         kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.muon:
+            kinds = self.muon.flat()
         if self.masters:
             kinds["master"] = self.masters
-        gathered = {k: self._per_param(v) for k, v in kinds.items()}
-        return {name: {k: gathered[k][name] for k in kinds} for name in gathered["exp_avg"]}
+        once = {}  # (Muon's momentum and AdamW's first moment share their shards)
+        gathered = {k: once.get(id(v)) or once.setdefault(id(v), self._per_param(v))
+                    for k, v in kinds.items()}  # fmt: skip
+        specs = {r.name: spec_of(r.param) for r in self.buffer.ranges}
+        own = lambda n: (*self.state_kinds(n, specs[n]), *(("master",) if self.masters else ()))  # noqa: E731
+        return {n: {k: gathered[k][n] for k in own(n)} for n in gathered["exp_avg"]}
 
     def state_pieces(self):
         """This rank's part of the weights and the optimizer state, parameter by parameter,
@@ -292,16 +319,15 @@ class DistributedOptimizer:
         bucket's shard (every rank its own when the state is sharded, DP rank 0 otherwise).
         Tied copies are left out."""
         self.buffer.wait_params()  # the parameter gathers write into the flat buffer
-        kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.masters:
-            kinds["master"] = self.masters
         for r in self.buffer.ranges:
             s, b = r.shard_slice(), r.bucket
             if s is None or spec_of(r.param).tied_to:
                 continue
             i, (lo, hi, plo, phi) = self._bucket_index[b], s
             views = {"param": self.buffer.param_shard(b)[lo:hi]}
-            views.update((k, v[i][lo:hi]) for k, v in kinds.items())
+            views.update(self._state_views(r, i, lo, hi))
+            if self.masters:
+                views["master"] = self.masters[i][lo:hi]
             yield StatePiece(r, plo, phi, views, self.buffer.saves(b))
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -322,7 +348,6 @@ class DistributedOptimizer:
 
     def _load_state_tensors(self, d: dict[str, dict]):
         flat = lambda x: x.reshape(-1) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        kinds = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for r in self.buffer.ranges:
             name = spec_of(r.param).tied_to or r.name
             if name not in d:
@@ -331,8 +356,10 @@ class DistributedOptimizer:
             i = self._bucket_index[r.bucket]
             if s is not None:
                 lo, hi, plo, phi = s
-                for k, shards in kinds.items():
-                    shards[i][lo:hi].copy_(flat(entry[k])[plo:phi])
+                for k, view in self._state_views(r, i, lo, hi).items():
+                    if k not in entry:
+                        raise KeyError(f"optimizer state {k} for {name} is missing")
+                    view.copy_(flat(entry[k])[plo:phi])
                 if self.masters:
                     src = entry["master"] if "master" in entry else r.param
                     self.masters[i][lo:hi].copy_(flat(src)[plo:phi])

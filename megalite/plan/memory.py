@@ -7,6 +7,7 @@ import dataclasses
 from functools import lru_cache
 
 from megalite.config import Config, ModelConfig
+from megalite.optim.muon import muon_on, second_moments
 from megalite.parallel.buckets import ALIGN, bucket_layout
 from megalite.parallel.zero3 import unit_layout, unit_of
 from megalite.pipeline.partition import rank_chunks
@@ -97,8 +98,11 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     return [(s, e, [(n, o, k, sync[n]) for n, o, k in ranges]) for s, e, ranges in layout]
 
 
-def state_memory(cfg: Config, shape: RunShape, pp_rank: int, bs=None) -> dict:
-    """Bytes this rank allocates for parameters, gradients and optimizer state."""
+def state_memory(
+    cfg: Config, shape: RunShape, pp_rank: int, bs=None, dp_rank=0, edp_rank=0
+) -> dict:
+    """Bytes this rank allocates for parameters, gradients and optimizer state (Muon: the
+    AdamW second moments in the shards of replica `dp_rank`, expert-data-parallel `edp_rank`)."""
     prec = cfg.training.precision
     low = prec in ("bf16", "fp16")
     p_size, g_size = BYTES[prec], 4 if low else BYTES[prec]
@@ -106,12 +110,14 @@ def state_memory(cfg: Config, shape: RunShape, pp_rank: int, bs=None) -> dict:
     numel = bs[-1][1] if bs else 0
     zero = shape.zero
     out = zero.state_bytes(numel, replicas(shape), p_size, g_size)
+    out["optimizer"] -= _unused_second_moments(cfg, shape, pp_rank, bs, dp_rank, False) * g_size
     staged = zero.staged_peak([e - s for s, e, _ in bs]) * g_size  # transient, stages 2/3
     expert_numel = 0
     if cfg.model.num_experts:  # the expert buffer: its own buckets, sharded over edp
         es = buckets(cfg, shape, pp_rank, experts=True)
         expert_numel = es[-1][1] if es else 0
         ex = zero.state_bytes(expert_numel, expert_parallel(shape)[1], p_size, g_size)
+        ex["optimizer"] -= _unused_second_moments(cfg, shape, pp_rank, es, edp_rank, True) * g_size
         out = {k: out[k] + ex[k] for k in out}
         staged += zero.staged_peak([e - s for s, e, _ in es]) * g_size  # its own buckets too
     gathered = 0
@@ -119,6 +125,27 @@ def state_memory(cfg: Config, shape: RunShape, pp_rank: int, bs=None) -> dict:
         gathered = zero3_units(cfg, shape, pp_rank)[reshard_policy(cfg, shape)][0]
     return {**out, "staged_grads": staged, "gathered_params": gathered,
             "numel": numel + expert_numel, "expert_numel": expert_numel}  # fmt: skip
+
+
+def _unused_second_moments(cfg: Config, shape: RunShape, pp_rank: int, bs, rank: int,
+                           experts: bool) -> int:  # fmt: skip
+    """Shard elements without an AdamW second moment (Muon's matrices) in buckets `bs`, on
+    rank `rank` of the group they are sharded over (the replicas, or edp for `experts`)."""
+    if not muon_on(cfg.optimizer):
+        return 0
+    specs = {}
+    for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank):
+        sp = shape.sequence_parallel
+        specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, sp=sp,
+                                                       ep=shape.ep))  # fmt: skip
+    dp = expert_parallel(shape)[1] if experts else replicas(shape)
+    unused = 0
+    for start, end, ranges in bs:
+        n = shape.zero.shard(end - start, dp)
+        lo = start + rank * n if n < end - start else start
+        named = [(name, o, k, specs[name]) for name, o, k, _ in ranges]
+        unused += n - second_moments(cfg.optimizer, named, lo, lo + n)
+    return unused
 
 
 # ---- ZeRO-3: units gathered, and how often -------------------------------------------------------

@@ -55,7 +55,7 @@ class Trainer:
         self.sampler = None  # --eval-only without a training split: nothing to sample
         if self.data.train is not None:
             self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
-                                        groups.data.rank, groups.data.size, t.seed)  # fmt: skip
+                                        groups.data.rank, groups.data.size)  # fmt: skip
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
@@ -286,7 +286,7 @@ class Trainer:
             c.eval()
         data = self.groups.data
         sampler = BatchSampler(len(self.data.valid), t.global_batch_size, t.micro_batch_size,
-                               data.rank, data.size, t.seed)  # fmt: skip
+                               data.rank, data.size)  # fmt: skip
         rank = self.groups.pp.rank
         actions = get_schedule(shape.schedule, shape.pp, shape.vpp, self.microbatches, rank,
                                forward_only=True)  # fmt: skip

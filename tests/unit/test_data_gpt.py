@@ -14,13 +14,12 @@ from megalite.data import corpus
 from megalite.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
+    Sequences,
     build_datasets,
-    parse_data_path,
-    parse_split,
     prepare_builtin,
-    split_documents,
 )
 from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from megalite.data.splits import parse_data_path, parse_split, split_sequences
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError
 
@@ -37,33 +36,35 @@ def write(prefix, docs, vocab_size=1000):
         for d in docs:
             w.add_document(d)
         w.finalize()
-    return IndexedDataset(prefix)
+    return Sequences.of(IndexedDataset(prefix))
 
 
 def test_samples_are_stream_windows_crossing_documents(tmp_path):
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 1000, rng.integers(1, 30)) for _ in range(40)]
     ds = GPTDataset(write(tmp_path / "d", docs), 0, 40, seq_length=8, seed=5)
-    stream = np.concatenate(docs)
+    assert sorted(ds.document_index.tolist()) == list(range(40))  # one epoch, shuffled
+    assert ds.document_index.tolist() != list(range(40))
+    stream = np.concatenate([docs[k] for k in ds.document_index])  # the shuffled documents
     assert len(ds) == (len(stream) - 1) // 8
     got = sorted(tuple(ds[i]) for i in range(len(ds)))
     want = sorted(tuple(stream[j * 8 : j * 8 + 9]) for j in range(len(ds)))
     assert got == want  # every window exactly once, in a shuffled order
     assert all(ds[i].dtype == np.int64 and len(ds[i]) == 9 for i in range(len(ds)))
     assert [tuple(ds[i]) for i in range(5)] != want[:5] or len(ds) < 5
-    again = GPTDataset(IndexedDataset(tmp_path / "d"), 0, 40, seq_length=8, seed=5)
+    again = GPTDataset(Sequences.of(IndexedDataset(tmp_path / "d")), 0, 40, seq_length=8, seed=5)
     assert all((ds[i] == again[i]).all() for i in range(len(ds)))  # deterministic
     with pytest.raises(IndexError):
         ds[len(ds)]
 
 
-def test_split_is_by_documents(tmp_path):
+def test_split_is_by_sequences(tmp_path):
     docs = [np.full(10, k) for k in range(50)]
     indexed = write(tmp_path / "d", docs)
-    ranges = split_documents(50, parse_split("80,10,10"))
+    ranges = split_sequences(50, parse_split("80,10,10"))
     assert ranges == [(0, 40), (40, 45), (45, 50)]
-    assert split_documents(5, parse_split("98,2,0")) == [(0, 4), (4, 5), (5, 5)]
-    assert split_documents(1, parse_split("98,2,0")) == [(0, 1), (1, 1), (1, 1)]
+    assert split_sequences(5, parse_split("98,2,0")) == [(0, 4), (4, 5), (5, 5)]
+    assert split_sequences(1, parse_split("98,2,0")) == [(0, 1), (1, 1), (1, 1)]
     valid = GPTDataset(indexed, *ranges[1], seq_length=4, seed=0)
     seen = {int(t) for i in range(len(valid)) for t in valid[i]}
     assert seen <= set(range(40, 45))  # no training document leaks in
@@ -95,9 +96,9 @@ class Fake:
 
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 2], [0.05, 0.9, 0.05]])
 def test_blend_proportions(weights):
-    parts = [Fake(k, n) for k, n in enumerate([300, 50, 1000][: len(weights)])]
-    blend = BlendedDataset(parts, weights)
-    total = sum(len(p) for p in parts)
+    total = 1000
+    parts = [Fake(k, n) for k, n in enumerate([900, 1000, 800][: len(weights)])]
+    blend = BlendedDataset(parts, weights, total)
     assert len(blend) == total
     share = np.asarray(weights) / sum(weights)
     # every prefix holds each dataset's share to within one sample (plus rounding)
@@ -105,11 +106,14 @@ def test_blend_proportions(weights):
         tags = Counter(blend[i][0] for i in range(prefix))
         for k in range(len(parts)):
             assert abs(tags[k] - share[k] * prefix) <= 2, (prefix, k)
-    # a part asked for more than it holds repeats in order, one asked for less is a prefix
-    per_part = Counter(blend[i] for i in range(total))
-    for k, p in enumerate(parts):
-        seen = sorted(i for (t, i) in per_part if t == k)
-        assert seen == list(range(min(len(p), blend.counts[k])))
+    # each part's samples are taken in its own order, from its first
+    for k in range(len(parts)):
+        seen = [i for (t, i) in (blend[j] for j in range(total)) if t == k]
+        assert seen == list(range(len(seen)))
+    with pytest.raises(
+        MegaliteError, match="takes 700 samples from dataset 0, which has 600; give it more data"
+    ):
+        BlendedDataset([Fake(0, 600), Fake(1, 300)], [0.7, 0.3], total)
 
 
 def _config(seq_length=16, **data):
@@ -229,3 +233,36 @@ def test_full_builtin_corpus(tmp_path):
     text = out.tokenizer.decode(out.train[0])
     assert len(text) > 128  # a learned vocabulary: more than one character per token
     print(f"full built-in corpus: {time.perf_counter() - t:.1f} s")
+
+
+def test_per_split_paths_flags_and_errors(prepared, tmp_path):
+    from megalite.config_read import parse_args
+
+    a, b, model = str(prepared / "a"), str(prepared / "b"), str(prepared / "tok.model")
+    argv = ["--train-data-path", "0.3", a, "0.7", b, "--valid-data-path", b, "--tokenizer-model",
+            model, "--data-cache-path", str(tmp_path / "idx"), "--seq-length", "16"]  # fmt: skip
+    cfg = parse_args(argv)
+    assert cfg.data.train_data_path == ["0.3", a, "0.7", b] and cfg.data.data_cache_path == str(
+        tmp_path / "idx"
+    )
+    out = build_datasets(cfg)
+    assert isinstance(out.train, BlendedDataset) and out.test is None
+    assert len(out.train) >= cfg.training.train_iters * cfg.training.global_batch_size
+    assert len(list((tmp_path / "idx").glob("gpt-train-*"))) == 2  # the cache was written
+    # the valid split is all of b: its samples are b's own windows
+    whole_b = GPTDataset(Sequences.of(IndexedDataset(b)), 0, len(IndexedDataset(b)), 16, 1234, 16)
+    assert all(np.array_equal(out.valid[i], whole_b[i]) for i in range(len(out.valid)))
+    for extra, message in (
+        (["--data-path", a], "not both"),
+        (["--train-data-path", "0", a], "--train-data-path weight 0"),
+    ):
+        with pytest.raises(MegaliteError, match=message):
+            build_datasets(parse_args([*argv, *extra]))
+    no_train = ["--valid-data-path", b, "--tokenizer-model", model]
+    with pytest.raises(MegaliteError, match="training needs --train-data-path"):
+        build_datasets(parse_args(no_train))
+    eval_only = build_datasets(parse_args([*no_train, "--eval-only"]))
+    assert eval_only.train is None and len(eval_only.valid) > 0
+    with pytest.raises(MegaliteError, match="--eval-only .* needs --valid-data-path"):
+        build_datasets(parse_args(["--train-data-path", a, "--tokenizer-model", model,
+                                   "--eval-only"]))  # fmt: skip

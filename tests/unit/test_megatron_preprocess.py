@@ -189,3 +189,16 @@ def test_megatron_data_of_another_tokenizer_is_one_line(gpt2_files, tmp_path):
     with pytest.raises(MegaliteError, match="holds token id 693, outside the 500 ids") as e:
         build_datasets(parse_args([*args, "--seq-length", "16"]))
     assert "\n" not in str(e.value)
+
+
+def test_builtin_corpus_with_gpt2_bpe_flags_uses_that_tokenizer(gpt2_files, tmp_path, monkeypatch):
+    # --vocab-file/--merge-file without --data-path: the built-in corpus in GPT-2's ids, not a
+    # sentencepiece model trained for it
+    monkeypatch.setattr(corpus, "MAX_CORPUS_BYTES", 40_000)
+    vocab, merges = gpt2_files
+    cfg = parse_args(["--vocab-file", vocab, "--merge-file", merges, "--seq-length", "16",
+                      "--data-cache-dir", str(tmp_path / "data")])  # fmt: skip
+    data = build_datasets(cfg)
+    want = load_tokenizer(None, None, vocab, merges)
+    assert data.tokenizer.vocab_size == want.vocab_size == 500
+    assert data.tokenizer.encode(ODD) == want.encode(ODD)

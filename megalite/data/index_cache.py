@@ -1,0 +1,74 @@
+"""--data-cache-path: the built sample-order arrays kept as .npy files, keyed by what they
+depend on, so a restart (or every other rank) loads them instead of building them again.
+
+An entry is a directory named `<kind>-<split>-<hash of the key>` holding one .npy per array and
+key.json (what the hash covers, for a reader wondering what an entry is). It is written to a
+temporary directory and renamed into place when complete, under an exclusive file lock: when
+every rank builds at once, one builds and the others wait and load its result.
+"""
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from hashlib import sha256
+from pathlib import Path
+
+import numpy as np
+
+from megalite.errors import MegaliteError
+
+FORMAT = 1  # bump when the arrays an entry holds, or how they are built, change
+
+
+def fingerprint(array: np.ndarray) -> str:
+    """A short content hash of an array (e.g. the sequence lengths a split exposes)."""
+    return sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
+
+
+def cached(
+    cache_dir: str | os.PathLike | None,
+    name: str,
+    key: dict,
+    build: Callable[[], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """`build()`'s arrays, from `cache_dir` when an entry for `key` is there (memory-mapped),
+    else built and saved there first. Without a cache_dir, just `build()`."""
+    if cache_dir is None:
+        return build()
+    text = json.dumps({"format": FORMAT, **key}, sort_keys=True)
+    cache = Path(cache_dir)
+    final = cache / f"{name}-{sha256(text.encode()).hexdigest()[:20]}"
+    if final.is_dir():  # renamed into place only when complete: no lock needed to read it
+        return _load(final)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / f".{final.name}.lock", "w")
+    except OSError as e:
+        raise MegaliteError(
+            f"cannot write the data cache {cache} ({e.strerror}); point --data-cache-path at a "
+            "writable directory"
+        ) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if final.is_dir():  # another rank built it while we waited
+            return _load(final)
+        for stale in cache.glob(f".{final.name}.tmp*"):  # left by a process killed mid-build
+            shutil.rmtree(stale, ignore_errors=True)
+        arrays = build()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=cache))
+        try:
+            for k, a in arrays.items():
+                np.save(tmp / f"{k}.npy", a, allow_pickle=False)
+            (tmp / "key.json").write_text(text + "\n")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return arrays
+
+
+def _load(entry: Path) -> dict[str, np.ndarray]:
+    return {p.stem: np.load(p, mmap_mode="r", allow_pickle=False) for p in entry.glob("*.npy")}

@@ -1,0 +1,221 @@
+"""Muon (Keller Jordan's MomentUm Orthogonalized by Newton-Schulz; Moonlight's update-RMS
+scaling): the matrix parameters take their momentum orthogonalised, the rest AdamW.
+
+Which parameters are matrices (`muon_parts`): every hidden 2-D weight (attention q, k, v and
+output projections, the MLP's gate, up and down) and each expert of a (E, out, in) expert
+weight. AdamW keeps what is not a linear map of the hidden state, as Moonlight and Megatron do:
+the embeddings and the output layer (their rows are per-token lookups, vocabulary-sized), norms
+and biases (vectors), and the router (a small classifier whose rows are independent logits).
+q, k and v are parameters of their own in megalite, so they are orthogonalised separately, as
+Megatron's Muon splits its fused qkv; an expert's fused gate_up is cut into gate and up rows
+for the same reason (the dense MLP holds them apart).
+
+The update of a matrix W (m, n) with gradient G at step t:
+
+  M = beta M + (1 - beta) G                (the momentum, as torch.optim.Muon: lerp)
+  U = G + beta (M - G)  (Nesterov)  or  M
+  O = NS5(U)                               (5 quintic Newton-Schulz steps, fp32 at least)
+  W = W (1 - lr wd) - lr s O,  s = 0.2 sqrt(max(m, n)) ("rms": the update's RMS near AdamW's,
+                                   Moonlight), or sqrt(max(1, m/n)) ("shape": Keller Jordan)
+
+Sharded, every layout computes the single-process update (DistributedOptimizer):
+the momentum lives with the AdamW moments in the ZeRO shards (it is elementwise); the Nesterov
+update U of each rank's shard is all-gathered over the data-parallel group, bucket by bucket
+(one bucket's update is alive at a time), then over tp along the parameter's split dimension, so every rank holding a
+piece of a matrix orthogonalises the same whole matrix and keeps its piece. Experts are whole
+on their ep rank, one matrix each. The AdamW second moment exists only for the AdamW elements.
+"""
+
+import math
+
+import torch
+
+from megalite.config import OptimizerConfig
+from megalite.optim.adamw import adamw
+from megalite.parallel import comm
+from megalite.parallel.specs import ParamSpec, spec_of
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's, maximising the slope at zero
+NS_EPS = 1e-7
+
+
+def muon_parts(name: str, spec: ParamSpec) -> int:
+    """How many matrices of equal rows each matrix of this parameter holds (an expert's
+    gate_up: 2), 0 where AdamW updates it (see the module docstring)."""
+    dims = len(spec.shape)
+    if dims < 2 or spec.vocab_dim is not None or spec.tied_to or "router" in name:
+        return 0
+    if name.split(".")[0] in ("embedding", "output"):  # a position table, any head
+        return 0
+    if spec.expert:  # (E, out, in): E matrices; an expert bias (E, out) is E vectors
+        return (2 if name.endswith("gate_up.weight") else 1) if dims == 3 else 0
+    return 1 if dims == 2 else 0
+
+
+def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration on each matrix of x (..., m, n): an approximate
+    U V^T of its SVD, in fp32 at least (fp64 stays fp64)."""
+    a, b, c = NS_COEFFICIENTS
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)  # spectral norm <= 1
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def scale(rows: int, cols: int, mode: str) -> float:
+    """The factor of the orthogonalised update of one (rows, cols) matrix."""
+    if mode == "rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def orthogonalise(u: torch.Tensor, parts: int, o: OptimizerConfig) -> tuple[torch.Tensor, float]:
+    """(NS of each matrix of u (..., rows, cols), cut into `parts` row blocks; their scale)."""
+    *lead, rows, cols = u.shape
+    x = u.reshape(*lead, parts, rows // parts, cols)
+    out = newton_schulz(x, o.muon_ns_steps).reshape(u.shape)
+    return out, scale(rows // parts, cols, o.muon_scale)
+
+
+def muon_on(o: OptimizerConfig) -> bool:
+    """Whether the run updates its matrices with Muon (the one place that reads the flag)."""
+    return o.optimizer == "muon"
+
+
+def muon_state(o: OptimizerConfig, buffer, tp, dtype: torch.dtype, decay) -> "MuonState | None":
+    """Muon's state over `buffer` under --optimizer muon, None under AdamW."""
+    return MuonState(buffer, tp, o, dtype, decay) if muon_on(o) else None
+
+
+class MuonState:
+    """Muon's state and step over a gradient buffer's shards: the momentum of the matrices and
+    the AdamW first moment share the flat `exp_avg` shards, the AdamW second moment
+    `exp_avg_sq` is compact (only AdamW elements). `decay(range)`: weight decay applies."""
+
+    def __init__(self, buffer, tp, o: OptimizerConfig, dtype: torch.dtype, decay):
+        self.buffer, self.tp, self.o = buffer, tp, o
+        index = {b: i for i, b in enumerate(buffer.buckets)}
+        self.matrices = []  # (range, bucket index, shard slice, parts, decay) with a piece here
+        self.adam = []  # (bucket index, lo, hi, offset into exp_avg_sq, decay)
+        self._sq_at = {}  # range name -> (bucket index, offset of its piece in exp_avg_sq)
+        held = [0] * len(buffer.buckets)
+        for r in buffer.ranges:
+            i, s, parts = index[r.bucket], r.shard_slice(), muon_parts(r.name, spec_of(r.param))
+            if s is None:
+                continue
+            if parts:
+                self.matrices.append((r, i, s, parts, decay(r)))
+                continue
+            self.adam.append((i, s[0], s[1], held[i], decay(r)))
+            self._sq_at[r.name] = (i, held[i] - s[0])
+            held[i] += s[1] - s[0]
+        self.matrices_of = {}  # bucket index -> its entries of self.matrices
+        for entry in self.matrices:
+            self.matrices_of.setdefault(entry[1], []).append(entry)
+        # buckets holding a matrix anywhere (not only in this rank's shard): gathered by all
+        self.buckets_with_matrices = sorted(
+            {index[r.bucket] for r in buffer.ranges if muon_parts(r.name, spec_of(r.param))}
+        )
+        shards = [buffer.param_shard(b) for b in buffer.buckets]
+        self.exp_avg = [torch.zeros_like(s, dtype=dtype) for s in shards]
+        self.exp_avg_sq = [torch.zeros(n, dtype=dtype, device=s.device)
+                           for n, s in zip(held, shards)]  # fmt: skip
+
+    @staticmethod
+    def kinds(name: str, spec: ParamSpec) -> tuple[str, ...]:
+        """The optimizer state a parameter has (the checkpoint's kinds for it)."""
+        return ("momentum",) if muon_parts(name, spec) else ("exp_avg", "exp_avg_sq")
+
+    def views(self, r, i: int, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """The state of the shard piece [lo, hi) of range r (in bucket i's shard), by kind."""
+        if muon_parts(r.name, spec_of(r.param)):
+            return {"momentum": self.exp_avg[i][lo:hi]}
+        j, at = self._sq_at[r.name]
+        return {
+            "exp_avg": self.exp_avg[i][lo:hi],
+            "exp_avg_sq": self.exp_avg_sq[j][at + lo : at + hi],
+        }
+
+    def flat(self) -> dict[str, list[torch.Tensor]]:
+        """Per kind, per-bucket tensors the size of the shards (the second moment spread out,
+        zeros at the matrices' elements), for gathering whole parameters."""
+        sq = [torch.zeros_like(m) for m in self.exp_avg]
+        for i, lo, hi, at, _ in self.adam:
+            sq[i][lo:hi] = self.exp_avg_sq[i][at : at + hi - lo]
+        return {"momentum": self.exp_avg, "exp_avg": self.exp_avg, "exp_avg_sq": sq}
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.exp_avg + self.exp_avg_sq
+
+    @torch.no_grad()
+    def step(self, weights, grads, lr: float, step: int):
+        """One update of `weights` (per-bucket shards, the fp32 masters where there are any)
+        from `grads` (the reduced, clipped shards). Collective over DP and TP."""
+        o = self.o
+        w, g, m, v, decayed = [], [], [], [], []
+        for i, lo, hi, at, decay in self.adam:
+            w.append(weights[i][lo:hi])
+            g.append(grads[i][lo:hi])
+            m.append(self.exp_avg[i][lo:hi])
+            v.append(self.exp_avg_sq[i][at : at + hi - lo])
+            if decay:
+                decayed.append(w[-1])
+        adamw(w, g, m, v, decayed, lr, step, o)
+
+        # Bucket by bucket (the same on every DP peer): the Nesterov update of this rank's
+        # pieces, gathered over the bucket's group, so each matrix is whole here; then every
+        # rank runs the matrices of the bucket in the same order as its TP peers (they share
+        # the bucket layout), so the TP gathers pair up.
+        for i in self.buckets_with_matrices:
+            b, mats = self.buffer.buckets[i], self.matrices_of.get(i, [])
+            update = torch.zeros_like(self.exp_avg[i])
+            for _, _, (lo, hi, _, _), _, _ in mats:
+                mom, grad = self.exp_avg[i][lo:hi], grads[i][lo:hi].to(update.dtype)
+                mom.lerp_(grad, 1 - o.muon_momentum)
+                update[lo:hi] = grad.lerp(mom, o.muon_momentum) if o.muon_nesterov else mom
+            full = update
+            if update.numel() < b.numel:  # sharded: gather the bucket
+                full = update.new_empty(b.numel)
+                comm.all_gather(full, update, self.buffer.group_of(b))
+            del update
+            for r, _, (lo, hi, plo, phi), parts, decay in mats:
+                spec, start = spec_of(r.param), r.offset - b.start
+                local = full[start : start + r.param.numel()].view(r.param.shape)
+                out, s = orthogonalise(self._whole(local, spec), parts, o)
+                mine = (spec.local(out) if self._tp_split(spec) else out).reshape(-1)[plo:phi]
+                piece = weights[i][lo:hi]
+                if decay and o.weight_decay:
+                    piece.mul_(1 - lr * o.weight_decay)
+                piece.add_(mine.to(piece.dtype), alpha=-lr * s)
+
+    @staticmethod
+    def _tp_split(spec: ParamSpec) -> bool:
+        return spec.split_axis == "tp" and spec.split_size > 1
+
+    def _whole(self, local: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+        """The whole logical matrix of a TP-split parameter's local piece (gathered over tp)."""
+        if not self._tp_split(spec):  # (experts: whole on their ep rank)
+            return local
+        t = self.tp.size
+        out = local.new_empty(t * local.numel())
+        comm.all_gather(out, local.reshape(-1).contiguous(), self.tp)
+        return torch.cat(out.view(t, *local.shape).unbind(0), dim=spec.split_dim)
+
+
+def adam_elements(ranges, lo: int, hi: int) -> int:
+    """(the planner) AdamW elements in the flat range [lo, hi) of a bucket layout's
+    `ranges` [(name, offset, numel, spec)]: those with a second moment under Muon."""
+    return sum(max(0, min(hi, o + n) - max(lo, o)) for name, o, n, spec in ranges
+               if not muon_parts(name, spec))  # fmt: skip
+
+
+def second_moments(o: OptimizerConfig, ranges, lo: int, hi: int) -> int:
+    """(the planner) Elements of the flat range [lo, hi) of a bucket (this rank's shard) that
+    have an AdamW second moment: all of them under AdamW (padding too, as its shards), under
+    Muon only the AdamW parameters'. `ranges` [(name, offset, numel, spec)]."""
+    return adam_elements(ranges, lo, hi) if muon_on(o) else hi - lo
