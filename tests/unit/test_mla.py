@@ -201,3 +201,15 @@ def test_a_resume_takes_the_checkpoints_latent_dims_and_refuses_others(tmp_path)
         setattr(cfg.model, name, 8)
         with pytest.raises(MegaliteError, match=f"has {name}=.* but this run's {flag} is 8"):
             with_checkpoint_model(cfg, {f"model.{name}"}, tmp_path / "ml")
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(recompute):
+    cfg = hf.model_config_from_hf(hf_deepseek("q-lora-yarn").config.to_dict())
+    grads = []
+    for mode in ("none", recompute):
+        chunk = GPTChunk(cfg, recompute=mode, seed=2, dtype=torch.float64).train()
+        chunk(IDS[:, :-1], IDS[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in chunk.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), name
