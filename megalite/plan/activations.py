@@ -68,6 +68,8 @@ def layer_activations(
     attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
     # fused_column_linear keeps the concatenated q/k/v (and gate/up) weights (and biases)
     fused = (h / t + 2 * kv) * (h + m.features.qkv_bias) * e + (2 * f / t * h * e if gated else 0)
+    if m.features.latent_attention:  # MLA (model/mla.py): its latents, q/k/v padded to d
+        attention, fused = latent_attention_activations(m, b, t, e, torch_ops), 0
     lse = 0 if recompute == "selective" else a / t * s * b * 4
     mlp = s * b * f / t * e * ((4 if torch_ops else 3) if gated else 2)  # (gate,) up, act out
     if moe:  # no dense MLP: the routed experts, and the shared expert's MLP if any
@@ -80,6 +82,22 @@ def layer_activations(
     if m.attention_dropout > 0 and recompute != "selective":  # the math path keeps s x s
         scores = a / t * s * s * b * (2 * e + 1)
     return 2 * norm + linear_in + attention + fused + lse + mlp + masks + scores
+
+
+def latent_attention_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> float:
+    """Bytes MLA keeps for backward per micro-batch besides its (b, s, h) input: the low-rank
+    q and kv latents (each a norm's input and the next projection's), the rotary inputs and
+    outputs of q and of the shared key, q (dn + dr per head), the padded q, k, v and the output
+    the attention core keeps (head dim d = max(dn + dr, dv)), and the out projection's input;
+    RMSNorm's fp32 copies on the torch path."""
+    s, heads = m.seq_length * b, m.num_attention_heads / t
+    dqk, dv, dr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.qk_rope_head_dim
+    d = max(dqk, dv)
+    latents = (m.q_lora_rank or 0) + m.kv_lora_rank
+    norm_e = (2 * max(e, 4)) if torch_ops else e  # rms_norm_ref keeps x and x * rstd
+    per_token = latents * (e + norm_e) + (heads + 1) * dr * e * 2  # latents; rotary in/out
+    per_token += heads * dqk * e + heads * (4 * d + dv) * e  # q; the core; the out projection
+    return s * per_token
 
 
 def moe_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> float:
@@ -116,16 +134,22 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
     if kw["has_head"]:
         rows = s * b / (tp if sp else 1)
         norm_e = max(e, 4) if torch_ops else e
-        total += rows * h * norm_e + rows * 4 * (1 if m.features.rms_norm else 2)
+        norm = rows * h * norm_e + rows * 4 * (1 if m.features.rms_norm else 2)
         if torch_ops and m.features.rms_norm:
-            total += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
-        total += s * b * h * e + s * b * 8  # the output layer's input; the labels
+            norm += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
+        head = norm + s * b * h * e + s * b * 8  # the output layer's input; the labels
         if tp > 1:  # vocab-parallel cross entropy: the logits shard and the fp32 log-sum-exp
-            total += s * b * m.padded_vocab_size(tp) // tp * e + s * b * 4
+            head += s * b * m.padded_vocab_size(tp) // tp * e + s * b * 4
         elif torch_ops:  # fp32 log-softmax over the real vocabulary
-            total += s * b * m.vocab_size * max(e, 4) + 4
+            head += s * b * m.vocab_size * max(e, 4) + 4
         else:  # the Triton kernel keeps the logits and the log-sum-exp
-            total += s * b * m.padded_vocab_size(1) * e + s * b * 4
+            head += s * b * m.padded_vocab_size(1) * e + s * b * 4
+        total += head
+        for k in range(m.mtp_num_layers):  # an MTP module (model/mtp.py): a head of its own,
+            # its layer, enorm and hnorm, eh_proj's (b, s, 2h) input, the shifted ids
+            L = m.num_layers + k
+            layer = layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(L))
+            total += head + layer + 2 * norm + rows * 2 * h * e + s * b * 8
     transient = 0.0
     if t.recompute == "full" and kw["layers"]:
         transient = max(layer_activations(m, b, tp, sp, "none", e, torch_ops, m.is_moe_layer(i))

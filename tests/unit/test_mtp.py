@@ -114,3 +114,26 @@ def test_the_planner_lists_the_mtp_parameters_in_the_models_order(tp, sp):
         real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
         assert memory.chunk_params(m, tp, **kw, sp=sp) == real
+
+
+@pytest.mark.parametrize("mtp", [0, 1])
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_the_planners_activations_count_latent_attention_and_mtp(mtp, q_lora_rank):
+    """plan/activations.py's estimate against the bytes autograd saves (its contract: within
+    20%), a first chunk with the head (and the MTP module) and a middle one, fp32 on CPU."""
+    from megalite.plan import activations
+    from megalite.plan.layouts import layout
+    from tests.unit.plan_configs import tiny
+    from tests.unit.test_plan_activations import saved_bytes
+
+    cfg = tiny("deepseek_v3", q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=16, mtp_num_layers=mtp)  # fmt: skip
+    b, s, h = 2, 64, 64
+    for kw in ({"layers": range(2), "has_embedding": True, "has_head": True},
+               {"layers": range(2), "has_embedding": False, "has_head": False}):  # fmt: skip
+        chunk = GPTChunk(cfg.model, **kw)
+        x = torch.randint(500, (b, s)) if kw["has_embedding"] else torch.randn(b, s, h)
+        measured = saved_bytes(chunk, x.requires_grad_(x.is_floating_point()),
+                               torch.randint(500, (b, s)))  # fmt: skip
+        estimate, _ = activations.chunk_activations(cfg, layout(cfg), kw)
+        assert abs(estimate / measured - 1) < 0.1, (kw, estimate, measured)
