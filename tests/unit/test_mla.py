@@ -213,3 +213,13 @@ def test_recomputation_gives_the_same_gradients(recompute):
         grads.append({n: p.grad for n, p in chunk.named_parameters()})
     for name, g in grads[0].items():
         assert torch.equal(grads[1][name], g), name
+
+
+def test_conversion_round_trip_through_checkpoints(tmp_path):
+    from tests.unit.test_checkpoint_hf import assert_round_trip_exact, convert
+
+    m = hf_deepseek("q-lora-yarn")
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert.main([str(tmp_path / "hf"), str(tmp_path / "ml"), "--to", "megalite", "--tp", "2",
+                  "--pp", "2"])  # fmt: skip
+    assert_round_trip_exact(m, tmp_path / "ml", tmp_path / "out")
