@@ -274,8 +274,11 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
     names of Megatron's `transformer_impl` layer spec (local or transformer_engine)."""
     vpp = vpp or 1
     num_experts = args.get("num_experts") or 0
-    if num_experts % ep:
-        raise MegaliteError(f"num_experts={num_experts} does not split over ep={ep}")
+    if num_experts % ep or (ep > 1 and not num_experts):
+        raise MegaliteError(
+            f"--ep {ep} needs a mixture-of-experts model with a multiple of {ep} experts "
+            f"(this one has {num_experts})"
+        )
     ranges = layer_ranges(args["num_layers"], pp, vpp, "--to megatron")
     per_rank, gated = num_experts // ep, bool(args.get("swiglu"))
     tied = not args.get("untie_embeddings_and_output_weights")
