@@ -1,12 +1,15 @@
 """Megatron-LM checkpoints <-> megalite, against megatron-core itself, in one process.
 
-A real megatron-core GPTModel (tp=1, the local layer spec, on CPU: `torch.cuda.current_device`
-patched to "cpu", a one-rank gloo group for parallel_state) in a GPT-2-style and a Llama-style
-(GQA, SwiGLU, RoPE, untied) configuration is saved in the legacy layout, converted to megalite
-(logits within 1e-5 of Megatron's, fp32), and converted back in both formats, which Megatron
-loads (its state dict, and `dist_checkpointing.load` into its sharded state dict) with the same
-logits. The tp/pp/vpp split and merge are checked against Megatron's rules by slicing global
-tensors in one process; the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
+A real megatron-core GPTModel (tp=1, local layer specs through `get_gpt_decoder_block_spec(...,
+use_transformer_engine=False)`, on CPU: `torch.cuda.current_device` patched to "cpu", a one-rank
+gloo group for parallel_state) in three configurations: GPT-2 style (LayerNorm, GELU, learned
+positions, biases, tied), Llama style (GQA, SwiGLU, RoPE, untied) and Llama-style MoE (4 experts,
+top-2, a shared expert, experts in every other layer). Each is saved by Megatron's own code in
+the legacy layout and as torch_dist, converted to megalite (logits within 1e-5 of Megatron's,
+fp32), and converted back in both formats, which Megatron loads (`load_state_dict(strict=True)`,
+and `dist_checkpointing.load` into its sharded state dict) with the same logits. The tp/pp/vpp/ep
+split and merge are checked against Megatron's rules by slicing global tensors in one process;
+the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
 """
 
 import argparse
@@ -72,7 +75,8 @@ KINDS = {
     "moe": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
             "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
             "untie_embeddings_and_output_weights": True, "num_experts": 4, "moe_router_topk": 2,
-            "moe_ffn_hidden_size": 32},
+            "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 48,
+            "moe_layer_freq": 2},
     "llama": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
               "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
               "untie_embeddings_and_output_weights": True, "rotary_base": 500000},
@@ -93,7 +97,7 @@ def margs(kind: str, **over) -> argparse.Namespace:
 
 def megatron_model(args: argparse.Namespace, seed=0):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
@@ -107,11 +111,12 @@ def megatron_model(args: argparse.Namespace, seed=0):
         use_cpu_initialization=True, num_moe_experts=getattr(args, "num_experts", None),
         moe_router_topk=getattr(args, "moe_router_topk", 2),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-        moe_token_dispatcher_type="allgather",
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        moe_token_dispatcher_type="allgather", moe_layer_freq=getattr(args, "moe_layer_freq", 1),
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(
-        num_experts=getattr(args, "num_experts", None), normalization=args.normalization
-    )
+    # layers with experts and dense ones (moe_layer_freq): the block spec
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                      normalization=args.normalization)  # fmt: skip
     m = GPTModel(
         cfg, spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
