@@ -158,7 +158,15 @@ def check_shapes(state: dict, cfg: ModelConfig, where: str):
             f"{where}: {EMBEDDING} has {vocab} rows but the args say the vocabulary is "
             f"{cfg.vocab_size}; the args contradict the tensors"
         )
-    for name, shape in megatron_shapes(cfg, vocab).items():
+    shapes = megatron_shapes(cfg, vocab)
+    extra = sorted(set(state) - set(shapes))
+    if extra:  # a tensor nobody maps would be dropped silently
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise MegaliteError(
+            f"{where} holds {extra[0]}{more}, which its args do not explain (a feature megalite "
+            "does not have, or args that contradict the tensors)"
+        )
+    for name, shape in shapes.items():
         if name not in state:
             raise MegaliteError(
                 f"{where} lacks the tensor {name} that its args imply; is it a complete "

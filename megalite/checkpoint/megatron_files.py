@@ -221,6 +221,14 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
     ranks = sorted(p.name for p in d.iterdir() if MP_RANK.match(p.name))
     first = load_pickle(d / ranks[0] / MODEL_FILE)
     args = _args(first, d / ranks[0] / MODEL_FILE)
+    version = first.get("checkpoint_version", 0)
+    model = first.get("model", first.get("model0", {}))
+    if version < mg.CHECKPOINT_VERSION or any(k.startswith("language_model.") for k in model):
+        raise MegaliteError(
+            f"{d} is an older Megatron-LM checkpoint (checkpoint_version {version}, "
+            "megatron/legacy model names); only megatron-core GPTModel checkpoints "
+            f"(checkpoint_version {mg.CHECKPOINT_VERSION}) convert"
+        )
     tp, pp, vpp, ep = layout(args, str(d))
     num_experts = args.get("num_experts") or 0
     ranges = layer_ranges(args["num_layers"], pp, vpp, str(d))

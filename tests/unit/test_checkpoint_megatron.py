@@ -136,11 +136,12 @@ def megatron_logits(m, ids):
         return m(ids, torch.arange(s).expand_as(ids), mask)[..., :VOCAB]
 
 
-def save_legacy(d: Path, m, args, iteration=7):
+def save_legacy(d: Path, m, args, iteration=7, extra=None):
     path = d / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
     path.parent.mkdir(parents=True)
+    model = {**m.state_dict(), **(extra or {})}
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                "model": m.state_dict(), "optimizer": {"state": {}}}, path)  # fmt: skip
+                "model": model, "optimizer": {"state": {}}}, path)  # fmt: skip
     (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
@@ -237,6 +238,22 @@ def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_pat
             assert torch.equal(got.read(n), want.read(n)), n
 
 
+def test_transformer_engine_names_read_back(imported, tmp_path):
+    """--transformer-impl transformer_engine writes TE's fused-norm names; they import."""
+    kind, _, _, ml = imported
+    out, back = tmp_path / "te", tmp_path / "back"
+    convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy",
+                  "--transformer-impl", "transformer_engine"])  # fmt: skip
+    keys = megatron_files.load_pickle(out / "iter_0000000/mp_rank_00/model_optim_rng.pt")["model"]
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert not [k for k in keys if k.endswith("input_layernorm.weight")]
+    # an MoE layer keeps its pre-MLP norm apart (TE fuses it into a dense linear_fc1 only)
+    assert ("decoder.layers.0.pre_mlp_layernorm.weight" in keys) == (kind == "moe")
+    convert.main([str(out), str(back), "--to", "megalite"])
+    want, got = fmt.Checkpoint(ml), fmt.Checkpoint(back)
+    assert all(torch.equal(got.read(n), want.read(n)) for n in want.names())
+
+
 # ---- the tensor-parallel layout, by slicing global tensors as Megatron does -------------------
 
 
@@ -316,8 +333,12 @@ def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
     save_legacy(tmp_path / "bad", m, margs(kind, hidden_size=32, kv_channels=8))
     with pytest.raises(MegaliteError, match="args contradict the tensors"):
         convert.main([str(tmp_path / "bad"), str(tmp_path / "o1"), "--to", "megalite"])
+    extra = {"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(16)}  # qk-norm
+    save_legacy(tmp_path / "qk", m, margs(kind), extra=extra)
+    with pytest.raises(MegaliteError, match="q_layernorm.weight, which its args do not explain"):
+        convert.main([str(tmp_path / "qk"), str(tmp_path / "o3"), "--to", "megalite"])
     save_legacy(tmp_path / "pp", m, margs(kind, pipeline_model_parallel_size=2))
     with pytest.raises(MegaliteError, match="lacks mp_rank_00_000"):
         convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert not [p for p in ("o1", "o2", "o3") if (tmp_path / p).exists()]
     assert not list(tmp_path.glob(".o*"))
