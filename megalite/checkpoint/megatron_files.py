@@ -37,6 +37,11 @@ TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
+# value types that are safe to rebuild for real (a TE extra state's bytes, say)
+SAFE_BUILTINS = {f"builtins.{t.__name__}": t for t in (bytes, bytearray, set, frozenset, complex,
+                                                       slice, range)}  # fmt: skip
+
+
 class _Opaque:
     """What an unknown class in a legacy pickle becomes: it keeps its arguments, runs nothing."""
 
@@ -53,7 +58,7 @@ def load_pickle(path: Path) -> dict:
     """A Megatron .pt file, unpickled with weights_only=True (see the module docstring)."""
     try:
         unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        known = {"argparse.Namespace": argparse.Namespace}
+        known = {"argparse.Namespace": argparse.Namespace, **SAFE_BUILTINS}
         allowed = [known[n] if n in known else (_Opaque, n) for n in unknown]
         with torch.serialization.safe_globals(allowed):
             obj = torch.load(str(path), map_location="cpu", weights_only=True)

@@ -342,3 +342,20 @@ def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
         convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
     assert not [p for p in ("o1", "o2", "o3") if (tmp_path / p).exists()]
     assert not list(tmp_path.glob(".o*"))
+
+
+def test_pickles_load_without_their_classes(tmp_path):
+    """TE's extra states (BytesIO, an empty one pickled through builtins.bytes) and classes
+    torch does not allow (an enum in the args) load under weights_only. (megatron-core, imported
+    here, allow-lists its own classes; tests/e2e/test_megatron_workflows.py loads without it.)"""
+    import io
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    obj = {"args": argparse.Namespace(attention_backend=AttnBackend.auto, num_layers=2),
+           "model": {"a._extra_state": io.BytesIO(), "b._extra_state": io.BytesIO(b"x"),
+                     "w": torch.ones(2)}}  # fmt: skip
+    torch.save(obj, tmp_path / "f.pt")
+    got = megatron_files.load_pickle(tmp_path / "f.pt")
+    assert got["args"].num_layers == 2 and torch.equal(got["model"]["w"], torch.ones(2))
+    assert set(got["model"]) == {"a._extra_state", "b._extra_state", "w"}
