@@ -32,37 +32,26 @@ STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.weig
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Only DCP's metadata dataclasses and plain torch value types may appear in .metadata."""
+    """Only DCP's metadata classes and plain torch/python value types may appear in .metadata:
+    a class of torch.distributed.checkpoint (dataclasses, enums), never one of its functions."""
 
-    SAFE_TORCH = {"Size", "device", "layout", "memory_format", "dtype"}
+    SAFE_TORCH = {"Size", "device", "layout", "memory_format"}
     SAFE = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}  # fmt: skip
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+            ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+            ("builtins", "slice")}  # fmt: skip
 
     def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint") or module == "collections" and \
-                name in ("OrderedDict", "defaultdict"):  # fmt: skip
+        if (module, name) in self.SAFE:
             return super().find_class(module, name)
         if module == "torch" and (name in self.SAFE_TORCH or isinstance(getattr(torch, name, None),
                                                                        torch.dtype)):  # fmt: skip
             return super().find_class(module, name)
-        if (module, name) in self.SAFE:
-            return super().find_class(module, name)
-        if module == "builtins" and name in ("set", "frozenset", "slice", "tuple", "list", "dict"):
-            return super().find_class(module, name)
-        if (
-            module == "enum"
-            and name == "Enum"
-            or module.startswith("megatron.core.dist_checkpointing")
-        ):
-            return super().find_class(module, name) if module == "enum" else _Plain
+        if module.startswith("torch.distributed.checkpoint."):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-class _Plain(dict):
-    """Megatron's own planner data in .metadata: kept as plain data, no code runs."""
-
-    def __setstate__(self, state):
-        self.update(state if isinstance(state, dict) else {"state": state})
 
 
 class _SafeReader(FileSystemReader):

@@ -394,3 +394,22 @@ def test_grouped_expert_forms_import_alike(imported, grouped, tmp_path):
     convert.main([str(out), str(tmp_path / "back"), "--to", "megalite"])
     want, got = fmt.Checkpoint(ml), fmt.Checkpoint(tmp_path / "back")
     assert all(torch.equal(got.read(n), want.read(n)) for n in want.names())
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)
+def test_dcp_metadata_runs_no_code(imported, tmp_path):
+    """.metadata is a pickle: one that would call a function is refused with one line."""
+    import pickle
+
+    _, _, _, ml = imported
+    out = tmp_path / "mt"
+    convert.main([str(ml), str(out), "--to", "megatron"])
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    (out / "iter_0000000/.metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(MegaliteError, match="pathlib.Path.touch is not allowed in DCP metadata"):
+        convert.main([str(out), str(tmp_path / "o"), "--to", "megalite"])
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "o").exists()
