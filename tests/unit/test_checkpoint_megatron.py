@@ -1,0 +1,273 @@
+"""Megatron-LM checkpoints <-> megalite, against megatron-core itself, in one process.
+
+A real megatron-core GPTModel (tp=1, the local layer spec, on CPU: `torch.cuda.current_device`
+patched to "cpu", a one-rank gloo group for parallel_state) in a GPT-2-style and a Llama-style
+(GQA, SwiGLU, RoPE, untied) configuration is saved in the legacy layout, converted to megalite
+(logits within 1e-5 of Megatron's, fp32), and converted back in both formats, which Megatron
+loads (its state dict, and `dist_checkpointing.load` into its sharded state dict) with the same
+logits. The tp/pp/vpp split and merge are checked against Megatron's rules by slicing global
+tensors in one process; the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint import megatron as mg
+from megalite.checkpoint import megatron_files
+from megalite.checkpoint.checkpointer import load_model
+from megalite.config_read import from_dict
+from megalite.errors import MegaliteError
+from megalite.model.gpt import LOCAL, GPTChunk
+
+pytest.importorskip("megatron.core")
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, SEQ = 100, 16
+
+_spec = importlib.util.spec_from_file_location(
+    "convert_checkpoint", ROOT / "tools/convert_checkpoint.py"
+)
+convert = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """megatron-core set up for one CPU process; undone afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+    # dropout's RNG fork wants CUDA generators; the models here run without dropout
+    mp.setattr(mrandom.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    mp.undo()
+
+
+KINDS = {
+    "gpt2": {"normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
+             "position_embedding_type": "learned_absolute", "num_query_groups": 4,
+             "ffn_hidden_size": 128, "untie_embeddings_and_output_weights": False},
+    "llama": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+              "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
+              "untie_embeddings_and_output_weights": True, "rotary_base": 500000},
+}  # fmt: skip
+
+
+def margs(kind: str, **over) -> argparse.Namespace:
+    """The args a Megatron run of this model would save."""
+    a = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "kv_channels": 16,
+         "group_query_attention": True, "seq_length": SEQ, "max_position_embeddings": SEQ,
+         "vocab_size": VOCAB, "padded_vocab_size": 128, "make_vocab_size_divisible_by": 128,
+         "layernorm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0,
+         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0, "bias_gelu_fusion": True,
+         **KINDS[kind], **over}  # fmt: skip
+    return argparse.Namespace(**a)
+
+
+def megatron_model(args: argparse.Namespace, seed=0):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, normalization=args.normalization,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear, bias_activation_fusion=not args.swiglu,
+        layernorm_epsilon=args.layernorm_epsilon, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )  # fmt: skip
+    m = GPTModel(
+        cfg, get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )  # fmt: skip
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb so a mix-up shows
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m.eval()
+
+
+def megatron_logits(m, ids):
+    s = ids.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        return m(ids, torch.arange(s).expand_as(ids), mask)[..., :VOCAB]
+
+
+def save_legacy(d: Path, m, args, iteration=7):
+    path = d / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "model": m.state_dict(), "optimizer": {"state": {}}}, path)  # fmt: skip
+    (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def megalite_model(path) -> GPTChunk:
+    ckpt = fmt.Checkpoint(path)
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
+    load_model([chunk], LOCAL, ckpt)
+    return chunk.eval()
+
+
+IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def imported(request, megatron, tmp_path_factory):
+    """(kind, Megatron model, its logits, the megalite checkpoint converted from legacy)."""
+    d = tmp_path_factory.mktemp(request.param)
+    args = margs(request.param)
+    m = megatron_model(args)
+    save_legacy(d / "mt", m, args)
+    convert.main([str(d / "mt"), str(d / "ml"), "--to", "megalite"])
+    return request.param, m, megatron_logits(m, IDS), d / "ml"
+
+
+def test_legacy_import_gives_megatrons_logits(imported):
+    kind, _, theirs, ml = imported
+    chunk = megalite_model(ml)
+    assert chunk.cfg.flavour == kind
+    with torch.no_grad():
+        ours = chunk(IDS)
+    assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
+    assert (ours - theirs).abs().max() <= 1e-5
+    ck = fmt.Checkpoint(ml)
+    assert ck.index["optimizer"] is None and ck.shape("embedding.word.weight")[0] == VOCAB
+
+
+@pytest.mark.parametrize("form", ["legacy", "torch_dist"])
+def test_export_loads_into_megatron_with_the_same_logits(imported, form, tmp_path):
+    kind, m, theirs, ml = imported
+    convert.main([str(ml), str(tmp_path / "out"), "--to", "megatron", "--format", form])
+    fresh = megatron_model(margs(kind), seed=1)
+    assert (megatron_logits(fresh, IDS) - theirs).abs().max() > 1e-2  # it did change
+    if form == "legacy":
+        obj = megatron_files.load_pickle(
+            tmp_path / "out/iter_0000000/mp_rank_00/model_optim_rng.pt"
+        )
+        assert obj["checkpoint_version"] == 3.0 and obj["args"].padded_vocab_size == 128
+        fresh.load_state_dict(obj["model"], strict=True)
+    else:
+        from megatron.core import dist_checkpointing
+
+        sd = fresh.sharded_state_dict()
+        loaded = dist_checkpointing.load(sd, str(tmp_path / "out/iter_0000000"))
+        fresh.load_state_dict(loaded, strict=False)
+    assert (megatron_logits(fresh, IDS) - theirs).abs().max() <= 1e-5
+
+
+def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_path):
+    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 -> megalite: the same tensors."""
+    _, _, _, ml = imported
+    want = fmt.Checkpoint(ml)
+    for i, extra in enumerate(
+        [["--format", "torch_dist"], ["--format", "legacy", "--tp", "2", "--pp", "2", "--vpp", "2"]]
+    ):
+        out, back = tmp_path / f"mt{i}", tmp_path / f"ml{i}"
+        convert.main([str(ml), str(out), "--to", "megatron", *extra])
+        convert.main([str(out), str(back), "--to", "megalite"])
+        got = fmt.Checkpoint(back)
+        assert sorted(got.names()) == sorted(want.names())
+        for n in want.names():
+            assert torch.equal(got.read(n), want.read(n)), n
+
+
+# ---- the tensor-parallel layout, by slicing global tensors as Megatron does -------------------
+
+
+def test_qkv_shards_hold_their_query_groups():
+    """Megatron's tp rank r holds query groups r*G/tp.. of linear_qkv, each [q | k | v]."""
+    cfg = mg.config_from_args(
+        margs("llama", num_attention_heads=8, num_query_groups=4, kv_channels=8)
+    )
+    hd, h = cfg.head_dim, cfg.hidden_size
+    q, k, v = torch.randn(8 * hd, h), torch.randn(4 * hd, h), torch.randn(4 * hd, h)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    shards = megatron_files.split_tp(name, mg.merge_qkv(q, k, v, cfg), 2, gated=True)
+    # rank 1: groups 2, 3 -> query heads 4..7, kv heads 2, 3
+    g2 = torch.cat([q[4 * hd : 6 * hd], k[2 * hd : 3 * hd], v[2 * hd : 3 * hd]])
+    assert torch.equal(shards[1][: len(g2)], g2)
+    assert [tuple(s.shape) for s in shards] == [((8 + 8) * hd // 2, h)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(mg.split_qkv(mg.merge_qkv(q, k, v, cfg), cfg),
+                                                 (q, k, v)))  # fmt: skip
+
+
+def test_swiglu_fc1_shards_are_gate_then_up_per_rank():
+    gate, up = torch.arange(8.0)[:, None], 100 + torch.arange(8.0)[:, None]
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    shards = megatron_files.split_tp(name, torch.cat([gate, up]), 2, gated=True)
+    assert torch.equal(shards[1], torch.cat([gate[4:], up[4:]]))
+    assert torch.equal(megatron_files.merge_tp(name, shards, gated=True), torch.cat([gate, up]))
+    row = "decoder.layers.0.mlp.linear_fc2.weight"
+    w = torch.randn(4, 6)
+    assert torch.equal(megatron_files.split_tp(row, w, 2, gated=True)[1], w[:, 3:])
+
+
+def test_megatron_tp2_shapes_match_the_split(megatron):
+    """The shard shapes megatron-core builds at tp=2 (from its own partition arithmetic)."""
+    from megatron.core.utils import divide
+
+    args = margs("llama")
+    cfg = mg.config_from_args(args)
+    state = mg.to_megatron(_random_logical(cfg), cfg, mg.padded_vocab_size(cfg, 2))
+    qkv = state["decoder.layers.0.self_attention.linear_qkv.weight"]
+    shard = megatron_files.split_tp(
+        "decoder.layers.0.self_attention.linear_qkv.weight", qkv, 2, True
+    )
+    per_rank = divide(args.num_attention_heads + 2 * args.num_query_groups, 2) * args.kv_channels
+    assert shard[0].shape == (per_rank, args.hidden_size)
+    assert state[mg.EMBEDDING].shape[0] == 256  # 100 padded to a multiple of 128 * tp
+
+
+def test_layer_placement_follows_megatrons_virtual_stages():
+    r = megatron_files.layer_ranges(8, 2, 2, "x")
+    assert r[0, 0] == range(0, 2) and r[1, 0] == range(2, 4)
+    assert r[0, 1] == range(4, 6) and r[1, 1] == range(6, 8)
+
+
+def _random_logical(cfg):
+    chunk = GPTChunk(cfg)
+    return {n: p.detach().clone() for n, p in chunk.state_dict().items()}
+
+
+# ---- bad input: one line, nothing written ----------------------------------------------------
+
+
+def test_unsupported_args_are_refused(tmp_path):
+    with pytest.raises(MegaliteError, match="rotary_percent"):
+        mg.config_from_args(margs("llama", rotary_percent=0.5))
+    with pytest.raises(MegaliteError, match="exact"):
+        mg.config_from_args(margs("gpt2", bias_gelu_fusion=False))
+    with pytest.raises(MegaliteError, match="kv_channels"):
+        mg.config_from_args(margs("gpt2", kv_channels=8))
+
+
+def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
+    kind, m, _, _ = imported
+    save_legacy(tmp_path / "bad", m, margs(kind, hidden_size=32, kv_channels=8))
+    with pytest.raises(MegaliteError, match="args contradict the tensors"):
+        convert.main([str(tmp_path / "bad"), str(tmp_path / "o1"), "--to", "megalite"])
+    save_legacy(tmp_path / "pp", m, margs(kind, pipeline_model_parallel_size=2))
+    with pytest.raises(MegaliteError, match="lacks mp_rank_00_000"):
+        convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert not list(tmp_path.glob(".o*"))
