@@ -411,7 +411,8 @@ def _iteration_dir(root: Path) -> Path:
 
 
 def _check_args(args, layout: Layout):
-    """What Megatron-LM's check_checkpoint_args insists on for a legacy load, and the vpp."""
+    """What Megatron-LM's check_checkpoint_args insists on for a legacy load (and the vpp,
+    which decides the model0.. keys)."""
     got = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
            args.virtual_pipeline_model_parallel_size)  # fmt: skip
     assert got == (layout.tp, layout.pp, layout.vpp), f"args say {got}, the layout is {layout}"
@@ -438,7 +439,8 @@ def load_torch_dist(models: list, layout: Layout, root: Path):
 
     d = str(_iteration_dir(root))
     common = dist_checkpointing.load_common_state_dict(d)
-    _check_args(common["args"], layout)
+    assert common["checkpoint_version"] == 3.0, common["checkpoint_version"]
+    # (Megatron-LM compares no layout here: torch_dist reshards on load)
     state = dist_checkpointing.load(_sharded_models(models, layout, ps), d)
     for key, m in zip(_model_keys(layout), models):
         m.load_state_dict(state[key], strict=True)

@@ -1,0 +1,145 @@
+"""Megatron-LM checkpoints written by megatron-core itself on several ranks, both ways.
+
+A Megatron GPTModel is built on gloo ranks (tests/megatron_oracle.py) at tp=2 (GPT-2 style:
+LayerNorm, biases, tied) and at pp=2 with two virtual stages each (Llama style: GQA, SwiGLU,
+RoPE, untied), saved as Megatron-LM saves it (legacy mp_rank_* files and torch_dist). Each
+imports into megalite (`megalite-convert --from megatron`) with Megatron's logits (fp32, 1e-5),
+and exports back (`--to megatron`, both formats) at another Megatron layout, which megatron-core
+loads on its own ranks with the same logits. Bad input (args that contradict the tensors, a
+missing mp_rank directory) is one line and writes nothing. Training on from the import at
+another layout: tests/e2e/test_megatron_workflows.py.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint.checkpointer import load_model
+from megalite.config_read import from_dict
+from megalite.errors import MegaliteError
+from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.testing import spawn
+from tests import megatron_oracle as mo
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+# (architecture, the layout Megatron saved it at, the layout megalite exports it back to)
+CASES = {
+    "gpt2-tp2": (mo.GPT2, mo.Layout(tp=2), mo.Layout(pp=2)),
+    "llama-pp2vpp2": (mo.LLAMA, mo.Layout(pp=2, vpp=2), mo.Layout(tp=2)),
+}
+FORMATS = ("legacy", "torch_dist")
+
+
+def convert(*argv):
+    from megalite.cli import convert as cli
+
+    cli.main([str(a) for a in argv])
+
+
+def megalite_logits(path, x):
+    ckpt = fmt.Checkpoint(path)
+    ckpt.verify()
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
+    load_model([chunk], LOCAL, ckpt)
+    with torch.no_grad():
+        return chunk.eval()(x)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def source(request, tmp_path_factory):
+    """A case's Megatron checkpoints (root/legacy, root/torch_dist), their logits, and the
+    megalite checkpoints imported from each format."""
+    arch, layout, target = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    x = mo.tokens(arch)
+    logits = mo.last_stage(spawn(mo.save_rank, layout.world, arch, layout, str(root), x, 0))
+    assert logits.shape == (*x.shape, layout.padded_vocab(arch))
+    for form in FORMATS:
+        convert(root / form, root / f"ml-{form}", "--to", "megalite", "--from", "megatron")
+    return arch, layout, target, root, x, logits
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_import_gives_megatrons_logits(source, form):
+    arch, layout, _, root, x, theirs = source
+    ours = megalite_logits(root / f"ml-{form}", x)
+    assert ours.shape[:2] == x.shape and ours.shape[-1] >= arch.vocab
+    assert (ours[..., : arch.vocab] - theirs[..., : arch.vocab]).abs().max() <= 1e-5
+    ckpt = fmt.Checkpoint(root / f"ml-{form}")
+    assert ckpt.model_config["vocab_size"] == arch.vocab  # the padding stripped
+    assert ckpt.model_config["num_layers"] == arch.num_layers
+
+
+def test_export_at_another_layout_loads_into_megatron(source, tmp_path):
+    """megalite -> Megatron (legacy at the target layout, torch_dist padded for its tp):
+    megatron-core at that layout loads each with the source's logits."""
+    arch, layout, target, root, x, theirs = source
+    out = {}
+    for form in FORMATS:
+        flags = ["--tp", target.tp, "--pp", target.pp, "--vpp", target.vpp or 1]
+        out[form] = tmp_path / form
+        convert(root / "ml-legacy", out[form], "--to", "megatron", "--format", form, *flags)
+    ranks = {p.name for p in (out["legacy"] / f"iter_{0:07d}").iterdir()}
+    assert ranks == {mo.rank_dir(target, t, p) for t in range(target.tp) for p in range(target.pp)}
+    got = spawn(_load_both, target.world, arch, target, {k: str(v) for k, v in out.items()}, x)
+    for form in FORMATS:
+        logits = mo.last_stage([r and r[form] for r in got])
+        assert logits.shape[-1] == target.padded_vocab(arch)
+        err = (logits[..., : arch.vocab] - theirs[..., : arch.vocab]).abs().max()
+        assert err <= 1e-5, (form, err)
+
+
+def _load_both(rank, world, arch, layout, dirs, x):
+    """Megatron models at `layout` loaded from each exported format: {format: logits}."""
+    mo.setup(layout)
+    out = {}
+    for form, d in dirs.items():
+        models = mo.build(arch, layout, seed=999)
+        mo.LOADERS[form](models, layout, Path(d))
+        out[form] = mo.forward(models, layout, x)
+    return None if out["legacy"] is None else out
+
+
+# ---- bad input: one line, nothing written ----------------------------------------------------
+
+
+def _rewrite(path: Path, edit):
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    edit(state)
+    torch.save(state, path)
+
+
+def test_args_contradicting_tensors_is_one_line(source, tmp_path):
+    arch, layout, _, root, _, _ = source
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "legacy", bad)
+    for f in bad.glob("iter_*/mp_rank_*/model_optim_rng.pt"):  # Megatron's args, one field off
+        _rewrite(f, lambda s: setattr(s["args"], "ffn_hidden_size", 2 * arch.ffn))
+    r = subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", str(bad), str(tmp_path / "out"),
+         "--to", "megalite"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
+    assert "linear_fc1.weight" in r.stderr and "contradict" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_missing_rank_directory_is_one_line(source, tmp_path):
+    arch, layout, _, root, _, _ = source
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "legacy", bad)
+    gone = mo.rank_dir(layout, layout.tp - 1, layout.pp - 1)
+    shutil.rmtree(bad / f"iter_{mo.ITERATION:07d}" / gone)
+    with pytest.raises(MegaliteError) as e:
+        convert(bad, tmp_path / "out", "--to", "megalite")
+    assert "\n" not in str(e.value) and gone in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
