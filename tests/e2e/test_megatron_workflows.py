@@ -1,0 +1,38 @@
+"""A Megatron-LM run moved to megalite: trained on at another layout from its checkpoint.
+
+megatron-core saves a Llama-style GPTModel at tp=2 (tests/megatron_oracle.py, legacy layout
+with its optimizer state); `megalite-convert --from megatron` imports it and pretrain_gpt.py
+continues from it with only --load, the data and the tokenizer (the architecture comes from
+the Megatron args), at tp=1 pp=2 under torchrun: the loss is finite and step for step the
+loss of a one-process run from the same checkpoint.
+"""
+
+import math
+
+import pytest
+
+from megalite.testing import spawn
+from tests import megatron_oracle as mo
+from tests.e2e.conftest import pretrain
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
+         "--lr-warmup-iters", "1", "--eval-interval", "0", "--log-interval", "1",
+         "--wandb-mode", "disabled", "--train-iters", "3"]  # fmt: skip
+
+
+def test_megatron_checkpoint_trains_on_at_another_layout(tiny_data, tmp_path):
+    from megalite.cli import convert
+
+    arch, layout = mo.LLAMA, mo.Layout(tp=2)  # vocabulary 600: the corpus's 512 pieces fit
+    spawn(mo.save_rank, layout.world, arch, layout, str(tmp_path / "mt"), mo.tokens(arch), 0)
+    convert.main([str(tmp_path / "mt" / "legacy"), str(tmp_path / "ml"), "--to", "megalite"])
+    prefix, model = tiny_data
+    data = ["--data-path", prefix, "--tokenizer-model", model, "--load", str(tmp_path / "ml")]
+    one, _ = pretrain(1, [*TRAIN, *data], tmp_path)
+    two, _ = pretrain(2, [*TRAIN, *data, "--pp", "2"], tmp_path)
+    assert [r["iteration"] for r in one] == [r["iteration"] for r in two] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in one), one
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
