@@ -72,6 +72,8 @@ class Arch:
 
 GPT2 = Arch("gpt2", "LayerNorm", swiglu=False, rope=False, bias=True, tied=True, ffn=128)
 LLAMA = Arch("llama", "RMSNorm", swiglu=True, rope=True, bias=False, tied=False, groups=2)
+MOE = Arch("moe", "RMSNorm", swiglu=True, rope=True, bias=False, tied=False, groups=2,
+           num_layers=2, num_experts=4)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,10 @@ def _cpu_patches():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._process_memory = lambda: 0  # (a debug log's number; it wants psutil)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # (0.16 names it without TransformerEngine)
+        moe_utils.te_general_gemm = None
 
 
 def _gelu_tanh(x):
