@@ -23,6 +23,7 @@ from megalite.errors import MegaliteError
 from megalite.model.gpt import LOCAL, GPTChunk
 from megalite.testing import spawn
 from tests import megatron_oracle as mo
+from tests import megatron_oracle_files as mf
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -89,7 +90,7 @@ def test_export_at_another_layout_loads_into_megatron(source, tmp_path):
     ranks_of = [
         (t, p, e) for t in range(target.tp) for p in range(target.pp) for e in range(target.ep)
     ]
-    assert ranks == {mo.rank_dir(target, *r) for r in ranks_of}
+    assert ranks == {mf.rank_dir(target, *r) for r in ranks_of}
     got = spawn(_load_both, target.world, arch, target, {k: str(v) for k, v in out.items()}, x)
     for form in FORMATS:
         logits = mo.last_stage([r and r[form] for r in got])
@@ -104,7 +105,7 @@ def _load_both(rank, world, arch, layout, dirs, x):
     out = {}
     for form, d in dirs.items():
         models = mo.build(arch, layout, seed=999)
-        mo.LOADERS[form](models, layout, Path(d))
+        mf.LOADERS[form](models, layout, Path(d))
         out[form] = mo.forward(models, layout, x)
     return None if out["legacy"] is None else out
 
@@ -136,8 +137,8 @@ def test_missing_rank_directory_is_one_line(source, tmp_path):
     arch, layout, _, root, _, _ = source
     bad = tmp_path / "bad"
     shutil.copytree(root / "legacy", bad)
-    gone = mo.rank_dir(layout, layout.tp - 1, layout.pp - 1)
-    shutil.rmtree(bad / f"iter_{mo.ITERATION:07d}" / gone)
+    gone = mf.rank_dir(layout, layout.tp - 1, layout.pp - 1)
+    shutil.rmtree(bad / f"iter_{mf.ITERATION:07d}" / gone)
     with pytest.raises(MegaliteError) as e:
         convert(bad, tmp_path / "out", "--to", "megalite")
     assert "\n" not in str(e.value) and gone in str(e.value), str(e.value)
