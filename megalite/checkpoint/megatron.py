@@ -1,4 +1,8 @@
-"""Weight names, fused tensors and configs between Megatron-LM (megatron-core GPTModel) and megalite.
+"""Weight names and fused tensors between Megatron-LM (megatron-core's GPTModel) and megalite.
+
+    megalite-convert MEGATRON_DIR OUT --to megalite [--from megatron] [--vocab-size N]
+    megalite-convert MEGALITE_DIR OUT --to megatron [--format torch_dist|legacy]
+                     [--tp N --pp N --vpp N --ep N] [--transformer-impl local|transformer_engine]
 
 Works on whole tensors, as `checkpoint/hf.py` does: a *Megatron state* here is a flat dict of
 global tensors (the tp/pp/vpp/ep shards already merged by `checkpoint/megatron_files.py`), one
@@ -17,7 +21,9 @@ entry per layer, under megatron-core's local-spec names:
 
 TransformerEngine names (`self_attention.linear_qkv.layer_norm_{weight,bias}` for the input norm,
 `mlp.linear_fc1.layer_norm_*` for the pre-MLP norm; torch_dist uses them for every spec) are
-mapped onto these by `local_names`. The vocabulary padding is stripped on import and added on
+mapped onto these by `local_names`. The model config comes from the checkpoint's args
+(`checkpoint/megatron_args.py`); the files are `megatron_files.py` (legacy) and
+`megatron_dist.py` (torch_dist). The vocabulary padding is stripped on import and added on
 export (`padded_vocab_size`, Megatron's rule: a multiple of make_vocab_size_divisible_by * tp).
 
 Supported (everything else in the args is refused with one line, never dropped):
@@ -31,12 +37,10 @@ Supported (everything else in the args is refused with one line, never dropped):
 - kv_channels must be hidden/heads; no qk-layernorm, zero-centred gamma, MLA, MTP, post-LN.
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
+from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
 
@@ -63,224 +67,25 @@ def local_names(name: str) -> str:
     return name
 
 
-def te_names(name: str) -> str:
-    """The inverse of `local_names` (torch_dist keys, TE-spec state dicts)."""
-    for te, local in TE_NORMS.items():
-        if name.endswith("." + local) and ".shared_experts." not in name:
-            return name[: -len(local)] + te
-    return name
-
-
-# ---- config ---------------------------------------------------------------------------------
-
-
-def _get(args: dict, name: str, default=None):
-    v = args.get(name, default)
-    return default if v is None else v
-
-
-def _gelu_is_tanh(args: dict) -> bool:
-    """Megatron's GELU is exact (erf) unless --openai-gelu, or its bias-GELU fusion (on by
-    default, and only with biases) runs the tanh approximation megalite uses."""
-    if _get(args, "openai_gelu", False):
-        return True
-    return bool(_get(args, "bias_gelu_fusion", True)) and bool(_get(args, "add_bias_linear", True))
-
-
-# (field, predicate on args that megalite cannot honour, what it is)
-_UNSUPPORTED = (
-    ("rotary_percent", lambda a: _get(a, "rotary_percent", 1.0) != 1.0, "partial rotary"),
-    ("rotary_interleaved", lambda a: _get(a, "rotary_interleaved", False), "interleaved RoPE"),
-    ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False), "RoPE scaling"),
-    ("rotary_seq_len_interpolation_factor",
-     lambda a: _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
-     "RoPE interpolation"),
-    ("apply_layernorm_1p", lambda a: _get(a, "apply_layernorm_1p", False), "zero-centred gamma"),
-    ("layernorm_zero_centered_gamma",
-     lambda a: _get(a, "layernorm_zero_centered_gamma", False), "zero-centred gamma"),
-    ("qk_layernorm", lambda a: _get(a, "qk_layernorm", False), "qk layernorm"),
-    ("apply_residual_connection_post_layernorm",
-     lambda a: _get(a, "apply_residual_connection_post_layernorm", False), "post-LN residuals"),
-    ("multi_latent_attention", lambda a: _get(a, "multi_latent_attention", False), "MLA"),
-    ("mtp_num_layers", lambda a: _get(a, "mtp_num_layers", 0) > 0, "multi-token prediction"),
-    ("squared_relu", lambda a: _get(a, "squared_relu", False), "squared ReLU"),
-    ("openai_gelu", lambda a: not _get(a, "swiglu", False) and not _gelu_is_tanh(a),
-     "exact (erf) GELU, megalite's is the tanh approximation (--openai-gelu)"),
-    ("heterogeneous_layers_config_path",
-     lambda a: bool(_get(a, "heterogeneous_layers_config_path", None)), "heterogeneous layers"),
-    ("moe_router_score_function",
-     lambda a: _get(a, "moe_router_score_function", "softmax") != "softmax", "sigmoid routing"),
-    ("moe_router_num_groups", lambda a: _get(a, "moe_router_num_groups", 0) > 0,
-     "group-limited routing"),
-    ("moe_router_topk_scaling_factor",
-     lambda a: _get(a, "moe_router_topk_scaling_factor", 1.0) not in (1, 1.0), "top-k scaling"),
-    ("moe_shared_expert_gate", lambda a: _get(a, "moe_shared_expert_gate", False),
-     "a gated shared expert"),
-    ("moe_router_enable_expert_bias", lambda a: _get(a, "moe_router_enable_expert_bias", False),
-     "the expert bias (megalite does not checkpoint it)"),
-    ("moe_layer_freq", lambda a: not isinstance(_get(a, "moe_layer_freq", 1), int),
-     "a per-layer MoE pattern"),
-    ("moe_pad_expert_input_to_capacity",
-     lambda a: _get(a, "moe_pad_expert_input_to_capacity", False), "padding to capacity"),
-)  # fmt: skip
-
-
-def _features(args: dict) -> ModelFeatures:
-    norm = _get(args, "normalization", "LayerNorm")
-    position = _get(args, "position_embedding_type", "learned_absolute")
-    norms = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
-    positions = {"learned_absolute": "learned", "rope": "rotary"}
-    if norm not in norms:
-        raise MegaliteError(
-            f"Megatron normalization={norm!r} is not supported (LayerNorm, RMSNorm)"
-        )
-    if position not in positions:
-        raise MegaliteError(
-            f"Megatron position_embedding_type={position!r} is not supported (learned_absolute, rope)"
-        )
-    bias = bool(_get(args, "add_bias_linear", True))
-    return ModelFeatures(norms[norm], positions[position], gated_mlp=bool(_get(args, "swiglu", False)),
-                         qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
-                         linear_bias=bias, tied=False, hf_model_type="")  # fmt: skip
-
-
-def _flavour(features: ModelFeatures) -> str:
-    """The megalite flavour with these features (tying and the HF layout aside)."""
-    keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias")
-    mine = {k: getattr(features, k) for k in keys}
-    for name, row in FLAVOURS.items():
-        if mine == {k: getattr(row, k) for k in keys}:
-            return name
-    what = ", ".join(f"{k}={v}" for k, v in mine.items())
-    raise MegaliteError(
-        f"a Megatron model with {what} has no megalite flavour (megalite.config.FLAVOURS)"
-    )
-
-
-def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
-    """megalite's ModelConfig from a Megatron checkpoint's `args` (a Namespace or dict).
-    `vocab_size`: the real vocabulary when the args hold only the padded one."""
-    a = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
-    for field, bad, what in _UNSUPPORTED:
-        if bad(a):
-            raise MegaliteError(
-                f"the Megatron checkpoint uses {what} ({field}={a.get(field)!r}), which megalite "
-                "cannot honour; it cannot be converted"
-            )
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if a.get(k) is None]
-    if missing:
-        raise MegaliteError(f"the Megatron checkpoint's args lack {', '.join(missing)}")
-    h, heads = a["hidden_size"], a["num_attention_heads"]
-    if _get(a, "kv_channels", h // heads) != h // heads:
-        raise MegaliteError(
-            f"Megatron kv_channels={a['kv_channels']} != hidden_size/num_attention_heads="
-            f"{h // heads} is not supported: megalite's head dimension is hidden/heads"
-        )
-    features = _features(a)
-    groups = a.get("num_query_groups") if _get(a, "group_query_attention", False) else None
-    vocab = vocab_size or a.get("vocab_size") or a.get("padded_vocab_size")
-    if vocab is None:
-        raise MegaliteError(
-            "the Megatron checkpoint's args hold neither vocab_size nor padded_vocab_size; pass "
-            "--vocab-size"
-        )
-    experts = {}
-    if _get(a, "num_experts", 0):
-        experts = {
-            "num_experts": a["num_experts"],
-            "moe_router_topk": _get(a, "moe_router_topk", 2),
-            "moe_ffn_hidden_size": a.get("moe_ffn_hidden_size"),
-            "moe_shared_expert_intermediate_size": a.get("moe_shared_expert_intermediate_size"),
-            "moe_layer_freq": _get(a, "moe_layer_freq", 1),
-            "moe_aux_loss_coeff": float(_get(a, "moe_aux_loss_coeff", 0.0)),
-            "moe_z_loss_coeff": float(_get(a, "moe_z_loss_coeff", 0.0)),
-            "moe_router_pre_softmax": bool(_get(a, "moe_router_pre_softmax", False)),
-            "moe_expert_capacity_factor": a.get("moe_expert_capacity_factor"),
-        }
-    seq = _get(a, "seq_length", _get(a, "max_position_embeddings", 2048))
-    return ModelConfig(
-        flavour=_flavour(features),
-        num_layers=a["num_layers"],
-        hidden_size=h,
-        num_attention_heads=heads,
-        num_query_groups=groups if groups != heads else None,
-        ffn_hidden_size=_get(a, "ffn_hidden_size", 4 * h),
-        seq_length=seq,
-        max_position_embeddings=a.get("max_position_embeddings") if features.learned_positions
-        else None,
-        vocab_size=vocab,
-        make_vocab_size_divisible_by=_get(a, "make_vocab_size_divisible_by", 128),
-        hidden_dropout=float(_get(a, "hidden_dropout", 0.0)),
-        attention_dropout=float(_get(a, "attention_dropout", 0.0)),
-        norm_epsilon=float(_get(a, "layernorm_epsilon", _get(a, "norm_epsilon", 1e-5))),
-        rotary_base=float(_get(a, "rotary_base", 10000)),
-        init_method_std=float(_get(a, "init_method_std", 0.02)),
-        untie_embeddings_and_output_weights=bool(
-            _get(a, "untie_embeddings_and_output_weights", False)
-        ),
-        **experts,
-    )  # fmt: skip
-
-
-def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
-    """Megatron's padded vocabulary: a multiple of make_vocab_size_divisible_by * tp."""
-    return cfg.padded_vocab_size(tp)
-
-
-def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0) -> dict:
-    """The fields of a Megatron `args` Namespace that rebuild this model at this layout."""
-    f = cfg.features
-    groups = cfg.heads_kv
-    args = {
-        "num_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "ffn_hidden_size": cfg.ffn,
-        "num_attention_heads": cfg.num_attention_heads,
-        "group_query_attention": groups != cfg.num_attention_heads,
-        "num_query_groups": groups,
-        "kv_channels": cfg.head_dim,
-        "normalization": "RMSNorm" if f.rms_norm else "LayerNorm",
-        "swiglu": f.gated_mlp,
-        "openai_gelu": not f.gated_mlp,  # megalite's GELU is the tanh approximation
-        "position_embedding_type": "rope" if f.rotary else "learned_absolute",
-        "rotary_base": int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
-        else cfg.rotary_base,
-        "rotary_percent": 1.0,
-        "untie_embeddings_and_output_weights": not cfg.tied,
-        "add_bias_linear": f.linear_bias,
-        "add_qkv_bias": f.qkv_bias,
-        "layernorm_epsilon": cfg.norm_epsilon,
-        "norm_epsilon": cfg.norm_epsilon,
-        "max_position_embeddings": (cfg.max_position_embeddings or cfg.seq_length)
-        if f.learned_positions else cfg.seq_length,
-        "seq_length": cfg.seq_length,
-        "vocab_size": cfg.vocab_size,
-        "padded_vocab_size": padded_vocab_size(cfg, tp),
-        "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-        "hidden_dropout": cfg.hidden_dropout,
-        "attention_dropout": cfg.attention_dropout,
-        "init_method_std": cfg.init_method_std,
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "virtual_pipeline_model_parallel_size": vpp if vpp and vpp > 1 else None,
-        "expert_model_parallel_size": ep,
-        "expert_tensor_parallel_size": tp,
-        "iteration": iteration,
-        "num_experts": cfg.num_experts,
-    }  # fmt: skip
-    if cfg.num_experts:
-        args.update({
-            "moe_router_topk": cfg.moe_router_topk,
-            "moe_ffn_hidden_size": cfg.moe_ffn,
-            "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
-            "moe_layer_freq": cfg.moe_layer_freq,
-            "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
-            "moe_z_loss_coeff": cfg.moe_z_loss_coeff,
-            "moe_router_pre_softmax": cfg.moe_router_pre_softmax,
-            "moe_expert_capacity_factor": cfg.moe_expert_capacity_factor,
-            "moe_router_load_balancing_type": "aux_loss",
-        })  # fmt: skip
-    return args
+def spec_names(state: dict, transformer_impl: str, sharded: bool) -> dict:
+    """A Megatron state (local names) under the names one layer spec gives its norms.
+    TransformerEngine fuses the input norm into linear_qkv and a dense MLP's norm into
+    linear_fc1 (an MoE layer keeps `pre_mlp_layernorm`); the local spec's legacy state dict
+    keeps both apart, but its torch_dist keys are TE's, the pre-MLP norm of MoE layers too."""
+    te = transformer_impl == "transformer_engine"
+    moe = {k.split(".")[2] for k in state if k.endswith(".mlp.router.weight")}
+    out = {}
+    for k, v in state.items():
+        for te_name, local in TE_NORMS.items():
+            pre_mlp = local.startswith("pre_mlp")
+            layer = k.split(".")[2] if k.startswith("decoder.layers.") else None
+            rename = (sharded and not te) or (te and not (pre_mlp and layer in moe))
+            if k.endswith("." + local) and layer is not None and ".shared_experts." not in k \
+                    and rename:  # fmt: skip
+                k = k[: -len(local)] + te_name
+                break
+        out[k] = v
+    return out
 
 
 # ---- tensor names and shapes ----------------------------------------------------------------

@@ -13,6 +13,7 @@ DCP is driven directly with `no_dist=True`: no process group is needed. Its `.me
 through an unpickler that admits only DCP's metadata classes and torch's value types.
 """
 
+import argparse
 import pickle
 import re
 from pathlib import Path
@@ -147,7 +148,7 @@ def _stack_key(name: str, stacked: bool) -> tuple[str, int | None, int | None]:
     m = mf.LAYER.match(name)
     if m is None:
         return name, None, None
-    i, rest = int(m[1]), mg.te_names(f"decoder.layers.{m[1]}.{m[2]}").split(".", 3)[3]
+    i, rest = int(m[1]), m[2]
     x = re.match(r"^(mlp\.experts\.)local_experts\.(\d+)\.(.*)$", rest)
     expert = None
     if x:
@@ -157,10 +158,11 @@ def _stack_key(name: str, stacked: bool) -> tuple[str, int | None, int | None]:
     return f"decoder.layers.{i}.{rest}", None, expert
 
 
-def write_torch_dist(dst: Path, state: dict, args: dict, iteration: int = 0):
-    """Write a Megatron state as a torch_dist checkpoint (DST/iter_N + LATEST)."""
-    import argparse
-
+def write_torch_dist(dst: Path, state: dict, args: dict, iteration: int = 0,
+                     transformer_impl: str = "local"):  # fmt: skip
+    """Write a Megatron state as a torch_dist checkpoint (DST/iter_N + LATEST), with the keys
+    a GPTModel of Megatron's `transformer_impl` layer spec loads."""
+    state = mg.spec_names(state, transformer_impl, sharded=True)
     d = dst / f"iter_{iteration:07d}"
     d.mkdir(parents=True)
     L, E = args["num_layers"], args.get("num_experts") or 0

@@ -178,13 +178,18 @@ def mp_rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
     return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
-def _localise(chunk: dict, layers: range, experts: range, cfg_args: dict) -> dict:
+def _localise(chunk: dict, layers: range, experts: range, cfg_args: dict, where) -> dict:
     """One shard's model dict -> global layer indices and expert numbers, tensors only."""
     out = {}
     for k, v in chunk.items():
         if not isinstance(v, torch.Tensor) or k.endswith("_extra_state"):
             continue
         m = LAYER.match(k)
+        if m and int(m[1]) >= len(layers):
+            raise MegaliteError(
+                f"{where} holds layer {m[1]} of its stage, but the args give a stage "
+                f"{len(layers)} layers; the args contradict the tensors"
+            )
         if m:
             k = mg.LAYER.format(layers[int(m[1])]) + m[2]
         m = EXPERT.match(k)
@@ -239,7 +244,7 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
                     if chunk is None:
                         raise MegaliteError(f"{path} holds no model{'' if vpp == 1 else v} dict")
                     experts = range(e * per_rank, (e + 1) * per_rank)
-                    for k, x in _localise(chunk, ranges[p, v], experts, args).items():
+                    for k, x in _localise(chunk, ranges[p, v], experts, args, path).items():
                         if k == mg.OUTPUT_LAYER and not args.get(
                             "untie_embeddings_and_output_weights"
                         ):
@@ -264,8 +269,9 @@ def _extra_states(chunk: dict) -> dict:
 
 
 def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int, ep: int = 1,
-                 iteration: int = 0):  # fmt: skip
-    """Write a Megatron state as a legacy checkpoint at this layout under dst."""
+                 iteration: int = 0, transformer_impl="local"):  # fmt: skip
+    """Write a Megatron state as a legacy checkpoint at this layout under dst, with the norm
+    names of Megatron's `transformer_impl` layer spec (local or transformer_engine)."""
     vpp = vpp or 1
     num_experts = args.get("num_experts") or 0
     if num_experts % ep:
@@ -274,10 +280,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
     per_rank, gated = num_experts // ep, bool(args.get("swiglu"))
     tied = not args.get("untie_embeddings_and_output_weights")
     split = {k: split_tp(k, v, tp, gated) for k, v in state.items()}
-    namespace = argparse.Namespace(**{**args, "tensor_model_parallel_size": tp,
-                                      "pipeline_model_parallel_size": pp,
-                                      "virtual_pipeline_model_parallel_size": vpp if vpp > 1
-                                      else None, "expert_model_parallel_size": ep})  # fmt: skip
+    namespace = argparse.Namespace(**args)
     it_dir = dst / f"iter_{iteration:07d}"
     for p in range(pp):
         for e in range(ep):
@@ -293,6 +296,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
                     if last:
                         chunk["output_layer._extra_state"] = None
                     chunk.update(_extra_states(chunk))
+                    chunk = mg.spec_names(chunk, transformer_impl, sharded=False)
                     obj["model" if vpp == 1 else f"model{v}"] = chunk
                 path = it_dir / mp_rank_name(t, p, e, pp, ep) / MODEL_FILE
                 path.parent.mkdir(parents=True)

@@ -1,7 +1,8 @@
 """Convert checkpoints between megalite, Hugging Face transformers and Megatron-LM.
 
     python tools/convert_checkpoint.py SRC DST --to hf|megalite|megatron [--from ...]
-        [--tp N --pp N --vpp N --ep N] [--format torch_dist|legacy] [--vocab-size N] [--force]
+        [--tp N --pp N --vpp N --ep N] [--format torch_dist|legacy] [--vocab-size N]
+        [--transformer-impl local|transformer_engine] [--force]
 
 The source format is detected (or named by --from): a megalite checkpoint (a run directory
 with `latest`, or one iter_* directory with index.json), a Hugging Face model directory
@@ -45,7 +46,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import hf, megatron_dist, megatron_files
+from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files
 from megalite.checkpoint import megatron as mg
 from megalite.config import Config
 from megalite.config_read import from_dict
@@ -177,7 +178,7 @@ WEIGHTS_ONLY = (
 def megatron_to_megalite(src: Path, dst: Path, args):
     margs, state, facts = megatron_dist.read_megatron(src)
     cfg = Config()
-    cfg.model = mg.config_from_args(margs, args.vocab_size)
+    cfg.model = megatron_args.config_from_args(margs, args.vocab_size)
     if not (args.vocab_size or margs.get("vocab_size")):
         print(
             f"note: the Megatron args hold only the padded vocabulary ({cfg.model.vocab_size}); "
@@ -186,8 +187,7 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         )
     check_layout(cfg, args.tp, args.pp, args.vpp)
     tensors = mg.from_megatron(state, cfg.model, f"the Megatron checkpoint {src}")
-    if facts["optimizer"]:
-        print(WEIGHTS_ONLY, file=sys.stderr)
+    print(WEIGHTS_ONLY, file=sys.stderr)
     meta = {
         "iteration": 0,
         "consumed_samples": 0,
@@ -207,18 +207,20 @@ def megalite_to_megatron(src: Path, dst: Path, args):
     cfg = from_dict({"model": ckpt.model_config})
     legacy = args.format == "legacy"
     check_layout(cfg, args.tp, args.pp, args.vpp)
+    logical = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
     tp = args.tp  # torch_dist is layout-free, but its vocabulary is padded for one tp
-    state = mg.to_megatron({n: ckpt.read(n) for n in progress(ckpt.names(), "reading")},
-                           cfg.model, mg.padded_vocab_size(cfg.model, tp))  # fmt: skip
-    margs = mg.args_from_config(cfg.model, tp, args.pp if legacy else 1,
-                                args.vpp if legacy else None, args.ep, ckpt.iteration)  # fmt: skip
-    if ckpt.names(optimizer=True):
-        print(WEIGHTS_ONLY, file=sys.stderr)
+    state = mg.to_megatron(logical, cfg.model, megatron_args.padded_vocab_size(cfg.model, tp))
+    layout = (tp, args.pp, args.vpp, args.ep) if legacy else (tp, 1, None, 1)
+    margs = megatron_args.args_from_config(
+        cfg.model, *layout, iteration=ckpt.iteration, dtype=next(iter(logical.values())).dtype,
+        ckpt_format="torch" if legacy else "torch_dist", transformer_impl=args.transformer_impl,
+    )  # fmt: skip
+    print(WEIGHTS_ONLY, file=sys.stderr)
     if legacy:
-        megatron_files.write_legacy(dst, state, margs, tp, args.pp, args.vpp, args.ep,
-                                    ckpt.iteration)  # fmt: skip
+        megatron_files.write_legacy(dst, state, margs, *layout, iteration=ckpt.iteration,
+                                    transformer_impl=args.transformer_impl)  # fmt: skip
     else:
-        megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration)
+        megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration, args.transformer_impl)
 
 
 def megalite_to_megalite(src: Path, dst: Path, args):
@@ -258,6 +260,12 @@ def main(argv):
         type=int,
         default=None,
         help="--from megatron: the real vocabulary when the args hold only the padded",
+    )
+    p.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="--to megatron: the layer spec whose parameter names to write (default local)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--debug", action="store_true", help="full tracebacks")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import megatron as mg
-from megalite.checkpoint import megatron_files
+from megalite.checkpoint import megatron_args, megatron_files
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
@@ -42,12 +42,16 @@ _spec.loader.exec_module(convert)
 def megatron(tmp_path_factory):
     """megatron-core set up for one CPU process; undone afterwards."""
     from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mrandom
 
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+    mp.setattr(torch.cuda, "synchronize", lambda *a: None)  # its checkpoint writer waits on CUDA
     # dropout's RNG fork wants CUDA generators; the models here run without dropout
     mp.setattr(mrandom.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    # its checkpoint writer measures memory with psutil, which is not a dependency here
+    mp.setattr(filesystem_async, "_process_memory", lambda: 0)
     store = tmp_path_factory.mktemp("pg") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
@@ -121,6 +125,20 @@ def save_legacy(d: Path, m, args, iteration=7):
     (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
+def save_torch_dist(d: Path, m, args, iteration=7):
+    """As Megatron's training loop saves: the model's sharded state dict and the common state."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    it = d / f"iter_{iteration:07d}"
+    it.mkdir(parents=True)
+    state = {"model": m.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
+             "iteration": iteration}  # fmt: skip
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(state, str(it), sharded_strategy=strategy)
+    (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
 def megalite_model(path) -> GPTChunk:
     ckpt = fmt.Checkpoint(path)
     chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
@@ -152,6 +170,15 @@ def test_legacy_import_gives_megatrons_logits(imported):
     assert (ours - theirs).abs().max() <= 1e-5
     ck = fmt.Checkpoint(ml)
     assert ck.index["optimizer"] is None and ck.shape("embedding.word.weight")[0] == VOCAB
+
+
+def test_torch_dist_import_gives_megatrons_logits(imported, tmp_path):
+    kind, m, theirs, _ = imported
+    save_torch_dist(tmp_path / "mt", m, margs(kind))
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "ml"), "--to", "megalite"])
+    with torch.no_grad():
+        ours = megalite_model(tmp_path / "ml")(IDS)
+    assert (ours - theirs).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("form", ["legacy", "torch_dist"])
@@ -196,7 +223,7 @@ def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_pat
 
 def test_qkv_shards_hold_their_query_groups():
     """Megatron's tp rank r holds query groups r*G/tp.. of linear_qkv, each [q | k | v]."""
-    cfg = mg.config_from_args(
+    cfg = megatron_args.config_from_args(
         margs("llama", num_attention_heads=8, num_query_groups=4, kv_channels=8)
     )
     hd, h = cfg.head_dim, cfg.hidden_size
@@ -227,8 +254,8 @@ def test_megatron_tp2_shapes_match_the_split(megatron):
     from megatron.core.utils import divide
 
     args = margs("llama")
-    cfg = mg.config_from_args(args)
-    state = mg.to_megatron(_random_logical(cfg), cfg, mg.padded_vocab_size(cfg, 2))
+    cfg = megatron_args.config_from_args(args)
+    state = mg.to_megatron(_random_logical(cfg), cfg, megatron_args.padded_vocab_size(cfg, 2))
     qkv = state["decoder.layers.0.self_attention.linear_qkv.weight"]
     shard = megatron_files.split_tp(
         "decoder.layers.0.self_attention.linear_qkv.weight", qkv, 2, True
@@ -254,11 +281,11 @@ def _random_logical(cfg):
 
 def test_unsupported_args_are_refused(tmp_path):
     with pytest.raises(MegaliteError, match="rotary_percent"):
-        mg.config_from_args(margs("llama", rotary_percent=0.5))
+        megatron_args.config_from_args(margs("llama", rotary_percent=0.5))
     with pytest.raises(MegaliteError, match="exact"):
-        mg.config_from_args(margs("gpt2", bias_gelu_fusion=False))
+        megatron_args.config_from_args(margs("gpt2", bias_gelu_fusion=False))
     with pytest.raises(MegaliteError, match="kv_channels"):
-        mg.config_from_args(margs("gpt2", kv_channels=8))
+        megatron_args.config_from_args(margs("gpt2", kv_channels=8))
 
 
 def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
