@@ -272,3 +272,21 @@ def last_stage(results: list):
     for r in found[1:]:
         assert torch.equal(r, found[0])
     return found[0]
+
+
+# ---- megalite's side, in this process -----------------------------------------------------------
+
+
+def megalite_logits(path, x: torch.Tensor) -> torch.Tensor:
+    """The logits of a megalite checkpoint's whole model, read in one process."""
+    from megalite.checkpoint import format as fmt
+    from megalite.checkpoint.checkpointer import load_model
+    from megalite.config_read import from_dict
+    from megalite.model.gpt import LOCAL, GPTChunk
+
+    ckpt = fmt.Checkpoint(path)
+    ckpt.verify()
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
+    load_model([chunk], LOCAL, ckpt)
+    with torch.no_grad():
+        return chunk.eval()(x)

@@ -17,10 +17,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint.checkpointer import load_model
-from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
-from megalite.model.gpt import LOCAL, GPTChunk
 from megalite.testing import spawn
 from tests import megatron_oracle as mo
 from tests import megatron_oracle_files as mf
@@ -43,15 +40,6 @@ def convert(*argv):
     cli.main([str(a) for a in argv])
 
 
-def megalite_logits(path, x):
-    ckpt = fmt.Checkpoint(path)
-    ckpt.verify()
-    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
-    load_model([chunk], LOCAL, ckpt)
-    with torch.no_grad():
-        return chunk.eval()(x)
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def source(request, tmp_path_factory):
     """A case's Megatron checkpoints (root/legacy, root/torch_dist), their logits, and the
@@ -69,7 +57,7 @@ def source(request, tmp_path_factory):
 @pytest.mark.parametrize("form", FORMATS)
 def test_import_gives_megatrons_logits(source, form):
     arch, layout, _, root, x, theirs = source
-    ours = megalite_logits(root / f"ml-{form}", x)
+    ours = mo.megalite_logits(root / f"ml-{form}", x)
     assert ours.shape[:2] == x.shape and ours.shape[-1] >= arch.vocab
     assert (ours[..., : arch.vocab] - theirs[..., : arch.vocab]).abs().max() <= 1e-5
     ckpt = fmt.Checkpoint(root / f"ml-{form}")
