@@ -7,7 +7,10 @@ them, for the megatron-core models of tests/megatron_oracle.py (test-only; see t
   'num_floating_point_operations_so_far'}`, then `latest_checkpointed_iteration.txt`;
 - `save_torch_dist`: the same dict with each model's `sharded_state_dict()` and the rng state as
   a `ShardedObject`, through `dist_checkpointing.save` (no optimizer, as --no-save-optim);
-- `load_legacy` / `load_torch_dist`: back into models as Megatron-LM loads them.
+- `load_legacy` / `load_torch_dist`: back into models as Megatron-LM loads them;
+- `as_transformer_engine`: a legacy checkpoint under the names a `--transformer-impl
+  transformer_engine` run saves (TransformerEngine does not run on a CPU; its spec holds the
+  same tensors under other names).
 
 `megatron_args` is the Namespace Megatron-LM's parser makes: every TransformerConfig field (the
 parser is built from that dataclass, so enums and dtypes travel in the pickle) and the
@@ -16,7 +19,10 @@ training-level flags a converter reads.
 
 import argparse
 import enum
+import io
 import random
+import re
+import shutil
 from dataclasses import fields
 from pathlib import Path
 
@@ -108,7 +114,7 @@ def rank_dir(layout, tp: int, pp: int, ep: int = 0) -> str:
     return name
 
 
-def _model_keys(layout) -> list[str]:
+def model_keys(layout) -> list[str]:
     return ["model"] if layout.chunks == 1 else [f"model{i}" for i in range(layout.chunks)]
 
 
@@ -119,7 +125,7 @@ def save_legacy(models: list, arch, layout, root: Path):
     if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
         state = {"args": megatron_args(arch, layout, "torch", models[0].config),
                  "checkpoint_version": 3.0, "iteration": ITERATION}  # fmt: skip
-        for key, m in zip(_model_keys(layout), models):
+        for key, m in zip(model_keys(layout), models):
             state[key] = m.state_dict_for_save_checkpoint()
         state["optimizer"], state["opt_param_scheduler"] = _optimizer_state(models)
         state["rng_state"] = [_rng_state()]
@@ -142,7 +148,7 @@ def _sharded_metadata(ps) -> dict:
 
 def _sharded_models(models: list, layout, ps) -> dict:
     md = _sharded_metadata(ps)
-    return {k: m.sharded_state_dict(metadata=md) for k, m in zip(_model_keys(layout), models)}
+    return {k: m.sharded_state_dict(metadata=md) for k, m in zip(model_keys(layout), models)}
 
 
 def _without_rank(common: dict) -> dict:
@@ -202,7 +208,7 @@ def load_legacy(models: list, layout, root: Path):
     state = torch.load(d / "model_optim_rng.pt", map_location="cpu", weights_only=False)
     assert state["checkpoint_version"] == 3.0, state["checkpoint_version"]
     _check_args(state["args"], layout)
-    for key, m in zip(_model_keys(layout), models):
+    for key, m in zip(model_keys(layout), models):
         m.load_state_dict(state[key], strict=True)
     return state
 
@@ -216,9 +222,56 @@ def load_torch_dist(models: list, layout, root: Path):
     assert common["checkpoint_version"] == 3.0, common["checkpoint_version"]
     # (Megatron-LM compares no layout here: torch_dist reshards on load)
     state = dist_checkpointing.load(_sharded_models(models, layout, ps), d)
-    for key, m in zip(_model_keys(layout), models):
+    for key, m in zip(model_keys(layout), models):
         m.load_state_dict(state[key], strict=True)
     return common
 
 
 LOADERS = {"legacy": load_legacy, "torch_dist": load_torch_dist}
+
+
+# ---- TransformerEngine's names ------------------------------------------------------------------
+
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(.*)$")
+
+
+def _te_layer(rest: str, moe: bool) -> list[str]:
+    """The TE-spec name(s) of one layer entry (local-spec name `rest`)."""
+    norm = rest.rsplit(".", 1)[-1]  # weight | bias
+    if rest.startswith("input_layernorm."):  # fused into linear_qkv
+        return [f"self_attention.linear_qkv.layer_norm_{norm}"]
+    if rest.startswith("pre_mlp_layernorm.") and not moe:  # fused into a dense linear_fc1
+        return [f"mlp.linear_fc1.layer_norm_{norm}"]
+    m = _LOCAL_EXPERT.match(rest)
+    if m:  # TEGroupedMLP: one grouped linear per fc, expert j's weight as weight{j}
+        return [f"mlp.experts.{m[2]}.weight{m[1]}"] if m[3] == "weight" else []
+    if rest == "self_attention.linear_qkv._extra_state":  # TE's attention has state too
+        return [rest, "self_attention.core_attention._extra_state"]
+    if rest == "mlp.router.weight":
+        return [rest, "mlp.experts.linear_fc1._extra_state", "mlp.experts.linear_fc2._extra_state"]
+    return [rest]
+
+
+def _te_names(model: dict) -> dict:
+    moe = {k.split(".")[2] for k in model if k.endswith(".mlp.router.weight")}
+    out = {}
+    for k, v in model.items():
+        names = [k]
+        if k.startswith("decoder.layers."):
+            _, _, layer, rest = k.split(".", 3)
+            names = [f"decoder.layers.{layer}.{n}" for n in _te_layer(rest, layer in moe)]
+        for n in names:
+            # TE (1.x) keeps its fp8 metadata as a pickled BytesIO, empty without fp8
+            out[n] = io.BytesIO() if n.endswith("._extra_state") else v
+    return out
+
+
+def as_transformer_engine(src: Path, dst: Path):
+    """Copy the legacy checkpoint `src` to `dst` under TransformerEngine's layer-spec names."""
+    shutil.copytree(src, dst)
+    for f in Path(dst).glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        for key in [k for k in state if k.startswith("model")]:
+            state[key] = _te_names(state[key])
+        state["args"].transformer_impl = "transformer_engine"
+        torch.save(state, f)

@@ -17,6 +17,7 @@ DCP `.metadata` through an unpickler that admits only DCP's metadata classes.
 """
 
 import argparse
+import codecs
 import io
 import json
 import pickle
@@ -53,7 +54,9 @@ def load_pickle(path: Path) -> dict:
     """A Megatron .pt file, unpickled with weights_only=True (see the module docstring)."""
     try:
         unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        known = {"argparse.Namespace": argparse.Namespace}
+        # data types, not code: TE 1.x keeps its extra state as a pickled BytesIO of bytes
+        known = {"argparse.Namespace": argparse.Namespace, "_io.BytesIO": io.BytesIO,
+                 "builtins.bytes": bytes, "_codecs.encode": codecs.encode}  # fmt: skip
         allowed = [known[n] if n in known else (_Opaque, n) for n in unknown]
         with torch.serialization.safe_globals(allowed):
             obj = torch.load(str(path), map_location="cpu", weights_only=True)

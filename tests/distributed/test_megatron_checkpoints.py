@@ -65,6 +65,19 @@ def test_import_gives_megatrons_logits(source, form):
     assert ckpt.model_config["num_layers"] == arch.num_layers
 
 
+def test_transformer_engine_names_import_alike(source, tmp_path):
+    """The same run saved with --transformer-impl transformer_engine (its names: norms fused
+    into linear_qkv/linear_fc1, grouped experts, extra states as BytesIO) imports alike."""
+    arch, layout, _, root, x, theirs = source
+    mf.as_transformer_engine(root / "legacy", tmp_path / "te")
+    first = tmp_path / "te" / f"iter_{mf.ITERATION:07d}" / mf.rank_dir(layout, 0, 0)
+    names = torch.load(first / "model_optim_rng.pt", weights_only=False)[mf.model_keys(layout)[0]]
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    convert(tmp_path / "te", tmp_path / "ml", "--to", "megalite")
+    ours = mo.megalite_logits(tmp_path / "ml", x)
+    assert (ours[..., : arch.vocab] - theirs[..., : arch.vocab]).abs().max() <= 1e-5
+
+
 def test_export_at_another_layout_loads_into_megatron(source, tmp_path):
     """megalite -> Megatron (legacy at the target layout, torch_dist padded for its tp):
     megatron-core at that layout loads each with the source's logits."""
