@@ -235,7 +235,7 @@ LOADERS = {"legacy": load_legacy, "torch_dist": load_torch_dist}
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(.*)$")
 
 
-def _te_layer(rest: str, moe: bool) -> list[str]:
+def _te_layer(rest: str, moe: bool, grouped: bool) -> list[str]:
     """The TE-spec name(s) of one layer entry (local-spec name `rest`)."""
     norm = rest.rsplit(".", 1)[-1]  # weight | bias
     if rest.startswith("input_layernorm."):  # fused into linear_qkv
@@ -243,35 +243,38 @@ def _te_layer(rest: str, moe: bool) -> list[str]:
     if rest.startswith("pre_mlp_layernorm.") and not moe:  # fused into a dense linear_fc1
         return [f"mlp.linear_fc1.layer_norm_{norm}"]
     m = _LOCAL_EXPERT.match(rest)
-    if m:  # TEGroupedMLP: one grouped linear per fc, expert j's weight as weight{j}
+    if m and grouped:  # TEGroupedMLP: one grouped linear per fc, expert j's weight as weight{j}
         return [f"mlp.experts.{m[2]}.weight{m[1]}"] if m[3] == "weight" else []
     if rest == "self_attention.linear_qkv._extra_state":  # TE's attention has state too
         return [rest, "self_attention.core_attention._extra_state"]
-    if rest == "mlp.router.weight":
+    if rest == "mlp.router.weight" and grouped:
         return [rest, "mlp.experts.linear_fc1._extra_state", "mlp.experts.linear_fc2._extra_state"]
     return [rest]
 
 
-def _te_names(model: dict) -> dict:
+def _te_names(model: dict, grouped: bool) -> dict:
     moe = {k.split(".")[2] for k in model if k.endswith(".mlp.router.weight")}
     out = {}
     for k, v in model.items():
         names = [k]
         if k.startswith("decoder.layers."):
             _, _, layer, rest = k.split(".", 3)
-            names = [f"decoder.layers.{layer}.{n}" for n in _te_layer(rest, layer in moe)]
+            names = [f"decoder.layers.{layer}.{n}" for n in _te_layer(rest, layer in moe, grouped)]
         for n in names:
             # TE (1.x) keeps its fp8 metadata as a pickled BytesIO, empty without fp8
             out[n] = io.BytesIO() if n.endswith("._extra_state") else v
     return out
 
 
-def as_transformer_engine(src: Path, dst: Path):
-    """Copy the legacy checkpoint `src` to `dst` under TransformerEngine's layer-spec names."""
+def as_transformer_engine(src: Path, dst: Path, grouped_experts: bool = False):
+    """Copy the legacy checkpoint `src` to `dst` under TransformerEngine's layer-spec names;
+    experts as --moe-grouped-gemm has them (TEGroupedMLP) or, without it, one TE linear each
+    (SequentialMLP: the local names)."""
     shutil.copytree(src, dst)
     for f in Path(dst).glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         state = torch.load(f, map_location="cpu", weights_only=False)
         for key in [k for k in state if k.startswith("model")]:
-            state[key] = _te_names(state[key])
+            state[key] = _te_names(state[key], grouped_experts)
         state["args"].transformer_impl = "transformer_engine"
+        state["args"].moe_grouped_gemm = grouped_experts
         torch.save(state, f)

@@ -67,15 +67,63 @@ def test_import_gives_megatrons_logits(source, form):
 
 def test_transformer_engine_names_import_alike(source, tmp_path):
     """The same run saved with --transformer-impl transformer_engine (its names: norms fused
-    into linear_qkv/linear_fc1, grouped experts, extra states as BytesIO) imports alike."""
+    into linear_qkv/linear_fc1, --moe-grouped-gemm experts, extra states as BytesIO) imports
+    alike."""
     arch, layout, _, root, x, theirs = source
-    mf.as_transformer_engine(root / "legacy", tmp_path / "te")
+    mf.as_transformer_engine(root / "legacy", tmp_path / "te", grouped_experts=True)
     first = tmp_path / "te" / f"iter_{mf.ITERATION:07d}" / mf.rank_dir(layout, 0, 0)
     names = torch.load(first / "model_optim_rng.pt", weights_only=False)[mf.model_keys(layout)[0]]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     convert(tmp_path / "te", tmp_path / "ml", "--to", "megalite")
     ours = mo.megalite_logits(tmp_path / "ml", x)
     assert (ours[..., : arch.vocab] - theirs[..., : arch.vocab]).abs().max() <= 1e-5
+
+
+# what a Megatron run's args must say for this model (its checkpoint checks, the model flags)
+ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "max_position_embeddings", "padded_vocab_size", "position_embedding_type",
+        "normalization", "swiglu", "add_bias_linear", "add_qkv_bias", "num_experts",
+        "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "expert_model_parallel_size", "make_vocab_size_divisible_by")  # fmt: skip
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_export_at_the_source_layout_is_megatrons_own_files(source, impl, tmp_path):
+    """Back at the layout Megatron saved: every rank file holds Megatron's own tensors under
+    its names (the vocabulary padding aside: zeros), and its args say what Megatron's did."""
+    arch, layout, _, root, _, _ = source
+    theirs_root = root / "legacy"
+    if impl == "transformer_engine":
+        theirs_root = tmp_path / "te"
+        mf.as_transformer_engine(root / "legacy", theirs_root)
+    flags = ["--tp", layout.tp, "--pp", layout.pp, "--vpp", layout.vpp or 1, "--ep", layout.ep]
+    convert(root / "ml-legacy", tmp_path / "out", "--to", "megatron", "--format", "legacy",
+            "--transformer-impl", impl, *flags)  # fmt: skip
+    theirs_dirs = sorted(p.name for p in (theirs_root / f"iter_{mf.ITERATION:07d}").iterdir())
+    assert sorted(p.name for p in (tmp_path / "out" / f"iter_{0:07d}").iterdir()) == theirs_dirs
+    for rank in theirs_dirs:
+        ours = torch.load(tmp_path / "out" / f"iter_{0:07d}" / rank / "model_optim_rng.pt",
+                          weights_only=False)  # fmt: skip
+        theirs = torch.load(theirs_root / f"iter_{mf.ITERATION:07d}" / rank /
+                            "model_optim_rng.pt", weights_only=False)  # fmt: skip
+        assert ours["checkpoint_version"] == 3.0
+        names = ARGS + (("moe_router_topk", "moe_ffn_hidden_size") if arch.num_experts else ())
+        want = {k: getattr(theirs["args"], k) for k in names}
+        assert {k: getattr(ours["args"], k, None) for k in names} == want, rank
+        for key in mf.model_keys(layout):
+            a = {k: v for k, v in ours[key].items() if isinstance(v, torch.Tensor)}
+            b = {k: v for k, v in theirs[key].items() if isinstance(v, torch.Tensor)}
+            assert sorted(a) == sorted(b), (rank, key)
+            for k in b:
+                if k in VOCAB_ROWS:  # this rank's rows of the padded vocabulary
+                    t = int(rank[len("mp_rank_") :][:2])
+                    real = max(0, min(len(b[k]), arch.vocab - t * len(b[k])))
+                    assert torch.equal(a[k][:real], b[k][:real]), (rank, key, k)
+                    assert not a[k][real:].any(), (rank, key, k)
+                else:
+                    assert torch.equal(a[k], b[k]), (rank, key, k)
 
 
 def test_export_at_another_layout_loads_into_megatron(source, tmp_path):
