@@ -24,7 +24,7 @@ TransformerEngine names (`self_attention.linear_qkv.layer_norm_{weight,bias}` fo
 mapped onto these by `local_names`. The model config comes from the checkpoint's args
 (`checkpoint/megatron_args.py`); the files are `megatron_files.py` (legacy) and
 `megatron_dist.py` (torch_dist). The vocabulary padding is stripped on import and added on
-export (`padded_vocab_size`, Megatron's rule: a multiple of make_vocab_size_divisible_by * tp).
+export (`megatron_args.padded_vocab_size`, Megatron's rule: a multiple of make_vocab_size_divisible_by * tp).
 
 Supported (everything else in the args is refused with one line, never dropped):
 - GPT-2 style: LayerNorm, GELU (the tanh approximation, which megatron gives with
@@ -33,8 +33,10 @@ Supported (everything else in the args is refused with one line, never dropped):
 - Llama style: RMSNorm, SwiGLU, RoPE (rotary_percent 1, not interleaved, no scaling), grouped-
   query attention, no biases, tied or untied;
 - MoE (SequentialMLP local experts, TE/grouped experts by `megatron_files`): top-k softmax
-  router, optional shared expert, dropless or with a capacity factor;
-- kv_channels must be hidden/heads; no qk-layernorm, zero-centred gamma, MLA, MTP, post-LN.
+  router (renormalised over the top k, or --moe-router-pre-softmax), optional shared expert,
+  dropless (a capacity factor is refused);
+- kv_channels must be hidden/heads; no qk-layernorm, zero-centred gamma, MLA, MTP, post-LN;
+- weights only: optimizer and RNG state are not converted (the tool says so).
 """
 
 import torch
@@ -156,7 +158,15 @@ def check_shapes(state: dict, cfg: ModelConfig, where: str):
             f"{where}: {EMBEDDING} has {vocab} rows but the args say the vocabulary is "
             f"{cfg.vocab_size}; the args contradict the tensors"
         )
-    for name, shape in megatron_shapes(cfg, vocab).items():
+    shapes = megatron_shapes(cfg, vocab)
+    extra = sorted(set(state) - set(shapes))
+    if extra:  # a tensor nobody maps would be dropped silently
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise MegaliteError(
+            f"{where} holds {extra[0]}{more}, which its args do not explain (a feature megalite "
+            "does not have, or args that contradict the tensors)"
+        )
+    for name, shape in shapes.items():
         if name not in state:
             raise MegaliteError(
                 f"{where} lacks the tensor {name} that its args imply; is it a complete "

@@ -65,6 +65,15 @@ _UNSUPPORTED = (
      "a per-layer MoE pattern"),
     ("moe_pad_expert_input_to_capacity",
      lambda a: _get(a, "moe_pad_expert_input_to_capacity", False), "padding to capacity"),
+    ("moe_expert_capacity_factor",
+     lambda a: _get(a, "num_experts", 0) and a.get("moe_expert_capacity_factor") is not None,
+     "token dropping (megalite drops in its own order; Megatron's is not reproduced)"),
+    ("moe_router_load_balancing_type",
+     lambda a: _get(a, "num_experts", 0)
+     and _get(a, "moe_router_load_balancing_type", "aux_loss") not in ("aux_loss", "none"),
+     "a load-balancing scheme other than the Switch auxiliary loss"),
+    ("add_bias_linear", lambda a: _get(a, "num_experts", 0) and _get(a, "add_bias_linear", True),
+     "expert biases (megalite's experts have none)"),
 )  # fmt: skip
 
 
@@ -138,7 +147,6 @@ def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
             "moe_aux_loss_coeff": float(_get(a, "moe_aux_loss_coeff", 0.0)),
             "moe_z_loss_coeff": float(_get(a, "moe_z_loss_coeff", 0.0)),
             "moe_router_pre_softmax": bool(_get(a, "moe_router_pre_softmax", False)),
-            "moe_expert_capacity_factor": a.get("moe_expert_capacity_factor"),
         }
     seq = _get(a, "seq_length", _get(a, "max_position_embeddings", 2048))
     return ModelConfig(
@@ -174,6 +182,15 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
                      dtype=torch.float32, ckpt_format="torch_dist", transformer_impl="local") -> dict:  # fmt: skip
     """The fields of a Megatron `args` Namespace that rebuild this model at this layout (the
     ones --use-checkpoint-args takes, and those check_checkpoint_args compares)."""
+    refused = {"--moe-expert-capacity-factor (megalite's drop order is its own)":
+               cfg.moe_expert_capacity_factor is not None and cfg.num_experts,
+               "--moe-router-enable-expert-bias (megalite does not checkpoint the bias)":
+               cfg.moe_router_enable_expert_bias and cfg.num_experts}  # fmt: skip
+    if any(refused.values()):
+        raise MegaliteError(
+            f"this model uses {', '.join(k for k, v in refused.items() if v)}, which a Megatron "
+            "checkpoint cannot carry; it cannot be exported"
+        )
     f = cfg.features
     groups = cfg.heads_kv
     vpp = vpp if vpp and vpp > 1 else None
@@ -238,7 +255,6 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
             "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
             "moe_z_loss_coeff": cfg.moe_z_loss_coeff,
             "moe_router_pre_softmax": cfg.moe_router_pre_softmax,
-            "moe_expert_capacity_factor": cfg.moe_expert_capacity_factor,
             "moe_router_load_balancing_type": "aux_loss",
         })  # fmt: skip
     return args

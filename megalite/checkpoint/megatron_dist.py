@@ -28,7 +28,6 @@ from megalite.checkpoint import megatron_files as mf
 from megalite.errors import MegaliteError
 
 STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.*)$")
-PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 STACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.weight)$")
 
 
@@ -120,11 +119,10 @@ def _unstack(k: str, t: torch.Tensor, args: dict) -> dict:
     if e:
         return {mg.local_names(f"{e[1]}local_experts.{j}.{e[2]}"): t[j].contiguous()
                 for j in range(t.shape[0])}  # fmt: skip
-    p = PER_LAYER.match(k)
     e = re.match(r"^(.*\.mlp\.experts\.)experts\.(\d+)\.(.*)$", k)  # singleton expert keys
     if e:
         k = f"{e[1]}local_experts.{e[2]}.{e[3]}"
-    return {mg.local_names(k) if p or not k.startswith("decoder.layers") else k: t.contiguous()}
+    return {mg.local_names(k): t.contiguous()}
 
 
 def _join_swiglu_halves(state: dict) -> dict:

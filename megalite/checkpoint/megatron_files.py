@@ -224,6 +224,14 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
     ranks = sorted(p.name for p in d.iterdir() if MP_RANK.match(p.name))
     first = load_pickle(d / ranks[0] / MODEL_FILE)
     args = _args(first, d / ranks[0] / MODEL_FILE)
+    version = first.get("checkpoint_version", 0)
+    model = first.get("model", first.get("model0", {}))
+    if version < mg.CHECKPOINT_VERSION or any(k.startswith("language_model.") for k in model):
+        raise MegaliteError(
+            f"{d} is an older Megatron-LM checkpoint (checkpoint_version {version}, "
+            "megatron/legacy model names); only megatron-core GPTModel checkpoints "
+            f"(checkpoint_version {mg.CHECKPOINT_VERSION}) convert"
+        )
     tp, pp, vpp, ep = layout(args, str(d))
     num_experts = args.get("num_experts") or 0
     ranges = layer_ranges(args["num_layers"], pp, vpp, str(d))
@@ -277,8 +285,11 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
     names of Megatron's `transformer_impl` layer spec (local or transformer_engine)."""
     vpp = vpp or 1
     num_experts = args.get("num_experts") or 0
-    if num_experts % ep:
-        raise MegaliteError(f"num_experts={num_experts} does not split over ep={ep}")
+    if num_experts % ep or (ep > 1 and not num_experts):
+        raise MegaliteError(
+            f"--ep {ep} needs a mixture-of-experts model with a multiple of {ep} experts "
+            f"(this one has {num_experts})"
+        )
     ranges = layer_ranges(args["num_layers"], pp, vpp, "--to megatron")
     per_rank, gated = num_experts // ep, bool(args.get("swiglu"))
     tied = not args.get("untie_embeddings_and_output_weights")

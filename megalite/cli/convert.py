@@ -187,7 +187,8 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         )
     check_layout(cfg, args.tp, args.pp, args.vpp)
     tensors = mg.from_megatron(state, cfg.model, f"the Megatron checkpoint {src}")
-    print(WEIGHTS_ONLY, file=sys.stderr)
+    held = f" ({src} holds optimizer state)" if facts["optimizer"] else ""
+    print(WEIGHTS_ONLY + held, file=sys.stderr)
     meta = {
         "iteration": 0,
         "consumed_samples": 0,

@@ -1,12 +1,15 @@
 """Megatron-LM checkpoints <-> megalite, against megatron-core itself, in one process.
 
-A real megatron-core GPTModel (tp=1, the local layer spec, on CPU: `torch.cuda.current_device`
-patched to "cpu", a one-rank gloo group for parallel_state) in a GPT-2-style and a Llama-style
-(GQA, SwiGLU, RoPE, untied) configuration is saved in the legacy layout, converted to megalite
-(logits within 1e-5 of Megatron's, fp32), and converted back in both formats, which Megatron
-loads (its state dict, and `dist_checkpointing.load` into its sharded state dict) with the same
-logits. The tp/pp/vpp split and merge are checked against Megatron's rules by slicing global
-tensors in one process; the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
+A real megatron-core GPTModel (tp=1, local layer specs through `get_gpt_decoder_block_spec(...,
+use_transformer_engine=False)`, on CPU: `torch.cuda.current_device` patched to "cpu", a one-rank
+gloo group for parallel_state) in three configurations: GPT-2 style (LayerNorm, GELU, learned
+positions, biases, tied), Llama style (GQA, SwiGLU, RoPE, untied) and Llama-style MoE (4 experts,
+top-2, a shared expert, experts in every other layer). Each is saved by Megatron's own code in
+the legacy layout and as torch_dist, converted to megalite (logits within 1e-5 of Megatron's,
+fp32), and converted back in both formats, which Megatron loads (`load_state_dict(strict=True)`,
+and `dist_checkpointing.load` into its sharded state dict) with the same logits. The tp/pp/vpp/ep
+split and merge are checked against Megatron's rules by slicing global tensors in one process;
+the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
 """
 
 import argparse
@@ -52,6 +55,10 @@ def megatron(tmp_path_factory):
     mp.setattr(mrandom.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
     # its checkpoint writer measures memory with psutil, which is not a dependency here
     mp.setattr(filesystem_async, "_process_memory", lambda: 0)
+    # without TransformerEngine, megatron-core 0.16's router names a gemm it never defined
+    from megatron.core.transformer.moe import moe_utils
+
+    mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
     store = tmp_path_factory.mktemp("pg") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
@@ -65,6 +72,11 @@ KINDS = {
     "gpt2": {"normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
              "position_embedding_type": "learned_absolute", "num_query_groups": 4,
              "ffn_hidden_size": 128, "untie_embeddings_and_output_weights": False},
+    "moe": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+            "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
+            "untie_embeddings_and_output_weights": True, "num_experts": 4, "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 48,
+            "moe_layer_freq": 2},
     "llama": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
               "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
               "untie_embeddings_and_output_weights": True, "rotary_base": 500000},
@@ -85,7 +97,7 @@ def margs(kind: str, **over) -> argparse.Namespace:
 
 def megatron_model(args: argparse.Namespace, seed=0):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
@@ -96,10 +108,17 @@ def megatron_model(args: argparse.Namespace, seed=0):
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, bias_activation_fusion=not args.swiglu,
         layernorm_epsilon=args.layernorm_epsilon, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True,
+        use_cpu_initialization=True, num_moe_experts=getattr(args, "num_experts", None),
+        moe_router_topk=getattr(args, "moe_router_topk", 2),
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        moe_token_dispatcher_type="allgather", moe_layer_freq=getattr(args, "moe_layer_freq", 1),
     )  # fmt: skip
+    # layers with experts and dense ones (moe_layer_freq): the block spec
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                      normalization=args.normalization)  # fmt: skip
     m = GPTModel(
-        cfg, get_gpt_layer_local_spec(normalization=args.normalization),
+        cfg, spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -117,11 +136,12 @@ def megatron_logits(m, ids):
         return m(ids, torch.arange(s).expand_as(ids), mask)[..., :VOCAB]
 
 
-def save_legacy(d: Path, m, args, iteration=7):
+def save_legacy(d: Path, m, args, iteration=7, extra=None):
     path = d / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
     path.parent.mkdir(parents=True)
+    model = {**m.state_dict(), **(extra or {})}
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                "model": m.state_dict(), "optimizer": {"state": {}}}, path)  # fmt: skip
+                "model": model, "optimizer": {"state": {}}}, path)  # fmt: skip
     (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
@@ -163,7 +183,7 @@ def imported(request, megatron, tmp_path_factory):
 def test_legacy_import_gives_megatrons_logits(imported):
     kind, _, theirs, ml = imported
     chunk = megalite_model(ml)
-    assert chunk.cfg.flavour == kind
+    assert chunk.cfg.flavour == {"moe": "llama"}.get(kind, kind)
     with torch.no_grad():
         ours = chunk(IDS)
     assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
@@ -203,12 +223,12 @@ def test_export_loads_into_megatron_with_the_same_logits(imported, form, tmp_pat
 
 
 def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_path):
-    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 -> megalite: the same tensors."""
-    _, _, _, ml = imported
+    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 (ep=2) -> megalite: the same tensors."""
+    kind, _, _, ml = imported
     want = fmt.Checkpoint(ml)
-    for i, extra in enumerate(
-        [["--format", "torch_dist"], ["--format", "legacy", "--tp", "2", "--pp", "2", "--vpp", "2"]]
-    ):
+    legacy = ["--format", "legacy", "--tp", "2", "--pp", "2", "--vpp", "2"]
+    legacy += ["--ep", "2"] if kind == "moe" else []
+    for i, extra in enumerate([["--format", "torch_dist"], legacy]):
         out, back = tmp_path / f"mt{i}", tmp_path / f"ml{i}"
         convert.main([str(ml), str(out), "--to", "megatron", *extra])
         convert.main([str(out), str(back), "--to", "megalite"])
@@ -216,6 +236,22 @@ def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_pat
         assert sorted(got.names()) == sorted(want.names())
         for n in want.names():
             assert torch.equal(got.read(n), want.read(n)), n
+
+
+def test_transformer_engine_names_read_back(imported, tmp_path):
+    """--transformer-impl transformer_engine writes TE's fused-norm names; they import."""
+    kind, _, _, ml = imported
+    out, back = tmp_path / "te", tmp_path / "back"
+    convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy",
+                  "--transformer-impl", "transformer_engine"])  # fmt: skip
+    keys = megatron_files.load_pickle(out / "iter_0000000/mp_rank_00/model_optim_rng.pt")["model"]
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert not [k for k in keys if k.endswith("input_layernorm.weight")]
+    # an MoE layer keeps its pre-MLP norm apart (TE fuses it into a dense linear_fc1 only)
+    assert ("decoder.layers.0.pre_mlp_layernorm.weight" in keys) == (kind == "moe")
+    convert.main([str(out), str(back), "--to", "megalite"])
+    want, got = fmt.Checkpoint(ml), fmt.Checkpoint(back)
+    assert all(torch.equal(got.read(n), want.read(n)) for n in want.names())
 
 
 # ---- the tensor-parallel layout, by slicing global tensors as Megatron does -------------------
@@ -284,6 +320,10 @@ def test_unsupported_args_are_refused(tmp_path):
         megatron_args.config_from_args(margs("llama", rotary_percent=0.5))
     with pytest.raises(MegaliteError, match="exact"):
         megatron_args.config_from_args(margs("gpt2", bias_gelu_fusion=False))
+    with pytest.raises(MegaliteError, match="token dropping"):
+        megatron_args.config_from_args(margs("moe", moe_expert_capacity_factor=1.0))
+    with pytest.raises(MegaliteError, match="position_embedding_type='alibi'"):
+        megatron_args.config_from_args(margs("llama", position_embedding_type="alibi"))
     with pytest.raises(MegaliteError, match="kv_channels"):
         megatron_args.config_from_args(margs("gpt2", kv_channels=8))
 
@@ -293,8 +333,12 @@ def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
     save_legacy(tmp_path / "bad", m, margs(kind, hidden_size=32, kv_channels=8))
     with pytest.raises(MegaliteError, match="args contradict the tensors"):
         convert.main([str(tmp_path / "bad"), str(tmp_path / "o1"), "--to", "megalite"])
+    extra = {"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(16)}  # qk-norm
+    save_legacy(tmp_path / "qk", m, margs(kind), extra=extra)
+    with pytest.raises(MegaliteError, match="q_layernorm.weight, which its args do not explain"):
+        convert.main([str(tmp_path / "qk"), str(tmp_path / "o3"), "--to", "megalite"])
     save_legacy(tmp_path / "pp", m, margs(kind, pipeline_model_parallel_size=2))
     with pytest.raises(MegaliteError, match="lacks mp_rank_00_000"):
         convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert not [p for p in ("o1", "o2", "o3") if (tmp_path / p).exists()]
     assert not list(tmp_path.glob(".o*"))
