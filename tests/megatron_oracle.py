@@ -3,8 +3,9 @@
 A Megatron `GPTModel` (local layer spec, fp32) is built at a given tp/pp/vpp(/ep) on gloo ranks
 spawned with `megalite.testing.spawn`, its logits are computed for fixed tokens (gathered over
 tp, the stages run one after another), and it is saved and loaded the two ways Megatron-LM does
-(legacy mp_rank files and torch_dist: tests/megatron_oracle_files.py). `save_rank` and
-`load_rank` are the spawn entry points.
+(legacy mp_rank files and torch_dist: tests/megatron_oracle_files.py). `save_ranks` and
+`load_ranks` are the spawn entry points (several models one after another in one world:
+starting ranks and importing megatron is most of the time), `run` spawns them.
 
 On CPU the model needs two patches: `torch.cuda.current_device` returns "cpu" (parameters and
 buffers are created there), and the CUDA RNG tracker's `fork` is a no-op (every dropout is 0:
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite.testing import spawn
 from tests.megatron_oracle_files import (
     LOADERS,
     MAKE_VOCAB_DIVISIBLE_BY,
@@ -247,23 +249,43 @@ def forward(models: list, layout: Layout, x: torch.Tensor):
 # ---- entry points for megalite.testing.spawn ----------------------------------------------------
 
 
-def save_rank(rank, world, arch: Arch, layout: Layout, root: str, x: torch.Tensor, seed: int):
-    """Build, perturb, save root/legacy and root/torch_dist; the logits (last stage) or None."""
-    setup(layout)
-    models = build(arch, layout)
-    perturb(models, seed)
-    logits = forward(models, layout, x)
-    save_legacy(models, arch, layout, Path(root) / "legacy")
-    save_torch_dist(models, arch, layout, Path(root) / "torch_dist")
-    return logits
+def save_ranks(rank, world, jobs: list) -> list:
+    """Each job (arch, layout, root, tokens, seed): build, perturb, save root/legacy and
+    root/torch_dist. Their logits (last stage) or None, in order."""
+    out = []
+    for arch, layout, root, x, seed in jobs:
+        ps = setup(layout)
+        models = build(arch, layout)
+        perturb(models, seed)
+        out.append(forward(models, layout, x))
+        save_legacy(models, arch, layout, Path(root) / "legacy")
+        save_torch_dist(models, arch, layout, Path(root) / "torch_dist")
+        ps.destroy_model_parallel()
+    return out
 
 
-def load_rank(rank, world, arch: Arch, layout: Layout, root: str, fmt: str, x: torch.Tensor):
-    """Fresh (differently initialised) models loaded from a checkpoint; their logits or None."""
-    setup(layout)
-    models = build(arch, layout, seed=999)
-    LOADERS[fmt](models, layout, Path(root))
-    return forward(models, layout, x)
+def load_ranks(rank, world, jobs: list) -> list:
+    """Each job (arch, layout, checkpoint root, format, tokens): fresh (differently
+    initialised) models loaded from it. Their logits (last stage) or None, in order."""
+    out = []
+    for arch, layout, root, fmt, x in jobs:
+        ps = setup(layout)
+        models = build(arch, layout, seed=999)
+        LOADERS[fmt](models, layout, Path(root))
+        out.append(forward(models, layout, x))
+        ps.destroy_model_parallel()
+    return out
+
+
+def run(fn, jobs: list) -> list:
+    """`save_ranks` or `load_ranks` over jobs, one spawn per world size; each job's logits."""
+    out = [None] * len(jobs)
+    for world in sorted({job[1].world for job in jobs}):
+        mine = [i for i, job in enumerate(jobs) if job[1].world == world]
+        results = spawn(fn, world, [jobs[i] for i in mine])
+        for k, i in enumerate(mine):
+            out[i] = last_stage([r[k] for r in results])
+    return out
 
 
 def last_stage(results: list):

@@ -18,7 +18,6 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.errors import MegaliteError
-from megalite.testing import spawn
 from tests import megatron_oracle as mo
 from tests import megatron_oracle_files as mf
 
@@ -40,18 +39,44 @@ def convert(*argv):
     cli.main([str(a) for a in argv])
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Every case saved by megatron-core (root/legacy, root/torch_dist) and imported into
+    megalite from each format (root/ml-legacy, root/ml-torch_dist): {case: (root, x, logits)}."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in CASES}
+    jobs = [(arch, layout, str(roots[name]), mo.tokens(arch), 0)
+            for name, (arch, layout, _) in CASES.items()]  # fmt: skip
+    out = {}
+    for name, (arch, layout, _, x, _), logits in zip(CASES, jobs, mo.run(mo.save_ranks, jobs)):
+        assert logits.shape == (*x.shape, layout.padded_vocab(arch))
+        for form in FORMATS:
+            convert(roots[name] / form, roots[name] / f"ml-{form}", "--to", "megalite",
+                    "--from", "megatron")  # fmt: skip
+        out[name] = (roots[name], x, logits)
+    return out
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def source(request, tmp_path_factory):
-    """A case's Megatron checkpoints (root/legacy, root/torch_dist), their logits, and the
-    megalite checkpoints imported from each format."""
+def source(request, saved):
+    """One case: (arch, its Megatron layout, the export target layout, root, tokens, logits)."""
     arch, layout, target = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    x = mo.tokens(arch)
-    logits = mo.last_stage(spawn(mo.save_rank, layout.world, arch, layout, str(root), x, 0))
-    assert logits.shape == (*x.shape, layout.padded_vocab(arch))
-    for form in FORMATS:
-        convert(root / form, root / f"ml-{form}", "--to", "megalite", "--from", "megatron")
-    return arch, layout, target, root, x, logits
+    return (arch, layout, target, *saved[request.param])
+
+
+@pytest.fixture(scope="module")
+def exported(saved, tmp_path_factory):
+    """Every case's import exported back at its target layout (legacy; torch_dist padded for
+    the target's tp) and loaded by megatron-core there: {(case, format): (dir, logits)}."""
+    jobs, dirs = [], []
+    for name, (arch, _, target) in CASES.items():
+        root, x, _ = saved[name]
+        flags = ["--tp", target.tp, "--pp", target.pp, "--vpp", target.vpp or 1, "--ep", target.ep]
+        for form in FORMATS:
+            out = tmp_path_factory.mktemp(f"{name}-{form}") / "out"
+            convert(root / "ml-legacy", out, "--to", "megatron", "--format", form, *flags)
+            jobs.append((arch, target, str(out), form, x))
+            dirs.append(((name, form), out))
+    return {key: (d, logits) for (key, d), logits in zip(dirs, mo.run(mo.load_ranks, jobs))}
 
 
 @pytest.mark.parametrize("form", FORMATS)
@@ -126,37 +151,23 @@ def test_export_at_the_source_layout_is_megatrons_own_files(source, impl, tmp_pa
                     assert torch.equal(a[k], b[k]), (rank, key, k)
 
 
-def test_export_at_another_layout_loads_into_megatron(source, tmp_path):
-    """megalite -> Megatron (legacy at the target layout, torch_dist padded for its tp):
-    megatron-core at that layout loads each with the source's logits."""
-    arch, layout, target, root, x, theirs = source
-    out = {}
-    for form in FORMATS:
-        flags = ["--tp", target.tp, "--pp", target.pp, "--vpp", target.vpp or 1, "--ep", target.ep]
-        out[form] = tmp_path / form
-        convert(root / "ml-legacy", out[form], "--to", "megatron", "--format", form, *flags)
-    ranks = {p.name for p in (out["legacy"] / f"iter_{0:07d}").iterdir()}
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_at_another_layout_loads_into_megatron(name, saved, exported):
+    """megalite -> Megatron at another layout: megatron-core there loads each format with the
+    source's logits."""
+    arch, _, target = CASES[name]
+    theirs = saved[name][2]
+    legacy, _ = exported[name, "legacy"]
+    ranks = {p.name for p in (legacy / f"iter_{0:07d}").iterdir()}
     ranks_of = [
         (t, p, e) for t in range(target.tp) for p in range(target.pp) for e in range(target.ep)
     ]
     assert ranks == {mf.rank_dir(target, *r) for r in ranks_of}
-    got = spawn(_load_both, target.world, arch, target, {k: str(v) for k, v in out.items()}, x)
     for form in FORMATS:
-        logits = mo.last_stage([r and r[form] for r in got])
+        logits = exported[name, form][1]
         assert logits.shape[-1] == target.padded_vocab(arch)
         err = (logits[..., : arch.vocab] - theirs[..., : arch.vocab]).abs().max()
         assert err <= 1e-5, (form, err)
-
-
-def _load_both(rank, world, arch, layout, dirs, x):
-    """Megatron models at `layout` loaded from each exported format: {format: logits}."""
-    mo.setup(layout)
-    out = {}
-    for form, d in dirs.items():
-        models = mo.build(arch, layout, seed=999)
-        mf.LOADERS[form](models, layout, Path(d))
-        out[form] = mo.forward(models, layout, x)
-    return None if out["legacy"] is None else out
 
 
 # ---- bad input: one line, nothing written ----------------------------------------------------

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from megalite.testing import spawn
 from tests import megatron_oracle as mo
 from tests.e2e.conftest import ROOT, pretrain
 
@@ -38,9 +37,7 @@ def test_megatron_checkpoint_trains_on_at_another_layout_and_goes_back(tiny_data
 
     arch, layout = mo.LLAMA, mo.Layout(tp=2)  # vocabulary 600: the corpus's 512 pieces fit
     x = mo.tokens(arch)
-    before = mo.last_stage(
-        spawn(mo.save_rank, layout.world, arch, layout, str(tmp_path / "mt"), x, 0)
-    )
+    (before,) = mo.run(mo.save_ranks, [(arch, layout, str(tmp_path / "mt"), x, 0)])
     # the converter in a clean process: Megatron's pickles read without megatron importable
     r = subprocess.run([sys.executable, "-c", NO_MEGATRON, str(tmp_path / "mt" / "legacy"),
                         str(tmp_path / "ml"), "--to", "megalite"],
@@ -59,7 +56,7 @@ def test_megatron_checkpoint_trains_on_at_another_layout_and_goes_back(tiny_data
     out = tmp_path / "back"
     convert.main([str(tmp_path / "run"), str(out), "--to", "megatron", "--format", "legacy",
                   "--tp", "2"])  # fmt: skip
-    theirs = mo.last_stage(spawn(mo.load_rank, layout.world, arch, layout, str(out), "legacy", x))
+    (theirs,) = mo.run(mo.load_ranks, [(arch, layout, str(out), "legacy", x)])
     ours = mo.megalite_logits(tmp_path / "run", x)
     v = arch.vocab
     assert (theirs[..., :v] - ours[..., :v]).abs().max() <= 1e-5
