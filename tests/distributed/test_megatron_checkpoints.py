@@ -1,13 +1,15 @@
 """Megatron-LM checkpoints written by megatron-core itself on several ranks, both ways.
 
 A Megatron GPTModel is built on gloo ranks (tests/megatron_oracle.py) at tp=2 (GPT-2 style:
-LayerNorm, biases, tied) and at pp=2 with two virtual stages each (Llama style: GQA, SwiGLU,
-RoPE, untied), and with experts at ep=2 (Llama style, 4 experts, top-2), saved as Megatron-LM saves it (legacy mp_rank_* files and torch_dist). Each
-imports into megalite (`megalite-convert --from megatron`) with Megatron's logits (fp32, 1e-5),
-and exports back (`--to megatron`, both formats) at another Megatron layout, which megatron-core
-loads on its own ranks with the same logits. Bad input (args that contradict the tensors, a
-missing mp_rank directory) is one line and writes nothing. Training on from the import at
-another layout: tests/e2e/test_megatron_workflows.py.
+LayerNorm, biases, tied), at pp=2 with two virtual stages each (Llama style: GQA, SwiGLU, RoPE,
+untied) and at ep=2 (Llama style with 4 experts, top-2), and saved as Megatron-LM saves it
+(legacy mp_rank_* files and torch_dist). Each imports into megalite (`megalite-convert --from
+megatron`) with Megatron's logits (fp32, 1e-5), also under TransformerEngine's names. Exported
+back at the source layout, every rank file holds Megatron's own tensors and args; exported at
+another layout (both formats), megatron-core loads it on its own ranks with the same logits.
+Bad input (args that contradict the tensors, a missing mp_rank directory) is one line and
+writes nothing. Training on from the import at another layout:
+tests/e2e/test_megatron_workflows.py.
 """
 
 import shutil
