@@ -1,23 +1,23 @@
-"""Megatron-LM checkpoint files: the legacy per-rank layout and torch_dist, read and written.
+"""Megatron-LM's checkpoint files: the legacy per-rank layout (read, written), shared helpers.
 
     legacy      ROOT/latest_checkpointed_iteration.txt, ROOT/iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/
                 model_optim_rng.pt: a dict with `model` (or `model0..` per virtual stage), `args`
                 (an argparse.Namespace), `checkpoint_version`, `iteration`; tp shards split
                 column-parallel tensors on dim 0 (SwiGLU fc1 as [gate_r | up_r] per rank),
-                row-parallel weights on dim 1; a stage numbers its layers from 0.
-    torch_dist  ROOT/iter_NNNNNNN/{*.distcp, .metadata, common.pt, metadata.json}: PyTorch DCP
-                with every tensor at its global shape, a layer's tensors stacked on a leading
-                axis (`decoder.layers.<name>`, experts on a second one), TE norm names.
+                row-parallel weights on dim 1; a stage numbers its layers from 0, an ep rank
+                its experts; virtual stage v of pp rank p holds Megatron's even split.
+    torch_dist  ROOT/iter_NNNNNNN/{*.distcp, .metadata, common.pt, metadata.json}: in
+                `megatron_dist.py`, which also reads either format (`read_megatron`).
 
-`read_legacy` gives (args dict, Megatron state of global tensors with local names, facts) and
-`write_legacy` takes such a state; torch_dist is `megatron_dist.py`, which reads either format. Pickle is read only here, in the offline
-converter: `torch.load(weights_only=True)` with argparse.Namespace allow-listed and any other
-class in the file (megatron's enums, numpy's RNG arrays) replaced by an inert stand-in, and the
-DCP `.metadata` through an unpickler that admits only DCP's metadata classes.
+`read_legacy` gives (args dict, Megatron state of global tensors with local names, facts);
+`write_legacy` writes such a state at a layout. Pickle is read only here, in the offline
+converter (`load_pickle`, for legacy files and torch_dist's common.pt): `torch.load(
+weights_only=True)` with argparse.Namespace and plain value types allow-listed and any other
+class in the file (megatron's enums, numpy's RNG arrays, TE's BytesIO) replaced by an inert
+stand-in that runs no code.
 """
 
 import argparse
-import codecs
 import io
 import json
 import pickle
@@ -38,6 +38,11 @@ TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
+# value types that are safe to rebuild for real (a TE extra state's bytes, say)
+SAFE_BUILTINS = {f"builtins.{t.__name__}": t for t in (bytes, bytearray, set, frozenset, complex,
+                                                       slice, range)}  # fmt: skip
+
+
 class _Opaque:
     """What an unknown class in a legacy pickle becomes: it keeps its arguments, runs nothing."""
 
@@ -54,9 +59,7 @@ def load_pickle(path: Path) -> dict:
     """A Megatron .pt file, unpickled with weights_only=True (see the module docstring)."""
     try:
         unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        # data types, not code: TE 1.x keeps its extra state as a pickled BytesIO of bytes
-        known = {"argparse.Namespace": argparse.Namespace, "_io.BytesIO": io.BytesIO,
-                 "builtins.bytes": bytes, "_codecs.encode": codecs.encode}  # fmt: skip
+        known = {"argparse.Namespace": argparse.Namespace, **SAFE_BUILTINS}
         allowed = [known[n] if n in known else (_Opaque, n) for n in unknown]
         with torch.serialization.safe_globals(allowed):
             obj = torch.load(str(path), map_location="cpu", weights_only=True)

@@ -342,3 +342,55 @@ def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
         convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
     assert not [p for p in ("o1", "o2", "o3") if (tmp_path / p).exists()]
     assert not list(tmp_path.glob(".o*"))
+
+
+def test_pickles_load_without_their_classes(tmp_path):
+    """TE's extra states (BytesIO, an empty one pickled through builtins.bytes) and classes
+    torch does not allow (an enum in the args) load under weights_only. (megatron-core, imported
+    here, allow-lists its own classes; tests/e2e/test_megatron_workflows.py loads without it.)"""
+    import io
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    obj = {"args": argparse.Namespace(attention_backend=AttnBackend.auto, num_layers=2),
+           "model": {"a._extra_state": io.BytesIO(), "b._extra_state": io.BytesIO(b"x"),
+                     "w": torch.ones(2)}}  # fmt: skip
+    torch.save(obj, tmp_path / "f.pt")
+    got = megatron_files.load_pickle(tmp_path / "f.pt")
+    assert got["args"].num_layers == 2 and torch.equal(got["model"]["w"], torch.ones(2))
+    assert set(got["model"]) == {"a._extra_state", "b._extra_state", "w"}
+
+
+@pytest.mark.parametrize("imported", ["moe"], indirect=True)
+@pytest.mark.parametrize("grouped", ["GroupedMLP", "TEGroupedMLP"])
+def test_grouped_expert_forms_import_alike(imported, grouped, tmp_path):
+    """Experts stored as megatron-core's GroupedMLP (weight1 (h, E*fc1), weight2 (E*ffn, h),
+    viewed per expert as (E, h, fc1) and (E, ffn, h)) or TEGroupedMLP (linear_fc1.weight{j})."""
+    _, _, _, ml = imported
+    out = tmp_path / "mt"
+    convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy"])
+    path = out / "iter_0000000/mp_rank_00/model_optim_rng.pt"
+    obj = megatron_files.load_pickle(path)
+    model, experts = {}, {}
+    for k, v in obj["model"].items():
+        m = megatron_files.EXPERT.match(k)
+        if m is None:
+            model[k] = v
+        elif not k.endswith("_extra_state"):
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+    for base, by_name in experts.items():
+        fc1, fc2 = by_name["linear_fc1.weight"], by_name["linear_fc2.weight"]
+        n = len(fc1)
+        if grouped == "GroupedMLP":
+            h = fc1[0].shape[1]
+            model[base + "weight1"] = torch.stack([fc1[j].t() for j in range(n)]).reshape(h, -1)
+            model[base + "weight2"] = torch.stack([fc2[j].t() for j in range(n)]).reshape(-1, h)
+        else:
+            for j in range(n):
+                model[f"{base}linear_fc1.weight{j}"] = fc1[j]
+                model[f"{base}linear_fc2.weight{j}"] = fc2[j]
+    obj["model"] = model
+    torch.save(obj, path)
+    convert.main([str(out), str(tmp_path / "back"), "--to", "megalite"])
+    want, got = fmt.Checkpoint(ml), fmt.Checkpoint(tmp_path / "back")
+    assert all(torch.equal(got.read(n), want.read(n)) for n in want.names())
