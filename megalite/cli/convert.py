@@ -189,17 +189,26 @@ def megatron_to_megalite(src: Path, dst: Path, args):
     tensors = mg.from_megatron(state, cfg.model, f"the Megatron checkpoint {src}")
     held = f" ({src} holds optimizer state)" if facts["optimizer"] else ""
     print(WEIGHTS_ONLY + held, file=sys.stderr)
+    # --keep-position: a run that --loads the result continues Megatron's job where it stopped
+    # (iteration, LR schedule, data stream: the sample order is Megatron's), with a fresh optimizer.
+    iteration = int(facts["iteration"]) if args.keep_position else 0
+    consumed = int(margs.get("consumed_train_samples") or 0) if args.keep_position else 0
+    if args.keep_position and iteration and not consumed:
+        raise MegaliteError(
+            f"{src}'s args do not say how many samples were consumed (consumed_train_samples); "
+            "convert without --keep-position and start from iteration 0"
+        )
     meta = {
-        "iteration": 0,
-        "consumed_samples": 0,
+        "iteration": iteration,
+        "consumed_samples": consumed,
         "optimizer": None,  # weights only: a run that loads it starts a fresh optimizer
         "layout": None,
         "config": cfg.to_dict(),
         "rng": None,
         "source": f"megatron:{facts['format']}:iteration {facts['iteration']}",
     }
-    fmt.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors, meta)
-    fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
+    fmt.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta)
+    fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(iteration))
 
 
 def megalite_to_megatron(src: Path, dst: Path, args):
@@ -267,6 +276,12 @@ def main(argv):
         choices=("local", "transformer_engine"),
         default="local",
         help="--to megatron: the layer spec whose parameter names to write (default local)",
+    )
+    p.add_argument(
+        "--keep-position",
+        action="store_true",
+        help="--from megatron: keep the iteration and consumed samples, so --load continues the "
+        "job (fresh optimizer) instead of starting at iteration 0",
     )
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--debug", action="store_true", help="full tracebacks")

@@ -413,3 +413,20 @@ def test_dcp_metadata_runs_no_code(imported, tmp_path):
     with pytest.raises(MegaliteError, match="pathlib.Path.touch is not allowed in DCP metadata"):
         convert.main([str(out), str(tmp_path / "o"), "--to", "megalite"])
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "o").exists()
+
+
+def test_keep_position_continues_megatrons_job(megatron, tmp_path):
+    # the default import starts at iteration 0; --keep-position keeps Megatron's step and data
+    # position (a fresh optimizer either way), and refuses args that do not say the position
+    m = megatron_model(margs("gpt2"))
+    save_legacy(tmp_path / "mt", m, margs("gpt2", consumed_train_samples=56), iteration=7)
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "a"), "--to", "megalite"])
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "b"), "--to", "megalite", "--keep-position"])
+    a, b = fmt.Checkpoint(tmp_path / "a"), fmt.Checkpoint(tmp_path / "b")
+    assert (a.iteration, a.index["consumed_samples"]) == (0, 0)
+    assert (b.iteration, b.index["consumed_samples"]) == (7, 56) and b.index["optimizer"] is None
+    save_legacy(tmp_path / "mt2", m, margs("gpt2"), iteration=7)
+    with pytest.raises(MegaliteError, match="consumed_train_samples"):
+        convert.main([str(tmp_path / "mt2"), str(tmp_path / "c"), "--to", "megalite",
+                      "--keep-position"])  # fmt: skip
+    assert not (tmp_path / "c").exists()
