@@ -1,10 +1,14 @@
-"""Convert checkpoints between megalite and Hugging Face transformers.
+"""Convert checkpoints between megalite, Hugging Face transformers and Megatron-LM.
 
-    python tools/convert_checkpoint.py SRC DST --to hf|megalite [--tp N --pp N --vpp N] [--force]
+    python tools/convert_checkpoint.py SRC DST --to hf|megalite|megatron [--from ...]
+        [--tp N --pp N --vpp N --ep N] [--format torch_dist|legacy] [--vocab-size N]
+        [--transformer-impl local|transformer_engine] [--force]
 
-The source format is detected: a megalite checkpoint (a run directory with `latest`, or one
-iter_* directory with index.json) or a Hugging Face model directory (config.json plus
-model.safetensors or a sharded model.safetensors.index.json).
+The source format is detected (or named by --from): a megalite checkpoint (a run directory
+with `latest`, or one iter_* directory with index.json), a Hugging Face model directory
+(config.json plus model.safetensors or a sharded model.safetensors.index.json), or a Megatron-LM
+checkpoint (a --save directory with latest_checkpointed_iteration.txt, or one iter_* directory:
+legacy mp_rank_* folders or torch_dist files).
 
   megalite -> hf        config.json + model.safetensors for GPT2LMHeadModel / LlamaForCausalLM
                         (vocabulary padding stripped), plus the run's tokenizer: its
@@ -16,8 +20,18 @@ model.safetensors or a sharded model.safetensors.index.json).
                         needed: any layout loads any checkpoint. --tp/--pp/--vpp are checked
                         against the model (heads, layers divisible) so a bad layout fails here.
 
-Only safetensors and JSON are read (never pickle: pytorch_model.bin is refused). Progress bars
-show on a terminal only.
+  megatron -> megalite  a weights-only megalite checkpoint, the model config from the
+                        Megatron args (checkpoint/megatron.py lists what is supported), any
+                        tp/pp/vpp/ep of the source merged, the vocabulary padding stripped
+                        (--vocab-size N when the args hold only the padded size)
+  megalite -> megatron  --format torch_dist (Megatron's default; layout-free) or legacy at
+                        --tp/--pp/--vpp/--ep, with args a Megatron run loads (--load, and
+                        --finetune or --no-load-optim --no-load-rng: it holds weights only)
+
+Optimizer state is not converted: the tool says so, and a run that loads the result starts a
+fresh optimizer. From Hugging Face only safetensors and JSON are read (pytorch_model.bin is
+refused); Megatron's pickled .pt files are read with torch.load(weights_only=True) (see
+checkpoint/megatron_files.py). Progress bars show on a terminal only.
 """
 
 import argparse
@@ -32,7 +46,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import hf
+from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files
+from megalite.checkpoint import megatron as mg
 from megalite.config import Config
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError, run_main
@@ -54,9 +69,12 @@ def detect(src: Path) -> str:
         return "megalite"
     if (src / "config.json").is_file():
         return "hf"
+    if megatron_files.is_megatron(src):
+        return "megatron"
     raise MegaliteError(
-        f"{src} is neither a megalite checkpoint (index.json or latest) nor a Hugging Face model "
-        "(config.json)"
+        f"{src} is neither a megalite checkpoint (index.json or latest), a Hugging Face model "
+        "(config.json) nor a Megatron-LM checkpoint (latest_checkpointed_iteration.txt, mp_rank_* "
+        "or common.pt)"
     )
 
 
@@ -149,6 +167,72 @@ def megalite_to_hf(src: Path, dst: Path, args):
     (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 
+# ---- Megatron-LM side ------------------------------------------------------------------------
+
+WEIGHTS_ONLY = (
+    "note: weights only: the optimizer state is not converted; a run that loads the result "
+    "starts a fresh optimizer"
+)
+
+
+def megatron_to_megalite(src: Path, dst: Path, args):
+    margs, state, facts = megatron_dist.read_megatron(src)
+    cfg = Config()
+    cfg.model = megatron_args.config_from_args(margs, args.vocab_size)
+    if not (args.vocab_size or margs.get("vocab_size")):
+        print(
+            f"note: the Megatron args hold only the padded vocabulary ({cfg.model.vocab_size}); "
+            "kept every row (pass --vocab-size N to strip the padding)",
+            file=sys.stderr,
+        )
+    check_layout(cfg, args.tp, args.pp, args.vpp)
+    tensors = mg.from_megatron(state, cfg.model, f"the Megatron checkpoint {src}")
+    held = f" ({src} holds optimizer state)" if facts["optimizer"] else ""
+    print(WEIGHTS_ONLY + held, file=sys.stderr)
+    # --keep-position: a run that --loads the result continues Megatron's job where it stopped
+    # (iteration, LR schedule, data stream: the sample order is Megatron's), with a fresh optimizer.
+    iteration = int(facts["iteration"]) if args.keep_position else 0
+    consumed = int(margs.get("consumed_train_samples") or 0) if args.keep_position else 0
+    if args.keep_position and iteration and not consumed:
+        raise MegaliteError(
+            f"{src}'s args do not say how many samples were consumed (consumed_train_samples); "
+            "convert without --keep-position and start from iteration 0"
+        )
+    meta = {
+        "iteration": iteration,
+        "consumed_samples": consumed,
+        "optimizer": None,  # weights only: a run that loads it starts a fresh optimizer
+        "layout": None,
+        "config": cfg.to_dict(),
+        "rng": None,
+        "source": f"megatron:{facts['format']}:iteration {facts['iteration']}",
+    }
+    fmt.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta)
+    fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(iteration))
+
+
+def megalite_to_megatron(src: Path, dst: Path, args):
+    ckpt = fmt.Checkpoint(src)
+    ckpt.verify()
+    cfg = from_dict({"model": ckpt.model_config})
+    legacy = args.format == "legacy"
+    check_layout(cfg, args.tp, args.pp, args.vpp)
+    logical = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
+    tp = args.tp  # torch_dist is layout-free, but its vocabulary is padded for one tp
+    state = mg.to_megatron(logical, cfg.model, megatron_args.padded_vocab_size(cfg.model, tp))
+    layout = (tp, args.pp, args.vpp, args.ep) if legacy else (tp, 1, None, 1)
+    margs = megatron_args.args_from_config(
+        cfg.model, *layout, iteration=ckpt.iteration, dtype=next(iter(logical.values())).dtype,
+        ckpt_format="torch" if legacy else "torch_dist", transformer_impl=args.transformer_impl,
+    )  # fmt: skip
+    print(WEIGHTS_ONLY, file=sys.stderr)
+    if legacy:
+        megatron_files.write_legacy(dst, state, margs, *layout, iteration=ckpt.iteration,
+                                    transformer_impl=args.transformer_impl)  # fmt: skip
+    else:
+        megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration, args.transformer_impl)
+
+
 def megalite_to_megalite(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     cfg = from_dict({"model": ckpt.model_config})
@@ -163,24 +247,68 @@ def main(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
-    p.add_argument("--to", choices=("hf", "megalite"), required=True)
-    p.add_argument("--tp", type=int, default=1, help="layout to check the model against")
+    p.add_argument("--to", choices=("hf", "megalite", "megatron"), required=True)
+    p.add_argument("--from", dest="source", choices=("hf", "megalite", "megatron"),
+                   help="the source format (default: detected)")  # fmt: skip
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="layout to check the model against; a legacy Megatron target's layout",
+    )
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="a legacy Megatron target's expert layout")
+    p.add_argument(
+        "--format",
+        choices=("torch_dist", "legacy"),
+        default="torch_dist",
+        help="--to megatron: Megatron's checkpoint format (default torch_dist)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="--from megatron: the real vocabulary when the args hold only the padded",
+    )
+    p.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="--to megatron: the layer spec whose parameter names to write (default local)",
+    )
+    p.add_argument(
+        "--keep-position",
+        action="store_true",
+        help="--from megatron: keep the iteration and consumed samples, so --load continues the "
+        "job (fresh optimizer) instead of starting at iteration 0",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     args = p.parse_args(argv)
     source = detect(args.src)
+    if args.source and args.source != source:
+        raise MegaliteError(f"{args.src} is a {source} checkpoint, not {args.source}")
     if source == "hf" and args.to == "hf":
         raise MegaliteError(f"{args.src} is already a Hugging Face model; use --to megalite")
+    if (
+        source != "megalite"
+        and args.to not in (source, "megalite")
+        or source == args.to == "megatron"
+    ):
+        raise MegaliteError(
+            f"{source} -> {args.to} is not a direct conversion; convert to megalite first "
+            f"(--to megalite), then from that checkpoint --to {args.to}"
+        )
     if args.dst.exists() and not args.force:
         raise MegaliteError(f"{args.dst} exists; pass --force to replace it")
     # Written aside and renamed, so a failed conversion leaves an existing DST as it was.
     tmp = args.dst.with_name(f".{args.dst.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    convert = {"hf": hf_to_megalite, "megalite": megalite_to_megalite}[source]
-    if source == "megalite" and args.to == "hf":
-        convert = megalite_to_hf
+    convert = {"hf": hf_to_megalite, "megalite": megalite_to_megalite,
+               "megatron": megatron_to_megalite}[source]  # fmt: skip
+    if source == "megalite" and args.to != "megalite":
+        convert = {"hf": megalite_to_hf, "megatron": megalite_to_megatron}[args.to]
     try:
         tmp.mkdir(parents=True)
         convert(args.src, tmp, args)

@@ -1,15 +1,17 @@
 """Bytes a rank keeps for backward, computed without a process group or a GPU: what one
 micro-batch of each chunk keeps (Korthikanti et al. 2022, counted for megalite's flash attention
 and its sequence parallelism; docs/planner.md), times the chunks in flight at the schedule's
-worst moment, walked from the schedule itself."""
+worst moment, walked from the schedule itself (with the p2p tensors of buffers.py)."""
 
 import dataclasses
+import math
 from functools import lru_cache
 
 from megalite.config import Config, ModelConfig
-from megalite.pipeline.actions import B, F
+from megalite.pipeline.actions import B, F, I, W
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
+from megalite.plan.buffers import P2PBuffers, backward_working
 from megalite.plan.memory import BYTES
 from megalite.shape import RunShape
 
@@ -20,19 +22,62 @@ def schedule_actions(name: str, pp: int, vpp: int, microbatches: int, rank: int)
     return tuple((a.kind, a.chunk) for a in get_schedule(name, pp, vpp, microbatches, rank))
 
 
-def peak_activations(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -> float:
-    """Walk this rank's schedule: the most activation bytes alive at once."""
-    kws = rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank)
+@lru_cache(maxsize=4096)
+def schedule_steps(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> tuple:
+    """(kind, chunk, micro-batch) of each action."""
+    return tuple((a.kind, a.chunk, a.mb) for a in get_schedule(name, pp, vpp, microbatches, rank))
+
+
+def peak_activations(
+    cfg: Config, shape: RunShape, pp_rank: int, microbatches: int, buffers: bool = False
+) -> float:
+    """Walk this rank's schedule: the most activation bytes alive at once (a chunk's from its
+    forward to its backward: B, or W of a split backward, where the weight gradients still need
+    them). `buffers`: with what buffers.py adds at the same moment: the pipeline's send and
+    receive tensors, and a backward's working memory while it runs."""
+    kws = rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement)
     per_chunk = [chunk_activations(cfg, shape, kw) for kw in kws]
+    steps = schedule_steps(shape.schedule, shape.pp, shape.vpp, microbatches, pp_rank)
+    hidden = BYTES[cfg.training.precision] * math.prod(shape.hidden_shape)
+    p2p = P2PBuffers(steps, hidden) if buffers else None
+    working = [backward_working(cfg, shape, kw) if buffers else 0.0 for kw in kws]
+    pending = [pending_weight_grads(cfg, shape, kw) for kw in kws]
     alive = peak = 0.0
-    for kind, chunk in schedule_actions(shape.schedule, shape.pp, shape.vpp, microbatches, pp_rank):
+    for kind, chunk, mb in steps:
+        extra = p2p.step(kind, chunk, mb) if p2p else 0.0
         if kind == F:
             alive += per_chunk[chunk][0]
-            peak = max(peak, alive)
-        elif kind == B:  # a recomputed layer's activations exist while its backward runs
-            peak = max(peak, alive + per_chunk[chunk][1])
+        elif kind in (B, I, W):  # a recomputed layer's activations exist while its backward runs
+            peak = max(peak, alive + extra + per_chunk[chunk][1] + working[chunk])
+        if kind in (B, W):
             alive -= per_chunk[chunk][0]
+        if kind == I and not kws[chunk]["has_embedding"]:  # the embedding's I defers it all to W
+            alive += pending[chunk]
+        elif kind == W and not kws[chunk]["has_embedding"]:
+            alive -= pending[chunk]
+        peak = max(peak, alive + extra)
     return peak
+
+
+def pending_weight_grads(cfg: Config, shape: RunShape, kw: dict) -> float:
+    """Bytes a split backward keeps from a micro-batch's I to its W (pipeline/split_backward.py:
+    the gradient arriving at each op that holds parameters, which W starts from): per layer the
+    outputs of the two norms and of the attention's and the MLP's output projections (h wide),
+    of q/k/v and of the MLP's first linear(s) (TP-sharded); at the head, the final norm's and
+    the logits'. An MoE layer is counted as its dense MLP would be."""
+    m, t = cfg.model, cfg.training
+    if shape.cp > 1:
+        m = dataclasses.replace(m, seq_length=m.seq_length // shape.cp)
+    e, tp = BYTES[t.precision], shape.tp
+    tokens = m.seq_length * t.micro_batch_size
+    rows = tokens / (tp if shape.sequence_parallel else 1)
+    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+    mlp_in = m.ffn / tp * (2 if m.features.gated_mlp else 1)
+    layer = rows * m.hidden_size * 4 + tokens * (m.hidden_size / tp + 2 * kv + mlp_in)
+    total = len(kw["layers"]) * layer
+    if kw["has_head"]:
+        total += rows * m.hidden_size + tokens * m.padded_vocab_size(tp) / tp
+    return total * e
 
 
 def layer_activations(

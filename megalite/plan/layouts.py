@@ -20,7 +20,8 @@ from megalite.shape import RunShape, derive, validate
 @dataclass
 class Plan:
     layout: RunShape
-    memory: dict  # bytes on the fullest pipeline rank: params, grads, optimizer, activations, total
+    memory: dict  # bytes on the fullest pipeline rank: params, grads, optimizer, activations,
+    # buffers (p2p, a backward's working memory), staged_grads, gathered_params, total
     stages: list  # the same dict for every pipeline rank
     comm: dict  # bytes per step sent by the busiest rank, per group kind
     bubble: float  # the schedule's theory: Megatron's (pp-1)/(vpp*m) for 1F1B and interleaved
@@ -73,7 +74,10 @@ def plan(cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stage
         comms.append(comm_bytes(cfg, shape, r, mb, bs=bs))
         mem = state_memory(cfg, shape, r, bs)
         mem["activations"] = peak_activations(cfg, shape, r, mb)
+        # what the p2p tensors and a backward's working memory add at the worst moment
+        mem["buffers"] = peak_activations(cfg, shape, r, mb, buffers=True) - mem["activations"]
         mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))
+        mem["total"] += mem["buffers"]
         mem["total"] += mem["staged_grads"] + mem["gathered_params"]
         stages.append(mem)
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])

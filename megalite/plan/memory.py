@@ -85,7 +85,7 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     ep, edp = expert_parallel(shape)
     sync = {}
     chunks = []
-    for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank):
+    for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
         specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep)
         specs = [x for x in specs if x[2].expert == experts]
         chunks.append([(n, k, "embed" in s.grad_sum) for n, k, s in specs])
@@ -163,7 +163,7 @@ def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
     forward to its backward); "step": every chunk of the rank."""
     e = BYTES[cfg.training.precision]
     per_chunk, sizes = [], []
-    for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank):
+    for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
         specs = chunk_specs(cfg.model, shape.tp, **kw, sp=shape.sequence_parallel)
         params = [(n, k, "embed" in s.grad_sum) for n, k, s in specs]
         units = {}

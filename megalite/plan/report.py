@@ -31,11 +31,17 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
         extra = f"  (+{_gib(mem['staged_grads'])} staged)" if mem["staged_grads"] else ""
         if mem.get("gathered_params"):
             extra += f"  (+{_gib(mem['gathered_params'])} gathered params)"
+        if mem.get("buffers"):
+            extra += f"  (+{_gib(mem['buffers'])} p2p and backward buffers)"
         cells = [mem[k] for k in ("params", "grads", "optimizer")]
         lines.append(
             f"  {'stage ' + str(r):<12}" + "".join(f"{_gib(c):>11}" for c in cells)
             + f"{_gib(mem['activations']):>13}{_gib(mem['total']):>11}{extra}"
         )  # fmt: skip
+    lines.append(
+        "  not counted: forward temporaries, the allocator's cache and fragmentation, "
+        "NCCL's buffers (docs/planner.md)"
+    )
     lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
     lines += [f"  {note}" for note in p.notes]
     if step_time is not None:

@@ -87,7 +87,7 @@ def comm_bytes(
     g_size = 4 if low else e
     sp = shape.sequence_parallel
     act = b * s * h * e
-    kws = rank_chunks(m.num_layers, pp, shape.vpp, pp_rank)
+    kws = rank_chunks(m.num_layers, pp, shape.vpp, pp_rank, shape.placement)
     out = {}
 
     # TP, per micro-batch: each of the 2 blocks of a layer has 2 all-reduces (forward of the

@@ -6,7 +6,8 @@ each, on fake CUDA tensors over torch's fake process group, to prove without a G
   by pipeline/verify.py; this covers the rest);
 - a non-logging step reads the host once (the optimizer's status), counted on the CUDA path:
   host reads and blocking host-to-device copies (megalite/training/fake_cuda.py);
-- each rank's device memory peaks where the planner says (megalite/plan/memory.py).
+- each rank's device memory peaks where the planner says (megalite/plan/: the peak of the
+  storages its ops create, fake_memory.py, next to the plan of the torch ops that ran).
 
 Witnesses: the members of a group differ only along that group's axes, so comparing a group
 needs ranks that differ along them. `witnesses()` takes rank 0 and, for each axis, its
@@ -45,8 +46,8 @@ class RoleReport:
     groups: dict  # kind -> ranks tuple: every group this rank is a member of
     syncs: int = 0
     where: list = field(default_factory=list)
-    peak_bytes: int = 0
-    planned_bytes: int = 0
+    peak_bytes: int = 0  # at any moment (fake_memory.StorageTrace)
+    planned_bytes: int = 0  # the planner's total for this rank's stage
     seconds: float = 0.0
 
 
@@ -151,6 +152,7 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     """Play `rank` of a `world_size` run of `cfg`: build its trainer on fake CUDA tensors over
     the fake process group and run `steps` non-logging steps; the last is counted. In a fresh
     process (it starts the default process group)."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     import numpy as np
@@ -160,6 +162,7 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     from megalite.plan.layouts import plan
     from megalite.shape import validate
     from megalite.training.fake_cuda import fake_cuda
+    from megalite.training.fake_memory import StorageTrace
     from megalite.training.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -174,26 +177,23 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
         fake_cuda(_int_fill(cfg, shape), gpu=DEVICE) as fake,
         _fake_kernels(),
     ):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        mem = MemTracker()  # its per-module statistics refuse a module run per micro-batch
-        for hook in ("_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook"):
-            setattr(mem, hook, lambda *a, **k: None)
-        mem.__enter__()
+        mem = StorageTrace()
         groups = build_groups(topo, torch.device(DEVICE))
-        trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
-                                                              tokenizer=None))  # fmt: skip
-        rec.calls.clear()  # group creation is not a step's
-        for _ in range(steps):
-            fake.reset()
-            trainer.train_step(log=False)
-        mem.__exit__(None, None, None)
-        peak = max(int(v["Total"]) for v in mem.get_tracker_snapshot("peak").values())
+        with mem:
+            trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
+                                                                  tokenizer=None))  # fmt: skip
+            rec.calls.clear()  # group creation is not a step's
+            mem.reset_peak()  # the host's whole initial tensors are gone (fake_memory.py)
+            for _ in range(steps):
+                fake.reset()
+                trainer.train_step(log=False)
     members = {g.kind: tuple(g.ranks) for g in [*groups.groups.values(), groups.embed,
                                                 groups.world] if g is not None}  # fmt: skip
-    planned = plan(cfg, shape).stages[topo.coords(rank)["pp"]]["total"]
+    # the plan of what ran: the torch ops (Triton does not run on fake tensors)
+    ran = replace(cfg, training=replace(cfg.training, kernels="torch"))
+    planned = plan(ran, shape).stages[topo.coords(rank)["pp"]]["total"]
     return RoleReport(rank, topo.coords(rank), dict(rec.calls), members, fake.syncs,
-                      [w for w, _ in fake.where], peak, planned, time.perf_counter() - t0)  # fmt: skip
+                      [w for w, _ in fake.where], mem.peak, planned, time.perf_counter() - t0)  # fmt: skip
 
 
 def _entry(cfg, world_size, rank, path):
@@ -299,9 +299,10 @@ def print_fake_world(cfg, shape, parallel: int = 2) -> bool:
         )
     for kind, ranks_, a, b, i, first, other in m.mismatches[:10]:
         print(f"    {kind} {ranks_[:4]}...: rank {a} issues {first} at #{i}, rank {b} {other}")
-    print("  rank   coords                     s  syncs  peak MiB  planned MiB")
+    print("  rank   coords                     s  syncs  peak MiB  planned MiB    off")
     for r in reports:
         coords = " ".join(f"{k}{v}" for k, v in r.coords.items() if shape.size(k) > 1)
         print(f"  {r.rank:>5}  {coords:<24} {r.seconds:5.1f}  {r.syncs:>5}  "
-              f"{r.peak_bytes / 2**20:8.1f}  {r.planned_bytes / 2**20:11.1f}")  # fmt: skip
+              f"{r.peak_bytes / 2**20:8.1f}  {r.planned_bytes / 2**20:11.1f}  "
+              f"{r.peak_bytes / max(r.planned_bytes, 1) - 1:+5.0%}")  # fmt: skip
     return m.ok and all(r.syncs == 1 for r in reports)

@@ -17,6 +17,12 @@ def _cfg(layers=8, **par):
     return cfg
 
 
+def _memory_as_planned(reports):
+    """Each role's peak (fake_memory.StorageTrace) within 10% of the planner's estimate."""
+    off = {r.rank: round(r.peak_bytes / r.planned_bytes - 1, 3) for r in reports}
+    assert all(abs(x) <= 0.10 for x in off.values()), off
+
+
 def _world(cfg, world):
     shape = validate(cfg, world)
     reports = run_roles(cfg, world, witnesses(shape.topology()))
@@ -31,6 +37,7 @@ def test_1024_ranks_tp8_pp4_dp32_vpp_collectives_match():
     # every kind of group was compared, the world among all the witnesses
     assert {"tp", "pp", "dp", "world", "embed"} <= set(m.compared), m.compared
     assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+    _memory_as_planned(reports)
 
 
 def test_stages_without_moe_layers_enter_the_expert_bias_all_reduce():
@@ -68,6 +75,28 @@ def test_1024_rank_layouts_match(name):
     assert m.ok, m.mismatches[:3]
     assert {"tp", "pp", "world"} <= set(m.compared), m.compared
     assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+    _memory_as_planned(reports)
+
+
+def test_1024_ranks_moe_with_expert_parallelism_match():
+    """tp4·pp2·dp128 with ep=8 over tp·dp, 8 experts in every other layer (2 layers: stage 1
+    holds none, finding 5's shape at 1,024 ranks), ZeRO-1; 4 roles. A stage with an MoE layer
+    also reads the routing's counts once per MoE layer and micro-batch (the all-to-all's
+    sizes)."""
+    cfg = _cfg(layers=2, tp=4, pp=2, ep=8)
+    m = cfg.model
+    m.num_experts, m.moe_layer_freq, m.moe_router_enable_expert_bias = 8, 2, True
+    cfg.optimizer.zero_stage = 1
+    cfg.training.global_batch_size = 128 * 4  # 4 micro-batches
+    shape = validate(cfg, 1024)
+    reports = run_roles(cfg, 1024, witnesses(shape.topology(), full=False))
+    match_ = match(reports)
+    assert match_.ok, match_.mismatches[:3]
+    assert {"tp", "pp", "dp", "ep", "world"} <= set(match_.compared), match_.compared
+    for r in reports:  # one layer per stage: layer i on stage i
+        moe = int(m.is_moe_layer(r.coords["pp"]))
+        assert r.syncs == 1 + moe * 4, (r.rank, r.syncs, r.where)
+    _memory_as_planned(reports)
 
 
 def test_full_recompute_keeps_the_routing_of_the_forward():

@@ -66,3 +66,20 @@ def test_full_recompute_with_kept_routing_gives_the_same_gradients():
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def test_storage_trace_counts_live_storages_once():
+    """fake_memory.StorageTrace: a storage's bytes from the op that makes it until it is freed,
+    views not again, ZeRO-3's resizes, and the peak restarted by reset_peak."""
+    from megalite.training.fake_memory import StorageTrace
+
+    with fake_cuda(gpu="cpu"), StorageTrace() as mem:
+        a = torch.empty(256)  # 1 KiB
+        view = a[:128]
+        b = torch.empty(512)  # 2 KiB
+        assert (mem.current, mem.peak) == (3072, 3072) and view.numel() == 128
+        del b
+        assert (mem.current, mem.peak) == (1024, 3072)
+        mem.reset_peak()
+        a.untyped_storage().resize_(0)  # as ZeRO-3 frees a gathered unit
+        assert (mem.current, mem.peak) == (0, 1024)

@@ -62,3 +62,29 @@ def test_interleaving_penalty():
         one_f_one_b
         == 2 * activations.chunk_activations(cfg, layout(cfg, pp=2), rank_chunks(8, 2, 1, 0)[0])[0]
     )
+
+
+def test_p2p_tensors_follow_the_executors_batches():
+    """buffers.P2PBuffers, in hidden tensors, on the last of two 1F1B stages (3 micro-batches):
+    a received input counts with the activations from its forward; after its backward the
+    batch that received it still holds it, as each input gradient sent; the oldest batch is
+    let go when a fourth is posted (MAX_IN_FLIGHT)."""
+    from megalite.plan.buffers import P2PBuffers
+
+    steps = activations.schedule_steps("1f1b", 2, 1, 3, 1)
+    walk = P2PBuffers(steps, 1)
+    seen = [(f"{k}{c}.{m}", walk.step(k, c, m)) for k, c, m in steps]
+    assert [n for _, n in seen] == [1, 1, 0, 2, 2, 3, 3, 2, 4, 4, 5, 5, 4, 6, 5], seen
+
+
+def test_zero_bubble_v_places_the_head_on_the_first_rank():
+    """The planner reads the schedule's placement: ZB-V's first rank holds the embedding and
+    the head (the V turns on the last rank), not the interleaved one's last rank."""
+    from megalite.plan.layouts import plan
+
+    cfg = tiny("gpt2", layers=4)
+    cfg.training.global_batch_size = 8
+    cfg.parallel.pp_schedule = "zbv"
+    p = plan(cfg, layout(cfg, pp=2, vpp=2))
+    head = cfg.model.padded_vocab_size(1) * cfg.model.hidden_size
+    assert p.stages[0]["numel"] - p.stages[1]["numel"] >= head, p.stages

@@ -1,0 +1,292 @@
+"""Weight names and fused tensors between Megatron-LM (megatron-core's GPTModel) and megalite.
+
+    megalite-convert MEGATRON_DIR OUT --to megalite [--from megatron] [--vocab-size N]
+    megalite-convert MEGALITE_DIR OUT --to megatron [--format torch_dist|legacy]
+                     [--tp N --pp N --vpp N --ep N] [--transformer-impl local|transformer_engine]
+
+Works on whole tensors, as `checkpoint/hf.py` does: a *Megatron state* here is a flat dict of
+global tensors (the tp/pp/vpp/ep shards already merged by `checkpoint/megatron_files.py`), one
+entry per layer, under megatron-core's local-spec names:
+
+    embedding.word_embeddings.weight        (V_padded, h)   embedding.position_embeddings.weight
+    decoder.layers.{i}.input_layernorm.{weight,bias}       decoder.layers.{i}.pre_mlp_layernorm.*
+    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   rows per query group g:
+                                            [q heads of g | k of g | v of g] (each head hd rows)
+    decoder.layers.{i}.self_attention.linear_proj.{weight,bias}
+    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}   SwiGLU: [gate | up], each whole (ffn rows)
+    decoder.layers.{i}.mlp.linear_fc2.{weight,bias}
+    decoder.layers.{i}.mlp.router.weight   mlp.experts.local_experts.{j}.linear_fc{1,2}.weight
+                                           (j the global expert), mlp.shared_experts.linear_fc*
+    decoder.final_layernorm.{weight,bias}  output_layer.weight (untied models only)
+
+TransformerEngine names (`self_attention.linear_qkv.layer_norm_{weight,bias}` for the input norm,
+`mlp.linear_fc1.layer_norm_*` for the pre-MLP norm; torch_dist uses them for every spec) are
+mapped onto these by `local_names`. The model config comes from the checkpoint's args
+(`checkpoint/megatron_args.py`); the files are `megatron_files.py` (legacy) and
+`megatron_dist.py` (torch_dist). The vocabulary padding is stripped on import and added on
+export (`megatron_args.padded_vocab_size`, Megatron's rule: a multiple of make_vocab_size_divisible_by * tp).
+
+Supported (everything else in the args is refused with one line, never dropped):
+- GPT-2 style: LayerNorm, GELU (the tanh approximation, which megatron gives with
+  --openai-gelu or with its default bias-GELU fusion; exact-erf GELU is refused), learned
+  absolute positions, biases (--add-bias-linear), tied or untied output layer;
+- Llama style: RMSNorm, SwiGLU, RoPE (rotary_percent 1, not interleaved, no scaling), grouped-
+  query attention, no biases, tied or untied;
+- MoE (SequentialMLP local experts, TE/grouped experts by `megatron_files`): top-k softmax
+  router (renormalised over the top k, or --moe-router-pre-softmax), optional shared expert,
+  dropless (a capacity factor is refused);
+- kv_channels must be hidden/heads; no qk-layernorm, zero-centred gamma, MLA, MTP, post-LN;
+- weights only: optimizer and RNG state are not converted (the tool says so).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megalite.config import ModelConfig
+from megalite.errors import MegaliteError
+from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
+
+EMBEDDING = "embedding.word_embeddings.weight"
+POSITIONS = "embedding.position_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+LAYER = "decoder.layers.{}."
+CHECKPOINT_VERSION = 3.0
+
+# TransformerEngine's fused norm names -> megatron-core's local-spec names
+TE_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def local_names(name: str) -> str:
+    """A parameter name with TransformerEngine's fused-norm suffixes replaced by local ones."""
+    for te, local in TE_NORMS.items():
+        if name.endswith("." + te):
+            return name[: -len(te)] + local
+    return name
+
+
+def spec_names(state: dict, transformer_impl: str, sharded: bool) -> dict:
+    """A Megatron state (local names) under the names one layer spec gives its norms.
+    TransformerEngine fuses the input norm into linear_qkv and a dense MLP's norm into
+    linear_fc1 (an MoE layer keeps `pre_mlp_layernorm`); the local spec's legacy state dict
+    keeps both apart, but its torch_dist keys are TE's, the pre-MLP norm of MoE layers too."""
+    te = transformer_impl == "transformer_engine"
+    moe = {k.split(".")[2] for k in state if k.endswith(".mlp.router.weight")}
+    out = {}
+    for k, v in state.items():
+        for te_name, local in TE_NORMS.items():
+            pre_mlp = local.startswith("pre_mlp")
+            layer = k.split(".")[2] if k.startswith("decoder.layers.") else None
+            rename = (sharded and not te) or (te and not (pre_mlp and layer in moe))
+            if k.endswith("." + local) and layer is not None and ".shared_experts." not in k \
+                    and rename:  # fmt: skip
+                k = k[: -len(local)] + te_name
+                break
+        out[k] = v
+    return out
+
+
+# ---- tensor names and shapes ----------------------------------------------------------------
+
+
+def _mlp_names(cfg: ModelConfig, m: str, g: str, ffn: int):
+    """(megalite, megatron, shape) of one dense MLP (or shared expert): fc1 is split below."""
+    h, bias = cfg.hidden_size, cfg.features.linear_bias
+    yield None, g + "linear_fc1.weight", ((2 if cfg.features.gated_mlp else 1) * ffn, h)
+    if bias:
+        yield None, g + "linear_fc1.bias", ((2 if cfg.features.gated_mlp else 1) * ffn,)
+    yield m + "down.weight", g + "linear_fc2.weight", (h, ffn)
+    if bias:
+        yield m + "down.bias", g + "linear_fc2.bias", (h,)
+
+
+def megatron_shapes(cfg: ModelConfig, padded_vocab: int) -> dict:
+    """{megatron name: global shape} of every tensor of this model (the Megatron state)."""
+    return {n: s for _, n, s in _names(cfg, padded_vocab)}
+
+
+def _names(cfg: ModelConfig, padded_vocab: int):
+    """(megalite name or None for the fused ones, megatron name, global shape)."""
+    h, f = cfg.hidden_size, cfg.features
+    yield WORD_EMBEDDING, EMBEDDING, (padded_vocab, h)
+    if f.learned_positions:
+        yield (
+            "embedding.position.weight",
+            POSITIONS,
+            (cfg.max_position_embeddings or cfg.seq_length, h),
+        )
+    qkv = (cfg.num_attention_heads + 2 * cfg.heads_kv) * cfg.head_dim
+    norms = ("weight",) if f.rms_norm else ("weight", "bias")
+    for i in range(cfg.num_layers):
+        m, g = f"layers.{i}.", LAYER.format(i)
+        for x in norms:
+            yield m + f"input_norm.{x}", g + f"input_layernorm.{x}", (h,)
+            yield m + f"post_attention_norm.{x}", g + f"pre_mlp_layernorm.{x}", (h,)
+        yield None, g + "self_attention.linear_qkv.weight", (qkv, h)
+        if f.qkv_bias:
+            yield None, g + "self_attention.linear_qkv.bias", (qkv,)
+        yield m + "attention.out.weight", g + "self_attention.linear_proj.weight", (h, h)
+        if f.linear_bias:
+            yield m + "attention.out.bias", g + "self_attention.linear_proj.bias", (h,)
+        if not cfg.is_moe_layer(i):
+            yield from _mlp_names(cfg, m + "mlp.", g + "mlp.", cfg.ffn)
+            continue
+        yield m + "mlp.router.weight", g + "mlp.router.weight", (cfg.num_experts, h)
+        fc1 = (2 if f.gated_mlp else 1) * cfg.moe_ffn
+        for j in range(cfg.num_experts):
+            e = g + f"mlp.experts.local_experts.{j}."
+            yield None, e + "linear_fc1.weight", (fc1, h)
+            yield None, e + "linear_fc2.weight", (h, cfg.moe_ffn)
+        if cfg.moe_shared_expert_intermediate_size:
+            size = cfg.moe_shared_expert_intermediate_size
+            yield from _mlp_names(cfg, m + "mlp.shared.", g + "mlp.shared_experts.", size)
+    for x in norms:
+        yield f"final_norm.{x}", f"decoder.final_layernorm.{x}", (h,)
+    if not cfg.tied:
+        yield OUTPUT, OUTPUT_LAYER, (padded_vocab, h)
+
+
+def check_shapes(state: dict, cfg: ModelConfig, where: str):
+    """Every tensor the args imply is there with the shape they imply (one line if not)."""
+    vocab = state[EMBEDDING].shape[0] if EMBEDDING in state else cfg.vocab_size
+    if vocab < cfg.vocab_size:
+        raise MegaliteError(
+            f"{where}: {EMBEDDING} has {vocab} rows but the args say the vocabulary is "
+            f"{cfg.vocab_size}; the args contradict the tensors"
+        )
+    shapes = megatron_shapes(cfg, vocab)
+    extra = sorted(set(state) - set(shapes))
+    if extra:  # a tensor nobody maps would be dropped silently
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise MegaliteError(
+            f"{where} holds {extra[0]}{more}, which its args do not explain (a feature megalite "
+            "does not have, or args that contradict the tensors)"
+        )
+    for name, shape in shapes.items():
+        if name not in state:
+            raise MegaliteError(
+                f"{where} lacks the tensor {name} that its args imply; is it a complete "
+                f"{cfg.flavour}-style model?"
+            )
+        if tuple(state[name].shape) != tuple(shape):
+            raise MegaliteError(
+                f"{where}: {name} has shape {tuple(state[name].shape)} but the checkpoint's args "
+                f"imply {tuple(shape)}; the args contradict the tensors"
+            )
+
+
+# ---- fused tensors ----------------------------------------------------------------------------
+
+
+def split_qkv(w: torch.Tensor, cfg: ModelConfig):
+    """linear_qkv rows (per query group: q heads of the group, k, v) -> q, k, v."""
+    groups, hd = cfg.heads_kv, cfg.head_dim
+    per = cfg.num_attention_heads // groups
+    x = w.reshape(groups, per + 2, hd, *w.shape[1:])
+    q = x[:, :per].reshape(groups * per * hd, *w.shape[1:])
+    return q.contiguous(), x[:, per].reshape(groups * hd, *w.shape[1:]).contiguous(), \
+        x[:, per + 1].reshape(groups * hd, *w.shape[1:]).contiguous()  # fmt: skip
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig):
+    groups, hd = cfg.heads_kv, cfg.head_dim
+    per = cfg.num_attention_heads // groups
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, per, hd, *rest), k.reshape(groups, 1, hd, *rest),
+             v.reshape(groups, 1, hd, *rest))  # fmt: skip
+    return torch.cat(parts, 1).reshape(-1, *rest).contiguous()
+
+
+def from_megatron(state: dict, cfg: ModelConfig, where: str = "the Megatron checkpoint") -> dict:
+    """A Megatron state (global tensors, local names) -> megalite's logical tensors, the
+    vocabulary padding stripped (what megalite's format stores)."""
+    state = {local_names(k): v for k, v in state.items()}
+    check_shapes(state, cfg, where)
+    vocab = state[EMBEDDING].shape[0]
+    out = {}
+    for m, g, _ in _names(cfg, vocab):
+        if m is not None:
+            out[m] = state[g]
+    for i in range(cfg.num_layers):
+        m, g = f"layers.{i}.", LAYER.format(i)
+        a = g + "self_attention.linear_qkv."
+        for x, t in zip("qkv", split_qkv(state[a + "weight"], cfg)):
+            out[m + f"attention.{x}.weight"] = t
+        if cfg.features.qkv_bias:
+            for x, t in zip("qkv", split_qkv(state[a + "bias"], cfg)):
+                out[m + f"attention.{x}.bias"] = t
+        if not cfg.is_moe_layer(i):
+            out.update(_fc1_from(state, cfg, m + "mlp.", g + "mlp."))
+            continue
+        if cfg.moe_shared_expert_intermediate_size:
+            out.update(_fc1_from(state, cfg, m + "mlp.shared.", g + "mlp.shared_experts."))
+        e = g + "mlp.experts.local_experts.{}."
+        first = "gate_up" if cfg.features.gated_mlp else "up"
+        out[m + f"mlp.experts.{first}.weight"] = torch.stack(
+            [state[e.format(j) + "linear_fc1.weight"] for j in range(cfg.num_experts)]
+        )
+        out[m + "mlp.experts.down.weight"] = torch.stack(
+            [state[e.format(j) + "linear_fc2.weight"] for j in range(cfg.num_experts)]
+        )
+    for name in VOCAB_TENSORS:
+        if name in out:
+            out[name] = out[name][: cfg.vocab_size]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _fc1_from(state, cfg, m, g):
+    out = {}
+    for x in ("weight", "bias") if cfg.features.linear_bias else ("weight",):
+        t = state[g + f"linear_fc1.{x}"]
+        if cfg.features.gated_mlp:
+            out[m + f"gate.{x}"], out[m + f"up.{x}"] = t.chunk(2)
+        else:
+            out[m + f"up.{x}"] = t
+    return out
+
+
+def to_megatron(logical: dict, cfg: ModelConfig, padded_vocab: int) -> dict:
+    """megalite's logical tensors (any vocabulary padding) -> a Megatron state with the
+    vocabulary padded to `padded_vocab` rows (zeros, as Megatron initialises nothing there)."""
+    out = {}
+    for m, g, _ in _names(cfg, padded_vocab):
+        if m is not None:
+            out[g] = logical[m]
+    for name in (EMBEDDING, OUTPUT_LAYER):
+        if name in out:
+            t = out[name][: cfg.vocab_size]
+            out[name] = F.pad(t, (0, 0, 0, padded_vocab - t.shape[0]))
+    for i in range(cfg.num_layers):
+        m, g = f"layers.{i}.", LAYER.format(i)
+        a = g + "self_attention.linear_qkv."
+        out[a + "weight"] = merge_qkv(*(logical[m + f"attention.{x}.weight"] for x in "qkv"),
+                                      cfg)  # fmt: skip
+        if cfg.features.qkv_bias:
+            out[a + "bias"] = merge_qkv(*(logical[m + f"attention.{x}.bias"] for x in "qkv"), cfg)
+        if not cfg.is_moe_layer(i):
+            out.update(_fc1_to(logical, cfg, m + "mlp.", g + "mlp."))
+            continue
+        if cfg.moe_shared_expert_intermediate_size:
+            out.update(_fc1_to(logical, cfg, m + "mlp.shared.", g + "mlp.shared_experts."))
+        first = "gate_up" if cfg.features.gated_mlp else "up"
+        fc1, fc2 = (
+            logical[m + f"mlp.experts.{first}.weight"],
+            logical[m + "mlp.experts.down.weight"],
+        )
+        for j in range(cfg.num_experts):
+            e = g + f"mlp.experts.local_experts.{j}."
+            out[e + "linear_fc1.weight"], out[e + "linear_fc2.weight"] = fc1[j], fc2[j]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _fc1_to(logical, cfg, m, g):
+    out = {}
+    for x in ("weight", "bias") if cfg.features.linear_bias else ("weight",):
+        parts = [logical[m + f"{p}.{x}"] for p in (("gate", "up") if cfg.features.gated_mlp
+                                                   else ("up",))]  # fmt: skip
+        out[g + f"linear_fc1.{x}"] = torch.cat(parts)
+    return out

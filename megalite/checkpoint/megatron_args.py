@@ -1,0 +1,260 @@
+"""megalite's ModelConfig from a Megatron checkpoint's `args`, and the args of an export.
+
+`config_from_args` reads the fields that shape the model (num_layers, hidden_size,
+ffn_hidden_size, num_attention_heads, group_query_attention/num_query_groups, kv_channels,
+normalization, swiglu, position_embedding_type, rotary_base, untie_embeddings_and_output_weights,
+vocab_size/padded_vocab_size, add_bias_linear/add_qkv_bias, layernorm_epsilon,
+max_position_embeddings, seq_length, the MoE fields) and refuses, with one line, any field set to
+something megalite cannot honour (`_UNSUPPORTED`; checkpoint/megatron.py lists what is supported).
+`args_from_config` writes the fields a Megatron run needs to rebuild the model at a layout.
+"""
+
+import argparse
+
+import torch
+
+from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
+from megalite.errors import MegaliteError
+
+
+def _get(args: dict, name: str, default=None):
+    v = args.get(name, default)
+    return default if v is None else v
+
+
+def _gelu_is_tanh(args: dict) -> bool:
+    """Megatron's GELU is exact (erf) unless --openai-gelu, or its bias-GELU fusion (on by
+    default, and only with biases) runs the tanh approximation megalite uses."""
+    if _get(args, "openai_gelu", False):
+        return True
+    return bool(_get(args, "bias_gelu_fusion", True)) and bool(_get(args, "add_bias_linear", True))
+
+
+# (field, predicate on args that megalite cannot honour, what it is)
+_UNSUPPORTED = (
+    ("rotary_percent", lambda a: _get(a, "rotary_percent", 1.0) != 1.0, "partial rotary"),
+    ("rotary_interleaved", lambda a: _get(a, "rotary_interleaved", False), "interleaved RoPE"),
+    ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False), "RoPE scaling"),
+    ("rotary_seq_len_interpolation_factor",
+     lambda a: _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
+     "RoPE interpolation"),
+    ("apply_layernorm_1p", lambda a: _get(a, "apply_layernorm_1p", False), "zero-centred gamma"),
+    ("layernorm_zero_centered_gamma",
+     lambda a: _get(a, "layernorm_zero_centered_gamma", False), "zero-centred gamma"),
+    ("qk_layernorm", lambda a: _get(a, "qk_layernorm", False), "qk layernorm"),
+    ("apply_residual_connection_post_layernorm",
+     lambda a: _get(a, "apply_residual_connection_post_layernorm", False), "post-LN residuals"),
+    ("multi_latent_attention", lambda a: _get(a, "multi_latent_attention", False), "MLA"),
+    ("mtp_num_layers", lambda a: _get(a, "mtp_num_layers", 0) > 0, "multi-token prediction"),
+    ("squared_relu", lambda a: _get(a, "squared_relu", False), "squared ReLU"),
+    ("openai_gelu", lambda a: not _get(a, "swiglu", False) and not _gelu_is_tanh(a),
+     "exact (erf) GELU, megalite's is the tanh approximation (--openai-gelu)"),
+    ("heterogeneous_layers_config_path",
+     lambda a: bool(_get(a, "heterogeneous_layers_config_path", None)), "heterogeneous layers"),
+    ("moe_router_score_function",
+     lambda a: _get(a, "moe_router_score_function", "softmax") != "softmax", "sigmoid routing"),
+    ("moe_router_num_groups", lambda a: _get(a, "moe_router_num_groups", 0) > 0,
+     "group-limited routing"),
+    ("moe_router_topk_scaling_factor",
+     lambda a: _get(a, "moe_router_topk_scaling_factor", 1.0) not in (1, 1.0), "top-k scaling"),
+    ("moe_shared_expert_gate", lambda a: _get(a, "moe_shared_expert_gate", False),
+     "a gated shared expert"),
+    ("moe_router_enable_expert_bias", lambda a: _get(a, "moe_router_enable_expert_bias", False),
+     "the expert bias (megalite does not checkpoint it)"),
+    ("moe_layer_freq", lambda a: not isinstance(_get(a, "moe_layer_freq", 1), int),
+     "a per-layer MoE pattern"),
+    ("moe_pad_expert_input_to_capacity",
+     lambda a: _get(a, "moe_pad_expert_input_to_capacity", False), "padding to capacity"),
+    ("moe_expert_capacity_factor",
+     lambda a: _get(a, "num_experts", 0) and a.get("moe_expert_capacity_factor") is not None,
+     "token dropping (megalite drops in its own order; Megatron's is not reproduced)"),
+    ("moe_router_load_balancing_type",
+     lambda a: _get(a, "num_experts", 0)
+     and _get(a, "moe_router_load_balancing_type", "aux_loss") not in ("aux_loss", "none"),
+     "a load-balancing scheme other than the Switch auxiliary loss"),
+    ("add_bias_linear", lambda a: _get(a, "num_experts", 0) and _get(a, "add_bias_linear", True),
+     "expert biases (megalite's experts have none)"),
+)  # fmt: skip
+
+
+def _features(args: dict) -> ModelFeatures:
+    norm = _get(args, "normalization", "LayerNorm")
+    position = _get(args, "position_embedding_type", "learned_absolute")
+    norms = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+    positions = {"learned_absolute": "learned", "rope": "rotary"}
+    if norm not in norms:
+        raise MegaliteError(
+            f"Megatron normalization={norm!r} is not supported (LayerNorm, RMSNorm)"
+        )
+    if position not in positions:
+        raise MegaliteError(
+            f"Megatron position_embedding_type={position!r} is not supported (learned_absolute, rope)"
+        )
+    bias = bool(_get(args, "add_bias_linear", True))
+    return ModelFeatures(norms[norm], positions[position], gated_mlp=bool(_get(args, "swiglu", False)),
+                         qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
+                         linear_bias=bias, tied=False, hf_model_type="")  # fmt: skip
+
+
+def _flavour(features: ModelFeatures) -> str:
+    """The megalite flavour with these features (tying and the HF layout aside)."""
+    keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias")
+    mine = {k: getattr(features, k) for k in keys}
+    for name, row in FLAVOURS.items():
+        if mine == {k: getattr(row, k) for k in keys}:
+            return name
+    what = ", ".join(f"{k}={v}" for k, v in mine.items())
+    raise MegaliteError(
+        f"a Megatron model with {what} has no megalite flavour (megalite.config.FLAVOURS)"
+    )
+
+
+def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
+    """megalite's ModelConfig from a Megatron checkpoint's `args` (a Namespace or dict).
+    `vocab_size`: the real vocabulary when the args hold only the padded one."""
+    a = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+    for field, bad, what in _UNSUPPORTED:
+        if bad(a):
+            raise MegaliteError(
+                f"the Megatron checkpoint uses {what} ({field}={a.get(field)!r}), which megalite "
+                "cannot honour; it cannot be converted"
+            )
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if a.get(k) is None]
+    if missing:
+        raise MegaliteError(f"the Megatron checkpoint's args lack {', '.join(missing)}")
+    h, heads = a["hidden_size"], a["num_attention_heads"]
+    if _get(a, "kv_channels", h // heads) != h // heads:
+        raise MegaliteError(
+            f"Megatron kv_channels={a['kv_channels']} != hidden_size/num_attention_heads="
+            f"{h // heads} is not supported: megalite's head dimension is hidden/heads"
+        )
+    features = _features(a)
+    groups = a.get("num_query_groups") if _get(a, "group_query_attention", False) else None
+    vocab = vocab_size or a.get("vocab_size") or a.get("padded_vocab_size")
+    if vocab is None:
+        raise MegaliteError(
+            "the Megatron checkpoint's args hold neither vocab_size nor padded_vocab_size; pass "
+            "--vocab-size"
+        )
+    experts = {}
+    if _get(a, "num_experts", 0):
+        experts = {
+            "num_experts": a["num_experts"],
+            "moe_router_topk": _get(a, "moe_router_topk", 2),
+            "moe_ffn_hidden_size": a.get("moe_ffn_hidden_size"),
+            "moe_shared_expert_intermediate_size": a.get("moe_shared_expert_intermediate_size"),
+            "moe_layer_freq": _get(a, "moe_layer_freq", 1),
+            "moe_aux_loss_coeff": float(_get(a, "moe_aux_loss_coeff", 0.0)),
+            "moe_z_loss_coeff": float(_get(a, "moe_z_loss_coeff", 0.0)),
+            "moe_router_pre_softmax": bool(_get(a, "moe_router_pre_softmax", False)),
+        }
+    seq = _get(a, "seq_length", _get(a, "max_position_embeddings", 2048))
+    return ModelConfig(
+        flavour=_flavour(features),
+        num_layers=a["num_layers"],
+        hidden_size=h,
+        num_attention_heads=heads,
+        num_query_groups=groups if groups != heads else None,
+        ffn_hidden_size=_get(a, "ffn_hidden_size", 4 * h),
+        seq_length=seq,
+        max_position_embeddings=a.get("max_position_embeddings") if features.learned_positions
+        else None,
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=_get(a, "make_vocab_size_divisible_by", 128),
+        hidden_dropout=float(_get(a, "hidden_dropout", 0.0)),
+        attention_dropout=float(_get(a, "attention_dropout", 0.0)),
+        norm_epsilon=float(_get(a, "layernorm_epsilon", _get(a, "norm_epsilon", 1e-5))),
+        rotary_base=float(_get(a, "rotary_base", 10000)),
+        init_method_std=float(_get(a, "init_method_std", 0.02)),
+        untie_embeddings_and_output_weights=bool(
+            _get(a, "untie_embeddings_and_output_weights", False)
+        ),
+        **experts,
+    )  # fmt: skip
+
+
+def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
+    """Megatron's padded vocabulary: a multiple of make_vocab_size_divisible_by * tp."""
+    return cfg.padded_vocab_size(tp)
+
+
+def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
+                     dtype=torch.float32, ckpt_format="torch_dist", transformer_impl="local") -> dict:  # fmt: skip
+    """The fields of a Megatron `args` Namespace that rebuild this model at this layout (the
+    ones --use-checkpoint-args takes, and those check_checkpoint_args compares)."""
+    refused = {"--moe-expert-capacity-factor (megalite's drop order is its own)":
+               cfg.moe_expert_capacity_factor is not None and cfg.num_experts,
+               "--moe-router-enable-expert-bias (megalite does not checkpoint the bias)":
+               cfg.moe_router_enable_expert_bias and cfg.num_experts}  # fmt: skip
+    if any(refused.values()):
+        raise MegaliteError(
+            f"this model uses {', '.join(k for k, v in refused.items() if v)}, which a Megatron "
+            "checkpoint cannot carry; it cannot be exported"
+        )
+    f = cfg.features
+    groups = cfg.heads_kv
+    vpp = vpp if vpp and vpp > 1 else None
+    args = {
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.ffn,
+        "num_attention_heads": cfg.num_attention_heads,
+        "group_query_attention": groups != cfg.num_attention_heads,
+        "num_query_groups": groups,
+        "kv_channels": cfg.head_dim,
+        "normalization": "RMSNorm" if f.rms_norm else "LayerNorm",
+        "swiglu": f.gated_mlp,
+        "openai_gelu": not f.gated_mlp,  # megalite's GELU is the tanh approximation
+        "position_embedding_type": "rope" if f.rotary else "learned_absolute",
+        "rotary_base": int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
+        else cfg.rotary_base,
+        "rotary_percent": 1.0,
+        "untie_embeddings_and_output_weights": not cfg.tied,
+        "add_bias_linear": f.linear_bias,
+        "add_qkv_bias": f.qkv_bias,
+        "layernorm_epsilon": cfg.norm_epsilon,
+        "norm_epsilon": cfg.norm_epsilon,
+        "max_position_embeddings": (cfg.max_position_embeddings or cfg.seq_length)
+        if f.learned_positions else cfg.seq_length,
+        "seq_length": cfg.seq_length,
+        "vocab_size": cfg.vocab_size,
+        "padded_vocab_size": padded_vocab_size(cfg, tp),
+        "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+        "hidden_dropout": cfg.hidden_dropout,
+        "attention_dropout": cfg.attention_dropout,
+        "init_method_std": cfg.init_method_std,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp,
+        "num_layers_per_virtual_pipeline_stage": cfg.num_layers // pp // vpp if vpp else None,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": tp,
+        "iteration": iteration,
+        "num_experts": cfg.num_experts,
+        "add_position_embedding": True,  # Megatron's default; position_embedding_type decides
+        "use_rotary_position_embeddings": f.rotary,
+        "rotary_interleaved": False,
+        "apply_layernorm_1p": False,
+        "squared_relu": False,
+        "qk_layernorm": False,
+        "params_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "ckpt_format": ckpt_format,
+        "use_dist_ckpt": ckpt_format != "torch",
+        "transformer_impl": transformer_impl,
+        "tokenizer_type": None,  # megalite's tokenizer is not one of Megatron's named types
+        "data_parallel_random_init": False,
+    }  # fmt: skip
+    if cfg.num_experts:
+        args.update({
+            "moe_router_topk": cfg.moe_router_topk,
+            "moe_ffn_hidden_size": cfg.moe_ffn,
+            "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
+            "moe_layer_freq": cfg.moe_layer_freq,
+            "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+            "moe_z_loss_coeff": cfg.moe_z_loss_coeff,
+            "moe_router_pre_softmax": cfg.moe_router_pre_softmax,
+            "moe_router_load_balancing_type": "aux_loss",
+        })  # fmt: skip
+    return args

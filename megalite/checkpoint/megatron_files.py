@@ -1,0 +1,359 @@
+"""Megatron-LM's checkpoint files: the legacy per-rank layout (read, written), shared helpers.
+
+    legacy      ROOT/latest_checkpointed_iteration.txt, ROOT/iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/
+                model_optim_rng.pt: a dict with `model` (or `model0..` per virtual stage), `args`
+                (an argparse.Namespace), `checkpoint_version`, `iteration`; tp shards split
+                column-parallel tensors on dim 0 (SwiGLU fc1 as [gate_r | up_r] per rank),
+                row-parallel weights on dim 1; a stage numbers its layers from 0, an ep rank
+                its experts; virtual stage v of pp rank p holds Megatron's even split.
+    torch_dist  ROOT/iter_NNNNNNN/{*.distcp, .metadata, common.pt, metadata.json}: in
+                `megatron_dist.py`, which also reads either format (`read_megatron`).
+
+`read_legacy` gives (args dict, Megatron state of global tensors with local names, facts);
+`write_legacy` writes such a state at a layout. Pickle is read only here, in the offline
+converter (`load_pickle`, for legacy files and torch_dist's common.pt): `torch.load(
+weights_only=True)` with argparse.Namespace and plain value types allow-listed and any other
+class in the file (megatron's enums, numpy's RNG arrays, TE's BytesIO) replaced by an inert
+stand-in that runs no code.
+"""
+
+import argparse
+import io
+import json
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint import megatron as mg
+from megalite.errors import MegaliteError
+
+LATEST = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
+TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+# value types that are safe to rebuild for real (a TE extra state's bytes, say)
+SAFE_BUILTINS = {f"builtins.{t.__name__}": t for t in (bytes, bytearray, set, frozenset, complex,
+                                                       slice, range)}  # fmt: skip
+
+
+class _Opaque:
+    """What an unknown class in a legacy pickle becomes: it keeps its arguments, runs nothing."""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args = args
+        return obj
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def load_pickle(path: Path) -> dict:
+    """A Megatron .pt file, unpickled with weights_only=True (see the module docstring)."""
+    try:
+        unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        known = {"argparse.Namespace": argparse.Namespace, **SAFE_BUILTINS}
+        allowed = [known[n] if n in known else (_Opaque, n) for n in unknown]
+        with torch.serialization.safe_globals(allowed):
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        raise MegaliteError(f"{path} is not a readable Megatron checkpoint file ({e})") from None
+    if not isinstance(obj, dict):
+        raise MegaliteError(f"{path} does not hold a Megatron checkpoint dict")
+    return obj
+
+
+def _args(obj: dict, path: Path) -> dict:
+    args = obj.get("args")
+    if isinstance(args, argparse.Namespace):
+        return dict(vars(args))
+    if isinstance(args, dict):
+        return dict(args)
+    raise MegaliteError(
+        f"{path} holds no Megatron `args`; megalite takes the model config from them"
+    )
+
+
+# ---- finding the checkpoint -----------------------------------------------------------------
+
+
+def iteration_dir(src: Path) -> Path:
+    """The iter_*/release directory of a Megatron checkpoint (a root with LATEST, or one)."""
+    if (src / LATEST).is_file():
+        it = (src / LATEST).read_text().strip()
+        name = "release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else None
+        if name is None or not (src / name).is_dir():
+            raise MegaliteError(
+                f"{src / LATEST} says {it!r} but {src} has no such iteration directory"
+            )
+        return src / name
+    return src
+
+
+def is_megatron(src: Path) -> bool:
+    d = iteration_dir(src) if (src / LATEST).is_file() else src
+    return (d / "common.pt").is_file() or any(MP_RANK.match(p.name) for p in d.glob("mp_rank_*"))
+
+
+# ---- tensor-parallel rules ------------------------------------------------------------------
+
+
+def tp_dim(name: str) -> int | None:
+    """The dim a tp shard of this (local-name) tensor splits, None when replicated."""
+    if name in (mg.EMBEDDING, mg.OUTPUT_LAYER) or re.search(
+        r"linear_(qkv|fc1)\.(weight|bias)$", name
+    ):
+        return 0
+    if re.search(r"linear_(proj|fc2)\.weight$", name):
+        return 1
+    return None
+
+
+def _swiglu_fc1(name: str, gated: bool) -> bool:
+    return gated and bool(re.search(r"linear_fc1\.(weight|bias)$", name))
+
+
+def merge_tp(name: str, shards: list, gated: bool) -> torch.Tensor:
+    """tp shards of one tensor -> the global tensor ([gate | up] for SwiGLU fc1)."""
+    dim = tp_dim(name)
+    if dim is None:
+        return shards[0]
+    if _swiglu_fc1(name, gated):
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(shards, dim)
+
+
+def split_tp(name: str, t: torch.Tensor, tp: int, gated: bool) -> list:
+    """The global tensor -> its tp shards as Megatron lays them out."""
+    dim = tp_dim(name)
+    if dim is None or tp == 1:
+        return [t] * tp
+    if t.shape[dim] % tp:
+        raise MegaliteError(f"{name} ({tuple(t.shape)}) does not split over tp={tp}")
+    if _swiglu_fc1(name, gated):
+        gate, up = (x.chunk(tp) for x in t.chunk(2))
+        return [torch.cat([g, u]).contiguous() for g, u in zip(gate, up)]
+    return [s.contiguous() for s in t.chunk(tp, dim)]
+
+
+def layer_ranges(num_layers: int, pp: int, vpp: int, where: str) -> dict:
+    """{(pp rank, virtual stage): the global layers it holds}, Megatron's even split."""
+    if num_layers % (pp * vpp):
+        raise MegaliteError(
+            f"{where}: num_layers={num_layers} does not split evenly over pp={pp} x vpp={vpp}; "
+            "uneven pipeline splits are not supported"
+        )
+    n = num_layers // (pp * vpp)
+    return {(p, v): range(v * pp * n + p * n, v * pp * n + (p + 1) * n)
+            for p in range(pp) for v in range(vpp)}  # fmt: skip
+
+
+def layout(args: dict, where: str) -> tuple:
+    """(tp, pp, vpp, ep) of a Megatron run's args; uneven splits refused with one line."""
+    for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "pipeline_model_parallel_layout"):  # fmt: skip
+        if args.get(k):
+            raise MegaliteError(f"{where}: {k}={args[k]!r} (an uneven pipeline) is not supported")
+    tp = args.get("tensor_model_parallel_size") or 1
+    pp = args.get("pipeline_model_parallel_size") or 1
+    vpp = args.get("virtual_pipeline_model_parallel_size") or 1
+    if args.get("num_layers_per_virtual_pipeline_stage"):
+        vpp = args["num_layers"] // pp // args["num_layers_per_virtual_pipeline_stage"]
+    ep = args.get("expert_model_parallel_size") or 1
+    etp = args.get("expert_tensor_parallel_size") or tp
+    if args.get("num_experts") and etp != tp:
+        raise MegaliteError(
+            f"{where}: expert_tensor_parallel_size={etp} != tensor_model_parallel_size={tp} is "
+            "not supported"
+        )
+    return tp, pp, vpp, ep
+
+
+# ---- legacy: read -----------------------------------------------------------------------------
+
+
+def mp_rank_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+
+
+def _localise(chunk: dict, layers: range, experts: range, cfg_args: dict, where) -> dict:
+    """One shard's model dict -> global layer indices and expert numbers, tensors only."""
+    out = {}
+    for k, v in chunk.items():
+        if not isinstance(v, torch.Tensor) or k.endswith("_extra_state"):
+            continue
+        m = LAYER.match(k)
+        if m and int(m[1]) >= len(layers):
+            raise MegaliteError(
+                f"{where} holds layer {m[1]} of its stage, but the args give a stage "
+                f"{len(layers)} layers; the args contradict the tensors"
+            )
+        if m:
+            k = mg.LAYER.format(layers[int(m[1])]) + m[2]
+        m = EXPERT.match(k)
+        if m:
+            k = f"{m[1]}local_experts.{experts[int(m[2])]}.{m[3]}"
+        m = TE_EXPERT.match(k)
+        if m:
+            k = f"{m[1]}local_experts.{experts[int(m[3])]}.{m[2]}.weight"
+        if k.endswith("mlp.experts.weight1") or k.endswith("mlp.experts.weight2"):
+            out.update(_grouped(k, v, experts, cfg_args))
+            continue
+        out[mg.local_names(k)] = v
+    return out
+
+
+def _grouped(k: str, w: torch.Tensor, experts: range, args: dict) -> dict:
+    """megatron-core's legacy GroupedMLP weights (h, E*fc1) and (E*ffn, h) -> per expert."""
+    base, h, n = k[: -len("weight1")], args["hidden_size"], len(experts)
+    if k.endswith("weight1"):
+        per = w.view(n, h, -1)  # (E_local, h, fc1/tp), the matmul's right-hand side
+        return {f"{base}local_experts.{e}.linear_fc1.weight": per[j].t().contiguous()
+                for j, e in enumerate(experts)}  # fmt: skip
+    per = w.view(n, -1, h)  # (E_local, ffn/tp, h)
+    return {f"{base}local_experts.{e}.linear_fc2.weight": per[j].t().contiguous()
+            for j, e in enumerate(experts)}  # fmt: skip
+
+
+def read_legacy(d: Path) -> tuple[dict, dict, dict]:
+    ranks = sorted(p.name for p in d.iterdir() if MP_RANK.match(p.name))
+    first = load_pickle(d / ranks[0] / MODEL_FILE)
+    args = _args(first, d / ranks[0] / MODEL_FILE)
+    version = first.get("checkpoint_version", 0)
+    model = first.get("model", first.get("model0", {}))
+    if version < mg.CHECKPOINT_VERSION or any(k.startswith("language_model.") for k in model):
+        raise MegaliteError(
+            f"{d} is an older Megatron-LM checkpoint (checkpoint_version {version}, "
+            "megatron/legacy model names); only megatron-core GPTModel checkpoints "
+            f"(checkpoint_version {mg.CHECKPOINT_VERSION}) convert"
+        )
+    tp, pp, vpp, ep = layout(args, str(d))
+    num_experts = args.get("num_experts") or 0
+    ranges = layer_ranges(args["num_layers"], pp, vpp, str(d))
+    per_rank = num_experts // ep
+    gated = bool(args.get("swiglu"))
+    shards, optimizer = {}, False  # name -> {ep rank: {tp rank: tensor}}
+    for p in range(pp):
+        for e in range(ep):
+            for t in range(tp):
+                name = mp_rank_name(t, p, e, pp, ep)
+                path = d / name / MODEL_FILE
+                if not path.is_file():
+                    raise MegaliteError(
+                        f"{d} lacks {name}/{MODEL_FILE} (its args say tp={tp} pp={pp} ep={ep}); "
+                        "the checkpoint is incomplete"
+                    )
+                obj = first if name == ranks[0] else load_pickle(path)
+                optimizer = optimizer or "optimizer" in obj
+                for v in range(vpp):
+                    chunk = obj.get("model" if vpp == 1 else f"model{v}")
+                    if chunk is None:
+                        raise MegaliteError(f"{path} holds no model{'' if vpp == 1 else v} dict")
+                    experts = range(e * per_rank, (e + 1) * per_rank)
+                    for k, x in _localise(chunk, ranges[p, v], experts, args, path).items():
+                        if k == mg.OUTPUT_LAYER and not args.get(
+                            "untie_embeddings_and_output_weights"
+                        ):
+                            continue  # the last stage's copy of the tied embedding
+                        shards.setdefault(k, {}).setdefault(e, {})[t] = x
+    state = {}
+    for k, by_ep in shards.items():
+        ts = by_ep[min(by_ep)]  # a tensor outside the experts is the same on every ep rank
+        state[k] = merge_tp(k, [ts[t] for t in sorted(ts)], gated)
+    facts = {"iteration": first.get("iteration", 0), "format": "legacy", "optimizer": optimizer,
+             "layout": (tp, pp, vpp, ep)}  # fmt: skip
+    return args, state, facts
+
+
+# ---- legacy: write ----------------------------------------------------------------------------
+
+
+def _extra_states(chunk: dict) -> dict:
+    """megatron-core's linears carry an `_extra_state` entry that a strict load expects."""
+    linears = {k.rsplit(".", 1)[0] for k in chunk if re.search(r"linear_\w+\.weight$", k)}
+    return {f"{m}._extra_state": None for m in linears}
+
+
+def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int, ep: int = 1,
+                 iteration: int = 0, transformer_impl="local"):  # fmt: skip
+    """Write a Megatron state as a legacy checkpoint at this layout under dst, with the norm
+    names of Megatron's `transformer_impl` layer spec (local or transformer_engine)."""
+    vpp = vpp or 1
+    num_experts = args.get("num_experts") or 0
+    if num_experts % ep or (ep > 1 and not num_experts):
+        raise MegaliteError(
+            f"--ep {ep} needs a mixture-of-experts model with a multiple of {ep} experts "
+            f"(this one has {num_experts})"
+        )
+    ranges = layer_ranges(args["num_layers"], pp, vpp, "--to megatron")
+    per_rank, gated = num_experts // ep, bool(args.get("swiglu"))
+    tied = not args.get("untie_embeddings_and_output_weights")
+    split = {k: split_tp(k, v, tp, gated) for k, v in state.items()}
+    namespace = argparse.Namespace(**args)
+    it_dir = dst / f"iter_{iteration:07d}"
+    for p in range(pp):
+        for e in range(ep):
+            for t in range(tp):
+                obj = {"args": namespace, "checkpoint_version": mg.CHECKPOINT_VERSION,
+                       "iteration": iteration}  # fmt: skip
+                for v in range(vpp):
+                    first, last = p == 0 and v == 0, p == pp - 1 and v == vpp - 1
+                    chunk = _chunk(split, t, ranges[p, v], range(e * per_rank, (e + 1) * per_rank),
+                                   first, last)  # fmt: skip
+                    if last and tied and pp > 1:  # the last stage's copy of the embedding
+                        chunk[mg.OUTPUT_LAYER] = split[mg.EMBEDDING][t]
+                    if last:
+                        chunk["output_layer._extra_state"] = None
+                    chunk.update(_extra_states(chunk))
+                    chunk = mg.spec_names(chunk, transformer_impl, sharded=False)
+                    obj["model" if vpp == 1 else f"model{v}"] = chunk
+                path = it_dir / mp_rank_name(t, p, e, pp, ep) / MODEL_FILE
+                path.parent.mkdir(parents=True)
+                torch.save(obj, path)
+    (dst / LATEST).write_text(str(iteration))
+
+
+def _chunk(split: dict, t: int, layers: range, experts: range, first: bool, last: bool) -> dict:
+    out = {}
+    for k, shards in split.items():
+        m = LAYER.match(k)
+        if m is None:
+            if (k.startswith("embedding.") and first) or (not k.startswith("embedding.") and last):
+                out[k] = shards[t]
+            continue
+        i, rest = int(m[1]), m[2]
+        if i not in layers:
+            continue
+        x = EXPERT.match(k)
+        if x:
+            j = int(x[2])
+            if j not in experts:
+                continue
+            rest = rest.replace(f"local_experts.{j}.", f"local_experts.{j - experts[0]}.")
+        out[f"decoder.layers.{i - layers[0]}.{rest}"] = shards[t]
+    return out
+
+
+# ---- torch_dist helpers --------------------------------------------------------------------
+
+
+def write_common(d: Path, obj: dict):
+    """torch.save into a file (used by torch_dist's common.pt)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    (d / "common.pt").write_bytes(buf.getvalue())
+
+
+def write_metadata_json(d: Path):
+    (d / "metadata.json").write_text(json.dumps({
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1,
+    }))  # fmt: skip

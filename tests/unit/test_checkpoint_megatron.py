@@ -1,0 +1,432 @@
+"""Megatron-LM checkpoints <-> megalite, against megatron-core itself, in one process.
+
+A real megatron-core GPTModel (tp=1, local layer specs through `get_gpt_decoder_block_spec(...,
+use_transformer_engine=False)`, on CPU: `torch.cuda.current_device` patched to "cpu", a one-rank
+gloo group for parallel_state) in three configurations: GPT-2 style (LayerNorm, GELU, learned
+positions, biases, tied), Llama style (GQA, SwiGLU, RoPE, untied) and Llama-style MoE (4 experts,
+top-2, a shared expert, experts in every other layer). Each is saved by Megatron's own code in
+the legacy layout and as torch_dist, converted to megalite (logits within 1e-5 of Megatron's,
+fp32), and converted back in both formats, which Megatron loads (`load_state_dict(strict=True)`,
+and `dist_checkpointing.load` into its sharded state dict) with the same logits. The tp/pp/vpp/ep
+split and merge are checked against Megatron's rules by slicing global tensors in one process;
+the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint import megatron as mg
+from megalite.checkpoint import megatron_args, megatron_files
+from megalite.checkpoint.checkpointer import load_model
+from megalite.config_read import from_dict
+from megalite.errors import MegaliteError
+from megalite.model.gpt import LOCAL, GPTChunk
+
+pytest.importorskip("megatron.core")
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, SEQ = 100, 16
+
+_spec = importlib.util.spec_from_file_location(
+    "convert_checkpoint", ROOT / "tools/convert_checkpoint.py"
+)
+convert = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """megatron-core set up for one CPU process; undone afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+    mp.setattr(torch.cuda, "synchronize", lambda *a: None)  # its checkpoint writer waits on CUDA
+    # dropout's RNG fork wants CUDA generators; the models here run without dropout
+    mp.setattr(mrandom.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    # its checkpoint writer measures memory with psutil, which is not a dependency here
+    mp.setattr(filesystem_async, "_process_memory", lambda: 0)
+    # without TransformerEngine, megatron-core 0.16's router names a gemm it never defined
+    from megatron.core.transformer.moe import moe_utils
+
+    mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    mp.undo()
+
+
+KINDS = {
+    "gpt2": {"normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
+             "position_embedding_type": "learned_absolute", "num_query_groups": 4,
+             "ffn_hidden_size": 128, "untie_embeddings_and_output_weights": False},
+    "moe": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+            "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
+            "untie_embeddings_and_output_weights": True, "num_experts": 4, "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 48,
+            "moe_layer_freq": 2},
+    "llama": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+              "position_embedding_type": "rope", "num_query_groups": 2, "ffn_hidden_size": 96,
+              "untie_embeddings_and_output_weights": True, "rotary_base": 500000},
+}  # fmt: skip
+
+
+def margs(kind: str, **over) -> argparse.Namespace:
+    """The args a Megatron run of this model would save."""
+    a = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "kv_channels": 16,
+         "group_query_attention": True, "seq_length": SEQ, "max_position_embeddings": SEQ,
+         "vocab_size": VOCAB, "padded_vocab_size": 128, "make_vocab_size_divisible_by": 128,
+         "layernorm_epsilon": 1e-5, "rotary_base": 10000, "rotary_percent": 1.0,
+         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0, "bias_gelu_fusion": True,
+         **KINDS[kind], **over}  # fmt: skip
+    return argparse.Namespace(**a)
+
+
+def megatron_model(args: argparse.Namespace, seed=0):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, normalization=args.normalization,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear, bias_activation_fusion=not args.swiglu,
+        layernorm_epsilon=args.layernorm_epsilon, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, num_moe_experts=getattr(args, "num_experts", None),
+        moe_router_topk=getattr(args, "moe_router_topk", 2),
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        moe_token_dispatcher_type="allgather", moe_layer_freq=getattr(args, "moe_layer_freq", 1),
+    )  # fmt: skip
+    # layers with experts and dense ones (moe_layer_freq): the block spec
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                      normalization=args.normalization)  # fmt: skip
+    m = GPTModel(
+        cfg, spec,
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )  # fmt: skip
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb so a mix-up shows
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m.eval()
+
+
+def megatron_logits(m, ids):
+    s = ids.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        return m(ids, torch.arange(s).expand_as(ids), mask)[..., :VOCAB]
+
+
+def save_legacy(d: Path, m, args, iteration=7, extra=None):
+    path = d / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    model = {**m.state_dict(), **(extra or {})}
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "model": model, "optimizer": {"state": {}}}, path)  # fmt: skip
+    (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def save_torch_dist(d: Path, m, args, iteration=7):
+    """As Megatron's training loop saves: the model's sharded state dict and the common state."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    it = d / f"iter_{iteration:07d}"
+    it.mkdir(parents=True)
+    state = {"model": m.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
+             "iteration": iteration}  # fmt: skip
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    dist_checkpointing.save(state, str(it), sharded_strategy=strategy)
+    (d / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def megalite_model(path) -> GPTChunk:
+    ckpt = fmt.Checkpoint(path)
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model)
+    load_model([chunk], LOCAL, ckpt)
+    return chunk.eval()
+
+
+IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def imported(request, megatron, tmp_path_factory):
+    """(kind, Megatron model, its logits, the megalite checkpoint converted from legacy)."""
+    d = tmp_path_factory.mktemp(request.param)
+    args = margs(request.param)
+    m = megatron_model(args)
+    save_legacy(d / "mt", m, args)
+    convert.main([str(d / "mt"), str(d / "ml"), "--to", "megalite"])
+    return request.param, m, megatron_logits(m, IDS), d / "ml"
+
+
+def test_legacy_import_gives_megatrons_logits(imported):
+    kind, _, theirs, ml = imported
+    chunk = megalite_model(ml)
+    assert chunk.cfg.flavour == {"moe": "llama"}.get(kind, kind)
+    with torch.no_grad():
+        ours = chunk(IDS)
+    assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
+    assert (ours - theirs).abs().max() <= 1e-5
+    ck = fmt.Checkpoint(ml)
+    assert ck.index["optimizer"] is None and ck.shape("embedding.word.weight")[0] == VOCAB
+
+
+def test_torch_dist_import_gives_megatrons_logits(imported, tmp_path):
+    kind, m, theirs, _ = imported
+    save_torch_dist(tmp_path / "mt", m, margs(kind))
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "ml"), "--to", "megalite"])
+    with torch.no_grad():
+        ours = megalite_model(tmp_path / "ml")(IDS)
+    assert (ours - theirs).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["legacy", "torch_dist"])
+def test_export_loads_into_megatron_with_the_same_logits(imported, form, tmp_path):
+    kind, m, theirs, ml = imported
+    convert.main([str(ml), str(tmp_path / "out"), "--to", "megatron", "--format", form])
+    fresh = megatron_model(margs(kind), seed=1)
+    assert (megatron_logits(fresh, IDS) - theirs).abs().max() > 1e-2  # it did change
+    if form == "legacy":
+        obj = megatron_files.load_pickle(
+            tmp_path / "out/iter_0000000/mp_rank_00/model_optim_rng.pt"
+        )
+        assert obj["checkpoint_version"] == 3.0 and obj["args"].padded_vocab_size == 128
+        fresh.load_state_dict(obj["model"], strict=True)
+    else:
+        from megatron.core import dist_checkpointing
+
+        sd = fresh.sharded_state_dict()
+        loaded = dist_checkpointing.load(sd, str(tmp_path / "out/iter_0000000"))
+        fresh.load_state_dict(loaded, strict=False)
+    assert (megatron_logits(fresh, IDS) - theirs).abs().max() <= 1e-5
+
+
+def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_path):
+    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 (ep=2) -> megalite: the same tensors."""
+    kind, _, _, ml = imported
+    want = fmt.Checkpoint(ml)
+    legacy = ["--format", "legacy", "--tp", "2", "--pp", "2", "--vpp", "2"]
+    legacy += ["--ep", "2"] if kind == "moe" else []
+    for i, extra in enumerate([["--format", "torch_dist"], legacy]):
+        out, back = tmp_path / f"mt{i}", tmp_path / f"ml{i}"
+        convert.main([str(ml), str(out), "--to", "megatron", *extra])
+        convert.main([str(out), str(back), "--to", "megalite"])
+        got = fmt.Checkpoint(back)
+        assert sorted(got.names()) == sorted(want.names())
+        for n in want.names():
+            assert torch.equal(got.read(n), want.read(n)), n
+
+
+def test_transformer_engine_names_read_back(imported, tmp_path):
+    """--transformer-impl transformer_engine writes TE's fused-norm names; they import."""
+    kind, _, _, ml = imported
+    out, back = tmp_path / "te", tmp_path / "back"
+    convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy",
+                  "--transformer-impl", "transformer_engine"])  # fmt: skip
+    keys = megatron_files.load_pickle(out / "iter_0000000/mp_rank_00/model_optim_rng.pt")["model"]
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert not [k for k in keys if k.endswith("input_layernorm.weight")]
+    # an MoE layer keeps its pre-MLP norm apart (TE fuses it into a dense linear_fc1 only)
+    assert ("decoder.layers.0.pre_mlp_layernorm.weight" in keys) == (kind == "moe")
+    convert.main([str(out), str(back), "--to", "megalite"])
+    want, got = fmt.Checkpoint(ml), fmt.Checkpoint(back)
+    assert all(torch.equal(got.read(n), want.read(n)) for n in want.names())
+
+
+# ---- the tensor-parallel layout, by slicing global tensors as Megatron does -------------------
+
+
+def test_qkv_shards_hold_their_query_groups():
+    """Megatron's tp rank r holds query groups r*G/tp.. of linear_qkv, each [q | k | v]."""
+    cfg = megatron_args.config_from_args(
+        margs("llama", num_attention_heads=8, num_query_groups=4, kv_channels=8)
+    )
+    hd, h = cfg.head_dim, cfg.hidden_size
+    q, k, v = torch.randn(8 * hd, h), torch.randn(4 * hd, h), torch.randn(4 * hd, h)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    shards = megatron_files.split_tp(name, mg.merge_qkv(q, k, v, cfg), 2, gated=True)
+    # rank 1: groups 2, 3 -> query heads 4..7, kv heads 2, 3
+    g2 = torch.cat([q[4 * hd : 6 * hd], k[2 * hd : 3 * hd], v[2 * hd : 3 * hd]])
+    assert torch.equal(shards[1][: len(g2)], g2)
+    assert [tuple(s.shape) for s in shards] == [((8 + 8) * hd // 2, h)] * 2
+    assert all(torch.equal(a, b) for a, b in zip(mg.split_qkv(mg.merge_qkv(q, k, v, cfg), cfg),
+                                                 (q, k, v)))  # fmt: skip
+
+
+def test_swiglu_fc1_shards_are_gate_then_up_per_rank():
+    gate, up = torch.arange(8.0)[:, None], 100 + torch.arange(8.0)[:, None]
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    shards = megatron_files.split_tp(name, torch.cat([gate, up]), 2, gated=True)
+    assert torch.equal(shards[1], torch.cat([gate[4:], up[4:]]))
+    assert torch.equal(megatron_files.merge_tp(name, shards, gated=True), torch.cat([gate, up]))
+    row = "decoder.layers.0.mlp.linear_fc2.weight"
+    w = torch.randn(4, 6)
+    assert torch.equal(megatron_files.split_tp(row, w, 2, gated=True)[1], w[:, 3:])
+
+
+def test_megatron_tp2_shapes_match_the_split(megatron):
+    """The shard shapes megatron-core builds at tp=2 (from its own partition arithmetic)."""
+    from megatron.core.utils import divide
+
+    args = margs("llama")
+    cfg = megatron_args.config_from_args(args)
+    state = mg.to_megatron(_random_logical(cfg), cfg, megatron_args.padded_vocab_size(cfg, 2))
+    qkv = state["decoder.layers.0.self_attention.linear_qkv.weight"]
+    shard = megatron_files.split_tp(
+        "decoder.layers.0.self_attention.linear_qkv.weight", qkv, 2, True
+    )
+    per_rank = divide(args.num_attention_heads + 2 * args.num_query_groups, 2) * args.kv_channels
+    assert shard[0].shape == (per_rank, args.hidden_size)
+    assert state[mg.EMBEDDING].shape[0] == 256  # 100 padded to a multiple of 128 * tp
+
+
+def test_layer_placement_follows_megatrons_virtual_stages():
+    r = megatron_files.layer_ranges(8, 2, 2, "x")
+    assert r[0, 0] == range(0, 2) and r[1, 0] == range(2, 4)
+    assert r[0, 1] == range(4, 6) and r[1, 1] == range(6, 8)
+
+
+def _random_logical(cfg):
+    chunk = GPTChunk(cfg)
+    return {n: p.detach().clone() for n, p in chunk.state_dict().items()}
+
+
+# ---- bad input: one line, nothing written ----------------------------------------------------
+
+
+def test_unsupported_args_are_refused(tmp_path):
+    with pytest.raises(MegaliteError, match="rotary_percent"):
+        megatron_args.config_from_args(margs("llama", rotary_percent=0.5))
+    with pytest.raises(MegaliteError, match="exact"):
+        megatron_args.config_from_args(margs("gpt2", bias_gelu_fusion=False))
+    with pytest.raises(MegaliteError, match="token dropping"):
+        megatron_args.config_from_args(margs("moe", moe_expert_capacity_factor=1.0))
+    with pytest.raises(MegaliteError, match="position_embedding_type='alibi'"):
+        megatron_args.config_from_args(margs("llama", position_embedding_type="alibi"))
+    with pytest.raises(MegaliteError, match="kv_channels"):
+        megatron_args.config_from_args(margs("gpt2", kv_channels=8))
+
+
+def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
+    kind, m, _, _ = imported
+    save_legacy(tmp_path / "bad", m, margs(kind, hidden_size=32, kv_channels=8))
+    with pytest.raises(MegaliteError, match="args contradict the tensors"):
+        convert.main([str(tmp_path / "bad"), str(tmp_path / "o1"), "--to", "megalite"])
+    extra = {"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(16)}  # qk-norm
+    save_legacy(tmp_path / "qk", m, margs(kind), extra=extra)
+    with pytest.raises(MegaliteError, match="q_layernorm.weight, which its args do not explain"):
+        convert.main([str(tmp_path / "qk"), str(tmp_path / "o3"), "--to", "megalite"])
+    save_legacy(tmp_path / "pp", m, margs(kind, pipeline_model_parallel_size=2))
+    with pytest.raises(MegaliteError, match="lacks mp_rank_00_000"):
+        convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
+    assert not [p for p in ("o1", "o2", "o3") if (tmp_path / p).exists()]
+    assert not list(tmp_path.glob(".o*"))
+
+
+def test_pickles_load_without_their_classes(tmp_path):
+    """TE's extra states (BytesIO, an empty one pickled through builtins.bytes) and classes
+    torch does not allow (an enum in the args) load under weights_only. (megatron-core, imported
+    here, allow-lists its own classes; tests/e2e/test_megatron_workflows.py loads without it.)"""
+    import io
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    obj = {"args": argparse.Namespace(attention_backend=AttnBackend.auto, num_layers=2),
+           "model": {"a._extra_state": io.BytesIO(), "b._extra_state": io.BytesIO(b"x"),
+                     "w": torch.ones(2)}}  # fmt: skip
+    torch.save(obj, tmp_path / "f.pt")
+    got = megatron_files.load_pickle(tmp_path / "f.pt")
+    assert got["args"].num_layers == 2 and torch.equal(got["model"]["w"], torch.ones(2))
+    assert set(got["model"]) == {"a._extra_state", "b._extra_state", "w"}
+
+
+@pytest.mark.parametrize("imported", ["moe"], indirect=True)
+@pytest.mark.parametrize("grouped", ["GroupedMLP", "TEGroupedMLP"])
+def test_grouped_expert_forms_import_alike(imported, grouped, tmp_path):
+    """Experts stored as megatron-core's GroupedMLP (weight1 (h, E*fc1), weight2 (E*ffn, h),
+    viewed per expert as (E, h, fc1) and (E, ffn, h)) or TEGroupedMLP (linear_fc1.weight{j})."""
+    _, _, _, ml = imported
+    out = tmp_path / "mt"
+    convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy"])
+    path = out / "iter_0000000/mp_rank_00/model_optim_rng.pt"
+    obj = megatron_files.load_pickle(path)
+    model, experts = {}, {}
+    for k, v in obj["model"].items():
+        m = megatron_files.EXPERT.match(k)
+        if m is None:
+            model[k] = v
+        elif not k.endswith("_extra_state"):
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+    for base, by_name in experts.items():
+        fc1, fc2 = by_name["linear_fc1.weight"], by_name["linear_fc2.weight"]
+        n = len(fc1)
+        if grouped == "GroupedMLP":
+            h = fc1[0].shape[1]
+            model[base + "weight1"] = torch.stack([fc1[j].t() for j in range(n)]).reshape(h, -1)
+            model[base + "weight2"] = torch.stack([fc2[j].t() for j in range(n)]).reshape(-1, h)
+        else:
+            for j in range(n):
+                model[f"{base}linear_fc1.weight{j}"] = fc1[j]
+                model[f"{base}linear_fc2.weight{j}"] = fc2[j]
+    obj["model"] = model
+    torch.save(obj, path)
+    convert.main([str(out), str(tmp_path / "back"), "--to", "megalite"])
+    want, got = fmt.Checkpoint(ml), fmt.Checkpoint(tmp_path / "back")
+    assert all(torch.equal(got.read(n), want.read(n)) for n in want.names())
+
+
+@pytest.mark.parametrize("imported", ["gpt2"], indirect=True)
+def test_dcp_metadata_runs_no_code(imported, tmp_path):
+    """.metadata is a pickle: one that would call a function is refused with one line."""
+    import pickle
+
+    _, _, _, ml = imported
+    out = tmp_path / "mt"
+    convert.main([str(ml), str(out), "--to", "megatron"])
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    (out / "iter_0000000/.metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(MegaliteError, match="pathlib.Path.touch is not allowed in DCP metadata"):
+        convert.main([str(out), str(tmp_path / "o"), "--to", "megalite"])
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "o").exists()
+
+
+def test_keep_position_continues_megatrons_job(megatron, tmp_path):
+    # the default import starts at iteration 0; --keep-position keeps Megatron's step and data
+    # position (a fresh optimizer either way), and refuses args that do not say the position
+    m = megatron_model(margs("gpt2"))
+    save_legacy(tmp_path / "mt", m, margs("gpt2", consumed_train_samples=56), iteration=7)
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "a"), "--to", "megalite"])
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "b"), "--to", "megalite", "--keep-position"])
+    a, b = fmt.Checkpoint(tmp_path / "a"), fmt.Checkpoint(tmp_path / "b")
+    assert (a.iteration, a.index["consumed_samples"]) == (0, 0)
+    assert (b.iteration, b.index["consumed_samples"]) == (7, 56) and b.index["optimizer"] is None
+    save_legacy(tmp_path / "mt2", m, margs("gpt2"), iteration=7)
+    with pytest.raises(MegaliteError, match="consumed_train_samples"):
+        convert.main([str(tmp_path / "mt2"), str(tmp_path / "c"), "--to", "megalite",
+                      "--keep-position"])  # fmt: skip
+    assert not (tmp_path / "c").exists()
