@@ -12,7 +12,11 @@ Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj 
 - Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q, k, v only;
 - Qwen3ForCausalLM (Qwen3 dense): q_norm and k_norm over each head, head_dim set explicitly;
 - MistralForCausalLM: `sliding_window` (every layer);
-- MixtralForCausalLM: experts in every layer (no sliding window).
+- MixtralForCausalLM: experts in every layer (no sliding window);
+- Qwen3MoeForCausalLM: Qwen3 with experts (softmax top-k, `norm_topk_prob`), dense MLPs on
+  `mlp_only_layers` and off the `decoder_sparse_step` (read as --moe-dense-layers; written
+  back as mlp_only_layers with decoder_sparse_step 1).
+A flavour's MoE architecture is its `hf_moe_model_type`.
 Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all sliding).
 """
 
@@ -21,9 +25,11 @@ from megalite.errors import MegaliteError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}  # fmt: skip
+                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
 LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "mistral": "Mistral"}  # fmt: skip
+          "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE"}  # fmt: skip
+DENSE_LAYOUT = {"mixtral": "llama", "qwen3_moe": "qwen3"}  # MoE architecture -> its dense one
 
 # RoPE parameters per rope_type: config.json key -> ModelConfig field
 ROPE_FIELDS = {
@@ -43,25 +49,34 @@ RUNTIME = {"none": "default"}  # ModelConfig.rope_scaling -> rope_type where the
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 
 
-def exports_as_mixtral(cfg: ModelConfig) -> bool:
-    """An MoE model exports as Mixtral; one Mixtral cannot express is refused."""
+def moe_export(cfg: ModelConfig) -> str | None:
+    """The transformers model_type an MoE model exports as (its flavour's hf_moe_model_type:
+    Mixtral, Qwen3-MoE), None for a dense model; one that architecture cannot express is
+    refused in one line."""
     if not cfg.num_experts:
-        return False
+        return None
+    kind = cfg.features.hf_moe_model_type
+    qwen = kind == "qwen3_moe"  # dense layers anywhere, top-k renormalised or not
     unsupported = {
-        f"the {cfg.flavour} flavour": cfg.features.hf_model_type != "llama",
-        "--moe-layer-freq > 1": cfg.moe_layer_freq != 1,
+        f"the {cfg.flavour} flavour": kind is None,
+        "--moe-layer-freq > 1": cfg.moe_layer_freq != 1 and not qwen,
+        "--moe-dense-layers": bool(cfg.moe_dense_layers) and not qwen,
         "a shared expert": bool(cfg.moe_shared_expert_intermediate_size),
-        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax,
+        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax and not qwen,
         "the expert bias": cfg.moe_router_enable_expert_bias,
+        "sigmoid router scores": cfg.moe_router_score_function != "softmax",
+        "node-limited routing": cfg.moe_router_num_groups is not None,
+        "a top-k scaling factor": (cfg.moe_router_topk_scaling_factor or 1.0) != 1.0,
         "a sliding window": cfg.sliding_window is not None,
     }
     why = [k for k, v in unsupported.items() if v]
     if why:
+        arch = ARCHITECTURES.get(kind, "any Hugging Face MoE architecture megalite writes")
         raise MegaliteError(
-            f"this mixture-of-experts model has {', '.join(why)}, which MixtralForCausalLM "
+            f"this mixture-of-experts model has {', '.join(why)}, which {arch} "
             "cannot express; it cannot be exported to Hugging Face"
         )
-    return True
+    return kind
 
 
 # ---- export ---------------------------------------------------------------------------------
@@ -100,9 +115,14 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of the equivalent transformers model."""
-    kind = cfg.features.hf_model_type
-    if kind == "gpt2" and not exports_as_mixtral(cfg):
+    kind, moe = cfg.features.hf_model_type, moe_export(cfg)
+    if kind == "gpt2" and not moe:
         return _gpt2_config(cfg)
+    if kind not in ARCHITECTURES:
+        raise MegaliteError(
+            f"the {cfg.flavour} flavour cannot be exported to Hugging Face yet (megalite writes "
+            f"{', '.join(ARCHITECTURES.values())})"
+        )
     rope = rope_parameters(cfg)
     out = {
         "architectures": [ARCHITECTURES[kind]],
@@ -128,7 +148,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     if rope["rope_type"] != "default":
         out["rope_scaling"] = rope  # transformers < 5 reads the scaling here
     window = cfg.sliding_window
-    if exports_as_mixtral(cfg):  # Llama's fields with experts (Mixtral has no bias options)
+    if moe == "mixtral":  # Llama's fields with experts (Mixtral has no bias options)
         del out["attention_bias"], out["mlp_bias"]
         out.update({
             "architectures": [ARCHITECTURES["mixtral"]],
@@ -153,6 +173,19 @@ def hf_config(cfg: ModelConfig) -> dict:
                    layer_types=[layer] * cfg.num_layers)  # fmt: skip
         if window is not None:
             out["max_window_layers"] = 0  # the window from the first layer on
+        if moe == "qwen3_moe":  # Qwen3's fields with experts; no per-layer attention types
+            del out["layer_types"]
+            out.update({
+                "architectures": [ARCHITECTURES[moe]],
+                "model_type": moe,
+                "num_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.moe_router_topk,
+                "moe_intermediate_size": cfg.moe_ffn,
+                "norm_topk_prob": not cfg.moe_router_pre_softmax,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
+                "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+            })  # fmt: skip
     elif window is not None:
         raise MegaliteError(
             f"{ARCHITECTURES[kind]} has no sliding window; this model (--sliding-window "
@@ -168,7 +201,8 @@ def _flavour(features: ModelFeatures, arch: str) -> str:
     """The flavour whose row has these features (the output tying aside: a flag sets it)."""
     differ = {}
     for name, row in FLAVOURS.items():
-        theirs = {k: v for k, v in vars(features).items() if k not in ("tied", "doc")}
+        theirs = {k: v for k, v in vars(features).items()
+                  if k not in ("tied", "doc", "hf_moe_model_type")}  # fmt: skip
         mine = {k: getattr(row, k) for k in theirs}
         if theirs == mine:
             return name
@@ -188,8 +222,8 @@ def _features(hf: dict, kind: str) -> ModelFeatures:
     return ModelFeatures("rmsnorm", "rotary", gated_mlp=True, qkv_bias=qkv,
                          linear_bias=attention or bool(hf.get("mlp_bias")),
                          tied=bool(hf.get("tie_word_embeddings", False)),
-                         hf_model_type="llama" if kind == "mixtral" else kind,
-                         qk_norm=kind == "qwen3")  # fmt: skip
+                         hf_model_type=DENSE_LAYOUT.get(kind, kind),
+                         qk_norm=DENSE_LAYOUT.get(kind, kind) == "qwen3")  # fmt: skip
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -279,10 +313,12 @@ def _window(hf: dict, kind: str, arch: str) -> int | None:
             )
         return window
     window = hf.get("sliding_window")
-    if kind == "mixtral" and window is not None:
+    if kind == "qwen3_moe" and not hf.get("use_sliding_window"):
+        window = None  # transformers then attends over everything
+    if kind in ("mixtral", "qwen3_moe") and window is not None:
         raise MegaliteError(
-            f"Mixtral with sliding_window={window} is not supported; megalite attends over the "
-            "whole sequence"
+            f"{LABELS[kind]} with sliding_window={window} is not supported; megalite's MoE "
+            "models attend over the whole sequence"
         )
     if kind == "llama" and window is not None:
         raise MegaliteError(f"Llama with sliding_window={window} is not supported")
@@ -307,6 +343,8 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
                    "moe_router_topk": hf["num_experts_per_tok"],
                    "moe_ffn_hidden_size": hf["intermediate_size"],
                    "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.0)}  # fmt: skip
+    elif kind == "qwen3_moe":
+        experts = _qwen3_moe_experts(hf)
     return ModelConfig(
         flavour=_flavour(_features(hf, kind), arch),
         num_layers=hf["num_hidden_layers"],
@@ -324,3 +362,16 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         **experts,
     )
+
+
+def _qwen3_moe_experts(hf: dict) -> dict:
+    """ModelConfig's MoE fields of a Qwen3-MoE config.json (transformers' defaults)."""
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    only = set(hf.get("mlp_only_layers") or [])
+    dense = [i for i in range(n) if i in only or (i + 1) % step]  # transformers' rule
+    return {"num_experts": hf.get("num_experts") or hf["num_local_experts"],
+            "moe_router_topk": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+            "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+            "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
+            "moe_dense_layers": dense}  # fmt: skip
