@@ -42,6 +42,7 @@ __all__ = ["export_tokenizer", "from_hf", "hf_config", "model_config_from_hf", "
 MOE_NAMES = {
     "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
 }
 FUSED = "mlp.experts.gate_up_proj"  # recent transformers' in-memory experts (router: mlp.gate)
 
@@ -91,6 +92,9 @@ def _llama_names(cfg: ModelConfig):
                 yield m + f"attention.{a}.weight", h + f"self_attn.{a}.weight"
         if cfg.is_moe_layer(i):  # the router; the experts in _experts_to/_from_hf
             yield m + "mlp.router.weight", h + _moe_names(cfg)[0] + ".weight"
+            if cfg.moe_shared_expert_intermediate_size:  # DeepSeek-V3's shared experts
+                for a in ("gate", "up", "down"):
+                    yield m + f"mlp.shared.{a}.weight", h + f"mlp.shared_experts.{a}_proj.weight"
             continue
         for a in ("gate", "up", "down"):
             yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight"

@@ -16,7 +16,9 @@ Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj 
 - Qwen3MoeForCausalLM: Qwen3 with experts (softmax top-k, `norm_topk_prob`), dense MLPs on
   `mlp_only_layers` and off the `decoder_sparse_step` (read as --moe-dense-layers; written
   back as mlp_only_layers with decoder_sparse_step 1).
-A flavour's MoE architecture is its `hf_moe_model_type`.
+A flavour's MoE architecture is its `hf_moe_model_type`. DeepSeek-V3's MoE fields (routing,
+shared experts, the first dense layers) are read and written by `deepseek_v3_moe_fields` and
+`deepseek_v3_moe_config`, for the DeepSeek-V3 architecture (its MLA attention) to use.
 Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all sliding).
 """
 
@@ -57,16 +59,23 @@ def moe_export(cfg: ModelConfig) -> str | None:
         return None
     kind = cfg.features.hf_moe_model_type
     qwen = kind == "qwen3_moe"  # dense layers anywhere, top-k renormalised or not
+    deepseek = kind == "deepseek_v3"  # sigmoid routing, shared experts, first layers dense
+    shared = cfg.moe_shared_expert_intermediate_size
+    first_k = list(range(len(cfg.moe_dense_layers))) == cfg.moe_dense_layers
     unsupported = {
         f"the {cfg.flavour} flavour": kind is None,
         "--moe-layer-freq > 1": cfg.moe_layer_freq != 1 and not qwen,
-        "--moe-dense-layers": bool(cfg.moe_dense_layers) and not qwen,
-        "a shared expert": bool(cfg.moe_shared_expert_intermediate_size),
-        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax and not qwen,
-        "the expert bias": cfg.moe_router_enable_expert_bias,
-        "sigmoid router scores": cfg.moe_router_score_function != "softmax",
-        "node-limited routing": cfg.moe_router_num_groups is not None,
-        "a top-k scaling factor": (cfg.moe_router_topk_scaling_factor or 1.0) != 1.0,
+        "--moe-dense-layers": bool(cfg.moe_dense_layers)
+        and not qwen
+        and not (deepseek and first_k),
+        "a shared expert": bool(shared) and not (deepseek and shared % cfg.moe_ffn == 0),
+        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax and not (qwen or deepseek),
+        "the expert bias": cfg.moe_router_enable_expert_bias and not deepseek,
+        "softmax router scores": cfg.moe_router_score_function == "softmax" and deepseek,
+        "sigmoid router scores": cfg.moe_router_score_function != "softmax" and not deepseek,
+        "node-limited routing": cfg.moe_router_num_groups is not None and not deepseek,
+        "a top-k scaling factor": (cfg.moe_router_topk_scaling_factor or 1.0) != 1.0
+        and not deepseek,
         "a sliding window": cfg.sliding_window is not None,
     }
     why = [k for k, v in unsupported.items() if v]
@@ -375,3 +384,39 @@ def _qwen3_moe_experts(hf: dict) -> dict:
             "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
             "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
             "moe_dense_layers": dense}  # fmt: skip
+
+
+def deepseek_v3_moe_fields(hf: dict) -> dict:
+    """ModelConfig's MoE fields of a DeepSeek-V3 config.json: sigmoid scores with the
+    e_score_correction_bias (the expert bias), n_group/topk_group, norm_topk_prob,
+    routed_scaling_factor, n_shared_experts (one shared MLP of n times the expert width) and the
+    first first_k_dense_replace layers dense (width intermediate_size)."""
+    method, scoring = hf.get("topk_method", "noaux_tc"), hf.get("scoring_func", "sigmoid")
+    if (method, scoring) != ("noaux_tc", "sigmoid"):  # what transformers' DeepseekV3 computes
+        raise MegaliteError(
+            f"DeepSeek-V3 with topk_method={method!r}, scoring_func={scoring!r} is not "
+            "supported (noaux_tc, sigmoid)"
+        )
+    f, shared = hf["moe_intermediate_size"], hf.get("n_shared_experts") or 0
+    groups = hf.get("n_group") or 1
+    return {"num_experts": hf["n_routed_experts"], "moe_router_topk": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_size": f, "moe_shared_expert_intermediate_size": shared * f or None,
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": groups if groups > 1 else None,
+            "moe_router_group_topk": hf.get("topk_group") if groups > 1 else None,
+            "moe_router_pre_softmax": not hf.get("norm_topk_prob", True),
+            "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+            "moe_dense_layers": list(range(hf.get("first_k_dense_replace", 0)))}  # fmt: skip
+
+
+def deepseek_v3_moe_config(cfg: ModelConfig) -> dict:
+    """The MoE fields of a DeepSeek-V3 config.json (the inverse of `deepseek_v3_moe_fields`;
+    intermediate_size, the dense layers' width, is the architecture's like every other field)."""
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    return {"n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+            "moe_intermediate_size": cfg.moe_ffn, "n_shared_experts": shared // cfg.moe_ffn,
+            "n_group": cfg.moe_router_num_groups or 1,
+            "topk_group": cfg.moe_router_group_topk or 1,
+            "norm_topk_prob": not cfg.moe_router_pre_softmax,
+            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+            "first_k_dense_replace": len(cfg.moe_dense_layers)}  # fmt: skip

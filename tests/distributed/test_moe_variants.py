@@ -34,7 +34,7 @@ def model_config(name: str, **parallel):
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single(name: str):
     tr = trainer(model_config(name), 1, single_process_groups())
     losses = [tr.train_step()["loss"] for _ in range(STEPS)]

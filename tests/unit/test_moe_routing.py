@@ -13,6 +13,7 @@ import pytest
 import torch
 from megalite.kernels import TORCH_OPS
 
+from megalite.checkpoint import hf_config
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.model.layers import MLP
@@ -96,7 +97,8 @@ def deepseek_block(norm: bool = True):
 
 
 def deepseek_layer(hf, **change) -> MoELayer:
-    layer = ours(moe_cfg(**{**DEEPSEEK, **change}), shared=2 * F_)
+    m = moe_cfg(**{**DEEPSEEK, **change})
+    layer = ours(m, shared=m.moe_shared_expert_intermediate_size or 2 * F_)
     with torch.no_grad():
         layer.router.weight.copy_(hf.gate.weight)
         if layer.expert_bias is not None:
@@ -121,6 +123,25 @@ def test_deepseek_v3_moe_block(norm):
                            {"moe_router_enable_expert_bias": False},
                            {"moe_router_score_function": "softmax"}):  # fmt: skip
                 assert (deepseek_layer(hf, **change)(x) - want).abs().max() > 1e-3, change
+
+
+def test_deepseek_v3_moe_fields_both_ways():
+    """The MoE fields of a DeepSeek-V3 config.json build the layer transformers computes, and
+    are written back as they were."""
+    hf = deepseek_block()
+    d = {**hf.config.to_dict(), "first_k_dense_replace": 1, "num_hidden_layers": 3}
+    fields = hf_config.deepseek_v3_moe_fields(d)
+    assert fields["moe_dense_layers"] == [0] and fields["moe_shared_expert_intermediate_size"] == 24
+    m = moe_cfg(**fields, num_layers=3)
+    layer = deepseek_layer(hf, **fields)
+    x = x_of()
+    with torch.no_grad():
+        assert (layer(x) - hf(x)).abs().max() <= TOL
+    back = hf_config.deepseek_v3_moe_config(m)
+    for key, value in back.items():
+        assert d[key] == value, key
+    with pytest.raises(MegaliteError, match="topk_method='group_limited_greedy'"):
+        hf_config.deepseek_v3_moe_fields({**d, "topk_method": "group_limited_greedy"})
 
 
 def test_group_limited_choice_stays_in_the_best_groups():
@@ -167,6 +188,14 @@ def test_gpt_oss_mlp():
         assert (unclamped(x) - want).abs().max() > 1e-3  # the clamp is reached and matters
         layer.router.bias.zero_()
         assert (layer(x) - want).abs().max() > 1e-3  # the router's bias matters
+
+
+def test_what_has_no_hf_architecture_is_refused():
+    with pytest.raises(MegaliteError, match="the gpt_oss flavour cannot be exported"):
+        hf_config.hf_config(moe_cfg(flavour="gpt_oss", vocab_size=64, num_experts=None))
+    with pytest.raises(MegaliteError, match="sigmoid router scores, node-limited routing, a top-k "
+                       "scaling factor, which Qwen3MoeForCausalLM"):  # fmt: skip
+        hf_config.hf_config(moe_cfg(vocab_size=64, **DEEPSEEK))
 
 
 # ---- validation -----------------------------------------------------------------------------
