@@ -6,9 +6,9 @@
   heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window.
 - Context parallelism: Mistral's sliding window at cp2 (ring and all-to-all, with and without
   packed documents) and cp2*tp2 gives one process's loss and gradients.
-- Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling) and Mistral (a window of
-  8) models converted to megalite and loaded at tp2*pp2 give transformers' greedy tokens and the
-  one-process sampled ones.
+- Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling), Mistral (a window of
+  8) and Qwen3-MoE (a dense layer among MoE ones) models converted to megalite and loaded at
+  tp2*pp2 give transformers' greedy tokens and the one-process sampled ones.
 """
 
 import pytest
@@ -112,14 +112,19 @@ def _generate(rank, world, paths):
 
 def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_path):
     from tests.unit.test_checkpoint_hf import convert, hf_greedy
+    from tests.unit.test_checkpoint_qwen3_moe import qwen3_moe
     from tests.unit.test_hf_families import hf_family
 
     models, paths = [], []
-    for name in ("qwen3", "llama3", "mistral"):  # Mistral: a window of 8 in the KV cache
-        m = hf_family(name, seed=5)
+    makers = {name: lambda name=name: hf_family(name, seed=5) for name in ("qwen3", "llama3")}
+    makers["mistral"] = lambda: hf_family("mistral", seed=5)  # a window of 8 in the KV cache
+    makers["qwen3-moe"] = qwen3_moe
+    for name, make in makers.items():
+        m = make()
         m.save_pretrained(tmp_path / name, safe_serialization=True)
         convert.main([str(tmp_path / name), str(tmp_path / f"{name}-ml"), "--to", "megalite"])
-        models.append(m.double())
+        # transformers' MoE routing runs in fp32 only (its router casts to float): keep it there
+        models.append(m if name == "qwen3-moe" else m.double())
         paths.append(str(tmp_path / f"{name}-ml"))
     results = spawn(_generate, 4, paths)
     for m, path in zip(models, paths):
