@@ -223,6 +223,11 @@ def _check_routing(m) -> str | None:
                 f"--moe-router-group-topk={gk} must be in 1..{g} and leave at least "
                 f"moe_router_topk={k} experts ({e // g} per group)"
             )
+    scale = m.moe_router_topk_scaling_factor
+    if scale is not None and scale <= 0:
+        return f"--moe-router-topk-scaling-factor={scale} must be positive"
+    if m.swiglu_limit <= 0:
+        return f"--swiglu-limit={m.swiglu_limit} must be positive"
     bad = [i for i in m.moe_dense_layers if not 0 <= i < m.num_layers]
     if bad:
         return f"--moe-dense-layers {bad} are not layers of this {m.num_layers}-layer model"

@@ -206,6 +206,7 @@ def test_what_has_no_hf_architecture_is_refused():
     ({"moe_router_num_groups": 3, "moe_router_group_topk": 1}, "not divisible by"),
     ({"moe_router_num_groups": 8, "moe_router_group_topk": 1}, "leave at least"),
     ({"moe_dense_layers": [5]}, "are not layers of this 2-layer model"),
+    ({"moe_router_topk_scaling_factor": 0.0}, "scaling-factor=0.0 must be positive"),
 ])  # fmt: skip
 def test_bad_routing_is_refused(change, line):
     cfg = Config(model=dataclasses.replace(moe_cfg(vocab_size=64), **change))
