@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalite.checkpoint.hf_config import hf_config, model_config_from_hf, moe_export
+from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_moe import moe_export
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import SENTENCEPIECE, load_tokenizer
 from megalite.errors import MegaliteError

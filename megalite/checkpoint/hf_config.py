@@ -16,19 +16,19 @@ Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj 
 - Qwen3MoeForCausalLM: Qwen3 with experts (softmax top-k, `norm_topk_prob`), dense MLPs on
   `mlp_only_layers` and off the `decoder_sparse_step` (read as --moe-dense-layers; written
   back as mlp_only_layers with decoder_sparse_step 1).
-A flavour's MoE architecture is its `hf_moe_model_type`. DeepSeek-V3's MoE fields (routing,
-shared experts, the first dense layers) are read and written by `deepseek_v3_moe_fields` and
-`deepseek_v3_moe_config`, for the DeepSeek-V3 architecture (its MLA attention) to use.
+A flavour's MoE architecture is its `hf_moe_model_type`; the MoE fields of each (DeepSeek-V3's
+too) are megalite/checkpoint/hf_moe.py's.
 Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all sliding).
 """
 
+from megalite.checkpoint.hf_moe import MOE_ARCHITECTURES, moe_config, moe_export, moe_fields
 from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.errors import MegaliteError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+                 "qwen3_moe": MOE_ARCHITECTURES["qwen3_moe"]}  # fmt: skip
 LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
           "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE"}  # fmt: skip
 DENSE_LAYOUT = {"mixtral": "llama", "qwen3_moe": "qwen3"}  # MoE architecture -> its dense one
@@ -49,43 +49,6 @@ ROPE_FIELDS = {
 RUNTIME = {"none": "default"}  # ModelConfig.rope_scaling -> rope_type where the names differ
 # transformers' values for yarn keys left out: not written (nor None), as transformers writes them
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
-
-
-def moe_export(cfg: ModelConfig) -> str | None:
-    """The transformers model_type an MoE model exports as (its flavour's hf_moe_model_type:
-    Mixtral, Qwen3-MoE), None for a dense model; one that architecture cannot express is
-    refused in one line."""
-    if not cfg.num_experts:
-        return None
-    kind = cfg.features.hf_moe_model_type
-    qwen = kind == "qwen3_moe"  # dense layers anywhere, top-k renormalised or not
-    deepseek = kind == "deepseek_v3"  # sigmoid routing, shared experts, first layers dense
-    shared = cfg.moe_shared_expert_intermediate_size
-    first_k = list(range(len(cfg.moe_dense_layers))) == cfg.moe_dense_layers
-    unsupported = {
-        f"the {cfg.flavour} flavour": kind is None,
-        "--moe-layer-freq > 1": cfg.moe_layer_freq != 1 and not qwen,
-        "--moe-dense-layers": bool(cfg.moe_dense_layers)
-        and not qwen
-        and not (deepseek and first_k),
-        "a shared expert": bool(shared) and not (deepseek and shared % cfg.moe_ffn == 0),
-        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax and not (qwen or deepseek),
-        "the expert bias": cfg.moe_router_enable_expert_bias and not deepseek,
-        "softmax router scores": cfg.moe_router_score_function == "softmax" and deepseek,
-        "sigmoid router scores": cfg.moe_router_score_function != "softmax" and not deepseek,
-        "node-limited routing": cfg.moe_router_num_groups is not None and not deepseek,
-        "a top-k scaling factor": (cfg.moe_router_topk_scaling_factor or 1.0) != 1.0
-        and not deepseek,
-        "a sliding window": cfg.sliding_window is not None,
-    }
-    why = [k for k, v in unsupported.items() if v]
-    if why:
-        arch = ARCHITECTURES.get(kind, "any Hugging Face MoE architecture megalite writes")
-        raise MegaliteError(
-            f"this mixture-of-experts model has {', '.join(why)}, which {arch} "
-            "cannot express; it cannot be exported to Hugging Face"
-        )
-    return kind
 
 
 # ---- export ---------------------------------------------------------------------------------
@@ -159,15 +122,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     window = cfg.sliding_window
     if moe == "mixtral":  # Llama's fields with experts (Mixtral has no bias options)
         del out["attention_bias"], out["mlp_bias"]
-        out.update({
-            "architectures": [ARCHITECTURES["mixtral"]],
-            "model_type": "mixtral",
-            "intermediate_size": cfg.moe_ffn,
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.moe_router_topk,
-            "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-            "sliding_window": None,
-        })  # fmt: skip
+        out.update(moe_config(cfg, moe))
     elif kind == "mistral":  # no bias options; a window on every layer (or none)
         del out["attention_bias"], out["mlp_bias"]
         out["sliding_window"] = window
@@ -184,17 +139,7 @@ def hf_config(cfg: ModelConfig) -> dict:
             out["max_window_layers"] = 0  # the window from the first layer on
         if moe == "qwen3_moe":  # Qwen3's fields with experts; no per-layer attention types
             del out["layer_types"]
-            out.update({
-                "architectures": [ARCHITECTURES[moe]],
-                "model_type": moe,
-                "num_experts": cfg.num_experts,
-                "num_experts_per_tok": cfg.moe_router_topk,
-                "moe_intermediate_size": cfg.moe_ffn,
-                "norm_topk_prob": not cfg.moe_router_pre_softmax,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
-                "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-            })  # fmt: skip
+            out.update(moe_config(cfg, moe))
     elif window is not None:
         raise MegaliteError(
             f"{ARCHITECTURES[kind]} has no sliding window; this model (--sliding-window "
@@ -346,14 +291,7 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
     if hf.get("pretraining_tp", 1) != 1:
         raise MegaliteError(f"{arch} with pretraining_tp={hf['pretraining_tp']} is not supported")
     head_dim = hf.get("head_dim") or h // heads
-    experts = {}
-    if kind == "mixtral":
-        experts = {"num_experts": hf["num_local_experts"],
-                   "moe_router_topk": hf["num_experts_per_tok"],
-                   "moe_ffn_hidden_size": hf["intermediate_size"],
-                   "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.0)}  # fmt: skip
-    elif kind == "qwen3_moe":
-        experts = _qwen3_moe_experts(hf)
+    experts = moe_fields(hf, kind) if kind in MOE_ARCHITECTURES else {}
     return ModelConfig(
         flavour=_flavour(_features(hf, kind), arch),
         num_layers=hf["num_hidden_layers"],
@@ -371,52 +309,3 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         **experts,
     )
-
-
-def _qwen3_moe_experts(hf: dict) -> dict:
-    """ModelConfig's MoE fields of a Qwen3-MoE config.json (transformers' defaults)."""
-    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
-    only = set(hf.get("mlp_only_layers") or [])
-    dense = [i for i in range(n) if i in only or (i + 1) % step]  # transformers' rule
-    return {"num_experts": hf.get("num_experts") or hf["num_local_experts"],
-            "moe_router_topk": hf["num_experts_per_tok"],
-            "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-            "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
-            "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
-            "moe_dense_layers": dense}  # fmt: skip
-
-
-def deepseek_v3_moe_fields(hf: dict) -> dict:
-    """ModelConfig's MoE fields of a DeepSeek-V3 config.json: sigmoid scores with the
-    e_score_correction_bias (the expert bias), n_group/topk_group, norm_topk_prob,
-    routed_scaling_factor, n_shared_experts (one shared MLP of n times the expert width) and the
-    first first_k_dense_replace layers dense (width intermediate_size)."""
-    method, scoring = hf.get("topk_method", "noaux_tc"), hf.get("scoring_func", "sigmoid")
-    if (method, scoring) != ("noaux_tc", "sigmoid"):  # what transformers' DeepseekV3 computes
-        raise MegaliteError(
-            f"DeepSeek-V3 with topk_method={method!r}, scoring_func={scoring!r} is not "
-            "supported (noaux_tc, sigmoid)"
-        )
-    f, shared = hf["moe_intermediate_size"], hf.get("n_shared_experts") or 0
-    groups = hf.get("n_group") or 1
-    return {"num_experts": hf["n_routed_experts"], "moe_router_topk": hf["num_experts_per_tok"],
-            "moe_ffn_hidden_size": f, "moe_shared_expert_intermediate_size": shared * f or None,
-            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-            "moe_router_num_groups": groups if groups > 1 else None,
-            "moe_router_group_topk": hf.get("topk_group") if groups > 1 else None,
-            "moe_router_pre_softmax": not hf.get("norm_topk_prob", True),
-            "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-            "moe_dense_layers": list(range(hf.get("first_k_dense_replace", 0)))}  # fmt: skip
-
-
-def deepseek_v3_moe_config(cfg: ModelConfig) -> dict:
-    """The MoE fields of a DeepSeek-V3 config.json (the inverse of `deepseek_v3_moe_fields`;
-    intermediate_size, the dense layers' width, is the architecture's like every other field)."""
-    shared = cfg.moe_shared_expert_intermediate_size or 0
-    return {"n_routed_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
-            "moe_intermediate_size": cfg.moe_ffn, "n_shared_experts": shared // cfg.moe_ffn,
-            "n_group": cfg.moe_router_num_groups or 1,
-            "topk_group": cfg.moe_router_group_topk or 1,
-            "norm_topk_prob": not cfg.moe_router_pre_softmax,
-            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
-            "first_k_dense_replace": len(cfg.moe_dense_layers)}  # fmt: skip

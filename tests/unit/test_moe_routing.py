@@ -13,7 +13,7 @@ import pytest
 import torch
 from megalite.kernels import TORCH_OPS
 
-from megalite.checkpoint import hf_config
+from megalite.checkpoint import hf_config, hf_moe
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.model.layers import MLP
@@ -130,18 +130,18 @@ def test_deepseek_v3_moe_fields_both_ways():
     are written back as they were."""
     hf = deepseek_block()
     d = {**hf.config.to_dict(), "first_k_dense_replace": 1, "num_hidden_layers": 3}
-    fields = hf_config.deepseek_v3_moe_fields(d)
+    fields = hf_moe.deepseek_v3_moe_fields(d)
     assert fields["moe_dense_layers"] == [0] and fields["moe_shared_expert_intermediate_size"] == 24
     m = moe_cfg(**fields, num_layers=3)
     layer = deepseek_layer(hf, **fields)
     x = x_of()
     with torch.no_grad():
         assert (layer(x) - hf(x)).abs().max() <= TOL
-    back = hf_config.deepseek_v3_moe_config(m)
+    back = hf_moe.deepseek_v3_moe_config(m)
     for key, value in back.items():
         assert d[key] == value, key
     with pytest.raises(MegaliteError, match="topk_method='group_limited_greedy'"):
-        hf_config.deepseek_v3_moe_fields({**d, "topk_method": "group_limited_greedy"})
+        hf_moe.deepseek_v3_moe_fields({**d, "topk_method": "group_limited_greedy"})
 
 
 def test_group_limited_choice_stays_in_the_best_groups():
