@@ -43,6 +43,7 @@ class ModelFeatures:
     clamped_swiglu: bool = False  # experts' SwiGLU as gpt-oss: (up + 1) g sigmoid(1.702 g),
     # gate and up clamped at --swiglu-limit
     hf_moe_model_type: str | None = None  # transformers' model_type of this layout with experts
+    attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
 
     @property
     def rms_norm(self) -> bool:
@@ -87,8 +88,8 @@ FLAVOURS = {
     ),
     "gpt_oss": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=True, linear_bias=True, tied=False,
-        hf_model_type="gpt_oss", moe_bias=True, clamped_swiglu=True,
-        doc="gpt-oss's MoE: biased router and experts, clamped SwiGLU (no attention sinks yet)",
+        hf_model_type="gpt_oss", moe_bias=True, clamped_swiglu=True, attention_sinks=True,
+        doc="gpt-oss: attention sinks, biases; MoE with biased router and experts, clamped SwiGLU",
     ),
 }  # fmt: skip
 

@@ -3,7 +3,8 @@
 - Layers: forward logits, loss and every gradient of tp2 chunks (with and without sequence
   parallelism) equal the single-process chunk's within 1e-10: Qwen3's q_norm and k_norm (their
   gradient is each rank's heads' part, summed over TP) with split and with replicated k/v
-  heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window.
+  heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window, gpt-oss's
+  attention sinks (each rank's heads' sinks: their gradient needs no TP reduction).
 - Context parallelism: Mistral's sliding window at cp2 (ring and all-to-all, with and without
   packed documents) and cp2*tp2 gives one process's loss and gradients.
 - Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling), Mistral (a window of
@@ -39,6 +40,8 @@ CASES = [
     dict(flavour="llama", rope_scaling="llama3", rope_original_max_position_embeddings=4,
          rotary_base=5e5),
     dict(flavour="mistral", sliding_window=3),
+    dict(flavour="gpt_oss", num_query_groups=2),  # attention sinks, split with the heads
+    dict(flavour="gpt_oss", num_query_groups=1, sliding_window=3),
 ]  # fmt: skip
 
 
