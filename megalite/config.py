@@ -210,6 +210,11 @@ class ModelConfig:
         "first_k_dense_replace layers)",
     )
     swiglu_limit: float = opt(7.0, "clamped SwiGLU (gpt-oss experts): the clamp of gate and up")
+    window_attn_skip_freq: int | None = opt(
+        None,
+        "with --sliding-window: every N-th layer (the N-th, 2N-th, ... counting from 1) attends "
+        "over the whole sequence (gpt-oss's alternating layers: 2)",
+    )
 
     @property
     def features(self) -> ModelFeatures:
@@ -243,6 +248,20 @@ class ModelConfig:
         """Layer i holds experts instead of a dense MLP."""
         dense = i % self.moe_layer_freq or i in self.moe_dense_layers
         return bool(self.num_experts) and not dense
+
+    def window_of(self, i: int) -> int | None:
+        """The sliding window of layer i (None: it attends over every earlier token)."""
+        n = self.window_attn_skip_freq
+        return None if n and (i + 1) % n == 0 else self.sliding_window
+
+    def layer_config(self, i: int) -> "ModelConfig":
+        """What layer i is built from: this config with the layer's own window."""
+        window = self.window_of(i)
+        return (
+            self
+            if window == self.sliding_window
+            else dataclasses.replace(self, sliding_window=window)
+        )
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         m = self.make_vocab_size_divisible_by * tp

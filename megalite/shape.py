@@ -122,6 +122,7 @@ def _positive(cfg: Config):
         "moe-shared-expert-intermediate-size": m.moe_shared_expert_intermediate_size,
         "expert-model-parallel-size": p.ep, "expert-tensor-parallel-size": p.etp,
         "kv-channels": m.kv_channels, "sliding-window": m.sliding_window,
+        "window-attn-skip-freq": m.window_attn_skip_freq,
     }  # fmt: skip
     for name, v in values.items():
         if v is not None and v < 1:

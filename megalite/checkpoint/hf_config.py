@@ -95,6 +95,11 @@ def hf_config(cfg: ModelConfig) -> dict:
             f"the {cfg.flavour} flavour cannot be exported to Hugging Face yet (megalite writes "
             f"{', '.join(ARCHITECTURES.values())})"
         )
+    if cfg.sliding_window is not None and cfg.window_attn_skip_freq:
+        raise MegaliteError(
+            f"alternating sliding/full layers (--window-attn-skip-freq) cannot be exported as "
+            f"{ARCHITECTURES[kind]} yet; its window covers every layer or none"
+        )
     rope = rope_parameters(cfg)
     out = {
         "architectures": [ARCHITECTURES[kind]],

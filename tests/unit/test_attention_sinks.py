@@ -49,8 +49,9 @@ def test_core_matches_transformers_gpt_oss(window):
 
 
 def tiny(**kw) -> ModelConfig:
-    return ModelConfig(flavour="gpt_oss", num_layers=2, hidden_size=32, num_attention_heads=4,
-                       num_query_groups=2, seq_length=24, vocab_size=64, **kw)  # fmt: skip
+    base = {"flavour": "gpt_oss", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+            "num_query_groups": 2, "seq_length": 24, "vocab_size": 64}  # fmt: skip
+    return ModelConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -81,3 +82,24 @@ def test_sinks_with_context_parallelism_are_refused():
     cfg.parallel.cp = 2
     with pytest.raises(MegaliteError, match="attention sinks do not run with --cp yet"):
         validate(cfg, 2)
+
+
+def test_alternating_windows():
+    """--window-attn-skip-freq 2: layers 0, 2 slide, 1, 3 see everything (gpt-oss)."""
+    cfg = tiny(num_layers=4, sliding_window=3, window_attn_skip_freq=2)
+    assert [cfg.window_of(i) for i in range(4)] == [3, None, 3, None]
+    chunk = GPTChunk(cfg, seed=3, dtype=torch.float64).eval()
+    assert [chunk.layers[str(i)].attention.window for i in range(4)] == [{"window": 3}, {}] * 2
+    x = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = chunk(x)
+        for other in (tiny(num_layers=4, sliding_window=3), tiny(num_layers=4)):
+            assert (
+                GPTChunk(other, seed=3, dtype=torch.float64).eval()(x) - ours
+            ).abs().max() > 1e-6
+    from megalite.checkpoint import hf
+
+    mistral = ModelConfig(flavour="mistral", sliding_window=3, window_attn_skip_freq=2,
+                          vocab_size=64)  # fmt: skip
+    with pytest.raises(MegaliteError, match="alternating sliding/full layers"):
+        hf.hf_config(mistral)
