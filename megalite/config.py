@@ -89,6 +89,7 @@ FLAVOURS = {
     "gpt_oss": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=True, linear_bias=True, tied=False,
         hf_model_type="gpt_oss", moe_bias=True, clamped_swiglu=True, attention_sinks=True,
+        hf_moe_model_type="gpt_oss",
         doc="gpt-oss: attention sinks, biases; MoE with biased router and experts, clamped SwiGLU",
     ),
 }  # fmt: skip

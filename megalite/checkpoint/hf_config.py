@@ -28,9 +28,12 @@ from megalite.errors import MegaliteError
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3_moe": MOE_ARCHITECTURES["qwen3_moe"]}  # fmt: skip
+                 "qwen3_moe": MOE_ARCHITECTURES["qwen3_moe"],
+                 "gpt_oss": MOE_ARCHITECTURES["gpt_oss"]}  # fmt: skip
 LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE"}  # fmt: skip
+          "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss"}  # fmt: skip
+# what an architecture always has beyond what its config.json states (its features' names)
+ALWAYS = {"gpt_oss": {"moe_bias": True, "clamped_swiglu": True, "attention_sinks": True}}
 DENSE_LAYOUT = {"mixtral": "llama", "qwen3_moe": "qwen3"}  # MoE architecture -> its dense one
 
 # RoPE parameters per rope_type: config.json key -> ModelConfig field
@@ -95,7 +98,9 @@ def hf_config(cfg: ModelConfig) -> dict:
             f"the {cfg.flavour} flavour cannot be exported to Hugging Face yet (megalite writes "
             f"{', '.join(ARCHITECTURES.values())})"
         )
-    if cfg.sliding_window is not None and cfg.window_attn_skip_freq:
+    if kind == "gpt_oss" and not moe:
+        raise MegaliteError("a gpt_oss model without experts cannot be exported to Hugging Face")
+    if cfg.sliding_window is not None and cfg.window_attn_skip_freq and moe != "gpt_oss":
         raise MegaliteError(
             f"alternating sliding/full layers (--window-attn-skip-freq) cannot be exported as "
             f"{ARCHITECTURES[kind]} yet; its window covers every layer or none"
@@ -127,6 +132,9 @@ def hf_config(cfg: ModelConfig) -> dict:
     window = cfg.sliding_window
     if moe == "mixtral":  # Llama's fields with experts (Mixtral has no bias options)
         del out["attention_bias"], out["mlp_bias"]
+        out.update(moe_config(cfg, moe))
+    elif moe == "gpt_oss":  # biases on q, k, v and o (attention_bias); its windows per layer
+        del out["mlp_bias"]
         out.update(moe_config(cfg, moe))
     elif kind == "mistral":  # no bias options; a window on every layer (or none)
         del out["attention_bias"], out["mlp_bias"]
@@ -182,7 +190,8 @@ def _features(hf: dict, kind: str) -> ModelFeatures:
                          linear_bias=attention or bool(hf.get("mlp_bias")),
                          tied=bool(hf.get("tie_word_embeddings", False)),
                          hf_model_type=DENSE_LAYOUT.get(kind, kind),
-                         qk_norm=DENSE_LAYOUT.get(kind, kind) == "qwen3")  # fmt: skip
+                         qk_norm=DENSE_LAYOUT.get(kind, kind) == "qwen3",
+                         **ALWAYS.get(kind, {}))  # fmt: skip
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -309,8 +318,7 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
         vocab_size=hf["vocab_size"],
         norm_epsilon=hf.get("rms_norm_eps", eps),
         **_rope(hf, rope, arch),
-        sliding_window=window,
         attention_dropout=hf.get("attention_dropout", 0.0),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        **experts,
+        **{"sliding_window": window, **experts},  # gpt-oss: its windows are its experts' fields
     )

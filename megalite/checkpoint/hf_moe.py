@@ -8,6 +8,9 @@ the MoE architecture a flavour names (`ModelFeatures.hf_moe_model_type`):
   `mlp_only_layers` and `decoder_sparse_step` (transformers: layer i is sparse when
   (i + 1) % step == 0 and i is not in mlp_only_layers), read as --moe-dense-layers and written
   back as mlp_only_layers with decoder_sparse_step 1;
+- GptOssForCausalLM: experts in every layer (biased, clamped SwiGLU: `swiglu_limit`, alpha
+  1.702), top-k then softmax over the k; `layer_types` alternating sliding/full read as
+  --window-attn-skip-freq 2 (all sliding or all full: a window everywhere or nowhere);
 - DeepSeek-V3 (`deepseek_v3_moe_fields` / `deepseek_v3_moe_config`, for the DeepSeek-V3
   architecture and its MLA attention to use): sigmoid scores with the correction bias,
   n_group/topk_group, norm_topk_prob, routed_scaling_factor, n_shared_experts and the first
@@ -17,9 +20,12 @@ A model its architecture cannot express is refused in one line by `moe_export`.
 
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
+from megalite.model.moe import SWIGLU_ALPHA
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                     "deepseek_v3": "DeepseekV3ForCausalLM"}  # fmt: skip
+                     "deepseek_v3": "DeepseekV3ForCausalLM",
+                     "gpt_oss": "GptOssForCausalLM"}  # fmt: skip
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def moe_export(cfg: ModelConfig) -> str | None:
@@ -30,6 +36,7 @@ def moe_export(cfg: ModelConfig) -> str | None:
     kind = cfg.features.hf_moe_model_type
     qwen = kind == "qwen3_moe"  # dense layers anywhere, top-k renormalised or not
     deepseek = kind == "deepseek_v3"  # sigmoid routing, shared experts, first layers dense
+    gpt_oss = kind == "gpt_oss"  # windows on alternate layers
     shared = cfg.moe_shared_expert_intermediate_size
     first_k = list(range(len(cfg.moe_dense_layers))) == cfg.moe_dense_layers
     sigmoid = cfg.moe_router_score_function == "sigmoid"
@@ -45,7 +52,7 @@ def moe_export(cfg: ModelConfig) -> str | None:
         "node-limited routing": cfg.moe_router_num_groups is not None and not deepseek,
         "a top-k scaling factor": (cfg.moe_router_topk_scaling_factor or 1.0) != 1.0
         and not deepseek,
-        "a sliding window": cfg.sliding_window is not None,
+        "a sliding window": cfg.sliding_window is not None and not gpt_oss,
     }
     why = [k for k, v in unsupported.items() if v]
     if why:
@@ -66,6 +73,12 @@ def moe_config(cfg: ModelConfig, kind: str) -> dict:
         out.update(intermediate_size=cfg.moe_ffn, num_local_experts=cfg.num_experts,
                    sliding_window=None)  # fmt: skip
         return out
+    if kind == "gpt_oss":
+        types = [LAYER_TYPES[cfg.window_of(i) is None] for i in range(cfg.num_layers)]
+        out.update(intermediate_size=cfg.moe_ffn, num_local_experts=cfg.num_experts,
+                   swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA,
+                   sliding_window=cfg.sliding_window, layer_types=types)  # fmt: skip
+        return out
     out.update({
         "num_experts": cfg.num_experts,
         "moe_intermediate_size": cfg.moe_ffn,
@@ -84,6 +97,8 @@ def moe_fields(hf: dict, kind: str) -> dict:
                 "moe_router_topk": hf["num_experts_per_tok"],
                 "moe_ffn_hidden_size": hf["intermediate_size"],
                 "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.0)}  # fmt: skip
+    if kind == "gpt_oss":
+        return _gpt_oss_fields(hf)
     n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
     only = set(hf.get("mlp_only_layers") or [])
     dense = [i for i in range(n) if i in only or (i + 1) % step]  # transformers' rule
@@ -93,6 +108,30 @@ def moe_fields(hf: dict, kind: str) -> dict:
             "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
             "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
             "moe_dense_layers": dense}  # fmt: skip
+
+
+def _gpt_oss_fields(hf: dict) -> dict:
+    """gpt-oss's experts, its clamp and its windows (sliding_window, layer_types)."""
+    if hf.get("swiglu_alpha", SWIGLU_ALPHA) != SWIGLU_ALPHA:
+        raise MegaliteError(f"gpt-oss with swiglu_alpha={hf['swiglu_alpha']} is not supported")
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    types = hf.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]
+    sliding = [t == LAYER_TYPES[0] for t in types]
+    skip = None
+    if not any(sliding):
+        window = None
+    elif not all(sliding):
+        skip = 2  # the 2nd, 4th, ... layers see everything
+        if sliding != [(i + 1) % skip != 0 for i in range(n)]:
+            raise MegaliteError(
+                "gpt-oss with layer_types other than alternating sliding/full (or all one kind) "
+                "is not supported"
+            )
+    return {"num_experts": hf["num_local_experts"], "moe_router_topk": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_size": hf["intermediate_size"],
+            "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
+            "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+            "sliding_window": window, "window_attn_skip_freq": skip}  # fmt: skip
 
 
 def deepseek_v3_moe_fields(hf: dict) -> dict:

@@ -193,8 +193,8 @@ def test_gpt_oss_mlp():
         assert (layer(x) - want).abs().max() > 1e-3  # the router's bias matters
 
 
-def test_what_has_no_hf_architecture_is_refused():
-    with pytest.raises(MegaliteError, match="the gpt_oss flavour cannot be exported"):
+def test_what_hf_cannot_express_is_refused():
+    with pytest.raises(MegaliteError, match="a gpt_oss model without experts cannot be exported"):
         hf_config.hf_config(moe_cfg(flavour="gpt_oss", vocab_size=64, num_experts=None))
     with pytest.raises(MegaliteError, match="sigmoid router scores, node-limited routing, a top-k "
                        "scaling factor, which Qwen3MoeForCausalLM"):  # fmt: skip
