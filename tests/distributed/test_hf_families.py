@@ -8,7 +8,8 @@
 - Context parallelism: Mistral's sliding window at cp2 (ring and all-to-all, with and without
   packed documents) and cp2*tp2 gives one process's loss and gradients.
 - Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling), Mistral (a window of
-  8) and Qwen3-MoE (a dense layer among MoE ones) models converted to megalite and loaded at
+  8), Qwen3-MoE (a dense layer among MoE ones) and gpt-oss (attention sinks, alternating
+  windows) models converted to megalite and loaded at
   tp2*pp2 give transformers' greedy tokens and the one-process sampled ones.
 """
 
@@ -114,6 +115,7 @@ def _generate(rank, world, paths):
 
 
 def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_path):
+    from tests.unit.test_checkpoint_gpt_oss import gpt_oss
     from tests.unit.test_checkpoint_hf import convert, hf_greedy
     from tests.unit.test_checkpoint_qwen3_moe import qwen3_moe
     from tests.unit.test_hf_families import hf_family
@@ -121,13 +123,13 @@ def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_pat
     models, paths = [], []
     makers = {name: lambda name=name: hf_family(name, seed=5) for name in ("qwen3", "llama3")}
     makers["mistral"] = lambda: hf_family("mistral", seed=5)  # a window of 8 in the KV cache
-    makers["qwen3-moe"] = qwen3_moe
+    makers["qwen3-moe"], makers["gpt-oss"] = qwen3_moe, gpt_oss  # sinks, alternating windows
     for name, make in makers.items():
         m = make()
         m.save_pretrained(tmp_path / name, safe_serialization=True)
         convert.main([str(tmp_path / name), str(tmp_path / f"{name}-ml"), "--to", "megalite"])
         # transformers' MoE routing runs in fp32 only (its router casts to float): keep it there
-        models.append(m if name == "qwen3-moe" else m.double())
+        models.append(m if name in ("qwen3-moe", "gpt-oss") else m.double())
         paths.append(str(tmp_path / f"{name}-ml"))
     results = spawn(_generate, 4, paths)
     for m, path in zip(models, paths):

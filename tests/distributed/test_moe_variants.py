@@ -2,7 +2,8 @@
 one process: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layers), a
 DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after every
 step, node-limited groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's
-MoE (biased router and experts, clamped SwiGLU). The DeepSeek-style one also at ep2·pp2 (the
+model (attention sinks, alternating sliding/full layers, biased router and experts, clamped
+SwiGLU). The DeepSeek-style one also at ep2·pp2 (the
 dense first layer and an MoE one on stage 0, the expert bias update over both stages). 8 steps
 each, losses within 1e-4 of the single process per step and final parameters (expert biases
 included) within 1e-4 (fp32); one spawn.
@@ -25,7 +26,8 @@ MODELS = {  # name: ModelConfig fields over test_moe_training's tiny llama with 
                  "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5,
                  "moe_shared_expert_intermediate_size": 32, "moe_dense_layers": [0],
                  "num_layers": 4},
-    "gpt-oss": {"flavour": "gpt_oss", "swiglu_limit": 1.0},
+    "gpt-oss": {"flavour": "gpt_oss", "swiglu_limit": 1.0, "sliding_window": 4,
+                "window_attn_skip_freq": 2},  # attention sinks too
 }  # fmt: skip
 
 
