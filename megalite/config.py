@@ -41,6 +41,11 @@ class ModelFeatures:
     # --qk-layernorm)
     latent_attention: bool = False  # multi-head latent attention (DeepSeek-V2/V3, model/mla.py):
     # low-rank q and kv with their norms, a decoupled RoPE key shared by the heads
+    moe_bias: bool = False  # biases on the router and the experts (gpt-oss)
+    clamped_swiglu: bool = False  # experts' SwiGLU as gpt-oss: (up + 1) g sigmoid(1.702 g),
+    # gate and up clamped at --swiglu-limit
+    hf_moe_model_type: str | None = None  # transformers' model_type of this layout with experts
+    attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
 
     @property
     def rms_norm(self) -> bool:
@@ -67,7 +72,7 @@ FLAVOURS = {
     ),
     "llama": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
-        hf_model_type="llama",
+        hf_model_type="llama", hf_moe_model_type="mixtral",
         doc="RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied",
     ),
     "qwen2": ModelFeatures(
@@ -76,7 +81,7 @@ FLAVOURS = {
     ),
     "qwen3": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
-        hf_model_type="qwen3", qk_norm=True,
+        hf_model_type="qwen3", qk_norm=True, hf_moe_model_type="qwen3_moe",
         doc="Qwen3 (dense): llama with an RMSNorm over each head's q and k",
     ),
     "mistral": ModelFeatures(
@@ -86,7 +91,14 @@ FLAVOURS = {
     "deepseek_v3": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,
         hf_model_type="deepseek_v3", latent_attention=True,
+        hf_moe_model_type="deepseek_v3",
         doc="DeepSeek-V3: llama's layers with multi-head latent attention (--q-lora-rank, ...)",
+    ),
+    "gpt_oss": ModelFeatures(
+        "rmsnorm", "rotary", gated_mlp=True, qkv_bias=True, linear_bias=True, tied=False,
+        hf_model_type="gpt_oss", moe_bias=True, clamped_swiglu=True, attention_sinks=True,
+        hf_moe_model_type="gpt_oss",
+        doc="gpt-oss: attention sinks, biases; MoE with biased router and experts, clamped SwiGLU",
     ),
 }  # fmt: skip
 
@@ -200,6 +212,33 @@ class ModelConfig:
         "second ones, then earlier sequence positions first)",
         choices=("position",),
     )
+    moe_router_score_function: str = opt(
+        "softmax",
+        "MoE: router scores: softmax over the experts, or sigmoid of each logit (DeepSeek-V3)",
+        choices=("softmax", "sigmoid"),
+    )
+    moe_router_num_groups: int | None = opt(
+        None, "MoE: node-limited routing: experts in this many groups (DeepSeek-V3's n_group)"
+    )
+    moe_router_group_topk: int | None = opt(
+        None,
+        "MoE: node-limited routing: the groups with the best sum of their top-2 scores a token "
+        "may use (DeepSeek-V3's topk_group)",
+    )
+    moe_router_topk_scaling_factor: float | None = opt(
+        None, "MoE: the top-k weights times this (DeepSeek-V3's routed_scaling_factor)"
+    )
+    moe_dense_layers: list[int] = opt(
+        list,
+        "MoE: layers that keep a dense MLP (Qwen3-MoE's mlp_only_layers; DeepSeek-V3's first "
+        "first_k_dense_replace layers)",
+    )
+    swiglu_limit: float = opt(7.0, "clamped SwiGLU (gpt-oss experts): the clamp of gate and up")
+    window_attn_skip_freq: int | None = opt(
+        None,
+        "with --sliding-window: every N-th layer (the N-th, 2N-th, ... counting from 1) attends "
+        "over the whole sequence (gpt-oss's alternating layers: 2)",
+    )
 
     @property
     def features(self) -> ModelFeatures:
@@ -231,7 +270,22 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer i holds experts instead of a dense MLP."""
-        return bool(self.num_experts) and i % self.moe_layer_freq == 0
+        dense = i % self.moe_layer_freq or i in self.moe_dense_layers
+        return bool(self.num_experts) and not dense
+
+    def window_of(self, i: int) -> int | None:
+        """The sliding window of layer i (None: it attends over every earlier token)."""
+        n = self.window_attn_skip_freq
+        return None if n and (i + 1) % n == 0 else self.sliding_window
+
+    def layer_config(self, i: int) -> "ModelConfig":
+        """What layer i is built from: this config with the layer's own window."""
+        window = self.window_of(i)
+        return (
+            self
+            if window == self.sliding_window
+            else dataclasses.replace(self, sliding_window=window)
+        )
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         m = self.make_vocab_size_divisible_by * tp

@@ -47,7 +47,7 @@ def _coerce(value, tp, where):
         return None
     if is_list:
         items = value if isinstance(value, list) else str(value).split()
-        return [str(v) for v in items]
+        return [_coerce(v, scalar, where) for v in items]  # list[int]: ints
     try:
         if scalar is bool:
             if isinstance(value, bool):

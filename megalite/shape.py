@@ -122,6 +122,7 @@ def _positive(cfg: Config):
         "moe-shared-expert-intermediate-size": m.moe_shared_expert_intermediate_size,
         "expert-model-parallel-size": p.ep, "expert-tensor-parallel-size": p.etp,
         "kv-channels": m.kv_channels, "sliding-window": m.sliding_window,
+        "window-attn-skip-freq": m.window_attn_skip_freq,
     }  # fmt: skip
     for name, v in values.items():
         if v is not None and v < 1:
@@ -213,6 +214,30 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     )
 
 
+def _check_routing(m) -> str | None:
+    """Why this MoE model's routing (node-limited groups, dense layers) is impossible, or None."""
+    e, k, g, gk = m.num_experts, m.moe_router_topk, m.moe_router_num_groups, m.moe_router_group_topk
+    if (g is None) != (gk is None):
+        return "--moe-router-num-groups and --moe-router-group-topk are set together or not at all"
+    if g is not None:
+        if g < 1 or e % g:
+            return f"num_experts={e} is not divisible by --moe-router-num-groups={g}"
+        if not 1 <= gk <= g or k > gk * (e // g):
+            return (
+                f"--moe-router-group-topk={gk} must be in 1..{g} and leave at least "
+                f"moe_router_topk={k} experts ({e // g} per group)"
+            )
+    scale = m.moe_router_topk_scaling_factor
+    if scale is not None and scale <= 0:
+        return f"--moe-router-topk-scaling-factor={scale} must be positive"
+    if m.swiglu_limit <= 0:
+        return f"--swiglu-limit={m.swiglu_limit} must be positive"
+    bad = [i for i in m.moe_dense_layers if not 0 <= i < m.num_layers]
+    if bad:
+        return f"--moe-dense-layers {bad} are not layers of this {m.num_layers}-layer model"
+    return None
+
+
 def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
     """Why this mixture-of-experts model cannot run at this layout (one sentence), or None.
     Experts are a second decomposition of each pipeline stage's ranks (Topology.experts)."""
@@ -231,6 +256,9 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
         )
     if k > e:
         return f"moe_router_topk={k} is larger than num_experts={e}; lower --moe-router-topk"
+    why = _check_routing(m)
+    if why:
+        return why
     if e % ep:
         return f"num_experts={e} is not divisible by ep={ep}; use a multiple of {ep} experts"
     stage = 1
@@ -263,6 +291,8 @@ def _check_attention(cfg: Config) -> str | None:
     m = cfg.model
     if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
         return f"--rope-scaling-factor={m.rope_scaling_factor} must be positive"
+    if m.features.attention_sinks and cfg.parallel.cp > 1:
+        return f"the {m.flavour} flavour's attention sinks do not run with --cp yet; use --cp 1"
     return None
 
 

@@ -18,6 +18,13 @@ memory, `mlp.experts.gate_up_proj` (E, 2f, h: gate rows, then up rows) and `down
 `block_sparse_moe.experts.{j}.w1` (gate), `w3` (up) and `w2` (down), router
 `block_sparse_moe.gate`. Both are read; the per-expert hub layout is written, which every
 transformers version loads (recent ones fuse it on load, and write it back on save).
+Qwen3-MoE is the same with its names (`MOE_NAMES`): router `mlp.gate`, hub experts
+`mlp.experts.{j}.gate_proj/up_proj/down_proj`, and only on its MoE layers (the others keep
+Llama's dense MLP names). gpt-oss keeps its in-memory names on disk: router `mlp.router`
+(with a bias), attention `self_attn.sinks`, and experts `mlp.experts.gate_up_proj` (E, h, 2f:
+(in, out), gate and up interleaved column by column) with `gate_up_proj_bias` (E, 2f, the same
+interleaving), `down_proj` (E, f, h) and `down_proj_bias` (E, h); megalite's are (out, in), gate
+rows then up rows.
 """
 
 import json
@@ -28,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from megalite.checkpoint import hf_deepseek
-from megalite.checkpoint.hf_config import exports_as_mixtral as _mixtral
 from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_moe import moe_export
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import SENTENCEPIECE, load_tokenizer
 from megalite.errors import MegaliteError
@@ -37,6 +44,20 @@ from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
 
 # the conversion's one entry point: config.json both ways (hf_config.py) and the weights here
 __all__ = ["export_tokenizer", "from_hf", "hf_config", "model_config_from_hf", "to_hf"]
+
+# MoE architecture -> (router, the hub's per-expert prefix, its (gate, up, down) tensor names)
+MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "gpt_oss": ("mlp.router", None, None),  # experts: _gpt_oss_experts_to/from_hf
+}
+FUSED = "mlp.experts.gate_up_proj"  # recent transformers' in-memory experts (router: mlp.gate)
+
+
+def _moe_names(cfg: ModelConfig):
+    """(router, per-expert prefix, (gate, up, down)) of this MoE model's architecture."""
+    return MOE_NAMES[cfg.features.hf_moe_model_type]
 
 
 def _gpt2_layout(cfg: ModelConfig) -> bool:
@@ -77,8 +98,15 @@ def _llama_names(cfg: ModelConfig):
         if cfg.features.qk_norm:  # Qwen3
             for a in ("q_norm", "k_norm"):
                 yield m + f"attention.{a}.weight", h + f"self_attn.{a}.weight"
-        if cfg.is_moe_layer(i):  # Mixtral: the router; the experts in _experts_to/_from_hf
-            yield m + "mlp.router.weight", h + "block_sparse_moe.gate.weight"
+        if cfg.features.attention_sinks:  # gpt-oss
+            yield m + "attention.sinks", h + "self_attn.sinks"
+        if cfg.is_moe_layer(i):  # the router; the experts in _experts_to/_from_hf
+            yield m + "mlp.router.weight", h + _moe_names(cfg)[0] + ".weight"
+            if cfg.features.moe_bias:  # gpt-oss
+                yield m + "mlp.router.bias", h + _moe_names(cfg)[0] + ".bias"
+            if cfg.moe_shared_expert_intermediate_size:  # DeepSeek-V3's shared experts
+                for a in ("gate", "up", "down"):
+                    yield m + f"mlp.shared.{a}.weight", h + f"mlp.shared_experts.{a}_proj.weight"
             continue
         for a in ("gate", "up", "down"):
             yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight"
@@ -91,7 +119,7 @@ def _llama_names(cfg: ModelConfig):
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
     """megalite logical tensors (padded vocabulary) -> transformers state dict."""
-    _mixtral(cfg)  # an MoE model Mixtral cannot express is refused before anything is written
+    moe_export(cfg)  # an MoE model its architecture cannot express is refused before writing
     V = cfg.vocab_size
     out = {}
     unpad = set(VOCAB_TENSORS)
@@ -102,6 +130,8 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
         if cfg.tied:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         out.update(hf_deepseek.mtp_copies(cfg, out))
+        if cfg.num_experts:
+            out.update(hf_deepseek.experts_to_hf(state, cfg))
     elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             w = state[m][:V] if m in unpad else state[m]
@@ -118,8 +148,8 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     else:
         for m, h in _llama_names(cfg):
             out[h] = (state[m][:V] if m in unpad else state[m]).clone()
-        if _mixtral(cfg):
-            out.update(_experts_to_hf(state, cfg))
+        if moe_export(cfg):
+            out.update(_experts_to_hf(state, cfg))  # gpt-oss's own layout there too
         if cfg.tied:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -140,6 +170,8 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
     if cfg.features.latent_attention:  # DeepSeek-V3: rotary rows from pairs to halves
         for m, h, rope in hf_deepseek.names(cfg):
             out[m] = hf_deepseek.reorder_rope(get(h), rope, True) if rope else get(h).clone()
+        if cfg.num_experts:
+            out.update(hf_deepseek.experts_from_hf(hf_state, cfg, get))
     elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
             out[m] = get(h).t().contiguous() if t else get(h).clone()
@@ -151,12 +183,16 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
                 out[f"layers.{i}.attention.{x}.weight"] = w[j * h_ : (j + 1) * h_].contiguous()
                 out[f"layers.{i}.attention.{x}.bias"] = b[j * h_ : (j + 1) * h_].clone()
     else:
-        fused = cfg.num_experts and "model.layers.0.mlp.experts.gate_up_proj" in hf_state
+        moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        fused = bool(moe) and f"model.layers.{moe[0]}.{FUSED}" in hf_state
+        fused = fused and not cfg.features.clamped_swiglu  # gpt-oss: its own names
         for m, h in _llama_names(cfg):
             if fused:  # recent transformers' in-memory names: the router is mlp.gate
-                h = h.replace("block_sparse_moe.gate.", "mlp.gate.")
+                h = h.replace(f".{_moe_names(cfg)[0]}.", ".mlp.gate.")
             out[m] = get(h).clone()
-        if cfg.num_experts:
+        if cfg.num_experts and cfg.features.clamped_swiglu:
+            out.update(_gpt_oss_experts_from_hf(cfg, get))
+        elif cfg.num_experts:
             out.update(_experts_from_hf(hf_state, cfg, get, fused))
     for name in VOCAB_TENSORS:
         if name in out:
@@ -165,36 +201,68 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
 
 
 def _experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
-    """Stacked expert tensors -> the hub's per-expert w1 (gate), w3 (up), w2 (down)."""
+    """Stacked expert tensors -> the hub's per-expert gate, up and down (Mixtral: w1, w3, w2)."""
+    if cfg.features.clamped_swiglu:
+        return _gpt_oss_experts_to_hf(state, cfg)
     out, f = {}, cfg.moe_ffn
-    for i in range(cfg.num_layers):
+    _, prefix, (gate, up, down_name) = _moe_names(cfg)
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
         gate_up = state[f"layers.{i}.mlp.experts.gate_up.weight"]  # (E, 2f, h)
         down = state[f"layers.{i}.mlp.experts.down.weight"]  # (E, h, f)
         for j in range(cfg.num_experts):
-            h = f"model.layers.{i}.block_sparse_moe.experts.{j}."
-            out[h + "w1.weight"] = gate_up[j, :f].clone()
-            out[h + "w3.weight"] = gate_up[j, f:].clone()
-            out[h + "w2.weight"] = down[j].clone()
+            h = f"model.layers.{i}.{prefix}.{j}."
+            out[h + f"{gate}.weight"] = gate_up[j, :f].clone()
+            out[h + f"{up}.weight"] = gate_up[j, f:].clone()
+            out[h + f"{down_name}.weight"] = down[j].clone()
     return out
 
 
 def _experts_from_hf(hf_state: dict, cfg: ModelConfig, get, fused: bool) -> dict:
     """The hub's per-expert tensors, or recent transformers' fused ones -> stacked tensors."""
     out = {}
-    for i in range(cfg.num_layers):
+    _, prefix, (gate, up, down) = _moe_names(cfg)
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
         m = f"layers.{i}.mlp.experts."
         if fused:
             out[m + "gate_up.weight"] = get(f"model.layers.{i}.mlp.experts.gate_up_proj").clone()
             out[m + "down.weight"] = get(f"model.layers.{i}.mlp.experts.down_proj").clone()
             continue
-        h = f"model.layers.{i}.block_sparse_moe.experts."
+        h = f"model.layers.{i}.{prefix}."
         out[m + "gate_up.weight"] = torch.stack(
-            [torch.cat([get(f"{h}{j}.w1.weight"), get(f"{h}{j}.w3.weight")])
+            [torch.cat([get(f"{h}{j}.{gate}.weight"), get(f"{h}{j}.{up}.weight")])
              for j in range(cfg.num_experts)]
         )  # fmt: skip
         out[m + "down.weight"] = torch.stack(
-            [get(f"{h}{j}.w2.weight") for j in range(cfg.num_experts)]
+            [get(f"{h}{j}.{down}.weight") for j in range(cfg.num_experts)]
         )
+    return out
+
+
+def _gpt_oss_experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
+    """megalite's (E, 2f, h) gate rows then up rows -> gpt-oss's (E, h, 2f) interleaved."""
+    out, f = {}, cfg.moe_ffn
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+        m, h = f"layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.experts."
+        w, b = state[m + "gate_up.weight"], state[m + "gate_up.bias"]
+        pairs = torch.stack([w[:, :f], w[:, f:]], 2).flatten(1, 2)  # (E, 2f, h): g0 u0 g1 u1 ...
+        out[h + "gate_up_proj"] = pairs.transpose(1, 2).contiguous()
+        out[h + "gate_up_proj_bias"] = torch.stack([b[:, :f], b[:, f:]], 2).flatten(1, 2)
+        out[h + "down_proj"] = state[m + "down.weight"].transpose(1, 2).contiguous()
+        out[h + "down_proj_bias"] = state[m + "down.bias"].clone()
+    return out
+
+
+def _gpt_oss_experts_from_hf(cfg: ModelConfig, get) -> dict:
+    """gpt-oss's interleaved (in, out) expert tensors -> megalite's stacked (out, in) ones."""
+    out = {}
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+        m, h = f"layers.{i}.mlp.experts.", f"model.layers.{i}.mlp.experts."
+        w, b = get(h + "gate_up_proj"), get(h + "gate_up_proj_bias")  # (E, h, 2f), (E, 2f)
+        out[m + "gate_up.weight"] = torch.cat([w[..., ::2], w[..., 1::2]], -1).transpose(1, 2)
+        out[m + "gate_up.bias"] = torch.cat([b[:, ::2], b[:, 1::2]], -1)
+        out[m + "down.weight"] = get(h + "down_proj").transpose(1, 2).contiguous()
+        out[m + "down.bias"] = get(h + "down_proj_bias").clone()
+        out[m + "gate_up.weight"] = out[m + "gate_up.weight"].contiguous()
     return out
 
 

@@ -13,20 +13,32 @@ Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj 
 - Qwen3ForCausalLM (Qwen3 dense): q_norm and k_norm over each head, head_dim set explicitly;
 - MistralForCausalLM: `sliding_window` (every layer);
 - MixtralForCausalLM: experts in every layer (no sliding window);
-- DeepseekV3ForCausalLM: multi-head latent attention, dense layers (checkpoint/hf_deepseek.py).
+- Qwen3MoeForCausalLM: Qwen3 with experts (softmax top-k, `norm_topk_prob`), dense MLPs on
+  `mlp_only_layers` and off the `decoder_sparse_step` (read as --moe-dense-layers; written
+  back as mlp_only_layers with decoder_sparse_step 1).
+- DeepseekV3ForCausalLM: multi-head latent attention (checkpoint/hf_deepseek.py).
+A flavour's MoE architecture is its `hf_moe_model_type`; the MoE fields of each (DeepSeek-V3's
+too) are megalite/checkpoint/hf_moe.py's.
 Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all sliding).
 """
 
 from megalite.checkpoint import hf_deepseek
+from megalite.checkpoint.hf_moe import MOE_ARCHITECTURES, moe_config, moe_export, moe_fields
 from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.errors import MegaliteError
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                 "deepseek_v3": hf_deepseek.ARCH}  # fmt: skip
+                 "qwen3_moe": MOE_ARCHITECTURES["qwen3_moe"],
+                 "gpt_oss": MOE_ARCHITECTURES["gpt_oss"], "deepseek_v3": hf_deepseek.ARCH}  # fmt: skip
 LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "mistral": "Mistral", "deepseek_v3": "DeepSeek-V3"}  # fmt: skip
+          "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss",
+          "deepseek_v3": "DeepSeek-V3"}  # fmt: skip
+# what an architecture always has beyond what its config.json states (its features' names)
+ALWAYS = {"gpt_oss": {"moe_bias": True, "clamped_swiglu": True, "attention_sinks": True},
+          "deepseek_v3": {"latent_attention": True}}
+DENSE_LAYOUT = {"mixtral": "llama", "qwen3_moe": "qwen3"}  # MoE architecture -> its dense one
 
 # RoPE parameters per rope_type: config.json key -> ModelConfig field
 ROPE_FIELDS = {
@@ -44,27 +56,6 @@ ROPE_FIELDS = {
 RUNTIME = {"none": "default"}  # ModelConfig.rope_scaling -> rope_type where the names differ
 # transformers' values for yarn keys left out: not written (nor None), as transformers writes them
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
-
-
-def exports_as_mixtral(cfg: ModelConfig) -> bool:
-    """An MoE model exports as Mixtral; one Mixtral cannot express is refused."""
-    if not cfg.num_experts:
-        return False
-    unsupported = {
-        f"the {cfg.flavour} flavour": cfg.features.hf_model_type != "llama",
-        "--moe-layer-freq > 1": cfg.moe_layer_freq != 1,
-        "a shared expert": bool(cfg.moe_shared_expert_intermediate_size),
-        "--moe-router-pre-softmax": cfg.moe_router_pre_softmax,
-        "the expert bias": cfg.moe_router_enable_expert_bias,
-        "a sliding window": cfg.sliding_window is not None,
-    }
-    why = [k for k, v in unsupported.items() if v]
-    if why:
-        raise MegaliteError(
-            f"this mixture-of-experts model has {', '.join(why)}, which MixtralForCausalLM "
-            "cannot express; it cannot be exported to Hugging Face"
-        )
-    return True
 
 
 # ---- export ---------------------------------------------------------------------------------
@@ -103,9 +94,21 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of the equivalent transformers model."""
-    kind = cfg.features.hf_model_type
-    if kind == "gpt2" and not exports_as_mixtral(cfg):
+    kind, moe = cfg.features.hf_model_type, moe_export(cfg)
+    if kind == "gpt2" and not moe:
         return _gpt2_config(cfg)
+    if kind not in ARCHITECTURES:
+        raise MegaliteError(
+            f"the {cfg.flavour} flavour cannot be exported to Hugging Face yet (megalite writes "
+            f"{', '.join(ARCHITECTURES.values())})"
+        )
+    if kind == "gpt_oss" and not moe:
+        raise MegaliteError("a gpt_oss model without experts cannot be exported to Hugging Face")
+    if cfg.sliding_window is not None and cfg.window_attn_skip_freq and moe != "gpt_oss":
+        raise MegaliteError(
+            f"alternating sliding/full layers (--window-attn-skip-freq) cannot be exported as "
+            f"{ARCHITECTURES[kind]} yet; its window covers every layer or none"
+        )
     rope = rope_parameters(cfg)
     out = {
         "architectures": [ARCHITECTURES[kind]],
@@ -131,19 +134,14 @@ def hf_config(cfg: ModelConfig) -> dict:
     if rope["rope_type"] != "default":
         out["rope_scaling"] = rope  # transformers < 5 reads the scaling here
     window = cfg.sliding_window
-    if cfg.features.latent_attention:  # MLA's fields (checkpoint/hf_deepseek.py)
+    if cfg.features.latent_attention:  # MLA's fields, its MoE's (checkpoint/hf_deepseek.py)
         return hf_deepseek.hf_config(cfg, out)
-    if exports_as_mixtral(cfg):  # Llama's fields with experts (Mixtral has no bias options)
+    if moe == "mixtral":  # Llama's fields with experts (Mixtral has no bias options)
         del out["attention_bias"], out["mlp_bias"]
-        out.update({
-            "architectures": [ARCHITECTURES["mixtral"]],
-            "model_type": "mixtral",
-            "intermediate_size": cfg.moe_ffn,
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.moe_router_topk,
-            "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-            "sliding_window": None,
-        })  # fmt: skip
+        out.update(moe_config(cfg, moe))
+    elif moe == "gpt_oss":  # biases on q, k, v and o (attention_bias); its windows per layer
+        del out["mlp_bias"]
+        out.update(moe_config(cfg, moe))
     elif kind == "mistral":  # no bias options; a window on every layer (or none)
         del out["attention_bias"], out["mlp_bias"]
         out["sliding_window"] = window
@@ -158,6 +156,9 @@ def hf_config(cfg: ModelConfig) -> dict:
                    layer_types=[layer] * cfg.num_layers)  # fmt: skip
         if window is not None:
             out["max_window_layers"] = 0  # the window from the first layer on
+        if moe == "qwen3_moe":  # Qwen3's fields with experts; no per-layer attention types
+            del out["layer_types"]
+            out.update(moe_config(cfg, moe))
     elif window is not None:
         raise MegaliteError(
             f"{ARCHITECTURES[kind]} has no sliding window; this model (--sliding-window "
@@ -173,7 +174,8 @@ def _flavour(features: ModelFeatures, arch: str) -> str:
     """The flavour whose row has these features (the output tying aside: a flag sets it)."""
     differ = {}
     for name, row in FLAVOURS.items():
-        theirs = {k: v for k, v in vars(features).items() if k not in ("tied", "doc")}
+        theirs = {k: v for k, v in vars(features).items()
+                  if k not in ("tied", "doc", "hf_moe_model_type")}  # fmt: skip
         mine = {k: getattr(row, k) for k in theirs}
         if theirs == mine:
             return name
@@ -193,9 +195,9 @@ def _features(hf: dict, kind: str) -> ModelFeatures:
     return ModelFeatures("rmsnorm", "rotary", gated_mlp=True, qkv_bias=qkv,
                          linear_bias=attention or bool(hf.get("mlp_bias")),
                          tied=bool(hf.get("tie_word_embeddings", False)),
-                         hf_model_type="llama" if kind == "mixtral" else kind,
-                         qk_norm=kind == "qwen3",
-                         latent_attention=kind == "deepseek_v3")  # fmt: skip
+                         hf_model_type=DENSE_LAYOUT.get(kind, kind),
+                         qk_norm=DENSE_LAYOUT.get(kind, kind) == "qwen3",
+                         **ALWAYS.get(kind, {}))  # fmt: skip
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -285,10 +287,12 @@ def _window(hf: dict, kind: str, arch: str) -> int | None:
             )
         return window
     window = hf.get("sliding_window")
-    if kind == "mixtral" and window is not None:
+    if kind == "qwen3_moe" and not hf.get("use_sliding_window"):
+        window = None  # transformers then attends over everything
+    if kind in ("mixtral", "qwen3_moe") and window is not None:
         raise MegaliteError(
-            f"Mixtral with sliding_window={window} is not supported; megalite attends over the "
-            "whole sequence"
+            f"{LABELS[kind]} with sliding_window={window} is not supported; megalite's MoE "
+            "models attend over the whole sequence"
         )
     if kind == "llama" and window is not None:
         raise MegaliteError(f"Llama with sliding_window={window} is not supported")
@@ -307,14 +311,10 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
     if hf.get("pretraining_tp", 1) != 1:
         raise MegaliteError(f"{arch} with pretraining_tp={hf['pretraining_tp']} is not supported")
     head_dim = hf.get("head_dim") or h // heads
-    experts = {}
-    if kind == "deepseek_v3":  # MLA: no head_dim of its own (transformers sets it to the rope dims)
-        experts, head_dim = hf_deepseek.model_fields(hf), h // heads
-    if kind == "mixtral":
-        experts = {"num_experts": hf["num_local_experts"],
-                   "moe_router_topk": hf["num_experts_per_tok"],
-                   "moe_ffn_hidden_size": hf["intermediate_size"],
-                   "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.0)}  # fmt: skip
+    if kind == "deepseek_v3":  # MLA (no head_dim of its own: transformers sets the rope dims)
+        experts, head_dim = hf_deepseek.model_fields(hf), h // heads  # and its MoE fields
+    else:
+        experts = moe_fields(hf, kind) if kind in MOE_ARCHITECTURES else {}
     return ModelConfig(
         flavour=_flavour(_features(hf, kind), arch),
         num_layers=hf["num_hidden_layers"],
@@ -327,8 +327,7 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
         vocab_size=hf["vocab_size"],
         norm_epsilon=hf.get("rms_norm_eps", eps),
         **_rope(hf, rope, arch),
-        sliding_window=window,
         attention_dropout=hf.get("attention_dropout", 0.0),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        **experts,
+        **{"sliding_window": window, **experts},  # gpt-oss: its windows are its experts' fields
     )

@@ -3,8 +3,12 @@
 Names per layer i (model.layers.{i}.): input_layernorm, post_attention_layernorm, and MLA's
 self_attn.q_a_proj, q_a_layernorm, q_b_proj (or q_proj without q_lora_rank),
 kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; a dense layer's mlp.gate_proj, up_proj,
-down_proj. Layers from `first_k_dense_replace` on are MoE layers: refused until megalite routes
-as DeepSeek-V3 does (sigmoid, groups, shared experts).
+down_proj. Layers from `first_k_dense_replace` on are MoE layers: router mlp.gate, shared
+experts mlp.shared_experts.{gate,up,down}_proj, the experts per expert on the hub
+(mlp.experts.{j}.gate_proj, ...; written so) or fused as transformers holds them in memory
+(mlp.experts.gate_up_proj, down_proj; read too); the MoE fields of config.json are
+checkpoint/hf_moe.py's. The router's e_score_correction_bias is written as megalite's expert
+bias where the state has one, zeros otherwise; it is not read (megalite's is a buffer).
 
 RoPE: with `rope_interleave` (DeepSeek's default) the rotary dims of q and of the shared key are
 stored as pairs (x0, x1), (x2, x3), ...; megalite rotates halves (x0..x_{d/2-1} with the rest),
@@ -23,6 +27,7 @@ a model's MTP modules in the hub's layout (the copies too) and num_nextn_predict
 
 import torch
 
+from megalite.checkpoint.hf_moe import deepseek_v3_moe_config, deepseek_v3_moe_fields, moe_export
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
 
@@ -44,20 +49,69 @@ def _attention_names(cfg: ModelConfig):
     yield "out.weight", "o_proj.weight", None
 
 
-def _layer_names(cfg: ModelConfig, m: str, h: str):
+def _layer_names(cfg: ModelConfig, i: int, m: str, h: str):
+    """Layer i's tensors (an MTP module's layer: i = num_layers + k), its experts aside."""
     yield m + "input_norm.weight", h + "input_layernorm.weight", None
     yield m + "post_attention_norm.weight", h + "post_attention_layernorm.weight", None
     for a, b, rope in _attention_names(cfg):
         yield m + "attention." + a, h + "self_attn." + b, rope
+    if cfg.is_moe_layer(i):  # the router and the shared experts; the experts: experts_*_hf
+        yield m + "mlp.router.weight", h + "mlp.gate.weight", None
+        if cfg.moe_shared_expert_intermediate_size:
+            for a in ("gate", "up", "down"):
+                yield m + f"mlp.shared.{a}.weight", h + f"mlp.shared_experts.{a}_proj.weight", None
+        return
     for a in ("gate", "up", "down"):
         yield m + f"mlp.{a}.weight", h + f"mlp.{a}_proj.weight", None
+
+
+def _moe_layers(cfg: ModelConfig):
+    """(megalite prefix, hf prefix) of every MoE layer, the MTP modules' included."""
+    L = cfg.num_layers
+    for i in range(L + cfg.mtp_num_layers):
+        if cfg.is_moe_layer(i):
+            m = f"layers.{i}." if i < L else f"mtp.{i - L}.layer."
+            yield m + "mlp.", f"model.layers.{i}.mlp."
+
+
+def experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
+    """Stacked experts -> the hub's per-expert tensors, and the router's correction bias."""
+    out, f = {}, cfg.moe_ffn
+    for m, h in _moe_layers(cfg):
+        gate_up, down = state[m + "experts.gate_up.weight"], state[m + "experts.down.weight"]
+        for j in range(cfg.num_experts):
+            out[h + f"experts.{j}.gate_proj.weight"] = gate_up[j, :f].clone()
+            out[h + f"experts.{j}.up_proj.weight"] = gate_up[j, f:].clone()
+            out[h + f"experts.{j}.down_proj.weight"] = down[j].clone()
+        bias = state.get(m + "expert_bias")
+        zeros = torch.zeros(cfg.num_experts, dtype=torch.float32)
+        out[h + "gate.e_score_correction_bias"] = zeros if bias is None else bias.float().clone()
+    return out
+
+
+def experts_from_hf(hf_state: dict, cfg: ModelConfig, get) -> dict:
+    """The hub's per-expert tensors, or transformers' fused ones -> stacked experts."""
+    out = {}
+    for m, h in _moe_layers(cfg):
+        if h + "experts.gate_up_proj" in hf_state:  # transformers' in-memory layout
+            out[m + "experts.gate_up.weight"] = get(h + "experts.gate_up_proj").clone()
+            out[m + "experts.down.weight"] = get(h + "experts.down_proj").clone()
+            continue
+        e = range(cfg.num_experts)
+        out[m + "experts.gate_up.weight"] = torch.stack(
+            [torch.cat([get(f"{h}experts.{j}.gate_proj.weight"),
+                        get(f"{h}experts.{j}.up_proj.weight")]) for j in e]
+        )  # fmt: skip
+        out[m + "experts.down.weight"] = torch.stack([get(f"{h}experts.{j}.down_proj.weight")
+                                                      for j in e])  # fmt: skip
+    return out
 
 
 def names(cfg: ModelConfig):
     """(megalite name, hf name, rope rows) for every tensor (the embedding and head included)."""
     yield "embedding.word.weight", "model.embed_tokens.weight", None
     for i in range(cfg.num_layers):
-        yield from _layer_names(cfg, f"layers.{i}.", f"model.layers.{i}.")
+        yield from _layer_names(cfg, i, f"layers.{i}.", f"model.layers.{i}.")
     yield "final_norm.weight", "model.norm.weight", None
     if not cfg.tied:
         yield "output.weight", "lm_head.weight", None
@@ -66,7 +120,7 @@ def names(cfg: ModelConfig):
         for a in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
             yield m + a, h + a, None
         yield m + "final_norm.weight", h + "shared_head.norm.weight", None
-        yield from _layer_names(cfg, m + "layer.", h)
+        yield from _layer_names(cfg, cfg.num_layers + k, m + "layer.", h)
 
 
 def mtp_copies(cfg: ModelConfig, out: dict) -> dict:
@@ -100,11 +154,7 @@ def reorder_rope(w: torch.Tensor, rows, to_halves: bool) -> torch.Tensor:
 
 def hf_config(cfg: ModelConfig, common: dict) -> dict:
     """config.json of DeepseekV3ForCausalLM; `common` holds the Llama-layout fields."""
-    if cfg.num_experts:
-        raise MegaliteError(
-            "a DeepSeek-V3 model with experts cannot be exported yet: megalite's routing is not "
-            "DeepSeek-V3's (sigmoid, groups, shared experts)"
-        )
+    moe_export(cfg)  # an MoE model DeepSeek-V3 cannot express is refused here
     if cfg.sliding_window is not None:
         raise MegaliteError(f"{ARCH} has no sliding window; this model cannot be exported")
     out = {k: v for k, v in common.items() if k not in ("head_dim", "mlp_bias")}
@@ -115,6 +165,8 @@ def hf_config(cfg: ModelConfig, common: dict) -> dict:
         "v_head_dim": cfg.v_head_dim, "first_k_dense_replace": cfg.num_layers,
         "rope_interleave": True, "num_nextn_predict_layers": cfg.mtp_num_layers,
     })  # fmt: skip
+    if cfg.num_experts:
+        out.update(deepseek_v3_moe_config(cfg))
     return out
 
 
@@ -123,12 +175,7 @@ def model_fields(hf: dict) -> dict:
     cannot honour is refused in one line."""
     n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
     first_dense = hf.get("first_k_dense_replace", 3)
-    if first_dense is not None and first_dense < n:
-        raise MegaliteError(
-            f"{ARCH} with MoE layers (first_k_dense_replace={first_dense} < "
-            f"num_hidden_layers={n}) is not supported yet: megalite converts dense DeepSeek-V3 "
-            "models (first_k_dense_replace >= num_hidden_layers)"
-        )
+    moe = first_dense is not None and first_dense < n  # layers from first_dense on: experts
     if hf.get("num_key_value_heads") not in (None, heads):
         raise MegaliteError(
             f"{ARCH} with num_key_value_heads={hf['num_key_value_heads']} != "
@@ -144,4 +191,5 @@ def model_fields(hf: dict) -> dict:
         "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
         "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
         "v_head_dim": hf.get("v_head_dim") or 128,
+        **(deepseek_v3_moe_fields(hf) if moe else {}),
     }

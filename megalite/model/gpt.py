@@ -84,7 +84,8 @@ class GPTChunk(nn.Module):
                 mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
         ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg, tp, ops, self.seq_parallel, rng, recompute, **kw,
+            {str(i): TransformerLayer(cfg.layer_config(i), tp, ops, self.seq_parallel, rng,
+                                      recompute, **kw,
                                       ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
                                       cp_comm_type=cp_comm_type)
              for i in layers}

@@ -9,13 +9,14 @@ x then holds only the new tokens (never sequence-parallel), their keys and value
 to the cache, and attention runs over every cached slot with explicit positions.
 
 What the flavour decides is read from `cfg.features` (config.ModelFeatures: biases, Qwen3's
-per-head q/k norms); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
+per-head q/k norms, gpt-oss's attention sinks in model/sinks.py); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
 scaling in model/rope.py, a sliding window handed to the attention ops). Every matmul and the
 attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).
 `sequence_parallel` is the chunk's `SequenceParallel` switch (or a bool), shared by its layers.
 """
 
 import dataclasses
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -26,6 +27,7 @@ from megalite.config import ModelConfig
 from megalite.model.mla import LatentAttention
 from megalite.model.moe import MoELayer
 from megalite.model.rope import rotary_tables
+from megalite.model.sinks import sink_attention, visible
 from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
@@ -130,6 +132,10 @@ class Attention(nn.Module):
         if cfg.features.qk_norm:
             self.q_norm = HeadNorm(cfg, tp, ops, dtype, device)
             self.k_norm = HeadNorm(cfg, tp, ops, dtype, device)
+        if cfg.features.attention_sinks:  # gpt-oss: one logit per head, split with the heads
+            spec = shard_spec(tp, 0, no_weight_decay=True)
+            self.sinks = mark(nn.Parameter(torch.zeros(self.heads, dtype=dtype, device=device)),
+                              **spec)  # fmt: skip
         if self.rotary:
             cos, sin = rotary_tables(cfg, device)
             self.register_buffer("cos", cos, persistent=False)
@@ -138,6 +144,13 @@ class Attention(nn.Module):
     def _core(self, q, k, v, shard=None):
         """q (b, nh/t, s, hd), k and v (b, kv heads, s, hd) -> (b, nh/t, s, hd): `ops.attention`,
         the seam for an attention variant (or the masked/context-parallel blocks of `shard`)."""
+        if hasattr(self, "sinks"):  # torch only (model/sinks.py); cp > 1 is refused
+            s, w = q.shape[2], self.window.get("window")
+            pos = torch.arange(s, device=q.device) if shard is None else shard.positions
+            doc = None if shard is None or shard.docs is None else shard.docs[0]
+            p = self.cfg.attention_dropout if self.training else 0.0
+            with self.rng.fork() if p > 0 else nullcontext():
+                return sink_attention(q, k, v, self.sinks, visible(pos, pos, doc, doc, w), p)
         if shard is not None and shard.attention_masked:  # cp > 1 or documents (no dropout)
             return context_attention(q, k, v, self.cp, shard, self.cp_comm_type, self.ops,
                                      **self.window)  # fmt: skip
@@ -181,7 +194,10 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
         if kv is not None:
             k, v = kv.append(k, v)  # (b, kv heads, every cached slot, hd)
-            if s == 1 and kv.k_doc is None and not self.window:  # one token sees every slot
+            if hasattr(self, "sinks"):
+                vis = visible(kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc, self.window.get("window"))
+                o = sink_attention(q, k, v, self.sinks, vis)
+            elif s == 1 and kv.k_doc is None and not self.window:  # one token sees every slot
                 o = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
             else:  # a query sees the slots up to its own (in its window), padding excluded
                 o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc,

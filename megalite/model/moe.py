@@ -7,10 +7,11 @@ gathered back afterwards), so no token is routed twice; the ranks holding the sa
 (`seq`: tp, later tp+cp) agree on whatever the layer computes over a whole sequence (the
 load-balancing loss, the capacity).
 
-- Router: fp32 logits (T, E) = x W_r^T, softmax, top-k (on softmax + the expert bias with the
-  auxiliary-loss-free balancing of DeepSeek-V3), weights renormalised over the k chosen
-  (Mixtral) unless --moe-router-pre-softmax. Its weight is replicated; each TP rank sees only
-  its tokens, so the gradient is summed over TP.
+- Router: fp32 logits (T, E) = x W_r^T (+ b_r with `features.moe_bias`, gpt-oss), then the
+  scores, the top-k choice and the weights of model/routing.py (`Routing`: softmax or sigmoid,
+  the auxiliary-loss-free expert bias of DeepSeek-V3, node-limited groups, renormalised top-k,
+  a scaling factor). Its weight is replicated; each TP rank sees only its tokens, so the
+  gradient is summed over TP.
 - Losses (fp32): Switch/GShard load balancing  coeff E sum_e f_e P_e  (f_e: the share of the
   sequence group's assignments routed to e, P_e: its mean router probability), and the router
   z-loss  coeff mean_t logsumexp(logits_t)^2. Each rank computes its tokens' share, so the sum
@@ -28,7 +29,9 @@ load-balancing loss, the capacity).
   assignments sorted by expert; dispatch and combine over ep in parallel/expert_parallel.py.
   Expert weights are (E/ep, out, in), split over "ep" along dim 0, named by global expert
   (`layers.{i}.mlp.experts.gate_up.weight` (E, 2f, h): gate rows then up rows; without a gated MLP
-  `experts.up.weight` (E, f, h); `experts.down.weight` (E, h, f)); no biases.
+  `experts.up.weight` (E, f, h); `experts.down.weight` (E, h, f)). With `features.moe_bias`
+  (gpt-oss) each has a bias, `experts.gate_up.bias` (E, 2f) and `experts.down.bias` (E, h),
+  and `features.clamped_swiglu` makes the activation gpt-oss's (`clamped_swiglu`).
 """
 
 import math
@@ -39,12 +42,22 @@ import torch
 import torch.nn as nn
 
 from megalite.config import ModelConfig
+from megalite.model.routing import Routing
 from megalite.parallel import comm, expert_parallel
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import shard_spec
 
 STATS = 4  # per layer after the E loads: aux loss, z-loss, dropped assignments, passes
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope in its clamped SwiGLU
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: (up + 1) g sigmoid(1.702 g), with g = gate clamped above at
+    `limit` and up clamped to [-limit, limit]."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+
 
 # The gradient the auxiliary losses get in backward (outside `aux_loss_scale`: 1.0).
 _aux_scale = 1.0
@@ -91,11 +104,11 @@ def _checkpoint_phase() -> str | None:
 
 
 class _Weight(nn.Module):
-    """Holds one stacked expert weight, so its logical name ends in `.weight`."""
+    """Holds one stacked expert weight (and bias), so its logical name ends in `.weight`."""
 
-    def __init__(self, w: nn.Parameter):
+    def __init__(self, w: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = w
+        self.weight, self.bias = w, bias
 
 
 class MoELayer(nn.Module):
@@ -107,15 +120,19 @@ class MoELayer(nn.Module):
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn
         self.e, self.k, self.f, self.gated = e, cfg.moe_router_topk, f, cfg.features.gated_mlp
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
-        self.pre_softmax, self.capacity_factor = (
-            cfg.moe_router_pre_softmax,
-            cfg.moe_expert_capacity_factor,
-        )
+        self.capacity_factor = cfg.moe_expert_capacity_factor
         self.bias_rate = cfg.moe_router_bias_update_rate
+        self.routing = Routing.of(cfg)
+        self.clamp = cfg.swiglu_limit if cfg.features.clamped_swiglu else None
+        biased = cfg.features.moe_bias
         kw = {"dtype": dtype, "device": device}
         self.router = nn.Module()
         self.router.weight = mark(nn.Parameter(torch.empty(e, h, **kw)),
                                   **shard_spec(tp, None, partial_grad=True))  # fmt: skip
+        self.router.bias = None
+        if biased:
+            spec = shard_spec(tp, None, partial_grad=True, no_weight_decay=True)
+            self.router.bias = mark(nn.Parameter(torch.zeros(e, **kw)), **spec)
         if e % ep.size:
             raise ValueError(f"num_experts={e} is not divisible by ep={ep.size}")
         local = e // ep.size
@@ -124,8 +141,13 @@ class MoELayer(nn.Module):
         self.experts = nn.Module()
         name = "gate_up" if self.gated else "up"
         w1 = mark(nn.Parameter(torch.empty(local, first, h, **kw)), **split)
-        setattr(self.experts, name, _Weight(w1))
-        self.experts.down = _Weight(mark(nn.Parameter(torch.empty(local, h, f, **kw)), **split))
+        w2 = mark(nn.Parameter(torch.empty(local, h, f, **kw)), **split)
+        b1 = b2 = None
+        if biased:  # one row per expert, split over ep like the weights
+            b1 = mark(nn.Parameter(torch.zeros(local, first, **kw)), **split, no_weight_decay=True)
+            b2 = mark(nn.Parameter(torch.zeros(local, h, **kw)), **split, no_weight_decay=True)
+        setattr(self.experts, name, _Weight(w1, b1))
+        self.experts.down = _Weight(w2, b2)
         stat_kw = {"dtype": torch.float64, "device": device}
         # Running sums since moe_stats() last read them: loads (E,), aux, z, dropped, passes.
         self.register_buffer("stats", torch.zeros(e + STATS, **stat_kw), persistent=False)
@@ -146,13 +168,11 @@ class MoELayer(nn.Module):
         (T, k); in fp32 at least, whatever the model's precision."""
         dtype = torch.promote_types(tokens.dtype, torch.float32)
         logits = self.ops.linear(tokens.to(dtype), self.router.weight.to(dtype))
-        probs = logits.softmax(-1)
-        choice = probs if self.expert_bias is None else probs + self.expert_bias
-        top = choice.topk(self.k, dim=-1).indices  # (T, k)
-        w = probs.gather(1, top)
-        if not self.pre_softmax:
-            w = w / w.sum(-1, keepdim=True)
-        return logits, probs, top, w
+        if self.router.bias is not None:
+            logits = logits + self.router.bias.to(dtype)
+        probs = self.routing.scores(logits)
+        top = self.routing.choose(probs, self.expert_bias)  # (T, k)
+        return logits, probs, top, self.routing.weights(probs, top)
 
     def _capacity_keep(self, top: torch.Tensor, b: int, s: int) -> torch.Tensor:
         """(T, k) bool: the assignments within capacity (drop policy "position": choice j
@@ -224,13 +244,25 @@ class MoELayer(nn.Module):
 
     def _experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x (n, h) sorted by local expert, offsets (E_local + 1,) -> (n, h)."""
-        mm = self.ops.grouped_mm
+        expert = None  # (n,) each row's local expert, for the biases
+        if self.experts.down.bias is not None:
+            rows = torch.arange(x.shape[0], device=x.device)
+            expert = torch.searchsorted(offsets[1:], rows, right=True)  # on the device
+
+        def mm(inp, w: _Weight):
+            y = self.ops.grouped_mm(inp, w.weight, offsets)
+            return y if w.bias is None else y + w.bias.index_select(0, expert)
+
         if self.gated:
-            gate_up = mm(x, self.experts.gate_up.weight, offsets)  # (n, 2f)
-            y = self.ops.swiglu(gate_up[:, : self.f], gate_up[:, self.f :])
+            gate_up = mm(x, self.experts.gate_up)  # (n, 2f)
+            gate, up = gate_up[:, : self.f], gate_up[:, self.f :]
+            if self.clamp is None:
+                y = self.ops.swiglu(gate, up)
+            else:
+                y = clamped_swiglu(gate, up, self.clamp)
         else:
-            y = self.ops.gelu(mm(x, self.experts.up.weight, offsets))  # (n, f)
-        return mm(y, self.experts.down.weight, offsets)
+            y = self.ops.gelu(mm(x, self.experts.up))  # (n, f)
+        return mm(y, self.experts.down)
 
     def _account(self, out, logits, probs, top, counts, t: int):
         """Auxiliary losses attached to `out`, and the running statistics (all on the device)."""
@@ -242,8 +274,9 @@ class MoELayer(nn.Module):
         if self.aux_coeff:
             group_load = load.clone()
             comm.all_reduce(group_load, seq)  # f_e over the whole sequence group
-            # P_e from the softmax over all experts, whatever the top-k saw
-            aux = self.aux_coeff * e / (k * n_seq * n_seq) * (probs.sum(0) * group_load).sum()
+            # P_e from the scores over all experts, whatever the top-k saw
+            p_e = self.routing.aux_probs(probs).sum(0)
+            aux = self.aux_coeff * e / (k * n_seq * n_seq) * (p_e * group_load).sum()
         if self.z_coeff:
             z = self.z_coeff * torch.logsumexp(logits, -1).square().sum() / n_seq
         if self.aux_coeff or self.z_coeff:

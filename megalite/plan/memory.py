@@ -41,7 +41,8 @@ def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head:
 
 def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False, ep=1):
     """[(logical name, numel on this TP rank, ParamSpec)] in `named_parameters()` order."""
-    fields = dataclasses.astuple(m)
+    # hashable for the cache: list fields (moe_dense_layers) as tuples
+    fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))
     kinds = {}  # MoE or dense -> the first layer index of that kind (its template)
     for i in layers:
         kinds.setdefault(m.is_moe_layer(i), i)

@@ -5,7 +5,7 @@ import pytest
 
 from megalite.shape import validate
 from megalite.testing import tiny_config
-from megalite.training.fake_world import match, run_roles, witnesses
+from megalite.training.fake_world import expected_syncs, match, run_roles, witnesses
 
 
 def _cfg(layers=8, **par):
@@ -96,6 +96,7 @@ def test_1024_ranks_moe_with_expert_parallelism_match():
     for r in reports:  # one layer per stage: layer i on stage i
         moe = int(m.is_moe_layer(r.coords["pp"]))
         assert r.syncs == 1 + moe * 4, (r.rank, r.syncs, r.where)
+        assert expected_syncs(cfg, shape, r.coords["pp"]) == 1 + moe * 4
     _memory_as_planned(reports)
 
 

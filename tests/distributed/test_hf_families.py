@@ -3,12 +3,14 @@
 - Layers: forward logits, loss and every gradient of tp2 chunks (with and without sequence
   parallelism) equal the single-process chunk's within 1e-10: Qwen3's q_norm and k_norm (their
   gradient is each rank's heads' part, summed over TP) with split and with replicated k/v
-  heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window.
+  heads, Qwen2's q/k/v biases, Llama 3's scaled RoPE, Mistral's sliding window, gpt-oss's
+  attention sinks (each rank's heads' sinks: their gradient needs no TP reduction).
 - Context parallelism: Mistral's sliding window at cp2 (ring and all-to-all, with and without
   packed documents) and cp2*tp2 gives one process's loss and gradients.
-- Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling) and Mistral (a window of
-  8) models converted to megalite and loaded at tp2*pp2 give transformers' greedy tokens and the
-  one-process sampled ones.
+- Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling), Mistral (a window of
+  8), Qwen3-MoE (a dense layer among MoE ones) and gpt-oss (attention sinks, alternating
+  windows) models converted to megalite and loaded at
+  tp2*pp2 give transformers' greedy tokens and the one-process sampled ones.
 """
 
 import pytest
@@ -39,6 +41,8 @@ CASES = [
     dict(flavour="llama", rope_scaling="llama3", rope_original_max_position_embeddings=4,
          rotary_base=5e5),
     dict(flavour="mistral", sliding_window=3),
+    dict(flavour="gpt_oss", num_query_groups=2),  # attention sinks, split with the heads
+    dict(flavour="gpt_oss", num_query_groups=1, sliding_window=3, window_attn_skip_freq=2),
 ]  # fmt: skip
 
 
@@ -111,15 +115,21 @@ def _generate(rank, world, paths):
 
 
 def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_path):
+    from tests.unit.test_checkpoint_gpt_oss import gpt_oss
     from tests.unit.test_checkpoint_hf import convert, hf_greedy
+    from tests.unit.test_checkpoint_qwen3_moe import qwen3_moe
     from tests.unit.test_hf_families import hf_family
 
     models, paths = [], []
-    for name in ("qwen3", "llama3", "mistral"):  # Mistral: a window of 8 in the KV cache
-        m = hf_family(name, seed=5)
+    makers = {name: lambda name=name: hf_family(name, seed=5) for name in ("qwen3", "llama3")}
+    makers["mistral"] = lambda: hf_family("mistral", seed=5)  # a window of 8 in the KV cache
+    makers["qwen3-moe"], makers["gpt-oss"] = qwen3_moe, gpt_oss  # sinks, alternating windows
+    for name, make in makers.items():
+        m = make()
         m.save_pretrained(tmp_path / name, safe_serialization=True)
         convert.main([str(tmp_path / name), str(tmp_path / f"{name}-ml"), "--to", "megalite"])
-        models.append(m.double())
+        # transformers' MoE routing runs in fp32 only (its router casts to float): keep it there
+        models.append(m if name in ("qwen3-moe", "gpt-oss") else m.double())
         paths.append(str(tmp_path / f"{name}-ml"))
     results = spawn(_generate, 4, paths)
     for m, path in zip(models, paths):

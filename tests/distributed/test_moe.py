@@ -8,6 +8,9 @@ micro-batch through the whole layer (ep = tp = 1). Outputs, the load-balancing l
 gradients and the parameter gradients (reduced as the optimizer does: the router over TP and
 DP, the experts over edp, the shared expert over DP) agree within 1e-10. The ledger holds
 exactly two all-to-alls per layer per direction, of (T k + rows received) h 8 bytes.
+The routing variants (model/routing.py: DeepSeek-V3's sigmoid scores with the expert bias,
+node-limited groups and a scaling factor; Qwen3-MoE's unnormalised top-k; gpt-oss's biased
+router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (sp).
 """
 
 import math
@@ -32,8 +35,17 @@ B, S, H, E, K, F_, SHARED = 2, 8, 16, 4, 2, 12, 8
 TOL = 1e-10
 
 
-def cfg(capacity=None) -> ModelConfig:
-    return ModelConfig(flavour="llama", hidden_size=H, num_attention_heads=4, seq_length=S,
+VARIANTS = {  # the routing variants: ModelConfig fields
+    "deepseek": {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                 "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+                 "moe_router_topk_scaling_factor": 2.5},
+    "qwen3 unnormalised": {"flavour": "qwen3", "moe_router_pre_softmax": True},
+    "gpt-oss": {"flavour": "gpt_oss", "swiglu_limit": 0.5},  # a limit the values reach
+}  # fmt: skip
+
+
+def cfg(capacity=None, **variant) -> ModelConfig:
+    return ModelConfig(**{"flavour": "llama", **variant}, hidden_size=H, num_attention_heads=4, seq_length=S,
                        vocab_size=64, num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=F_,
                        moe_shared_expert_intermediate_size=SHARED, moe_aux_loss_coeff=0.1,
                        moe_z_loss_coeff=0.01, moe_expert_capacity_factor=capacity)  # fmt: skip
@@ -48,6 +60,7 @@ def full_tensor(name: str, shape, skew: bool) -> torch.Tensor:
 
 
 def layer(m: ModelConfig, tp: Group, ep: Group, sp: bool, skew: bool) -> MoELayer:
+    """The layer with its full tensors drawn by name (and the expert bias, when on)."""
     kw = {"dtype": torch.float64}
     import dataclasses
 
@@ -57,6 +70,8 @@ def layer(m: ModelConfig, tp: Group, ep: Group, sp: bool, skew: bool) -> MoELaye
     with torch.no_grad():
         for name, p in moe.named_parameters():
             p.copy_(spec_of(p).local(full_tensor(name, spec_of(p).shape, skew)))
+        if moe.expert_bias is not None:
+            moe.expert_bias.copy_(full_tensor("expert_bias", (E,), skew).float())
     return moe
 
 
@@ -68,11 +83,11 @@ def inputs(d: int, skew: bool):
     return x, torch.randn(B, S, H, generator=g, dtype=torch.float64)
 
 
-def reference(dp: int, skew: bool, capacity=None):
+def reference(dp: int, skew: bool, capacity=None, variant=()):
     """Every replica's micro-batch through the whole layer: outputs, aux per replica, x grads,
     parameter gradients summed over the replicas, the share of tokens picking expert 0."""
     one = Group("tp", [0], 0)
-    moe = layer(cfg(capacity), one, Group("ep", [0], 0), False, skew)
+    moe = layer(cfg(capacity, **dict(variant)), one, Group("ep", [0], 0), False, skew)
     outs, auxes, xgrads, picked = [], [], [], 0.0
     for d in range(dp):
         x, g = inputs(d, skew)
@@ -89,13 +104,14 @@ def reference(dp: int, skew: bool, capacity=None):
     return outs, auxes, xgrads, grads, picked
 
 
-def case(rank, tp, ep, sp, skew, capacity=None):
+def case(rank, tp, ep, sp, skew, capacity=None, **variant):
     topo = Topology(tp=tp, dp=4 // tp)
     topo.expert = topo.experts(ep)
     groups = build_groups(topo, torch.device("cpu"))
     d, t = groups.dp.rank, groups.tp.rank
-    ref_out, ref_aux, ref_xg, ref_grads, picked = reference(4 // tp, skew, capacity)
-    moe = layer(cfg(capacity), groups.tp, groups.ep, sp and tp > 1, skew)
+    ref = reference(4 // tp, skew, capacity, tuple(variant.items()))
+    ref_out, ref_aux, ref_xg, ref_grads, picked = ref
+    moe = layer(cfg(capacity, **variant), groups.tp, groups.ep, sp and tp > 1, skew)
     x, g = inputs(d, skew)
     rows = slice(t * S // tp, (t + 1) * S // tp) if sp and tp > 1 else slice(None)
     x = x[:, rows].clone().requires_grad_(True)
@@ -115,8 +131,8 @@ def case(rank, tp, ep, sp, skew, capacity=None):
         grad = p.grad.clone()
         group = groups.edp if spec_of(p).split_axis == "ep" else groups.dp
         comm.all_reduce(grad, group)
-        if name.startswith("router"):
-            comm.all_reduce(grad, groups.tp)  # its grad_sum
+        if "tp" in spec_of(p).grad_sum:  # the router; biases seeing only sp rows
+            comm.all_reduce(grad, groups.tp)
         err[name] = (grad - spec_of(p).local(ref_grads[name])).abs().max().item()
     ledger = None
     if ep > 1:
@@ -139,6 +155,9 @@ def run(rank, world):
         for skew in (False, True):
             out[tp, ep, sp, skew] = case(rank, tp, ep, sp, skew)
     out["capacity"] = case(rank, 2, 2, False, True, capacity=1.0)
+    for name, variant in VARIANTS.items():
+        out[name] = case(rank, 2, 2, False, False, **variant)
+        out[name + " ep4 sp"] = case(rank, 2, 4, True, False, **variant)
     return out
 
 

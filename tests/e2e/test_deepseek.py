@@ -36,3 +36,26 @@ def test_sharded_training_matches_one_process(tiny_data, tmp_path):
         assert len(losses) == STEPS, name
         for step, (a, b) in enumerate(zip(losses, baseline), 1):
             assert abs(a - b) <= 1e-4 * abs(b), f"{name} step {step}: {a} vs one process {b}"
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--moe-shared-expert-intermediate-size", "16", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+       "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+       "--moe-router-topk-scaling-factor", "2.5", "--moe-dense-layers", "0"]  # fmt: skip
+
+
+def test_with_experts_trains_at_tp2_pp2_dp2_ep2_like_one_process(tiny_data, tmp_path):
+    """MLA, DeepSeek-V3's MoE from layer 1 on (the MTP modules' layers too) and MTP."""
+    prefix, tok = tiny_data
+    args = [*TINY, "--data-path", prefix, "--tokenizer-model", tok, "--train-iters", str(STEPS),
+            *DEEPSEEK, *MOE]  # fmt: skip
+    one, _ = pretrain(1, args, tmp_path)
+    baseline = [r["loss"] for r in one]
+    assert len(baseline) == STEPS and baseline[-1] < baseline[0]
+    rows, _ = pretrain(8, [*args, "--tp", "2", "--pp", "2", "--ep", "2", "--sequence-parallel"],
+                       tmp_path)  # fmt: skip
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == STEPS
+    for step, (a, b) in enumerate(zip(losses, baseline), 1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs one process {b}"

@@ -29,7 +29,12 @@ DEEPSEEK = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
             "first_k_dense_replace": 2, "max_position_embeddings": SEQ}  # fmt: skip
 # name -> config arguments beyond DEEPSEEK
 VARIANTS = {"q-lora-yarn": {"q_lora_rank": 24, "rope_parameters": YARN},
-            "q-proj": {"q_lora_rank": None, "v_head_dim": 16}}  # fmt: skip
+            "q-proj": {"q_lora_rank": None, "v_head_dim": 16},
+            # DeepSeek-V3's MoE from layer 1 on: sigmoid, 2 groups of 4 experts, a shared one
+            "moe": {"q_lora_rank": 24, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                    "n_shared_experts": 1, "moe_intermediate_size": 16,
+                    "routed_scaling_factor": 2.5}}  # fmt: skip
 
 
 def hf_deepseek(name: str, seed: int = 0):
@@ -65,7 +70,7 @@ def test_imported_deepseek_v3_gives_transformers_logits_and_greedy_tokens(name):
     )
     chunk = imported(m)
     attn = chunk.layers["0"].attention
-    assert isinstance(attn, LatentAttention) and hasattr(attn, "q_a") == (name == "q-lora-yarn")
+    assert isinstance(attn, LatentAttention) and hasattr(attn, "q_a") == (name != "q-proj")
     with torch.no_grad():
         theirs = m(IDS).logits
         assert (chunk(IDS) - theirs).abs().max() <= 1e-5
@@ -109,12 +114,24 @@ def test_the_kv_cache_holds_the_latent_and_the_rope_key():
         assert (logits[:, :VOCAB] - whole[:, i]).abs().max() <= 1e-5
 
 
+def _fused(state: dict, cfg) -> dict:
+    """The hub's per-expert tensors as transformers holds them in memory (what it does on load)."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+        h, e = f"model.layers.{i}.mlp.experts.", range(cfg.num_experts)
+        out[h + "gate_up_proj"] = torch.stack(
+            [torch.cat([state[f"{h}{j}.gate_proj.weight"], state[f"{h}{j}.up_proj.weight"]])
+             for j in e])  # fmt: skip
+        out[h + "down_proj"] = torch.stack([state[f"{h}{j}.down_proj.weight"] for j in e])
+    return out
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_export_gives_back_the_state_dict_and_config(name):
     m = hf_deepseek(name)
     cfg = hf.model_config_from_hf(m.config.to_dict())
     theirs = m.state_dict()
-    back = hf.to_hf(hf.from_hf(theirs, cfg), cfg)
+    back = _fused(hf.to_hf(hf.from_hf(theirs, cfg), cfg), cfg)
     assert sorted(back) == sorted(theirs)
     for k, v in theirs.items():
         assert torch.equal(back[k], v), k
@@ -130,7 +147,6 @@ def test_export_gives_back_the_state_dict_and_config(name):
 def test_what_megalite_cannot_honour_is_refused_in_one_line():
     config = hf_deepseek("q-proj").config.to_dict()
     for change, match in (
-        ({"first_k_dense_replace": 1}, "with MoE layers"),
         ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"rope_interleave": False}, "rope_interleave=False"),
@@ -156,16 +172,18 @@ def test_mla_parameters_and_head_dims():
     assert torch.isfinite(loss) and all(p.grad is not None for p in chunk.parameters())
 
 
-def test_mtp_modules_are_stored_as_the_hubs_extra_layers(tmp_path):
+@pytest.mark.parametrize("name", ["q-lora-yarn", "moe"])  # moe: the MTP layer has experts
+def test_mtp_modules_are_stored_as_the_hubs_extra_layers(name, tmp_path):
     """--mtp-num-layers 1: exported as model.layers.2.* (enorm, hnorm, eh_proj, shared_head and
     the layer, with copies of the shared embedding and head), read back identically;
     transformers loads the export without them and gives the model's logits."""
-    cfg = dataclasses.replace(hf.model_config_from_hf(hf_deepseek("q-lora-yarn").config.to_dict()),
+    cfg = dataclasses.replace(hf.model_config_from_hf(hf_deepseek(name).config.to_dict()),
                               mtp_num_layers=1)  # fmt: skip
     state = {n: p.detach() for n, p in GPTChunk(cfg, seed=4).named_parameters()}
     out = hf.to_hf(state, cfg)
+    mlp = "mlp.experts.3.down_proj" if name == "moe" else "mlp.down_proj"
     for key in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
-                "embed_tokens", "self_attn.kv_b_proj", "mlp.down_proj"):  # fmt: skip
+                "embed_tokens", "self_attn.kv_b_proj", mlp):  # fmt: skip
         assert f"model.layers.2.{key}.weight" in out, key
     assert torch.equal(out["model.layers.2.shared_head.head.weight"], out["lm_head.weight"])
     config = hf.hf_config(cfg)
@@ -177,7 +195,7 @@ def test_mtp_modules_are_stored_as_the_hubs_extra_layers(tmp_path):
     for k, v in state.items():
         assert torch.equal(back[k], v), k
     m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config)).eval()
-    missing, unexpected = m.load_state_dict(out, strict=False)
+    missing, unexpected = m.load_state_dict(_fused(out, cfg), strict=False)
     assert not missing and all(k.startswith("model.layers.2.") for k in unexpected)
     chunk = GPTChunk(cfg).eval()
     chunk.load_full_state(state)
@@ -215,10 +233,11 @@ def test_recomputation_gives_the_same_gradients(recompute):
         assert torch.equal(grads[1][name], g), name
 
 
-def test_conversion_round_trip_through_checkpoints(tmp_path):
+@pytest.mark.parametrize("name", ["q-lora-yarn", "moe"])
+def test_conversion_round_trip_through_checkpoints(name, tmp_path):
     from tests.unit.test_checkpoint_hf import assert_round_trip_exact, convert
 
-    m = hf_deepseek("q-lora-yarn")
+    m = hf_deepseek(name)
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
     convert.main([str(tmp_path / "hf"), str(tmp_path / "ml"), "--to", "megalite", "--tp", "2",
                   "--pp", "2"])  # fmt: skip
