@@ -31,13 +31,16 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_moe": MOE_ARCHITECTURES["qwen3_moe"],
-                 "gpt_oss": MOE_ARCHITECTURES["gpt_oss"], "deepseek_v3": hf_deepseek.ARCH}  # fmt: skip
+                 "gpt_oss": MOE_ARCHITECTURES["gpt_oss"],
+                 "deepseek_v3": hf_deepseek.ARCH}  # fmt: skip
 LABELS = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
           "mistral": "Mistral", "qwen3_moe": "Qwen3-MoE", "gpt_oss": "gpt-oss",
           "deepseek_v3": "DeepSeek-V3"}  # fmt: skip
 # what an architecture always has beyond what its config.json states (its features' names)
-ALWAYS = {"gpt_oss": {"moe_bias": True, "clamped_swiglu": True, "attention_sinks": True},
-          "deepseek_v3": {"latent_attention": True}}
+ALWAYS = {
+    "gpt_oss": {"moe_bias": True, "clamped_swiglu": True, "attention_sinks": True},
+    "deepseek_v3": {"latent_attention": True},
+}
 DENSE_LAYOUT = {"mixtral": "llama", "qwen3_moe": "qwen3"}  # MoE architecture -> its dense one
 
 # RoPE parameters per rope_type: config.json key -> ModelConfig field
