@@ -6,8 +6,9 @@
   with yarn's mscale and a full-rank q with v wider than q/k.
 - Context parallelism: MLA (v padded to the q/k head dim) at cp2 (ring and all-to-all, with and
   without packed documents) and cp2*tp2 gives one process's loss and gradients.
-- Generation: a random transformers DeepSeek-V3 (dense) converted to megalite and loaded at
-  tp2*pp2 gives transformers' greedy tokens and the one-process sampled ones (latent KV cache).
+- Generation: random transformers DeepSeek-V3 models (dense, and with its MoE) converted to
+  megalite and loaded at tp2*pp2 give transformers' greedy tokens and the one-process sampled
+  ones (latent KV cache).
 """
 
 import pytest
@@ -52,17 +53,23 @@ def test_latent_attention_with_context_parallelism_matches_one_process(tp, world
 
 
 def test_deepseek_v3_generates_at_tp2_pp2_what_transformers_does(tmp_path):
+    """Dense, and with DeepSeek-V3's MoE from layer 1 on (experts whole on each rank): one
+    spawn for both."""
     from tests.unit.test_checkpoint_hf import convert, hf_greedy
     from tests.unit.test_mla import hf_deepseek
 
-    m = hf_deepseek("q-lora-yarn", seed=5)
-    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    path = str(tmp_path / "ml")
-    convert.main([str(tmp_path / "hf"), path, "--to", "megalite"])
-    results = spawn(test_hf_families._generate, 4, [path])
-    cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
-    greedy, sampled, _ = _one_process(cfg, path)
-    assert greedy == [hf_greedy(m.double(), p, NEW) for p in PROMPTS]
-    for rank in range(4):
-        g, s, _ = results[rank][path]
-        assert (g, s) == (greedy, sampled), rank
+    models, paths = [], []
+    for name in ("q-lora-yarn", "moe"):
+        m = hf_deepseek(name, seed=5)
+        m.save_pretrained(tmp_path / name, safe_serialization=True)
+        convert.main([str(tmp_path / name), str(tmp_path / f"{name}-ml"), "--to", "megalite"])
+        models.append(m if name == "moe" else m.double())  # grouped_mm: no fp64
+        paths.append(str(tmp_path / f"{name}-ml"))
+    results = spawn(test_hf_families._generate, 4, paths)
+    for m, path in zip(models, paths):
+        cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
+        greedy, sampled, _ = _one_process(cfg, path)
+        assert greedy == [hf_greedy(m, p, NEW) for p in PROMPTS], path
+        for rank in range(4):
+            g, s, _ = results[rank][path]
+            assert (g, s) == (greedy, sampled), (path, rank)
