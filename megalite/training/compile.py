@@ -1,0 +1,59 @@
+"""Compiled transformer blocks (`--compile`): each layer's math through `torch.compile`, one
+layer at a time, as torchtitan does (not the whole model).
+
+What is compiled is `TransformerLayer._forward`, the layer's arithmetic from its input to its
+output, and not the module's `__call__`. Everything that decides *around* a layer stays eager:
+
+- its hooks (ZeRO-3's gather before the forward and its free after it, the pre-backward regather)
+  run outside the compiled region: they resize storage and wait on asynchronous collectives,
+  which a graph cannot hold;
+- full recomputation (`checkpoint(self._forward, ...)` in the layer) checkpoints the compiled
+  function, so the recompute replays the same compiled graph;
+- parameter names do not change (`torch.compile(module)` would wrap the layer in an
+  `OptimizedModule` whose names gain `_orig_mod.`): checkpoints, ZeRO units and the optimizer see
+  the same logical names with or without `--compile`.
+
+Every layer of a chunk has the same code and structure, so the layers share one graph (dynamo
+lifts parameters to graph inputs): no recompilation per layer, none after the first step.
+
+Graph breaks. megalite's collectives (`megalite.parallel.comm`) are autograd functions that
+count bytes in the ledger and time themselves on the host: they stay eager, and dynamo breaks the
+graph at each (`torch.compiler.disable` on their `apply` there). With tp = 1 and cp = 1 a dense layer is one graph; with
+tensor or context parallelism it is the pieces between collectives (a TP layer: the norm and
+attention in, the output projection's reduce, the MLP, ...). MoE layers break where the dispatch
+reads the routing counts on the host (the all-to-all sizes): the router and the experts compile
+as separate graphs. docs/compile.md says more.
+"""
+
+import torch
+
+# Inductor reuses a backward's input buffers in place, saved activations among them, which is
+# right when a backward runs once. The zero-bubble split backward runs it twice (I with the graph
+# kept, then W): the second run would read overwritten activations (W gradients off by 10%).
+INDUCTOR_OPTIONS = {"inplace_buffers": False}
+
+
+def compile_layer(layer: torch.nn.Module, **kw) -> None:
+    """Compile `layer`'s math (`layer._forward`) in place; `kw` go to `torch.compile`
+    (default inductor options: INDUCTOR_OPTIONS). The module, its parameters, names and hooks
+    are untouched."""
+    if kw.get("backend", "inductor") == "inductor":
+        kw["options"] = {**INDUCTOR_OPTIONS, **kw.get("options", {})}
+    layer._forward = torch.compile(layer._forward, **kw)
+
+
+def compile_chunks(chunks, **kw) -> int:
+    """Compile every transformer layer of every chunk (`compile_layer`); returns how many."""
+    # The same for AOT autograd's donated buffers (saved tensors freed into the backward).
+    torch._functorch.config.donated_buffer = False
+    n = 0
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            compile_layer(layer, **kw)
+            n += 1
+    return n
+
+
+def is_compiled(layer: torch.nn.Module) -> bool:
+    """`layer`'s math runs compiled (`compile_layer` was applied)."""
+    return "_forward" in vars(layer)
