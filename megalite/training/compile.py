@@ -18,11 +18,12 @@ lifts parameters to graph inputs): no recompilation per layer, none after the fi
 
 Graph breaks. megalite's collectives (`megalite.parallel.comm`) are autograd functions that
 count bytes in the ledger and time themselves on the host: they stay eager, and dynamo breaks the
-graph at each (`torch.compiler.disable` on their `apply` there). With tp = 1 and cp = 1 a dense layer is one graph; with
-tensor or context parallelism it is the pieces between collectives (a TP layer: the norm and
-attention in, the output projection's reduce, the MLP, ...). MoE layers break where the dispatch
-reads the routing counts on the host (the all-to-all sizes): the router and the experts compile
-as separate graphs. docs/compile.md says more.
+graph at each (`torch.compiler.disable` on their `apply` there). With tp = 1 and cp = 1 a dense
+layer is one graph; with tensor or context parallelism it is the pieces between collectives.
+Selective recompute keeps the attention core's checkpoint eager (a break there); MoE layers
+break where the dispatch reads the routing counts on the host (the all-to-all sizes). The
+zero-bubble split backward runs a compiled layer's backward whole in I and again in W (one
+autograd node cannot be cut). docs/compile.md says more.
 """
 
 import torch
@@ -39,13 +40,14 @@ def compile_layer(layer: torch.nn.Module, **kw) -> None:
     are untouched."""
     if kw.get("backend", "inductor") == "inductor":
         kw["options"] = {**INDUCTOR_OPTIONS, **kw.get("options", {})}
+    # The same for AOT autograd's donated buffers (saved tensors freed into the one backward,
+    # which refuses a second): a process-wide setting, read when a graph is compiled.
+    torch._functorch.config.donated_buffer = False
     layer._forward = torch.compile(layer._forward, **kw)
 
 
 def compile_chunks(chunks, **kw) -> int:
     """Compile every transformer layer of every chunk (`compile_layer`); returns how many."""
-    # The same for AOT autograd's donated buffers (saved tensors freed into the backward).
-    torch._functorch.config.donated_buffer = False
     n = 0
     for chunk in chunks:
         for layer in chunk.layers.values():
