@@ -28,9 +28,11 @@ autograd node cannot be cut). docs/compile.md says more.
 
 import torch
 
-# Inductor reuses a backward's input buffers in place, saved activations among them, which is
-# right when a backward runs once. The zero-bubble split backward runs it twice (I with the graph
-# kept, then W): the second run would read overwritten activations (W gradients off by 10%).
+# The zero-bubble split backward runs a compiled layer's backward twice (I with the graph kept,
+# then W), which inductor's defaults do not expect. In-place reuse of the backward's input
+# buffers (saved activations among them) is off as a precaution: one run during development
+# gave W gradients 10% off with it on, which fresh caches did not reproduce (a cached graph
+# compiled with donated buffers is the likely cause; tests/unit/test_compile.py checks W).
 INDUCTOR_OPTIONS = {"inplace_buffers": False}
 
 

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
+from megalite.pipeline.split_backward import input_grad
 from megalite.shape import validate
 from megalite.testing import tiny_config
 from megalite.training.build import build_rank
@@ -36,31 +37,37 @@ def _train(cfg, steps, after_first=None):
         parts.opt.step(1e-3)
         if step == 0 and after_first is not None:
             after_first()
-    (chunk,) = parts.chunks
-    return losses, dict(chunk.named_parameters()), chunk
+    params = {n: p for c in parts.chunks for n, p in c.named_parameters()}
+    return losses, params, parts.chunks
 
 
 def _graphs():
     return counters["stats"]["unique_graphs"]
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
-    "schedule,recompute",
-    [("1f1b", "none"), pytest.param("zb-h1", "none", marks=pytest.mark.slow),
-     pytest.param("1f1b", "full", marks=pytest.mark.slow)],
+    "schedule,vpp,recompute",
+    [("1f1b", 1, "none"), pytest.param("zb-h1", 1, "none", marks=SLOW),
+     pytest.param("1f1b", 1, "full", marks=SLOW), pytest.param("interleaved", 2, "none", marks=SLOW),
+     pytest.param("zbv", 2, "none", marks=SLOW), pytest.param("dualpipev", 2, "none", marks=SLOW)],
 )  # fmt: skip
-def test_compiled_steps_match_eager(schedule, recompute):
-    """3 steps compiled against eager; the zero-bubble split backward (I then W, the compiled
-    layer's backward run twice) and full recomputation (the compiled function checkpointed)."""
+def test_compiled_steps_match_eager(schedule, vpp, recompute):
+    """3 steps compiled against eager, for the executor's schedules: the zero-bubble split
+    backward (I then W, the compiled layer's backward run twice), virtual stages (two chunks in
+    one process) and full recomputation (the compiled function checkpointed)."""
     cfg = tiny_config()
-    cfg.parallel.pp_schedule, cfg.training.recompute = schedule, recompute
+    cfg.parallel.pp_schedule, cfg.parallel.vpp, cfg.training.recompute = schedule, vpp, recompute
+    cfg.model.num_layers = 2 * vpp
     eager, want, _ = _train(cfg, 3)
     cfg.training.compile = True
     torch._dynamo.reset()  # compiled afresh, whatever earlier tests compiled
     counters.clear()
     seen = {}
-    got, params, chunk = _train(cfg, 3, lambda: seen.update(graphs=_graphs()))
-    assert all(is_compiled(layer) for layer in chunk.layers.values())
+    got, params, chunks = _train(cfg, 3, lambda: seen.update(graphs=_graphs()))
+    assert all(is_compiled(layer) for c in chunks for layer in c.layers.values())
     assert params.keys() == want.keys()  # logical names, no `_orig_mod.`
     for step, (a, b) in enumerate(zip(got, eager)):
         assert abs(a - b) <= TOL, f"step {step}: compiled {a} eager {b}"
@@ -101,3 +108,30 @@ def test_selective_recompute_breaks_at_the_core():
     chunk(x).backward(g)
     for a, b in zip([p.grad for p in chunk.parameters()] + [x.grad], want):
         assert (a - b).abs().max().item() <= TOL
+
+
+def test_split_backward_through_compiled_layers():
+    """The zero-bubble I/W split (split_backward.input_grad) on compiled layers: I gives the
+    input's gradient alone, W then the parameters' (the compiled backward run a second time on
+    the saved activations, which inductor must not have overwritten in I)."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    chunk = GPTChunk(cfg.model, has_embedding=False, has_head=False)
+    x = torch.randn(2, cfg.model.seq_length, cfg.model.hidden_size, requires_grad=True)
+    g = torch.randn_like(x)
+    chunk(x).backward(g)
+    want = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    want_x = x.grad.clone()
+    chunk.zero_grad()
+    x.grad = None
+    torch._dynamo.reset()
+    compile_chunks([chunk])
+    for _ in range(2):  # compiling, then compiled
+        chunk.zero_grad()
+        x.grad = None
+        weights = input_grad(chunk(x), g, x, list(chunk.parameters()))
+        assert (x.grad - want_x).abs().max().item() <= TOL
+        assert all(p.grad is None for p in chunk.parameters())
+        weights()
+        for n, p in chunk.named_parameters():
+            assert (p.grad - want[n]).abs().max().item() <= TOL, n
