@@ -78,10 +78,14 @@ def test_compiled_steps_match_eager(schedule, vpp, recompute):
     assert seen["graphs"] >= 1 and _graphs() == seen["graphs"], "recompiled after step 1"
 
 
-def test_dense_layer_is_one_graph():
-    """A dense layer (tp = cp = 1) traces whole: one graph, no break; its two layers share it."""
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_dense_layer_is_one_graph(flavour):
+    """A dense layer (tp = cp = 1) traces whole: one graph, no break (LayerNorm and GELU, or
+    RMSNorm, RoPE, grouped queries and SwiGLU)."""
     cfg = tiny_config()
-    chunk = GPTChunk(cfg.model, has_embedding=False, has_head=False)
+    cfg.model.flavour, cfg.model.num_query_groups = flavour, 2
+    model = validate(cfg, 1).model
+    chunk = GPTChunk(model, has_embedding=False, has_head=False)
     x = torch.randn(2, cfg.model.seq_length, cfg.model.hidden_size)
     for layer in chunk.layers.values():
         report = torch._dynamo.explain(layer._forward)(x)
