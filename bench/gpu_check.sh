@@ -21,13 +21,14 @@
 #                llama-1b shape, bf16, 10 steps: MFU and tokens/s, eager (--kernels torch) and
 #                with the Triton kernels; the eager run also records a timeline of its last
 #                step (--profile-steps 10:11: timeline.json, timeline.png)
+#   mfu_compile  the same, eager kernels with --compile (compiled bf16 blocks)
 #   memory       bench/gpu_large_check.py memory: the eager run's peak and state bytes against
 #                the planner's estimate for the same flags
 #   kernels_table  bench/kernels.py: Triton vs eager / torch.compile / Liger, with what is left
 #
 # Results in $OUT (default bench_out/): gpu_check.log (everything printed), multirank.json,
 # syncs.json, kernels.json, kernels_large.json, memory.json, nccl_1rank.jsonl, mfu_triton.jsonl,
-# mfu_torch.jsonl, timeline.json, timeline.png.
+# mfu_torch.jsonl, mfu_compile.jsonl, timeline.json, timeline.png.
 # Every Python piece also runs on CPU in a small mode (tests/unit/test_gpu_check.py).
 #
 # The GPU machine may have no internet: put the wheels it lacks (liger-kernel, the test extras)
@@ -137,6 +138,17 @@ for k in torch triton; do
             --out "$OUT" "${MFU_FLAGS[@]}" --kernels torch
     fi
 done
+
+# Compiled blocks (--compile: each layer through torch.compile, inductor's Triton on CUDA),
+# the same flags and torch ops: its MFU and tokens/s beside mfu_torch's (compilation is in the
+# first steps, outside the median of the last 6).
+rm -f "$OUT/mfu_compile.jsonl"
+run mfu_compile 150 $PY pretrain_gpt.py "${MFU_FLAGS[@]}" --kernels torch --compile \
+    --metrics-file "$OUT/mfu_compile.jsonl"
+if [ "${status[mfu_compile]}" -eq 0 ]; then
+    metrics "$OUT/mfu_compile.jsonl" "compile, kernels=torch" 2>&1 | tee -a "$LOG" ||
+        status[mfu_compile]=1
+fi
 
 run multirank 80 $PY bench/gpu_trainer_check.py multirank --device cuda --steps 3 \
     --timeout 40 --out "$OUT"

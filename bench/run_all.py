@@ -133,6 +133,10 @@ QUICK = {
         ],
         "full shape: 4 layers, h 256, contexts 64 and 512",
     ),  # fmt: skip
+    "bench_compile.py": (
+        ["--layers", "2", "--hidden", "128", "--seq", "128", "--rounds", "3", "--warmup", "1"],
+        "the shape 4 x 256, s 256, 8 rounds",
+    ),  # fmt: skip
     "bench_data.py": (["--repeats", "1"], "5 interleaved rounds"),
     "bench_async_save.py": (
         [

@@ -463,6 +463,9 @@ class TrainingConfig:
     kernels: str = opt(
         "auto", "auto: Triton on CUDA, torch elsewhere", choices=("auto", "triton", "torch")
     )
+    compile: bool = opt(
+        False, "torch.compile each transformer layer's math (docs/compile.md; inductor: C++ on CPU)"
+    )
     max_skipped_steps: int = opt(5, "stop after this many non-finite steps in a row")
     eval_only: bool = opt(False, "with --load: compute eval_loss on the valid split and exit")
     dry_run: bool = opt(False, "print the memory/communication plan and exit (no process group)")

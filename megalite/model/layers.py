@@ -160,6 +160,13 @@ class Attention(nn.Module):
                 return self.ops.attention(q, k, v, p, **self.window)
         return self.ops.attention(q, k, v, **self.window)
 
+    # --compile: eager, a graph break (torch.compile cannot replay the sharded RNG's context_fn)
+    @torch.compiler.disable
+    def _recomputed_core(self, q, k, v, shard=None):
+        """`_core`, its activations recomputed in backward (selective recompute)."""
+        return checkpoint(self._core, q, k, v, shard, use_reentrant=False,
+                          context_fn=self.rng.recompute_contexts)  # fmt: skip
+
     def _rotate_at(self, q, k, positions):
         """RoPE of q and k (b, s, heads, hd) at per-row positions (b, s), in one call: the rows
         as one long sequence, so the op's (s, d/2) tables are the rows of each position."""
@@ -203,8 +210,7 @@ class Attention(nn.Module):
                 o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc,
                                               **self.window)  # fmt: skip
         elif self.recompute_core and self.training:
-            o = checkpoint(self._core, q, k, v, shard, use_reentrant=False,
-                           context_fn=self.rng.recompute_contexts)  # fmt: skip
+            o = self._recomputed_core(q, k, v, shard)
         else:
             o = self._core(q, k, v, shard)
         o = o.transpose(1, 2).reshape(b, s, self.heads * hd)  # (b, s, nh/t * hd)

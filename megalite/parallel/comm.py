@@ -339,32 +339,40 @@ class _AlongDim(torch.autograd.Function):
         return ctx.bwd(g, ctx.dim, ctx.group), None, None, None, None
 
 
+# torch.compile (--compile, megalite/training/compile.py): a collective ends the graph; dynamo
+# runs it eagerly (the ledger, host timing and torch.distributed call) and resumes after it.
+# A group of one never reaches these, so it breaks nothing.
+_copy_to_group = torch.compiler.disable(_CopyToGroup.apply)
+_reduce_from_group = torch.compiler.disable(_ReduceFromGroup.apply)
+_along_dim = torch.compiler.disable(_AlongDim.apply)
+
+
 def copy_to_group(x, group: Group):
-    return x if group.size == 1 else _CopyToGroup.apply(x, group)
+    return x if group.size == 1 else _copy_to_group(x, group)
 
 
 def reduce_from_group(x, group: Group):
-    return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
+    return x if group.size == 1 else _reduce_from_group(x, group)
 
 
 def scatter_to_group(x, group: Group, dim: int = -1):
     """Keep this rank's slice along dim; its backward all-gathers."""
-    return x if group.size == 1 else _AlongDim.apply(x, dim % x.dim(), group, _split, _gather)
+    return x if group.size == 1 else _along_dim(x, dim % x.dim(), group, _split, _gather)
 
 
 def gather_from_group(x, group: Group, dim: int = -1):
     """All-gather along dim; its backward keeps this rank's slice."""
-    return x if group.size == 1 else _AlongDim.apply(x, dim % x.dim(), group, _gather, _split)
+    return x if group.size == 1 else _along_dim(x, dim % x.dim(), group, _gather, _split)
 
 
 def gather_from_sequence(x, group: Group, dim: int = 1):
     """(b, s/t, h) -> (b, s, h); its backward reduce-scatters the gradient."""
-    return x if group.size == 1 else _AlongDim.apply(x, dim, group, _gather, _reduce_scatter)
+    return x if group.size == 1 else _along_dim(x, dim, group, _gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sequence(x, group: Group, dim: int = 1):
     """(b, s, h) partial sums -> (b, s/t, h) reduced; its backward all-gathers."""
-    return x if group.size == 1 else _AlongDim.apply(x, dim, group, _reduce_scatter, _gather)
+    return x if group.size == 1 else _along_dim(x, dim, group, _reduce_scatter, _gather)
 
 
 # ---- all-to-all with variable split sizes (expert parallelism) ---------------------------
@@ -396,10 +404,13 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, ctx.in_sizes, ctx.out_sizes), None, None, None
 
 
+_all_to_all_apply = torch.compiler.disable(_AllToAll.apply)  # a graph break, as above
+
+
 def all_to_all(x, group: Group, out_sizes: list[int], in_sizes: list[int]):
     """Exchange rows of x (n, ...) over the group: in_sizes[j] consecutive rows go to member j,
     out_sizes[j] rows come back from it (host lists: the receiver must know them beforehand).
     Autograd-aware: the gradient takes the way back."""
     if group.size == 1:
         return x
-    return _AllToAll.apply(x, group, list(out_sizes), list(in_sizes))
+    return _all_to_all_apply(x, group, list(out_sizes), list(in_sizes))

@@ -21,6 +21,7 @@ from megalite.pipeline.executor import PipelineResult, run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
 from megalite.shape import RunShape
+from megalite.training.compile import compile_chunks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,17 +53,21 @@ class RankParts:
 
 def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
     """This rank's model chunks: one per virtual stage it holds, with the layers the schedule's
-    placement gives it, on the groups' device. `ops`: the kernels every layer calls (default
+    placement gives it, on the groups' device, each layer compiled with `--compile`
+    (training/compile.py). `ops`: the kernels every layer calls (default
     `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them)."""
     t = cfg.training
     ops = ops or kernels.select(t.kernels, groups.device)
-    return [
+    chunks = [
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
                  device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type)
         for kw in rank_chunks(shape.model.num_layers, shape.pp, shape.vpp, groups.pp.rank,
                               shape.placement)
     ]  # fmt: skip
+    if t.compile:  # each layer's math compiled; names, hooks and recompute stay as they are
+        compile_chunks(chunks)
+    return chunks
 
 
 def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> RankParts:
