@@ -16,7 +16,7 @@ from megalite.parallel.groups import single_process_groups
 from megalite.shape import validate
 
 
-def _config(save=None, mtp=0) -> Config:
+def _config(save=None, mtp=0, **parallel) -> Config:
     cfg = Config()
     m, t = cfg.model, cfg.training
     m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = "llama", 2, 32, 4
@@ -29,15 +29,24 @@ def _config(save=None, mtp=0) -> Config:
     cfg.optimizer.lr = 3e-3
     cfg.logging.wandb_mode = "disabled"
     cfg.checkpoint.save = save
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
     return cfg
 
 
-def _trainer(cfg, log=None):
+def _trainer(cfg, log=None, world=1):
+    """The Trainer of `cfg` (one process, or this spawned world's ranks)."""
+    from megalite.parallel.groups import build_groups
     from megalite.training.trainer import Trainer
 
     tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
-    tr = Trainer(cfg, validate(cfg, 1), single_process_groups(),
-                 SimpleNamespace(train=tokens, valid=None, tokenizer=None))  # fmt: skip
+    shape = validate(cfg, world)
+    groups = (
+        single_process_groups()
+        if world == 1
+        else build_groups(shape.topology(), torch.device("cpu"))
+    )
+    tr = Trainer(cfg, shape, groups, SimpleNamespace(train=tokens, valid=None, tokenizer=None))
     if log is not None:
         tr.checkpointer.log = log.append
     return tr
