@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
@@ -56,16 +57,20 @@ def _biases(tr) -> dict:
     return {n: b.clone() for n, b in expert_biases(tr.chunks)}
 
 
-def test_resume_restores_the_expert_bias_bitwise(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_restores_the_expert_bias_bitwise(tmp_path, async_save):
     ref = _trainer(_config())
     losses = [ref.train_step()["loss"] for _ in range(4)]
     want = _biases(ref)
     assert sorted(want) == ["layers.0.mlp.expert_bias", "layers.1.mlp.expert_bias"]
     assert all(b.abs().sum() > 0 for b in want.values())  # they moved
 
-    first = _trainer(_config(str(tmp_path / "run")))
+    cfg = _config(str(tmp_path / "run"))
+    cfg.checkpoint.async_save = async_save  # the host copy holds the biases too
+    first = _trainer(cfg)
     assert [first.train_step()["loss"] for _ in range(2)] == losses[:2]
     first.checkpointer.save(first.state())
+    first.checkpointer.wait()
     ck = fmt.Checkpoint(tmp_path / "run")
     saved = ck.read("layers.1.mlp.expert_bias")
     assert saved.dtype == torch.float32
