@@ -1,7 +1,8 @@
 """The MoE expert bias (DeepSeek-V3's auxiliary-loss-free balancing) in checkpoints: 2 + 2 steps
 resumed from a checkpoint give the 4-step run's losses and biases bitwise (one process, the real
 Trainer); a checkpoint without the biases (written before they were saved) still loads, the
-biases at zero and a note in the log line. The MTP modules' MoE layers move theirs too."""
+biases at zero and a note in the log line. The MTP modules' MoE layers move theirs too, and
+the planner counts their rows of the update's all-reduce."""
 
 import json
 from types import SimpleNamespace
@@ -110,3 +111,16 @@ def test_the_mtp_modules_move_their_expert_bias_and_report_their_load():
     assert sorted(metrics["moe_load"]) == ["0", "1", "2"]
     bias = dict(expert_biases(tr.chunks))["mtp.0.layer.mlp.expert_bias"]
     assert bias.abs().sum() > 0
+
+
+def test_the_planner_counts_the_mtp_rows_of_the_bias_update():
+    from megalite.plan import traffic
+    from megalite.plan.layouts import layout
+
+    def world_bytes(mtp):
+        cfg = _config(mtp=mtp)
+        return traffic.comm_bytes(cfg, layout(cfg, dp=2, zero=1), 0, 2)["world"]
+
+    row = 4 * 8  # E float64 loads
+    # one more (E,) row in the all-reduce over the 2 ranks (a ring's bus factor: 1)
+    assert world_bytes(1) - world_bytes(0) == row
