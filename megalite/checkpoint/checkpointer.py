@@ -50,6 +50,7 @@ from megalite.checkpoint.regions import (  # noqa: F401  (check_model, load_mode
     rank_params,
 )
 from megalite.errors import MegaliteError
+from megalite.model.moe import expert_biases
 from megalite.parallel.specs import spec_of
 
 # Fields a checkpoint and a run must agree on beyond the tensor shapes (which are checked one
@@ -125,7 +126,7 @@ class Checkpointer:
             check_model(self.chunks, tp, ckpt)
         with agreed_errors(g.world):
             with self.optimizer.gathered_params(write_back=True):  # ZeRO-3 holds shards
-                load_model(self.chunks, tp, ckpt)
+                no_bias = load_model(self.chunks, tp, ckpt)
             fresh = finetune or not (c.load_optim or own)
             load_optimizer(self.chunks, tp, self.optimizer, ckpt, fresh)
         idx = ckpt.index
@@ -144,6 +145,8 @@ class Checkpointer:
         what = "fine-tuning from its weights at iteration 0" if finetune else what
         rng_note = "" if keep_rng or not same_layout else "; RNG streams re-seeded"
         rng_note = rng_note if same_layout else "; another layout, so RNG streams are re-seeded"
+        if no_bias:  # written before checkpoints held them
+            rng_note += f"; it holds no expert bias ({no_bias[0]}, ...): they start from zero"
         self.log(
             f"loaded checkpoint {ckpt.dir} (iteration {ckpt.iteration}, {what}{rng_note}) in "
             f"{time.perf_counter() - start:.1f} s"
@@ -177,7 +180,8 @@ class Checkpointer:
     def _local_tensors(self) -> dict:
         """{key: (tensor, region, global shape)} of what this rank writes (format.write_shard):
         its own part of the weights and the optimizer state (optimizer.state_pieces: nothing is
-        gathered), as blocks of the global tensors. TP replicas are written by TP rank 0."""
+        gathered), as blocks of the global tensors. TP replicas are written by TP rank 0, the
+        expert biases (buffers, equal on every rank of a stage) by each stage's first rank."""
         out = {}
         for piece in self.optimizer.state_pieces():
             p, spec = piece.range.param, spec_of(piece.range.param)
@@ -190,6 +194,10 @@ class Checkpointer:
                     key = spec.source if kind == "param" else opt_name(kind, spec.source)
                     key += "" if whole else f"#{i}"
                     out[key] = (t[lo:hi].view(shape), region, spec.shape)
+        topo, rank = self.groups.topo, self.groups.rank
+        if rank == topo.rank(pp=topo.coords(rank)["pp"]):  # the first rank of each stage
+            for name, bias in expert_biases(self.chunks):  # replicated buffers, whole (fp32)
+                out[name] = (bias, [(0, bias.numel())], list(bias.shape))
         return out
 
     def _paths(self, iteration: int) -> tuple[Path, Path]:

@@ -7,8 +7,8 @@ down_proj. Layers from `first_k_dense_replace` on are MoE layers: router mlp.gat
 experts mlp.shared_experts.{gate,up,down}_proj, the experts per expert on the hub
 (mlp.experts.{j}.gate_proj, ...; written so) or fused as transformers holds them in memory
 (mlp.experts.gate_up_proj, down_proj; read too); the MoE fields of config.json are
-checkpoint/hf_moe.py's. The router's e_score_correction_bias is written as megalite's expert
-bias where the state has one, zeros otherwise; it is not read (megalite's is a buffer).
+checkpoint/hf_moe.py's. The router's e_score_correction_bias is megalite's expert bias
+(mlp.expert_bias, fp32), read and written; zeros where one side has none.
 
 RoPE: with `rope_interleave` (DeepSeek's default) the rotary dims of q and of the shared key are
 stored as pairs (x0, x1), (x2, x3), ...; megalite rotates halves (x0..x_{d/2-1} with the rest),
@@ -90,9 +90,14 @@ def experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
 
 
 def experts_from_hf(hf_state: dict, cfg: ModelConfig, get) -> dict:
-    """The hub's per-expert tensors, or transformers' fused ones -> stacked experts."""
+    """The hub's per-expert tensors, or transformers' fused ones -> stacked experts, and the
+    router's correction bias."""
     out = {}
     for m, h in _moe_layers(cfg):
+        if cfg.moe_router_enable_expert_bias:  # the choice of experts depends on it
+            bias = hf_state.get(h + "gate.e_score_correction_bias")
+            zeros = torch.zeros(cfg.num_experts, dtype=torch.float32)
+            out[m + "expert_bias"] = zeros if bias is None else bias.float().clone()
         if h + "experts.gate_up_proj" in hf_state:  # transformers' in-memory layout
             out[m + "experts.gate_up.weight"] = get(h + "experts.gate_up_proj").clone()
             out[m + "experts.down.weight"] = get(h + "experts.down_proj").clone()

@@ -60,7 +60,7 @@ _UNSUPPORTED = (
     ("moe_shared_expert_gate", lambda a: _get(a, "moe_shared_expert_gate", False),
      "a gated shared expert"),
     ("moe_router_enable_expert_bias", lambda a: _get(a, "moe_router_enable_expert_bias", False),
-     "the expert bias (megalite does not checkpoint it)"),
+     "the expert bias (not converted, as the sigmoid routing it comes with)"),
     ("moe_layer_freq", lambda a: not isinstance(_get(a, "moe_layer_freq", 1), int),
      "a per-layer MoE pattern"),
     ("moe_pad_expert_input_to_capacity",
@@ -184,7 +184,7 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
     ones --use-checkpoint-args takes, and those check_checkpoint_args compares)."""
     refused = {"--moe-expert-capacity-factor (megalite's drop order is its own)":
                cfg.moe_expert_capacity_factor is not None and cfg.num_experts,
-               "--moe-router-enable-expert-bias (megalite does not checkpoint the bias)":
+               "--moe-router-enable-expert-bias (the converter does not map the bias)":
                cfg.moe_router_enable_expert_bias and cfg.num_experts}  # fmt: skip
     if any(refused.values()):
         raise MegaliteError(

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.format import Checkpoint, opt_name
 from megalite.errors import MegaliteError
+from megalite.model.moe import expert_biases
 from megalite.parallel import comm
 from megalite.parallel.specs import spec_of
 
@@ -118,11 +119,26 @@ def check_model(chunks, tp, ckpt: Checkpoint):
 
 
 @torch.no_grad()
-def load_model(chunks, tp, ckpt: Checkpoint):
-    """Copy this rank's slices of the model weights into the chunks (any layout)."""
+def load_model(chunks, tp, ckpt: Checkpoint) -> list[str]:
+    """Copy this rank's slices of the model weights into the chunks (any layout), and the
+    expert biases (whole on every rank). Returns the expert biases the checkpoint lacks (one
+    written before they were saved): those start from zero."""
     check_model(chunks, tp, ckpt)
     for name, p, spec in rank_params(chunks):
         p.copy_(FlatRead(ckpt, name, spec, p.shape)[0 : p.numel()].view(p.shape))
+    missing = []
+    for name, bias in expert_biases(chunks):
+        if not ckpt.has(name):
+            missing.append(name)
+            bias.zero_()
+        elif list(ckpt.shape(name)) != list(bias.shape):
+            raise MegaliteError(
+                f"tensor {name} has shape {list(ckpt.shape(name))} in checkpoint {ckpt.dir} but "
+                f"{list(bias.shape)} in this model; use the model flags the checkpoint was trained with"
+            )
+        else:
+            bias.copy_(ckpt.read(name))
+    return missing
 
 
 class FlatRead:

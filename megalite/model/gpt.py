@@ -159,11 +159,17 @@ class GPTChunk(nn.Module):
 
     def load_full_state(self, state: dict):
         """Copy in whole logical tensors (any vocabulary padding): pad or trim the vocabulary to
-        this model's, keep this rank's TP slice. Missing names are an error."""
+        this model's, keep this rank's TP slice. Missing names are an error, but for the expert
+        biases (buffers, whole): a state without them leaves them as they are."""
+        from megalite.model.moe import expert_biases
+
         for p in self.parameters():
             spec = spec_of(p)
             with torch.no_grad():
                 p.copy_(spec.local(state[spec.source]))
+        for name, bias in expert_biases([self]):
+            if name in state:
+                bias.copy_(state[name])
 
     def moe_stats(self) -> dict:
         """{global layer index: (E + 4,) float64 device tensor} of each MoE layer on this rank:

@@ -45,7 +45,7 @@ from megalite.config import ModelConfig
 from megalite.model.routing import Routing
 from megalite.parallel import comm, expert_parallel
 from megalite.parallel.comm import Group
-from megalite.parallel.specs import mark
+from megalite.parallel.specs import mark, spec_of
 from megalite.parallel.tensor_parallel import shard_spec
 
 STATS = 4  # per layer after the E loads: aux loss, z-loss, dropped assignments, passes
@@ -152,6 +152,7 @@ class MoELayer(nn.Module):
         # Running sums since moe_stats() last read them: loads (E,), aux, z, dropped, passes.
         self.register_buffer("stats", torch.zeros(e + STATS, **stat_kw), persistent=False)
         # Auxiliary-loss-free balancing: a bias on the top-k choice, and the step's loads.
+        # Not in state_dict: checkpoints name it themselves (expert_biases), whole.
         bias = cfg.moe_router_enable_expert_bias
         zeros = torch.zeros(e, dtype=torch.float32, device=device) if bias else None
         self.register_buffer("expert_bias", zeros, persistent=False)
@@ -293,24 +294,44 @@ class MoELayer(nn.Module):
 
 
 def moe_layers(chunks):
-    """(global layer index, MoELayer) of these chunks."""
+    """(global layer index, MoELayer) of these chunks: the model's layers, then the MTP
+    modules' (module k as layer num_layers + k, DeepSeek-V3's numbering)."""
     for chunk in chunks:
         for name, layer in getattr(chunk, "layers", {}).items():
             if isinstance(getattr(layer, "mlp", None), MoELayer):
                 yield int(name), layer.mlp
+        for k, module in getattr(chunk, "mtp", {}).items():
+            if isinstance(getattr(module.layer, "mlp", None), MoELayer):
+                yield chunk.cfg.num_layers + int(k), module.layer.mlp
+
+
+def _table_rows(chunks, num_layers: int) -> int:
+    """Rows of the per-layer tables reduced over the world: the layers, then the MTP modules."""
+    return num_layers + chunks[0].cfg.mtp_num_layers
+
+
+def expert_biases(chunks):
+    """(logical name, (E,) fp32 buffer) of the expert biases of these chunks, named after the
+    layer (layers.{i}.mlp.expert_bias, mtp.{k}.layer.mlp.expert_bias). A buffer, not a
+    parameter (no gradient, no optimizer state), whole and equal on every rank holding the
+    layer: checkpoints hold it beside the weights."""
+    for _, m in moe_layers(chunks):
+        if m.expert_bias is not None:
+            layer = spec_of(m.router.weight).name.removesuffix("router.weight")
+            yield layer + "expert_bias", m.expert_bias
 
 
 @torch.no_grad()
 def update_expert_bias(chunks, world: Group, num_layers: int):
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert bias moves by
     the update rate towards balance, b_e += u sign(mean load - load_e), from the step's loads
-    summed over every rank holding the layer. One all-reduce of (layers, E) over the world
+    summed over every rank holding the layer. One all-reduce of (layers + MTP, E) over the world
     (each rank fills its own layers' rows), on the device: no host read. A rank whose stage
     holds no MoE layer (--moe-layer-freq) enters it too, with zero rows: the others wait for it."""
     layers = [(i, m) for i, m in moe_layers(chunks) if m.expert_bias is not None]
     e = layers[0][1].e if layers else chunks[0].cfg.num_experts
     device = layers[0][1].stats.device if layers else world.device
-    loads = torch.zeros(num_layers, e, dtype=torch.float64, device=device)
+    loads = torch.zeros(_table_rows(chunks, num_layers), e, dtype=torch.float64, device=device)
     for i, m in layers:
         loads[i] = m.step_load
         m.step_load.zero_()
@@ -327,7 +348,8 @@ def moe_metrics(chunks, world: Group, num_layers: int, num_experts: int) -> dict
     logging steps only, on every rank. The running sums restart."""
     layers = dict(moe_layers(chunks))
     device = next((m.stats.device for m in layers.values()), world.device)
-    table = torch.zeros(num_layers, num_experts + STATS, dtype=torch.float64, device=device)
+    rows = _table_rows(chunks, num_layers)
+    table = torch.zeros(rows, num_experts + STATS, dtype=torch.float64, device=device)
     for i, m in layers.items():
         table[i] = m.stats
         m.stats.zero_()

@@ -160,8 +160,9 @@ def comm_bytes(
         for start, end, _ in buckets(cfg, shape, pp_rank, experts=True):
             n = end - start
             out["edp"] = out.get("edp", 0) + _dp_bytes(calls, edp, n * g_size, n * e)
-        if m.moe_router_enable_expert_bias:  # the step's loads: (layers, E) float64
-            out["world"] += _ring("all_reduce", t * pp * d, m.num_layers * m.num_experts * 8)
+        if m.moe_router_enable_expert_bias:  # the step's loads: (layers + MTP, E) float64
+            rows = m.num_layers + m.mtp_num_layers
+            out["world"] += _ring("all_reduce", t * pp * d, rows * m.num_experts * 8)
     return {k: v for k, v in out.items() if v}
 
 

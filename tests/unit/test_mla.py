@@ -17,6 +17,7 @@ from megalite.errors import MegaliteError
 from megalite.generation import KVCache
 from megalite.model.gpt import GPTChunk
 from megalite.model.mla import LatentAttention, softmax_scale
+from megalite.model.moe import expert_biases
 from tests.unit.test_checkpoint_hf import SEQ, VOCAB, generate
 
 transformers = pytest.importorskip("transformers")
@@ -179,7 +180,9 @@ def test_mtp_modules_are_stored_as_the_hubs_extra_layers(name, tmp_path):
     transformers loads the export without them and gives the model's logits."""
     cfg = dataclasses.replace(hf.model_config_from_hf(hf_deepseek(name).config.to_dict()),
                               mtp_num_layers=1)  # fmt: skip
-    state = {n: p.detach() for n, p in GPTChunk(cfg, seed=4).named_parameters()}
+    model = GPTChunk(cfg, seed=4)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    state.update(expert_biases([model]))  # the whole logical state: the expert biases too
     out = hf.to_hf(state, cfg)
     mlp = "mlp.experts.3.down_proj" if name == "moe" else "mlp.down_proj"
     for key in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
