@@ -15,6 +15,9 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
   and whole-sequence inference (`Attention._core`). A model with `--sliding-window W` also
   passes `window=W` (to the masked and block ops too); others never do. Packed documents and context parallelism
   use `attention_masked` and the `attention_block_*` ops; a KV cache `attention_masked`.
+- `fp8_linear`: None, or a maker `(shards) -> linear` (kernels/fp8.py `Fp8Maker`): the linears
+  that may run in FP8 (the attention and MLP projections) each build their own `linear` from
+  it with the groups that shard their dims; the output layer and the MoE router keep `linear`.
 """
 
 from types import SimpleNamespace
@@ -65,6 +68,7 @@ TORCH_OPS = SimpleNamespace(
     attention_block_bwd=attention_block_bwd_ref,
     merge_attention=merge_attention,
     grouped_mm=grouped_mm_ref,
+    fp8_linear=None,
 )
 
 TRITON_OPS = SimpleNamespace(
@@ -83,6 +87,7 @@ TRITON_OPS = SimpleNamespace(
     attention_block_bwd=attention_block_bwd,
     merge_attention=merge_attention,
     grouped_mm=grouped_mm,
+    fp8_linear=None,
 )
 
 __all__ = [

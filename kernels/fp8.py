@@ -22,6 +22,7 @@ and `end_step` reduces them all at once after the optimizer step.
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -84,7 +85,7 @@ class Recipe:
     name = ""
     transposable = True
 
-    def __init__(self, fmt: Fp8Format):
+    def __init__(self, fmt: Fp8Format, **options):  # options: what only delayed scaling reads
         self.format = fmt
 
     def new_state(self, role: str, dtype) -> object | None:
@@ -196,14 +197,14 @@ def dequantise_mx(q: Quantised) -> torch.Tensor:
 RECIPES = {"tensorwise": Tensorwise, "rowwise": Rowwise, "delayed": Delayed, "mxfp8": MXFP8}
 
 
-def make_recipe(name: str, fmt: str = "hybrid", **delayed) -> Recipe:
-    """The recipe `name` in format `fmt`; `delayed`: history_len, algo, margin (delayed only)."""
+def make_recipe(name: str, fmt: str = "hybrid", **options) -> Recipe:
+    """The recipe `name` in format `fmt`; `options`: history_len, algo, margin (read by
+    delayed scaling only)."""
     if name not in RECIPES:
         raise ValueError(f"fp8 recipe {name!r}: choose one of {', '.join(RECIPES)}")
     if fmt not in FORMATS:
         raise ValueError(f"fp8 format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    cls = RECIPES[name]
-    return cls(FORMATS[fmt], **delayed) if cls is Delayed else cls(FORMATS[fmt])
+    return RECIPES[name](FORMATS[fmt], **options)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -271,14 +272,28 @@ class Fp8Linear:
 
 class Fp8Maker:
     """What `ops.fp8_linear` holds: builds each FP8-eligible layer's own `Fp8Linear` from the
-    groups that shard its weight's dims (`shards`); `tokens` is the group that splits every
-    activation's tokens (context parallelism), `reduce_max(amax, group)` the collective."""
+    groups that shard its weight's dims (`shards`) and the layer's collective
+    (`reduce_max(amax, group)`); `tokens` is the group that splits every activation's tokens
+    (context parallelism)."""
 
-    def __init__(self, recipe: Recipe, reduce_max=None, tokens=None):
-        self.recipe, self.reduce_max, self.tokens = recipe, reduce_max, tokens
+    def __init__(self, recipe: Recipe, tokens=None, first_last_high=False):
+        self.recipe, self.tokens, self.first_last_high = recipe, tokens, first_last_high
 
-    def __call__(self, shards: dict) -> Fp8Linear:
-        return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, self.reduce_max)
+    def covers(self, layer: int, num_layers: int) -> bool:
+        """Whether transformer layer `layer` (of `num_layers`) runs its linears in FP8."""
+        return not (self.first_last_high and layer in (0, num_layers - 1))
+
+    def __call__(self, shards: dict, reduce_max=None) -> Fp8Linear:
+        return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, reduce_max)
+
+
+def layer_ops(ops, layer: int, num_layers: int):
+    """The ops of transformer layer `layer`: without `fp8_linear` where the maker keeps that
+    layer in high precision (`--fp8-first-last-layers-bf16`), else `ops` itself."""
+    make = getattr(ops, "fp8_linear", None)
+    if make is None or make.covers(layer, num_layers):
+        return ops
+    return SimpleNamespace(**{**vars(ops), "fp8_linear": None})
 
 
 def fp8_linears(modules) -> list[Fp8Linear]:

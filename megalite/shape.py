@@ -263,6 +263,25 @@ def _check_attention(cfg: Config) -> str | None:
     return None
 
 
+def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
+    """Why this run cannot train in FP8, or None: each rank's GEMM dims must be multiples of
+    16 (cuBLAS FP8), 32 for MXFP8 (its blocks, which must not straddle the TP shards)."""
+    t, m = cfg.training, cfg.model
+    if t.fp8_format is None:
+        return None
+    if t.precision == "fp16":
+        return "--fp8-format needs --precision bf16 or fp32 (fp16 loss scaling is not combined)"
+    if t.fp8_amax_history_len < 1:
+        return f"--fp8-amax-history-len={t.fp8_amax_history_len} must be a positive integer"
+    q = 32 if t.fp8_recipe == "mxfp8" else 16
+    dims = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp": m.ffn // shape.tp,
+            "heads x head dim / tp": m.num_attention_heads * m.head_dim // shape.tp}  # fmt: skip
+    for name, v in dims.items():
+        if v % q:
+            return f"{name}={v} is not divisible by {q}, which --fp8-recipe {t.fp8_recipe} needs"
+    return None
+
+
 def validate(cfg: Config, world_size: int) -> RunShape:
     """Reject impossible configs with one sentence; the run's shape. cfg is not changed."""
     _positive(cfg)
@@ -283,6 +302,9 @@ def validate(cfg: Config, world_size: int) -> RunShape:
             "--reset-attention-mask does not support attention dropout; set --attention-dropout 0"
         )
     reason = _check_attention(cfg)
+    if reason:
+        raise MegaliteError(reason)
+    reason = _check_fp8(cfg, shape)
     if reason:
         raise MegaliteError(reason)
     if p.distributed_timeout_minutes <= 0:
