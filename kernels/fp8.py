@@ -74,6 +74,8 @@ def scaled_gemm(a: Quantised, b: Quantised, out_dtype) -> torch.Tensor:
     (cuBLAS on CUDA; on CPU the same products of FP8 values, summed in fp32)."""
     sa = a.scale.reshape(-1, 1) if a.scale.numel() > 1 else a.scale.reshape(())
     sb = b.scale.reshape(1, -1) if b.scale.numel() > 1 else b.scale.reshape(())
+    if out_dtype == torch.float64:  # exactness tests: the same FP8 values, summed in fp64
+        return (a.data.double() * sa.double()) @ (b.data.double() * sb.t().double()).t()
     return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
@@ -185,13 +187,14 @@ class MXFP8(Recipe):
         return Quantised(data, scale.squeeze(-1))
 
     def gemm(self, a, b, out_dtype):
-        return (dequantise_mx(a) @ dequantise_mx(b).t()).to(out_dtype)
+        acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+        return (dequantise_mx(a, acc) @ dequantise_mx(b, acc).t()).to(out_dtype)
 
 
-def dequantise_mx(q: Quantised) -> torch.Tensor:
-    """MX data (rows, k) times its block scales, in fp32 (exact: the scales are powers of 2)."""
+def dequantise_mx(q: Quantised, dtype=torch.float32) -> torch.Tensor:
+    """MX data (rows, k) times its block scales (exact: the scales are powers of 2)."""
     k = q.data.shape[1]
-    return q.data.float() * q.scale.repeat_interleave(MX_BLOCK, 1)[:, :k]
+    return q.data.to(dtype) * q.scale.to(dtype).repeat_interleave(MX_BLOCK, 1)[:, :k]
 
 
 RECIPES = {"tensorwise": Tensorwise, "rowwise": Rowwise, "delayed": Delayed, "mxfp8": MXFP8}

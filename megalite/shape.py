@@ -274,8 +274,10 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
     if t.fp8_amax_history_len < 1:
         return f"--fp8-amax-history-len={t.fp8_amax_history_len} must be a positive integer"
     q = 32 if t.fp8_recipe == "mxfp8" else 16
+    kv = m.heads_kv // shape.tp if m.heads_kv % shape.tp == 0 else m.heads_kv  # k/v per rank
     dims = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp": m.ffn // shape.tp,
-            "heads x head dim / tp": m.num_attention_heads * m.head_dim // shape.tp}  # fmt: skip
+            "heads x head dim / tp": m.num_attention_heads * m.head_dim // shape.tp,
+            "query groups x head dim / tp": kv * m.head_dim}  # fmt: skip
     for name, v in dims.items():
         if v % q:
             return f"{name}={v} is not divisible by {q}, which --fp8-recipe {t.fp8_recipe} needs"

@@ -118,3 +118,55 @@ def test_bad_recipe_and_format_name_the_choices():
         make_recipe("blockwise")
     with pytest.raises(ValueError, match="choose one of e4m3, hybrid"):
         make_recipe("tensorwise", "e5m2")
+
+
+BAD_FP8 = [
+    (["--fp8-format", "hybrid", "--precision", "fp16"], "needs --precision bf16 or fp32"),
+    (["--fp8-format", "hybrid", "--hidden-size", "72", "--num-attention-heads", "4"],
+     "--hidden-size=72 is not divisible by 16, which --fp8-recipe tensorwise needs"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--hidden-size", "48",
+      "--num-attention-heads", "3"], "--hidden-size=48 is not divisible by 32"),
+    (["--fp8-format", "hybrid", "--tp", "2", "--hidden-size", "64", "--num-attention-heads",
+      "4", "--ffn-hidden-size", "48"], "--ffn-hidden-size / tp=24 is not divisible by 16"),
+    (["--fp8-format", "hybrid", "--fp8-amax-history-len", "0"],
+     "--fp8-amax-history-len=0 must be a positive integer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,message", BAD_FP8)
+def test_validate_refuses_fp8_it_cannot_run(argv, message):
+    from megalite.config_read import parse_args
+    from megalite.errors import MegaliteError
+    from megalite.shape import validate
+
+    with pytest.raises(MegaliteError, match=message.replace("/", r"\/")):
+        validate(parse_args(argv), 2 if "--tp" in argv else 1)
+
+
+def test_an_unknown_recipe_is_one_line_before_any_group():
+    from megalite.config_read import parse_args
+    from megalite.errors import MegaliteError
+
+    with pytest.raises(MegaliteError, match="invalid choice: 'blockwise' .choose from 'tensor"):
+        parse_args(["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"])
+
+
+def test_fp8_flags_reach_the_layers_and_the_first_last_stay_high():
+    """--fp8-first-last-layers-bf16: layers 0 and n-1 keep ops.linear; the output layer and
+    the embedding never run in FP8."""
+    from megalite.kernels.fp8 import Fp8Maker, fp8_linears
+
+    from megalite import kernels
+    from megalite.config import ModelConfig
+    from megalite.model.gpt import GPTChunk
+
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=64)
+    for high, fp8_layers in ((False, {"0", "1", "2"}), (True, {"1"})):
+        ops = kernels.override(kernels.TORCH_OPS, fp8_linear=Fp8Maker(make_recipe("delayed"),
+                                                                      first_last_high=high))  # fmt: skip
+        m = GPTChunk(cfg, ops=ops)
+        assert m.ops.linear is torch.nn.functional.linear  # the output layer's
+        got = {n.split(".")[1] for n, mod in m.named_modules()
+               if getattr(getattr(mod, "ops", None), "linear", None) in fp8_linears([mod])}  # fmt: skip
+        assert got == fp8_layers
+        assert len(fp8_linears(m.modules())) == 6 * len(fp8_layers)  # q k v out, up down
