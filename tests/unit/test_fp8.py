@@ -170,3 +170,14 @@ def test_fp8_flags_reach_the_layers_and_the_first_last_stay_high():
                if getattr(getattr(mod, "ops", None), "linear", None) in fp8_linears([mod])}  # fmt: skip
         assert got == fp8_layers
         assert len(fp8_linears(m.modules())) == 6 * len(fp8_layers)  # q k v out, up down
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [("NVIDIA H100 80GB HBM3", 1979e12), ("NVIDIA H200", 1979e12), ("NVIDIA H200 NVL", 1671e12),
+     ("NVIDIA B200", 4500e12), ("NVIDIA A100-SXM4-80GB", None)],
+)  # fmt: skip
+def test_fp8_peaks(name, peak):
+    from megalite.training import flops
+
+    assert flops.peak_flops(name, "fp8") == peak
