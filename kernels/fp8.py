@@ -197,6 +197,20 @@ def dequantise_mx(q: Quantised, dtype=torch.float32) -> torch.Tensor:
     return q.data.to(dtype) * q.scale.to(dtype).repeat_interleave(MX_BLOCK, 1)[:, :k]
 
 
+def device_problem() -> str | None:
+    """Why this machine's device cannot run FP8 GEMMs, or None: a CUDA GPU needs FP8 tensor
+    cores (compute capability 8.9: Ada, Hopper, Blackwell); the CPU computes the same numerics
+    (slowly: no FP8 hardware)."""
+    if not torch.cuda.is_available():
+        return None
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 9):
+        name = torch.cuda.get_device_name()
+        return (f"--fp8-format needs FP8 tensor cores (compute capability 8.9+: H100, H200, "
+                f"B200); {name} has {cap[0]}.{cap[1]}")  # fmt: skip
+    return None
+
+
 RECIPES = {"tensorwise": Tensorwise, "rowwise": Rowwise, "delayed": Delayed, "mxfp8": MXFP8}
 
 

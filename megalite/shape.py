@@ -281,7 +281,9 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
     for name, v in dims.items():
         if v % q:
             return f"{name}={v} is not divisible by {q}, which --fp8-recipe {t.fp8_recipe} needs"
-    return None
+    from megalite.kernels.fp8 import device_problem  # torch, asked only for an FP8 run
+
+    return device_problem()
 
 
 def validate(cfg: Config, world_size: int) -> RunShape:

@@ -181,3 +181,17 @@ def test_fp8_peaks(name, peak):
     from megalite.training import flops
 
     assert flops.peak_flops(name, "fp8") == peak
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
+    from megalite.config_read import parse_args
+    from megalite.errors import MegaliteError
+    from megalite.shape import validate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(MegaliteError, match="NVIDIA A100-SXM4-80GB has 8.0"):
+        validate(parse_args(["--fp8-format", "hybrid"]), 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    validate(parse_args(["--fp8-format", "hybrid"]), 1)
