@@ -86,6 +86,7 @@ class Recipe:
 
     name = ""
     transposable = True
+    multiple = 16  # each rank's GEMM dims must be multiples of this (cuBLAS FP8: 16)
 
     def __init__(self, fmt: Fp8Format, **options):  # options: what only delayed scaling reads
         self.format = fmt
@@ -172,6 +173,7 @@ class Delayed(Recipe):
 class MXFP8(Recipe):
     name = "mxfp8"
     transposable = False
+    multiple = MX_BLOCK  # blocks must not straddle the tp shards
 
     def quantise(self, op, t, role, dtype, dims):
         # blocks never straddle shards when each shard's k is a multiple of 32 (validate()):

@@ -273,16 +273,18 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
         return "--fp8-format needs --precision bf16 or fp32 (fp16 loss scaling is not combined)"
     if t.fp8_amax_history_len < 1:
         return f"--fp8-amax-history-len={t.fp8_amax_history_len} must be a positive integer"
-    q = 32 if t.fp8_recipe == "mxfp8" else 16
+    from megalite.kernels.fp8 import RECIPES, device_problem  # torch: only for an FP8 run
+
+    q = RECIPES[t.fp8_recipe].multiple
     kv = m.heads_kv // shape.tp if m.heads_kv % shape.tp == 0 else m.heads_kv  # k/v per rank
     dims = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp": m.ffn // shape.tp,
             "heads x head dim / tp": m.num_attention_heads * m.head_dim // shape.tp,
-            "query groups x head dim / tp": kv * m.head_dim}  # fmt: skip
+            "query groups x head dim / tp": kv * m.head_dim,
+            "micro-batch tokens per rank (grad_w's inner dim)":
+                t.micro_batch_size * m.seq_length // shape.cp}  # fmt: skip
     for name, v in dims.items():
         if v % q:
             return f"{name}={v} is not divisible by {q}, which --fp8-recipe {t.fp8_recipe} needs"
-    from megalite.kernels.fp8 import device_problem  # torch, asked only for an FP8 run
-
     return device_problem()
 
 
