@@ -295,24 +295,30 @@ class Fp8Maker:
     (`reduce_max(amax, group)`); `tokens` is the group that splits every activation's tokens
     (context parallelism)."""
 
-    def __init__(self, recipe: Recipe, tokens=None, first_last_high=False):
+    def __init__(self, recipe: Recipe | None = None, tokens=None, first_last_high=False):
         self.recipe, self.tokens, self.first_last_high = recipe, tokens, first_last_high
 
     def covers(self, layer: int, num_layers: int) -> bool:
         """Whether transformer layer `layer` (of `num_layers`) runs its linears in FP8."""
         return not (self.first_last_high and layer in (0, num_layers - 1))
 
-    def __call__(self, shards: dict, reduce_max=None) -> Fp8Linear:
+    def __call__(self, shards: dict, reduce_max=None) -> Fp8Linear | None:
+        """The layer's FP8 linear; None without a recipe (NO_FP8): it keeps `ops.linear`."""
+        if self.recipe is None:
+            return None
         return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, reduce_max)
 
 
+NO_FP8 = Fp8Maker()  # the default `ops.fp8_linear`: every layer keeps `ops.linear`
+
+
 def layer_ops(ops, layer: int, num_layers: int):
-    """The ops of transformer layer `layer`: without `fp8_linear` where the maker keeps that
+    """The ops of transformer layer `layer`: `fp8_linear` NO_FP8 where the maker keeps that
     layer in high precision (`--fp8-first-last-layers-bf16`), else `ops` itself."""
-    make = getattr(ops, "fp8_linear", None)
-    if make is None or make.covers(layer, num_layers):
+    make = getattr(ops, "fp8_linear", NO_FP8)
+    if make.covers(layer, num_layers):
         return ops
-    return SimpleNamespace(**{**vars(ops), "fp8_linear": None})
+    return SimpleNamespace(**{**vars(ops), "fp8_linear": NO_FP8})
 
 
 def fp8_linears(modules) -> list[Fp8Linear]:

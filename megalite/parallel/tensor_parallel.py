@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.kernels import TORCH_OPS, override
+from megalite.kernels.fp8 import NO_FP8
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import mark
@@ -32,13 +33,14 @@ def _max_over(t: torch.Tensor, group: Group):
 
 
 def own_linear(ops, **shards):
-    """`ops` with this layer's own FP8 `linear` when `ops.fp8_linear` is set (kernels/fp8.py),
+    """`ops` with this layer's own FP8 `linear` when `ops.fp8_linear` makes one (kernels/fp8.py),
     told which group shards each dim ("in", "out") so that its amaxes are those of the whole
     tensor (every layout quantises like one process); else `ops` unchanged."""
     make = getattr(ops, "fp8_linear", None)
-    if make is None:
+    linear = None if make is None else make(shards, _max_over)
+    if linear is None:
         return ops
-    return override(ops, linear=make(shards, _max_over), fp8_linear=None)
+    return override(ops, linear=linear, fp8_linear=NO_FP8)
 
 
 class SequenceParallel:
