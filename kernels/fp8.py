@@ -151,7 +151,8 @@ class Delayed(Recipe):
     def quantise(self, op, t, role, dtype, dims):
         st = op.state[role]
         amax = t.detach().abs().amax().float()
-        st.pending = torch.maximum(st.pending.to(amax.device), amax)
+        if torch.is_grad_enabled():  # a training forward (an evaluation's does not count)
+            st.pending = torch.maximum(st.pending.to(amax.device), amax)
         if st.steps == 0:  # no history yet: this tensor's own (reduced) amax
             amax = amax.clone()
             op.reduce(amax, dims)

@@ -195,3 +195,13 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
         validate(parse_args(["--fp8-format", "hybrid"]), 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     validate(parse_args(["--fp8-format", "hybrid"]), 1)
+
+
+def test_delayed_scaling_ignores_evaluation_forwards():
+    lin = Fp8Linear(make_recipe("delayed", history_len=3))
+    w = torch.randn(16, 32)
+    _run(lin, torch.randn(4, 32), w, torch.randn(4, 16))
+    with torch.no_grad():
+        lin(torch.randn(4, 32) * 100, w)  # an evaluation batch: not in the step's amax
+    end_step([lin])
+    assert lin.state["x"].history[0] < 10 and lin.state["x"].steps == 1
