@@ -151,7 +151,7 @@ class Delayed(Recipe):
     def quantise(self, op, t, role, dtype, dims):
         st = op.state[role]
         amax = t.detach().abs().amax().float()
-        if torch.is_grad_enabled():  # a training forward (an evaluation's does not count)
+        if op.recording:  # a training forward or a backward (an evaluation's does not count)
             st.pending = torch.maximum(st.pending.to(amax.device), amax)
         if st.steps == 0:  # no history yet: this tensor's own (reduced) amax
             amax = amax.clone()
@@ -246,6 +246,7 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         op = ctx.op
+        op.recording = True  # a backward belongs to a training step
         r, fwd, bwd = op.recipe, op.recipe.format.forward, op.recipe.format.backward
         g = g.contiguous()
         if r.transposable:
@@ -269,7 +270,7 @@ class Fp8Linear:
     that splits it, whose ranks `reduce_max(amax, group)` max-reduces an amax over in place."""
 
     def __init__(self, recipe: Recipe, shards: dict | None = None, reduce_max=None):
-        self.recipe, self.reduce_max = recipe, reduce_max
+        self.recipe, self.reduce_max, self.recording = recipe, reduce_max, True
         self.shards = {k: g for k, g in (shards or {}).items() if g is not None and g.size > 1}
         fmt = recipe.format
         roles = {"x": fmt.forward, "w": fmt.forward, "g": fmt.backward}
@@ -282,6 +283,8 @@ class Fp8Linear:
                 self.reduce_max(amax, self.shards[d])
 
     def __call__(self, x, w, b=None):
+        # read here: inside the autograd Function grad mode is always off
+        self.recording = torch.is_grad_enabled()
         y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), w, self)
         y = y.view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
