@@ -4,8 +4,8 @@
 process group exists; nothing here imports torch, but for an FP8 run's check of its recipe and
 device) and returns a frozen `RunShape`. Nothing is written into the user's config: code that
 needs a derived value (dp, the schedule, the micro-batches per step, the padded vocabulary, ...)
-reads the shape. The planner's layout search
-calls `derive` too, so a layout it proposes is one `validate` accepts.
+reads the shape. The planner's layout search calls `derive` too, so a layout it proposes is one
+`validate` accepts.
 """
 
 import dataclasses
