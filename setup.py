@@ -53,6 +53,7 @@ setup(
             "hypothesis",
             "transformers",
             "megatron-core==0.16.1",  # the oracle for Megatron data, samples and checkpoints
+            "torchao==0.18.0",  # the oracle for FP8 tensorwise/rowwise (Float8Linear, emulate=True)
             "matplotlib",
             "tokenizers",
             "pyarrow",

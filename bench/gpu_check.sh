@@ -22,6 +22,8 @@
 #                with the Triton kernels; the eager run also records a timeline of its last
 #                step (--profile-steps 10:11: timeline.json, timeline.png)
 #   mfu_compile  the same, eager kernels with --compile (compiled bf16 blocks)
+#   mfu_fp8      the same with the attention and MLP linears in FP8 (--fp8-format hybrid,
+#                tensorwise then delayed; docs/fp8.md): tokens/s and MFU (bf16 peak) beside mfu_triton
 #   memory       bench/gpu_large_check.py memory: the eager run's peak and state bytes against
 #                the planner's estimate for the same flags
 #   kernels_table  bench/kernels.py: Triton vs eager / torch.compile / Liger, with what is left
@@ -149,6 +151,16 @@ if [ "${status[mfu_compile]}" -eq 0 ]; then
     metrics "$OUT/mfu_compile.jsonl" "compile, kernels=torch" 2>&1 | tee -a "$LOG" ||
         status[mfu_compile]=1
 fi
+# FP8 (docs/fp8.md): the same shape and kernels, the transformer layers' linears in FP8; MFU
+# against the bf16 peak, so it reads beside mfu_triton's (FP8's speed-up is the ratio).
+for r in tensorwise delayed; do
+    rm -f "$OUT/mfu_fp8_$r.jsonl"
+    run "mfu_fp8_$r" 80 $PY pretrain_gpt.py "${MFU_FLAGS[@]}" --kernels triton \
+        --fp8-format hybrid --fp8-recipe "$r" --metrics-file "$OUT/mfu_fp8_$r.jsonl"
+    if [ "${status[mfu_fp8_$r]}" -eq 0 ]; then
+        metrics "$OUT/mfu_fp8_$r.jsonl" "fp8=$r" 2>&1 | tee -a "$LOG" || status[mfu_fp8_$r]=1
+    fi
+done
 
 run multirank 80 $PY bench/gpu_trainer_check.py multirank --device cuda --steps 3 \
     --timeout 40 --out "$OUT"

@@ -15,6 +15,10 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
   and whole-sequence inference (`Attention._core`). A model with `--sliding-window W` also
   passes `window=W` (to the masked and block ops too); others never do. Packed documents and context parallelism
   use `attention_masked` and the `attention_block_*` ops; a KV cache `attention_masked`.
+- `fp8_linear`: a maker `(shards, reduce_max) -> linear or None` (kernels/fp8.py `Fp8Maker`;
+  default `NO_FP8`, which makes none): the linears that may run in FP8 (the attention and MLP
+  projections) each build their own `linear` from it with the groups that shard their dims;
+  the output layer and the MoE router keep `linear`.
 """
 
 from types import SimpleNamespace
@@ -44,6 +48,7 @@ from megalite.kernels.cross_entropy import (
     cross_entropy_shard_stats,
     cross_entropy_shard_stats_ref,
 )
+from megalite.kernels.fp8 import NO_FP8
 from megalite.kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 from megalite.kernels.layer_norm import layer_norm, layer_norm_ref
 from megalite.kernels.rms_norm import rms_norm, rms_norm_ref
@@ -65,6 +70,7 @@ TORCH_OPS = SimpleNamespace(
     attention_block_bwd=attention_block_bwd_ref,
     merge_attention=merge_attention,
     grouped_mm=grouped_mm_ref,
+    fp8_linear=NO_FP8,
 )
 
 TRITON_OPS = SimpleNamespace(
@@ -83,6 +89,7 @@ TRITON_OPS = SimpleNamespace(
     attention_block_bwd=attention_block_bwd,
     merge_attention=merge_attention,
     grouped_mm=grouped_mm,
+    fp8_linear=NO_FP8,
 )
 
 __all__ = [

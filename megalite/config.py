@@ -454,6 +454,28 @@ class TrainingConfig:
     log_interval: int = opt(1, "console/metrics line every N steps")
     seed: int = opt(1234, "seed for initialisation, data order and dropout")
     precision: str = opt("fp32", "parameter/compute precision", choices=("fp32", "bf16", "fp16"))
+    fp8_format: str | None = opt(
+        None,
+        "FP8 GEMMs in the transformer layers' linears (off when unset): e4m3 everywhere, or "
+        "hybrid (e4m3 forward, e5m2 gradients); embedding, output layer, router, norms stay",
+        "--fp8",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_recipe: str = opt(
+        "tensorwise",
+        "how FP8 operands are scaled (docs/fp8.md)",
+        choices=("tensorwise", "rowwise", "delayed", "mxfp8"),
+    )
+    fp8_amax_history_len: int = opt(1024, "delayed scaling: steps of amax history kept")
+    fp8_amax_compute_algo: str = opt(
+        "max", "delayed scaling: scale from the history's max or newest amax",
+        choices=("max", "most_recent"),
+    )  # fmt: skip
+    fp8_margin: int = opt(0, "delayed scaling: scales divided by 2^margin (headroom)")
+    fp8_first_last_layers_bf16: bool = opt(
+        False, "with FP8: the first and last transformer layers' linears stay in high precision",
+        "--first-last-layers-bf16",
+    )  # fmt: skip
     recompute: str = opt(
         "none",
         "activation recomputation",

@@ -1,10 +1,11 @@
 """The run's shape: every value derived from the config and the world size, computed once.
 
 `validate(cfg, world_size)` rejects impossible combinations with one clear sentence (before any
-process group exists; nothing here imports torch) and returns a frozen `RunShape`. Nothing is
-written into the user's config: code that needs a derived value (dp, the schedule, the
-micro-batches per step, the padded vocabulary, ...) reads the shape. The planner's layout search
-calls `derive` too, so a layout it proposes is one `validate` accepts.
+process group exists; nothing here imports torch, but for an FP8 run's check of its recipe and
+device) and returns a frozen `RunShape`. Nothing is written into the user's config: code that
+needs a derived value (dp, the schedule, the micro-batches per step, the padded vocabulary, ...)
+reads the shape. The planner's layout search calls `derive` too, so a layout it proposes is one
+`validate` accepts.
 """
 
 import dataclasses
@@ -328,6 +329,31 @@ def _check_mtp(cfg: Config, sizes: dict) -> str | None:
     return None
 
 
+def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
+    """Why this run cannot train in FP8, or None: each rank's GEMM dims must be multiples of
+    16 (cuBLAS FP8), 32 for MXFP8 (its blocks, which must not straddle the TP shards)."""
+    t, m = cfg.training, cfg.model
+    if t.fp8_format is None:
+        return None
+    if t.precision == "fp16":
+        return "--fp8-format needs --precision bf16 or fp32 (fp16 loss scaling is not combined)"
+    if t.fp8_amax_history_len < 1:
+        return f"--fp8-amax-history-len={t.fp8_amax_history_len} must be a positive integer"
+    from megalite.kernels.fp8 import RECIPES, device_problem  # torch: only for an FP8 run
+
+    q = RECIPES[t.fp8_recipe].multiple
+    kv = m.heads_kv // shape.tp if m.heads_kv % shape.tp == 0 else m.heads_kv  # k/v per rank
+    dims = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp": m.ffn // shape.tp,
+            "heads x head dim / tp": m.num_attention_heads * m.head_dim // shape.tp,
+            "query groups x head dim / tp": kv * m.head_dim,
+            "micro-batch tokens per rank (grad_w's inner dim)":
+                t.micro_batch_size * m.seq_length // shape.cp}  # fmt: skip
+    for name, v in dims.items():
+        if v % q:
+            return f"{name}={v} is not divisible by {q}, which --fp8-recipe {t.fp8_recipe} needs"
+    return device_problem()
+
+
 def validate(cfg: Config, world_size: int) -> RunShape:
     """Reject impossible configs with one sentence; the run's shape. cfg is not changed."""
     _positive(cfg)
@@ -352,6 +378,9 @@ def validate(cfg: Config, world_size: int) -> RunShape:
             "--reset-attention-mask does not support attention dropout; set --attention-dropout 0"
         )
     reason = _check_attention(cfg)
+    if reason:
+        raise MegaliteError(reason)
+    reason = _check_fp8(cfg, shape)
     if reason:
         raise MegaliteError(reason)
     if p.distributed_timeout_minutes <= 0:

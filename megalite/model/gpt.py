@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megalite.config import ModelConfig
 from megalite.kernels import TORCH_OPS
+from megalite.kernels.fp8 import layer_ops
 from megalite.model.layers import Norm, TransformerLayer
 from megalite.model.mtp import MTPModule, mtp_loss
 from megalite.parallel import comm
@@ -84,8 +85,8 @@ class GPTChunk(nn.Module):
                 mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
         ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg.layer_config(i), tp, ops, self.seq_parallel, rng,
-                                      recompute, **kw,
+            {str(i): TransformerLayer(cfg.layer_config(i), tp, layer_ops(ops, i, cfg.num_layers),
+                                      self.seq_parallel, rng, recompute, **kw,
                                       ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
                                       cp_comm_type=cp_comm_type)
              for i in layers}

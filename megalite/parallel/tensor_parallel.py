@@ -9,10 +9,12 @@ the seam for another implementation, an FP8 one say).
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megalite.kernels import TORCH_OPS
+from megalite.kernels import TORCH_OPS, override
+from megalite.kernels.fp8 import NO_FP8
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import mark
@@ -24,6 +26,21 @@ def shard_spec(group: Group, split_dim=None, partial_grad=False, **fields) -> di
     sync = ("tp",) if partial_grad and group.size > 1 else ()
     return {"split_dim": split_dim, "split_size": group.size, "split_index": group.rank,
             "grad_sum": sync, **fields}  # fmt: skip
+
+
+def _max_over(t: torch.Tensor, group: Group):
+    comm.all_reduce(t, group, op=dist.ReduceOp.MAX)
+
+
+def own_linear(ops, **shards):
+    """`ops` with this layer's own FP8 `linear` when `ops.fp8_linear` makes one (kernels/fp8.py),
+    told which group shards each dim ("in", "out") so that its amaxes are those of the whole
+    tensor (every layout quantises like one process); else `ops` unchanged."""
+    make = getattr(ops, "fp8_linear", None)
+    linear = None if make is None else make(shards, _max_over)
+    if linear is None:
+        return ops
+    return override(ops, linear=linear, fp8_linear=NO_FP8)
 
 
 class SequenceParallel:
@@ -79,7 +96,8 @@ class ColumnParallelLinear(nn.Module):
         ops=TORCH_OPS,
     ):
         super().__init__()
-        self.group, self.sequence_parallel, self.ops = group, sequence_parallel, ops
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.ops = own_linear(ops, out=group if split else None)
         self.enter, self.gather_output = enter, gather_output
         tp = group.size if split else 1
         if out_features % tp:
@@ -127,7 +145,8 @@ class RowParallelLinear(nn.Module):
         ops=TORCH_OPS,
     ):
         super().__init__()
-        self.group, self.sequence_parallel, self.ops = group, sequence_parallel, ops
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.ops = own_linear(ops, **{"in": group})
         if in_features % group.size:
             raise ValueError(f"in_features={in_features} is not divisible by tp={group.size}")
         kw = {"dtype": dtype, "device": device}

@@ -10,12 +10,15 @@ that config.
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megalite import kernels
 from megalite.config import Config
+from megalite.kernels import fp8
 from megalite.model.gpt import GPTChunk
 from megalite.model.moe import aux_loss_scale
 from megalite.optim.distributed_optimizer import DistributedOptimizer, build_optimizer
+from megalite.parallel import comm
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineResult, run_schedule
 from megalite.pipeline.partition import rank_chunks
@@ -46,9 +49,23 @@ class RankParts:
         auxiliary losses get the main loss's gradient, loss_scale / micro-batches."""
         scale = self.opt.loss_scale
         with aux_loss_scale(scale / len(batch)):
-            return run_schedule(self.actions, self.chunks, self.groups, batch,
-                                hidden_shape=self.hidden_shape, dtype=self.dtype,
-                                loss_scale=scale, placement=self.placement, **kw)  # fmt: skip
+            result = run_schedule(self.actions, self.chunks, self.groups, batch,
+                                  hidden_shape=self.hidden_shape, dtype=self.dtype,
+                                  loss_scale=scale, placement=self.placement, **kw)  # fmt: skip
+        end_fp8_step(self.chunks, self.groups)
+        return result
+
+
+def end_fp8_step(chunks, groups: ProcessGroups):
+    """Delayed FP8 scaling after a step's schedule: every layer's amaxes of the step, max-reduced
+    over the ranks that hold the same layers (tp, then dp and cp: as if one process had seen
+    every micro-batch), pushed into their histories (kernels/fp8.py `end_step`)."""
+
+    def reduce(t):
+        for g in (groups.tp, groups.replicas):
+            comm.all_reduce(t, g, op=dist.ReduceOp.MAX)
+
+    fp8.end_step(fp8.fp8_linears(m for c in chunks for m in c.modules()), reduce)
 
 
 def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
@@ -58,6 +75,17 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
     `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them)."""
     t = cfg.training
     ops = ops or kernels.select(t.kernels, groups.device)
+    if t.fp8_format is not None:  # the attention and MLP linears build FP8 ones (docs/fp8.md)
+        recipe = fp8.make_recipe(
+            t.fp8_recipe,
+            t.fp8_format,
+            history_len=t.fp8_amax_history_len,
+            algo=t.fp8_amax_compute_algo,
+            margin=t.fp8_margin,
+        )
+        ops = kernels.override(
+            ops, fp8_linear=fp8.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16)
+        )
     chunks = [
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],

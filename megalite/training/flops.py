@@ -32,16 +32,19 @@ from megalite.config import ModelConfig
 # sheets: A100 (40/80 GB, SXM and PCIe: same peaks), H100 SXM / PCIe / NVL, H200 SXM / NVL,
 # and the Blackwell architecture brief for HGX B200 (1000 W). Rows are tried in order and the
 # first whose fragments all occur in the device name wins, so the specific variants come first.
+# fp8: dense FP8 tensor-core peaks (none on A100). A run with --fp8-format still reports MFU
+# against its --precision peak (attention and the output layer stay there; docs/fp8.md), so
+# FP8's speed-up shows as a higher MFU than the bf16 run's.
 PEAKS = [
-    (("H100", "PCIe"), {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
-    (("H100", "NVL"), {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
-    (("H100",), {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM, "H100 80GB HBM3"
-    (("H200", "NVL"), {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
-    (("GH200",), {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    (("H200",), {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM
+    (("H100", "PCIe"), {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12, "fp8": 1513e12}),
+    (("H100", "NVL"), {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12, "fp8": 1671e12}),
+    (("H100",), {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}),  # SXM
+    (("H200", "NVL"), {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12, "fp8": 1671e12}),
+    (("GH200",), {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}),
+    (("H200",), {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12}),  # SXM
     (("A100",), {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
     (("GB200",), None),  # its B200 runs at 1200 W with other peaks: not listed, so unknown
-    (("B200",), {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12}),
+    (("B200",), {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12, "fp8": 4500e12}),
 ]
 
 

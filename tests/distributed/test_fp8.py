@@ -1,0 +1,79 @@
+"""FP8 layers quantise like one process: a tp2 model with sequence parallelism gives one
+process's FP8 loss and gradients (fp64 sums of the same FP8 values), for every recipe, because
+each amax of a tensor split over tp is max-reduced over tp before its scale is computed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megalite.kernels import fp8
+
+from megalite import kernels
+from megalite.config import ModelConfig
+from megalite.model.gpt import GPTChunk
+from megalite.parallel import comm
+from megalite.parallel.specs import spec_of
+from megalite.testing import spawn
+from tests.distributed.test_tensor_parallel import shard, tp_group
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-9
+
+
+def _step(model, tokens, labels):
+    model.zero_grad()
+    loss = model(tokens, labels)
+    loss.backward()
+    return loss.detach()
+
+
+def _fp8_model(rank, world, recipe, unreduced=False):
+    g = tp_group(world)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        vocab_size=128,
+        flavour="llama",
+        num_query_groups=4,
+        ffn_hidden_size=128,
+    )  # fmt: skip  (each rank's dims: multiples of 32)
+    ops = kernels.override(kernels.TORCH_OPS, fp8_linear=fp8.Fp8Maker(fp8.make_recipe(recipe)))
+    ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
+    model = GPTChunk(cfg, g, sequence_parallel=True, seed=11, dtype=torch.float64, ops=ops)
+    if unreduced:  # the check can fail: amaxes of this rank's shard only
+        for lin in fp8.fp8_linears(model.modules()):
+            lin.shards = {}
+    torch.manual_seed(0)
+    worst = 0.0
+    for _ in range(2):  # delayed scaling: the second step scales by the first step's amaxes
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1))
+        tokens, labels = ids[:, :-1], ids[:, 1:]
+        loss, expected = _step(model, tokens, labels), _step(ref, tokens, labels)
+        worst = max(worst, (loss - expected).abs().item())
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            grad, full = p.grad.clone(), ref_params[name].grad
+            spec = spec_of(p)
+            if "tp" in spec.grad_sum:
+                comm.all_reduce(grad, g)
+            if name in ("embedding.word.weight", "output.weight"):
+                full = F.pad(full[: cfg.vocab_size], (0, 0, 0, model.vocab - cfg.vocab_size))
+            if spec.split_dim is not None:
+                full = shard(full, spec.split_dim, g)
+            worst = max(
+                worst, ((grad - full).abs().max() / full.abs().max().clamp(min=1e-30)).item()
+            )
+        fp8.end_step(fp8.fp8_linears(ref.modules()))
+        fp8.end_step(fp8.fp8_linears(model.modules()),
+                     lambda t: comm.all_reduce(t, g, op=torch.distributed.ReduceOp.MAX))  # fmt: skip
+    return worst
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed", "mxfp8"])
+def test_tp2_fp8_model_matches_one_process(recipe):
+    assert max(spawn(_fp8_model, 2, recipe)) <= TOL
+
+
+def test_without_the_amax_reduction_tp2_differs():
+    assert max(spawn(_fp8_model, 2, "tensorwise", True)) > 1e-4
