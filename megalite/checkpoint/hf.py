@@ -8,7 +8,7 @@ GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v into `c_attn`;
 `AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on. The layout follows
 the model's features (`cfg.features.hf_model_type`, its biases, Qwen3's q_norm and k_norm);
 config.json is read and written by megalite/checkpoint/hf_config.py (features matched to a row
-of `megalite.config.FLAVOURS`). Llama, Qwen2, Qwen3, Mistral and Mixtral share Llama's names;
+of `megalite.model_config.FLAVOURS`). Llama, Qwen2, Qwen3, Mistral and Mixtral share Llama's names;
 DeepSeek-V3's latent attention has its own (megalite/checkpoint/hf_deepseek.py).
 
 Mixtral (a Llama-flavoured model with experts in every layer, no shared expert, top-k weights

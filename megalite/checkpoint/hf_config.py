@@ -1,7 +1,7 @@
 """config.json of Hugging Face transformers <-> megalite's ModelConfig, both ways.
 
 An imported config.json is read as features first (`ModelFeatures`) and then matched to the
-row of `megalite.config.FLAVOURS` that has them; every field it carries is read, or checked,
+row of `megalite.model_config.FLAVOURS` that has them; every field it carries is read, or checked,
 and one megalite cannot honour (a rope type it lacks, a per-layer attention pattern, partial
 rotary dimensions, an activation other than SiLU, quantisation) is refused in one line, never
 dropped. Export writes the config of the architecture the flavour's `hf_model_type` names, and
@@ -24,8 +24,8 @@ Qwen2/3 take a sliding window only when it covers every layer (`layer_types` all
 
 from megalite.checkpoint import hf_deepseek
 from megalite.checkpoint.hf_moe import MOE_ARCHITECTURES, moe_config, moe_export, moe_fields
-from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.errors import MegaliteError
+from megalite.model_config import FLAVOURS, ModelConfig, ModelFeatures
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -187,7 +187,7 @@ def _flavour(features: ModelFeatures, arch: str) -> str:
     what = ", ".join(f"{k}={v}" for k, v in differ.items()) or str(features)
     raise MegaliteError(
         f"{arch} models with {what} are not supported: no megalite flavour has these features "
-        "(megalite.config.FLAVOURS)"
+        "(megalite.model_config.FLAVOURS)"
     )
 
 

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.errors import MegaliteError
+from megalite.model_config import FLAVOURS, ModelConfig, ModelFeatures
 
 
 def _get(args: dict, name: str, default=None):
@@ -105,7 +105,7 @@ def _flavour(features: ModelFeatures) -> str:
             return name
     what = ", ".join(f"{k}={v}" for k, v in mine.items())
     raise MegaliteError(
-        f"a Megatron model with {what} has no megalite flavour (megalite.config.FLAVOURS)"
+        f"a Megatron model with {what} has no megalite flavour (megalite.model_config.FLAVOURS)"
     )
 
 

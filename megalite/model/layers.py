@@ -8,7 +8,7 @@ Inference with a KV cache passes `kv`, one layer's view of a `megalite.generatio
 x then holds only the new tokens (never sequence-parallel), their keys and values are appended
 to the cache, and attention runs over every cached slot with explicit positions.
 
-What the flavour decides is read from `cfg.features` (config.ModelFeatures: biases, Qwen3's
+What the flavour decides is read from `cfg.features` (model_config.ModelFeatures: biases, Qwen3's
 per-head q/k norms, gpt-oss's attention sinks in model/sinks.py); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
 scaling in model/rope.py, a sliding window handed to the attention ops). Every matmul and the
 attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from megalite import kernels
-from megalite.config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.config_read import from_dict
 from megalite.model.gpt import GPTChunk
+from megalite.model_config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.parallel.comm import Group
 
 

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # two packages of one layer (data and model, say) do not import each other.
 LAYERS = [
     ["errors", "clock"],
+    ["model_config"],
     ["config"],
     ["config_read"],
     ["kernels"],
