@@ -21,11 +21,9 @@ the blend interleaves them by Megatron's greedy rule, so every prefix keeps the 
 Without weights (`--data-path a b`) each part is one epoch and weighs its size.
 """
 
-import fcntl
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
@@ -251,41 +249,22 @@ def prepare_builtin(
         tok_key = "tok-" + sha256(Path(tokenizer_model).read_bytes()).hexdigest()[:12]
     v = sys.version_info
     key = f"stdlib-py{v.major}.{v.minor}-c{corpus.CORPUS_VERSION}-{max_bytes >> 10}k-{tok_key}"
-    cache = Path(cache_dir)
-    final = cache / key
+    final = Path(cache_dir) / key
     prefix, model = str(final / "data"), str(final / tok_name)
-    if final.is_dir():  # renamed into place only when complete: no lock needed to read it
-        return prefix, model
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        lock = open(cache / f".{key}.lock", "w")
-    except OSError as e:
-        raise MegaliteError(
-            f"cannot write the data cache {cache} ({e.strerror}); point --data-cache-dir at a "
-            "writable directory"
-        ) from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if final.is_dir():  # another process built it while we waited
-            return prefix, model
-        for stale in cache.glob(f".{key}.tmp*"):  # left by a process killed mid-build
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp", dir=cache))
-        try:
-            print(f"megalite: preparing the built-in corpus in {final} (once)", file=sys.stderr)
-            jsonl = corpus.build_corpus(tmp, max_bytes)
-            if tokenizer_model:
-                shutil.copyfile(tokenizer_model, tmp / tok_name)
-            else:
-                Tokenizer.train([str(jsonl)], tmp / "tokenizer", vocab_size)
-            build_indexed_dataset(
-                corpus.iter_documents([str(jsonl)]),
-                tmp / tok_name,
-                tmp / "data",
-                threads=threads or min(4, os.cpu_count() or 1),
-            )
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+    def fill(tmp: Path):
+        print(f"megalite: preparing the built-in corpus in {final} (once)", file=sys.stderr)
+        jsonl = corpus.build_corpus(tmp, max_bytes)
+        if tokenizer_model:
+            shutil.copyfile(tokenizer_model, tmp / tok_name)
+        else:
+            Tokenizer.train([str(jsonl)], tmp / "tokenizer", vocab_size)
+        build_indexed_dataset(
+            corpus.iter_documents([str(jsonl)]),
+            tmp / tok_name,
+            tmp / "data",
+            threads=threads or min(4, os.cpu_count() or 1),
+        )
+
+    index_cache.build_once(final, fill, "--data-cache-dir")
     return prefix, model

@@ -39,35 +39,49 @@ def cached(
     if cache_dir is None:
         return build()
     text = json.dumps({"format": FORMAT, **key}, sort_keys=True)
-    cache = Path(cache_dir)
-    final = cache / f"{name}-{sha256(text.encode()).hexdigest()[:20]}"
-    if final.is_dir():  # renamed into place only when complete: no lock needed to read it
-        return _load(final)
+    final = Path(cache_dir) / f"{name}-{sha256(text.encode()).hexdigest()[:20]}"
+    arrays = {}
+
+    def fill(tmp: Path):
+        arrays.update(build())
+        for k, a in arrays.items():
+            np.save(tmp / f"{k}.npy", a, allow_pickle=False)
+        (tmp / "key.json").write_text(text + "\n")
+
+    return arrays if build_once(final, fill, "--data-cache-path") else _load(final)
+
+
+def build_once(final: Path, fill: Callable[[Path], None], flag: str) -> bool:
+    """Make the directory `final` once, whoever else tries at the same time: `fill(tmp)` writes a
+    temporary directory beside it that is renamed into place when complete, under an exclusive
+    file lock, so concurrent callers wait for the first and then find its result (and a reader
+    needs no lock). True when this call built it. `flag` names the option choosing the parent
+    directory, for the one-line error when it cannot be written."""
+    if final.is_dir():
+        return False
+    cache = final.parent
     try:
         cache.mkdir(parents=True, exist_ok=True)
         lock = open(cache / f".{final.name}.lock", "w")
     except OSError as e:
         raise MegaliteError(
-            f"cannot write the data cache {cache} ({e.strerror}); point --data-cache-path at a "
-            "writable directory"
+            f"cannot write the data cache {cache} ({e.strerror}); point {flag} at a writable "
+            "directory"
         ) from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if final.is_dir():  # another rank built it while we waited
-            return _load(final)
+        if final.is_dir():  # another process built it while we waited
+            return False
         for stale in cache.glob(f".{final.name}.tmp*"):  # left by a process killed mid-build
             shutil.rmtree(stale, ignore_errors=True)
-        arrays = build()
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=cache))
         try:
-            for k, a in arrays.items():
-                np.save(tmp / f"{k}.npy", a, allow_pickle=False)
-            (tmp / "key.json").write_text(text + "\n")
+            fill(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return arrays
+    return True
 
 
 def _load(entry: Path) -> dict[str, np.ndarray]:
