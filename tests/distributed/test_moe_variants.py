@@ -3,7 +3,7 @@ one process: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layer
 DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after every
 step, node-limited groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's
 model (attention sinks, alternating sliding/full layers, biased router and experts, clamped
-SwiGLU). The DeepSeek-style one also at ep2·pp2 (the
+SwiGLU). Qwen3-MoE and gpt-oss also at ep2·tp2·pp2, the DeepSeek-style one at ep2·pp2 (the
 dense first layer and an MoE one on stage 0, the expert bias update over both stages). 8 steps
 each, losses within 1e-4 of the single process per step and final parameters (expert biases
 included) within 1e-4 (fp32); one spawn.
@@ -51,6 +51,7 @@ def single(name: str):
 
 RUNS = [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS]
 RUNS.append(("deepseek", "ep2 pp2", {"pp": 2, "ep": 2}))
+RUNS += [(name, "ep2 tp2 pp2", {"tp": 2, "pp": 2, "ep": 2}) for name in ("qwen3-moe", "gpt-oss")]
 
 
 def _run(rank, world):
