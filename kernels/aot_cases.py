@@ -22,7 +22,7 @@ def _t(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="cuda")
 
 
-def _attention(dtype, d, hq, hkv, s, docs=False):
+def _attention(dtype, d, hq, hkv, s, docs=False, window=0):
     attn = _mod("attention")
     q, k, v = (
         _t(2, hq, s, d, dtype=dtype),
@@ -34,10 +34,10 @@ def _attention(dtype, d, hq, hkv, s, docs=False):
         ids = (pos, pos, pos, pos)
     else:
         ids = (None,) * 4
-    forward_backward(attn._MaskedAttention, q, k, v, d**-0.5, *ids)
+    forward_backward(attn._MaskedAttention, q, k, v, d**-0.5, *ids, window)
 
 
-def _ring_block(dtype, d, hq, hkv, s):
+def _ring_block(dtype, d, hq, hkv, s, window=0):
     # One ring-attention step: fp32 block results, positions as the ring passes them.
     blocks = _mod("attention_blocks")
     q, k, v = (
@@ -46,8 +46,9 @@ def _ring_block(dtype, d, hq, hkv, s):
         _t(1, hkv, s, d, dtype=dtype),
     )
     pos = torch.zeros(2, s, dtype=torch.int64, device="cuda")
-    out, lse = blocks.attention_block_fwd(q, k, v, pos[0], pos[1])
-    blocks.attention_block_bwd(q, k, v, out, lse, torch.empty_like(q), pos[0], pos[1])
+    out, lse = blocks.attention_block_fwd(q, k, v, pos[0], pos[1], window=window or None)
+    blocks.attention_block_bwd(q, k, v, out, lse, torch.empty_like(q), pos[0], pos[1],
+                               window=window or None)  # fmt: skip
 
 
 def _cross_entropy(dtype, tokens, vocab):
@@ -85,6 +86,24 @@ def _grouped_mm(dtype, tokens, experts, n, k):
                      offsets)  # fmt: skip
 
 
+# gpt-oss's window (Mistral's is 4096): the window is a runtime int, so one size stands for all.
+WINDOW = 128
+
+
+def _windowed(dt, name) -> list[tuple[str, object]]:
+    """Sliding-window attention: causal, document-masked and one ring block (d 64, s 512)."""
+    d, hq, hkv, s = 64, 16, 4, 512
+    tag = f"{name} d{d} h{hq}/{hkv} s{s} w{WINDOW}"
+    return [
+        (f"attention window {tag}", lambda: _attention(dt, d, hq, hkv, s, window=WINDOW)),
+        (
+            f"attention docs window {tag}",
+            lambda: _attention(dt, d, hq, hkv, s, docs=True, window=WINDOW),
+        ),  # fmt: skip
+        (f"ring block window {tag}", lambda: _ring_block(dt, d, hq, hkv, s, window=WINDOW)),
+    ]
+
+
 def cases(full: bool) -> list[tuple[str, object]]:
     """(name, thunk) for the quick set, or the full sweep."""
     dtypes = list(DTYPES) if full else ["bf16"]
@@ -100,6 +119,7 @@ def cases(full: bool) -> list[tuple[str, object]]:
             out.append((f"attention docs {tag}",
                         lambda dt=dt, a=(d, hq, hkv, s): _attention(dt, *a, docs=True)))  # fmt: skip
             out.append((f"ring block {tag}", lambda dt=dt, a=(d, hq, hkv, s): _ring_block(dt, *a)))
+        out += _windowed(dt, name)
         vocabs = [(8192, 50304)] + ([(4096, 128256), (1000, 32001)] if full else [])
         for tokens, vocab in vocabs:
             out.append((f"cross_entropy {name} {tokens}x{vocab}",
