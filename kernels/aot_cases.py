@@ -104,6 +104,16 @@ def _windowed(dt, name) -> list[tuple[str, object]]:
     ]
 
 
+def _mla(dt, name) -> list[tuple[str, object]]:
+    """MLA's shape: q/k/v padded to d = 192 (DeepSeek-V3's 128 + 64), as many kv heads as q."""
+    d, h, s = 192, 16, 512
+    tag = f"{name} d{d} h{h}/{h} s{s}"
+    return [
+        (f"attention mla {tag}", lambda: _attention(dt, d, h, h, s)),
+        (f"ring block mla {tag}", lambda: _ring_block(dt, d, h, h, s)),
+    ]
+
+
 def cases(full: bool) -> list[tuple[str, object]]:
     """(name, thunk) for the quick set, or the full sweep."""
     dtypes = list(DTYPES) if full else ["bf16"]
@@ -120,6 +130,7 @@ def cases(full: bool) -> list[tuple[str, object]]:
                         lambda dt=dt, a=(d, hq, hkv, s): _attention(dt, *a, docs=True)))  # fmt: skip
             out.append((f"ring block {tag}", lambda dt=dt, a=(d, hq, hkv, s): _ring_block(dt, *a)))
         out += _windowed(dt, name)
+        out += _mla(dt, name)
         vocabs = [(8192, 50304)] + ([(4096, 128256), (1000, 32001)] if full else [])
         for tokens, vocab in vocabs:
             out.append((f"cross_entropy {name} {tokens}x{vocab}",
