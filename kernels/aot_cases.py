@@ -2,7 +2,8 @@
 
 Each scenario calls a launcher as the model does (forward and backward), on fake CUDA tensors
 inside aot_capture.capture; the launches it makes are what gets compiled. `cases(full)` lists
-(name, thunk): the quick set covers every kernel at bf16 and the default shapes, the full set
+(name, thunk): the quick set covers every kernel at bf16 and the default shapes, with a sliding
+window and at MLA's head dim 192 for attention; the full set
 adds fp32/fp16, head dim 128, GQA and odd sizes.
 """
 
