@@ -2,7 +2,8 @@
 
 Each scenario calls a launcher as the model does (forward and backward), on fake CUDA tensors
 inside aot_capture.capture; the launches it makes are what gets compiled. `cases(full)` lists
-(name, thunk): the quick set covers every kernel at bf16 and the default shapes, the full set
+(name, thunk): the quick set covers every kernel at bf16 and the default shapes, with a sliding
+window and at MLA's head dim 192 for attention; the full set
 adds fp32/fp16, head dim 128, GQA and odd sizes.
 """
 
@@ -22,7 +23,7 @@ def _t(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="cuda")
 
 
-def _attention(dtype, d, hq, hkv, s, docs=False):
+def _attention(dtype, d, hq, hkv, s, docs=False, window=0):
     attn = _mod("attention")
     q, k, v = (
         _t(2, hq, s, d, dtype=dtype),
@@ -34,10 +35,10 @@ def _attention(dtype, d, hq, hkv, s, docs=False):
         ids = (pos, pos, pos, pos)
     else:
         ids = (None,) * 4
-    forward_backward(attn._MaskedAttention, q, k, v, d**-0.5, *ids)
+    forward_backward(attn._MaskedAttention, q, k, v, d**-0.5, *ids, window)
 
 
-def _ring_block(dtype, d, hq, hkv, s):
+def _ring_block(dtype, d, hq, hkv, s, window=0):
     # One ring-attention step: fp32 block results, positions as the ring passes them.
     blocks = _mod("attention_blocks")
     q, k, v = (
@@ -46,8 +47,9 @@ def _ring_block(dtype, d, hq, hkv, s):
         _t(1, hkv, s, d, dtype=dtype),
     )
     pos = torch.zeros(2, s, dtype=torch.int64, device="cuda")
-    out, lse = blocks.attention_block_fwd(q, k, v, pos[0], pos[1])
-    blocks.attention_block_bwd(q, k, v, out, lse, torch.empty_like(q), pos[0], pos[1])
+    out, lse = blocks.attention_block_fwd(q, k, v, pos[0], pos[1], window=window or None)
+    blocks.attention_block_bwd(q, k, v, out, lse, torch.empty_like(q), pos[0], pos[1],
+                               window=window or None)  # fmt: skip
 
 
 def _cross_entropy(dtype, tokens, vocab):
@@ -85,6 +87,34 @@ def _grouped_mm(dtype, tokens, experts, n, k):
                      offsets)  # fmt: skip
 
 
+# gpt-oss's window (Mistral's is 4096): the window is a runtime int, so one size stands for all.
+WINDOW = 128
+
+
+def _windowed(dt, name) -> list[tuple[str, object]]:
+    """Sliding-window attention: causal, document-masked and one ring block (d 64, s 512)."""
+    d, hq, hkv, s = 64, 16, 4, 512
+    tag = f"{name} d{d} h{hq}/{hkv} s{s} w{WINDOW}"
+    return [
+        (f"attention window {tag}", lambda: _attention(dt, d, hq, hkv, s, window=WINDOW)),
+        (
+            f"attention docs window {tag}",
+            lambda: _attention(dt, d, hq, hkv, s, docs=True, window=WINDOW),
+        ),  # fmt: skip
+        (f"ring block window {tag}", lambda: _ring_block(dt, d, hq, hkv, s, window=WINDOW)),
+    ]
+
+
+def _mla(dt, name) -> list[tuple[str, object]]:
+    """MLA's shape: q/k/v padded to d = 192 (DeepSeek-V3's 128 + 64), as many kv heads as q."""
+    d, h, s = 192, 16, 512
+    tag = f"{name} d{d} h{h}/{h} s{s}"
+    return [
+        (f"attention mla {tag}", lambda: _attention(dt, d, h, h, s)),
+        (f"ring block mla {tag}", lambda: _ring_block(dt, d, h, h, s)),
+    ]
+
+
 def cases(full: bool) -> list[tuple[str, object]]:
     """(name, thunk) for the quick set, or the full sweep."""
     dtypes = list(DTYPES) if full else ["bf16"]
@@ -100,6 +130,8 @@ def cases(full: bool) -> list[tuple[str, object]]:
             out.append((f"attention docs {tag}",
                         lambda dt=dt, a=(d, hq, hkv, s): _attention(dt, *a, docs=True)))  # fmt: skip
             out.append((f"ring block {tag}", lambda dt=dt, a=(d, hq, hkv, s): _ring_block(dt, *a)))
+        out += _windowed(dt, name)
+        out += _mla(dt, name)
         vocabs = [(8192, 50304)] + ([(4096, 128256), (1000, 32001)] if full else [])
         for tokens, vocab in vocabs:
             out.append((f"cross_entropy {name} {tokens}x{vocab}",

@@ -23,6 +23,7 @@ from megalite.kernels.attention_core import (
     attn_bwd_dq,
     attn_fwd,
     config,
+    dims,
     precision,
 )
 from torch.utils.weak import WeakIdKeyDictionary
@@ -185,7 +186,7 @@ def block_fwd(q, k, v, ids, scale, out_dtype, window=0):
         q, k, v, o, lse, qp, kp, qd, kd, cnt, idx, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), *id_strides, per_row, idx.shape[-1], hq,
-        hq // hkv, sq, sk, scale * LOG2E, window, HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn,
+        hq // hkv, sq, sk, scale * LOG2E, window, HAS_DOC=has_doc, **dims(d), BLOCK_M=bm, BLOCK_N=bn,
         PREC=precision(q), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return o, lse
@@ -204,7 +205,7 @@ def block_bwd(q, k, v, o, lse, do, ids, scale, grad_dtype, window=0):
     delta = torch.empty_like(lse)  # (b, hq, sq): rowsum(do * o) of the final output
     attn_bwd_delta[(triton.cdiv(sq, 64), b * hq)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
-        do.stride(2), hq, sq, D=d, BLOCK_M=64,
+        do.stride(2), hq, sq, **dims(d), BLOCK_M=64,
     )  # fmt: skip
     dq = torch.empty_like(q, dtype=grad_dtype)
     dk = torch.empty_like(k, dtype=grad_dtype)
@@ -219,7 +220,7 @@ def block_bwd(q, k, v, o, lse, do, ids, scale, grad_dtype, window=0):
         q, k, v, do, lse, delta, dk, dv, qp, kp, qd, kd, cnt, idx, *strides, dk.stride(0),
         dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *id_strides,
         per_row, idx.shape[-1], hq, hkv, group, sq, sk, scale * LOG2E, scale, window,
-        HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q), num_warps=warps,
+        HAS_DOC=has_doc, **dims(d), BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q), num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     bm, bn, warps, stages = cfg["dq"]
@@ -227,7 +228,7 @@ def block_bwd(q, k, v, o, lse, do, ids, scale, grad_dtype, window=0):
     attn_bwd_dq[(triton.cdiv(sq, bm), b * hq)](
         q, k, v, do, lse, delta, dq, qp, kp, qd, kd, cnt, idx, *strides, dq.stride(0),
         dq.stride(1), dq.stride(2), *id_strides, per_row, idx.shape[-1], hq, group, sq, sk,
-        scale * LOG2E, scale, window, HAS_DOC=has_doc, D=d, BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q),
+        scale * LOG2E, scale, window, HAS_DOC=has_doc, **dims(d), BLOCK_M=bm, BLOCK_N=bn, PREC=precision(q),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return dq, dk, dv

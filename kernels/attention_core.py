@@ -19,10 +19,25 @@ lse. Tensors keep their strides (any layout with unit stride along d).
 import torch
 from megalite.kernels._triton import tl, triton
 
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 192, 256)  # 192: MLA's padded q/k/v (DeepSeek-V3: 128 + 64)
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 _LOG2E = tl.constexpr(LOG2E)
+
+
+def dims(d: int) -> dict:
+    """The head-dim constexprs: D, the tile width (a power of 2, as tl.arange needs), and
+    HEAD_D, the real head dim (< D only for 192, which runs in 256-wide tiles, masked)."""
+    return dict(D=triton.next_power_of_2(d), HEAD_D=d)
+
+
+@triton.jit
+def _dmask(offs_d, HEAD_D: tl.constexpr, D: tl.constexpr):
+    # The columns past the real head dim: an all-true constant (folded away) unless padded.
+    if HEAD_D == D:
+        return tl.full([D], 1, tl.int1)
+    else:
+        return offs_d < HEAD_D
 
 
 @triton.jit
@@ -36,14 +51,15 @@ def _sees(qpos, kpos, qdoc, kdoc, window, HAS_DOC: tl.constexpr):
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX, count, sk_s, sv_s, offs_d, seqk, qk_scale,
-    window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX, count, sk_s, sv_s, offs_d, dmask, seqk,
+    qk_scale, window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
         offs_n = tl.load(IDX + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         kmask = offs_n < seqk
-        kT = tl.load(K + offs_n[None, :] * sk_s + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        kT = tl.load(K + offs_n[None, :] * sk_s + offs_d[:, None], mask=kmask[None, :] & dmask[:, None],
+                     other=0.0)  # fmt: skip
         qk = tl.dot(q, kT, input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASK:
             kpos = tl.load(KP + offs_n, mask=kmask, other=0)
@@ -60,7 +76,8 @@ def _fwd_inner(
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs_n[:, None] * sv_s + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(V + offs_n[:, None] * sv_s + offs_d[None, :], mask=kmask[:, None] & dmask[None, :],
+                    other=0.0)  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -71,7 +88,8 @@ def attn_fwd(
     Q, K, V, O, LSE, QP, KP, QD, KD, CNT, IDX,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
     sqp_b, skp_b, sqd_b, skd_b, list_b, tiles, hq, group, seqq, seqk, qk_scale, window,
-    HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOC: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     mt = tl.program_id(0)
@@ -80,10 +98,11 @@ def attn_fwd(
     hk = h // group
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
+    dmask = _dmask(offs_d, HEAD_D, D)
     rmask = offs_m < seqq
     q = tl.load(
         Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :],
-        mask=rmask[:, None],
+        mask=rmask[:, None] & dmask[None, :],
         other=0.0,
     )
     qpos = tl.load(QP + b * sqp_b + offs_m, mask=rmask, other=0)
@@ -102,12 +121,12 @@ def attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX, tl.load(CNT), sk_s, sv_s, offs_d, seqk,
+        acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX, tl.load(CNT), sk_s, sv_s, offs_d, dmask, seqk,
         qk_scale, window, False, HAS_DOC, BLOCK_N, PREC,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, qpos, qdoc, K, V, KP, KD, IDX + rows * tiles, tl.load(CNT + rows),
-        sk_s, sv_s, offs_d, seqk, qk_scale, window, True, HAS_DOC, BLOCK_N, PREC,
+        sk_s, sv_s, offs_d, dmask, seqk, qk_scale, window, True, HAS_DOC, BLOCK_N, PREC,
     )  # fmt: skip
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     l_i = tl.where(empty, 1.0, l_i)
@@ -115,7 +134,7 @@ def attn_fwd(
     tl.store(
         O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :],
         o.to(O.dtype.element_ty),
-        mask=rmask[:, None],
+        mask=rmask[:, None] & dmask[None, :],
     )
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) * _LN2)  # natural log
     tl.store(LSE + bh * seqq + offs_m, lse, mask=rmask)
@@ -131,14 +150,15 @@ def _load_lse(LSE, offs_m, qmask):
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, kpos, kdoc, Q, DO, LSE, DELTA, QP, QD, IDX, count, sq_s, sd_s, offs_d, seqq,
-    qk_scale, window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr,
+    dk, dv, k, v, kpos, kdoc, Q, DO, LSE, DELTA, QP, QD, IDX, count, sq_s, sd_s, offs_d, dmask,
+    seqq, qk_scale, window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
         offs_m = tl.load(IDX + i) * BLOCK_M + tl.arange(0, BLOCK_M)
         qmask = offs_m < seqq
-        qT = tl.load(Q + offs_m[None, :] * sq_s + offs_d[:, None], mask=qmask[None, :], other=0.0)
+        qT = tl.load(Q + offs_m[None, :] * sq_s + offs_d[:, None], mask=qmask[None, :] & dmask[:, None],
+                     other=0.0)  # fmt: skip
         lse = _load_lse(LSE, offs_m, qmask)
         pT = tl.exp2(tl.dot(k, qT, input_precision=PREC) * qk_scale - lse[None, :])  # (BN, BM)
         if MASK:
@@ -149,7 +169,8 @@ def _dkdv_inner(
             vis = _sees(qpos[None, :], kpos[:, None], qdoc[None, :], kdoc[:, None], window,
                         HAS_DOC)  # fmt: skip
             pT = tl.where(vis, pT, 0.0)
-        do = tl.load(DO + offs_m[:, None] * sd_s + offs_d[None, :], mask=qmask[:, None], other=0.0)
+        do = tl.load(DO + offs_m[:, None] * sd_s + offs_d[None, :], mask=qmask[:, None] & dmask[None, :],
+                     other=0.0)  # fmt: skip
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         delta = tl.load(DELTA + offs_m, mask=qmask, other=0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)  # (BN, BM)
@@ -164,7 +185,8 @@ def attn_bwd_dkdv(
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
     sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s, sqp_b, skp_b, sqd_b, skd_b, list_b, tiles,
     hq, hkv, group, seqq, seqk, qk_scale, sm_scale, window,
-    HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOC: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     nt = tl.program_id(0)
@@ -172,15 +194,16 @@ def attn_bwd_dkdv(
     b, hk = bhk // hkv, bhk % hkv
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    dmask = _dmask(offs_d, HEAD_D, D)
     kmask = offs_n < seqk
     k = tl.load(
         K + b * sk_b + hk * sk_h + offs_n[:, None] * sk_s + offs_d[None, :],
-        mask=kmask[:, None],
+        mask=kmask[:, None] & dmask[None, :],
         other=0.0,
     )
     v = tl.load(
         V + b * sv_b + hk * sv_h + offs_n[:, None] * sv_s + offs_d[None, :],
-        mask=kmask[:, None],
+        mask=kmask[:, None] & dmask[None, :],
         other=0.0,
     )
     # Keys past the end are never stored, so they need no mask of their own.
@@ -205,36 +228,38 @@ def attn_bwd_dkdv(
         DELTAh = DELTA + (b * hq + h) * seqq
         dk, dv = _dkdv_inner(
             dk, dv, k, v, kpos, kdoc, Qh, DOh, LSEh, DELTAh, QP, QD, IDX, n_full, sq_s, sd_s,
-            offs_d, seqq, qk_scale, window, False, HAS_DOC, BLOCK_M, PREC,
+            offs_d, dmask, seqq, qk_scale, window, False, HAS_DOC, BLOCK_M, PREC,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, kpos, kdoc, Qh, DOh, LSEh, DELTAh, QP, QD, IDX + rows * tiles, n_part,
-            sq_s, sd_s, offs_d, seqq, qk_scale, window, True, HAS_DOC, BLOCK_M, PREC,
+            sq_s, sd_s, offs_d, dmask, seqq, qk_scale, window, True, HAS_DOC, BLOCK_M, PREC,
         )  # fmt: skip
     dk *= sm_scale
     tl.store(
         DK + b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :],
         dk.to(DK.dtype.element_ty),
-        mask=kmask[:, None],
+        mask=kmask[:, None] & dmask[None, :],
     )
     tl.store(
         DV + b * sdv_b + hk * sdv_h + offs_n[:, None] * sdv_s + offs_d[None, :],
         dv.to(DV.dtype.element_ty),
-        mask=kmask[:, None],
+        mask=kmask[:, None] & dmask[None, :],
     )
 
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX, count, sk_s, sv_s, offs_d, seqk,
+    dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX, count, sk_s, sv_s, offs_d, dmask, seqk,
     qk_scale, window, MASK: tl.constexpr, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     for i in range(0, count):
         offs_n = tl.load(IDX + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         kmask = offs_n < seqk
-        kT = tl.load(K + offs_n[None, :] * sk_s + offs_d[:, None], mask=kmask[None, :], other=0.0)
-        vT = tl.load(V + offs_n[None, :] * sv_s + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        kT = tl.load(K + offs_n[None, :] * sk_s + offs_d[:, None], mask=kmask[None, :] & dmask[:, None],
+                     other=0.0)  # fmt: skip
+        vT = tl.load(V + offs_n[None, :] * sv_s + offs_d[:, None], mask=kmask[None, :] & dmask[:, None],
+                     other=0.0)  # fmt: skip
         p = tl.exp2(tl.dot(q, kT, input_precision=PREC) * qk_scale - lse[:, None])  # (BM, BN)
         if MASK:  # keys past the end are zero (k = 0 adds nothing to dq) and masked here too
             kpos = tl.load(KP + offs_n, mask=kmask, other=0)
@@ -256,7 +281,8 @@ def attn_bwd_dq(
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
     sdq_b, sdq_h, sdq_s, sqp_b, skp_b, sqd_b, skd_b, list_b, tiles,
     hq, group, seqq, seqk, qk_scale, sm_scale, window,
-    HAS_DOC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DOC: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     mt = tl.program_id(0)
@@ -265,15 +291,16 @@ def attn_bwd_dq(
     hk = h // group
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
+    dmask = _dmask(offs_d, HEAD_D, D)
     rmask = offs_m < seqq
     q = tl.load(
         Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :],
-        mask=rmask[:, None],
+        mask=rmask[:, None] & dmask[None, :],
         other=0.0,
     )
     do = tl.load(
         DO + b * sd_b + h * sd_h + offs_m[:, None] * sd_s + offs_d[None, :],
-        mask=rmask[:, None],
+        mask=rmask[:, None] & dmask[None, :],
         other=0.0,
     )
     lse = _load_lse(LSE + bh * seqq, offs_m, rmask)
@@ -292,32 +319,33 @@ def attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     dq = _dq_inner(
         dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX, tl.load(CNT), sk_s, sv_s, offs_d,
-        seqk, qk_scale, window, False, HAS_DOC, BLOCK_N, PREC,
+        dmask, seqk, qk_scale, window, False, HAS_DOC, BLOCK_N, PREC,
     )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, qpos, qdoc, K, V, KP, KD, IDX + rows * tiles,
-        tl.load(CNT + rows), sk_s, sv_s, offs_d, seqk, qk_scale, window, True, HAS_DOC, BLOCK_N,
+        tl.load(CNT + rows), sk_s, sv_s, offs_d, dmask, seqk, qk_scale, window, True, HAS_DOC, BLOCK_N,
         PREC,
     )  # fmt: skip
     dq *= sm_scale
     tl.store(
         DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :],
         dq.to(DQ.dtype.element_ty),
-        mask=rmask[:, None],
+        mask=rmask[:, None] & dmask[None, :],
     )
 
 
 @triton.jit
 def attn_bwd_delta(
     O, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, hq, seq,
-    D: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     # delta_i = sum_d o_id * do_id = sum_j p_ij dp_ij: the softmax backward's row term.
     bh = tl.program_id(1).to(tl.int64)  # int64: b * sq_b, bh * seqq may pass 2^31
     b, h = bh // hq, bh % hq
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    mask = offs_m[:, None] < seq
+    dmask = _dmask(offs_d, HEAD_D, D)
+    mask = (offs_m[:, None] < seq) & dmask[None, :]
     o = tl.load(
         O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], mask=mask, other=0.0
     )
@@ -337,6 +365,10 @@ def config(q: torch.Tensor) -> dict:
     d = q.shape[-1]
     if q.device.type != "cuda":
         return dict(fwd=(64, 64, 1, 1), dkdv=(64, 64, 1, 1), dq=(64, 64, 1, 1))
+    if d > 128:  # 256-wide tiles (192 padded): fewer rows, more warps, or the accumulators spill
+        if q.dtype == torch.float32:
+            return dict(fwd=(32, 32, 8, 1), dkdv=(16, 32, 8, 1), dq=(32, 16, 8, 1))
+        return dict(fwd=(64, 32, 8, 2), dkdv=(32, 32, 8, 1), dq=(32, 32, 8, 1))
     if q.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         return dict(fwd=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq=(64, 32, 4, 2))
     if d <= 64:

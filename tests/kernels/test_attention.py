@@ -1,6 +1,12 @@
 import pytest
 import torch
-from megalite.kernels.attention import attention, attention_ref
+from megalite.kernels.attention import (
+    CAUSAL,
+    _MaskedAttention,
+    attention,
+    attention_ref,
+    block_reason,
+)
 
 from tests.kernels.helpers import check_op, cuda_dtypes, make
 
@@ -27,6 +33,24 @@ def _qkv(b, hq, hkv, s, d, dtype, device="cpu"):
 def test_attention(dtype, b, hq, hkv, s, d):
     torch.manual_seed(0)
     check_op(attention, attention_ref, _qkv(b, hq, hkv, s, d, dtype))
+
+
+def test_mla_head_dim_runs_in_the_kernel(dtype):
+    # MLA's padded head dim (DeepSeek-V3: 128 + 64 = 192) in 256-wide tiles, 64 columns masked;
+    # it used to fall back to torch, so the kernel is called directly as well.
+    torch.manual_seed(0)
+    q, k, v = _qkv(1, 2, 2, 70, 192, dtype)
+    assert block_reason(q, k, v) is None
+
+    for window in (0, 40):  # and with a sliding window
+
+        def kernel(q, k, v, w=window):
+            return _MaskedAttention.apply(q, k, v, 192**-0.5, *CAUSAL, w)
+
+        def ref(q, k, v, w=window):
+            return attention_ref(q, k, v, window=w or None)
+
+        check_op(kernel, ref, (q, k, v))
 
 
 def test_attention_output_keeps_q_layout():
