@@ -56,18 +56,23 @@ class ShardedRNG:
 
     def recompute_contexts(self):
         """`context_fn` for torch.utils.checkpoint: the forward remembers where this stream
-        stood, the recomputation replays from there and then leaves the stream where it was."""
-        start = self.state
+        stood, each recomputation replays from there and then leaves the stream where it was.
+        The replay context can be entered more than once: a zero-bubble schedule's split
+        backward (I, then W) may recompute a checkpointed region twice."""
+        return nullcontext(), _Replay(self, self.state)
 
-        @contextmanager
-        def replay():
-            now, self.state = self.state, start
-            try:
-                yield
-            finally:
-                self.state = now
 
-        return nullcontext(), replay()
+class _Replay:
+    """Re-enterable: sets `rng`'s stream to `start` on entry and back to where it was on exit."""
+
+    def __init__(self, rng: ShardedRNG, start):
+        self.rng, self.start = rng, start
+
+    def __enter__(self):
+        self.now, self.rng.state = self.rng.state, self.start
+
+    def __exit__(self, *exc):
+        self.rng.state = self.now
 
 
 def rng_state(chunks, device: torch.device) -> dict:
