@@ -175,8 +175,25 @@ def check_shapes(state: dict, cfg: ModelConfig, where: str):
         if tuple(state[name].shape) != tuple(shape):
             raise MegaliteError(
                 f"{where}: {name} has shape {tuple(state[name].shape)} but the checkpoint's args "
-                f"imply {tuple(shape)}; the args contradict the tensors"
+                f"({_implied_by(name, cfg)}) imply {tuple(shape)}; the args contradict the tensors"
             )
+
+
+def _implied_by(name: str, cfg: ModelConfig) -> str:
+    """The Megatron args (as read) that set the shape of tensor `name`."""
+    args = {"hidden_size": cfg.hidden_size}
+    if "self_attention" in name:
+        args.update(num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.heads_kv,
+                    kv_channels=cfg.head_dim)  # fmt: skip
+    elif "shared_experts" in name:
+        args["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
+    elif "experts" in name or "router" in name:
+        args.update(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn)
+    elif "mlp" in name:
+        args["ffn_hidden_size"] = cfg.ffn
+    elif "position" in name:
+        args["max_position_embeddings"] = cfg.max_position_embeddings or cfg.seq_length
+    return ", ".join(f"{k}={v}" for k, v in args.items())
 
 
 # ---- fused tensors ----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def load_pickle(path: Path) -> dict:
         allowed = [known[n] if n in known else (_Opaque, n) for n in unknown]
         with torch.serialization.safe_globals(allowed):
             obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, TypeError, ValueError) as e:
         raise MegaliteError(f"{path} is not a readable Megatron checkpoint file ({e})") from None
     if not isinstance(obj, dict):
         raise MegaliteError(f"{path} does not hold a Megatron checkpoint dict")

@@ -328,10 +328,19 @@ def test_unsupported_args_are_refused(tmp_path):
         megatron_args.config_from_args(margs("gpt2", kv_channels=8))
 
 
+class _BadArgs:
+    """Unpickles as argparse.Namespace(1, 2): a TypeError inside the allow-listed unpickler."""
+
+    def __reduce__(self):
+        return argparse.Namespace, (1, 2)
+
+
 def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
     kind, m, _, _ = imported
     save_legacy(tmp_path / "bad", m, margs(kind, hidden_size=32, kv_channels=8))
-    with pytest.raises(MegaliteError, match="args contradict the tensors"):
+    with pytest.raises(
+        MegaliteError, match=r"args \(hidden_size=32\) imply .* args contradict the tensors"
+    ):
         convert.main([str(tmp_path / "bad"), str(tmp_path / "o1"), "--to", "megalite"])
     extra = {"decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(16)}  # qk-norm
     save_legacy(tmp_path / "qk", m, margs(kind), extra=extra)
@@ -340,7 +349,15 @@ def test_args_contradicting_tensors_and_missing_ranks(imported, tmp_path):
     save_legacy(tmp_path / "pp", m, margs(kind, pipeline_model_parallel_size=2))
     with pytest.raises(MegaliteError, match="lacks mp_rank_00_000"):
         convert.main([str(tmp_path / "pp"), str(tmp_path / "o2"), "--to", "megalite"])
-    assert not [p for p in ("o1", "o2", "o3") if (tmp_path / p).exists()]
+    (tmp_path / "odd" / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (tmp_path / "odd" / "latest_checkpointed_iteration.txt").write_text("1")
+    torch.save(
+        {"args": _BadArgs()},
+        tmp_path / "odd" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
+    )
+    with pytest.raises(MegaliteError, match="is not a readable Megatron checkpoint file"):
+        convert.main([str(tmp_path / "odd"), str(tmp_path / "o4"), "--to", "megalite"])
+    assert not [p for p in ("o1", "o2", "o3", "o4") if (tmp_path / p).exists()]
     assert not list(tmp_path.glob(".o*"))
 
 
