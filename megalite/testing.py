@@ -193,6 +193,16 @@ def tiny_trainer(cfg: Config, samples: int = 256):
     return Trainer(cfg, shape, groups, SimpleNamespace(train=tokens, valid=None, tokenizer=None))
 
 
+def perturbed(model: torch.nn.Module, scale: float = 0.05, louder: tuple = (), loud: float = 0.3):
+    """`model` in eval mode with noise (scale x N(0, 1)) added to every parameter, `loud` for
+    those whose name holds one of `louder`: at init norms are 1 and biases 0, so a converter
+    that mixed up two of them would still match."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (loud if any(x in name for x in louder) else scale))
+    return model.eval()
+
+
 # ---- a pipeline stage that sleeps -------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.testing import perturbed
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +49,7 @@ def hf_model(kind: str, seed: int = 0):
             tie_word_embeddings=False,
         )  # fmt: skip
         m = transformers.LlamaForCausalLM(c)
-    # random init leaves norms at 1/0: perturb every tensor so a mixed-up name shows
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return m.eval()
+    return perturbed(m, 0.02)
 
 
 def megalite_model(path) -> GPTChunk:

@@ -29,6 +29,7 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.testing import perturbed
 
 pytest.importorskip("megatron.core")
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,10 +124,7 @@ def megatron_model(args: argparse.Namespace, seed=0):
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )  # fmt: skip
-    with torch.no_grad():  # norms start at 1 and biases at 0: perturb so a mix-up shows
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m.eval()
+    return perturbed(m)
 
 
 def megatron_logits(m, ids):

@@ -9,6 +9,7 @@ import torch
 from megalite.checkpoint import hf
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
+from megalite.testing import perturbed
 from tests.unit.test_checkpoint_hf import (
     assert_round_trip_exact,
     convert,
@@ -30,11 +31,9 @@ def mixtral(tmp_path_factory):
         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
     )  # fmt: skip
     m = transformers.MixtralForCausalLM(c)
-    with torch.no_grad():  # norms start at 1: perturb every tensor so a mixed-up name shows
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    perturbed(m, 0.02)
     d = tmp_path_factory.mktemp("mixtral")
-    m.eval().save_pretrained(d / "hf", safe_serialization=True)
+    m.save_pretrained(d / "hf", safe_serialization=True)
     convert.main([str(d / "hf"), str(d / "ml"), "--to", "megalite", "--tp", "2", "--pp", "2"])
     return m, d / "hf", d / "ml"
 

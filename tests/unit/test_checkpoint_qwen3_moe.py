@@ -12,6 +12,7 @@ import torch
 
 from megalite.checkpoint import hf
 from megalite.errors import MegaliteError
+from megalite.testing import perturbed
 from tests.unit.test_checkpoint_hf import (
     assert_round_trip_exact,
     convert,
@@ -32,10 +33,7 @@ def qwen3_moe(**kw):
             "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
             "mlp_only_layers": [1], "tie_word_embeddings": False, **kw}  # fmt: skip
     m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**args))
-    with torch.no_grad():  # norms start at 1: perturb every tensor so a mixed-up name shows
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m.eval()
+    return perturbed(m)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
 from megalite.model.rope import rotary_tables
 from megalite.shape import validate
+from megalite.testing import perturbed
 from tests.unit.test_checkpoint_hf import SEQ, VOCAB, assert_round_trip_exact, convert, generate
 
 transformers = pytest.importorskip("transformers")
@@ -63,10 +64,7 @@ def hf_family(name: str, seed: int = 0):
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**COMMON, **kw)
     m = getattr(transformers, model_cls)(config)
-    with torch.no_grad():  # norms start at 1: perturb every tensor so a mixed-up name shows
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m.eval()
+    return perturbed(m)
 
 
 def imported(m, **change):

@@ -18,6 +18,7 @@ from megalite.generation import KVCache
 from megalite.model.gpt import GPTChunk
 from megalite.model.mla import LatentAttention, softmax_scale
 from megalite.model.moe import expert_biases
+from megalite.testing import perturbed
 from tests.unit.test_checkpoint_hf import SEQ, VOCAB, generate
 
 transformers = pytest.importorskip("transformers")
@@ -43,10 +44,7 @@ def hf_deepseek(name: str, seed: int = 0):
     m = transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(**(DEEPSEEK | VARIANTS[name]))
     )
-    with torch.no_grad():  # norms start at 1: perturb every tensor so a mixed-up name shows
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m.eval()
+    return perturbed(m)
 
 
 def imported(m, **change):
