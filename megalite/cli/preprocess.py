@@ -30,7 +30,7 @@ import os
 import sys
 
 from megalite.data.corpus import iter_documents, iter_records
-from megalite.data.indexed_dataset import build_datasets_of_fields, build_indexed_dataset
+from megalite.data.encode_docs import build_datasets_of_fields, build_indexed_dataset
 from megalite.data.tokenizer import KINDS, SENTENCEPIECE, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from megalite.data import corpus, index_cache
 from megalite.data import sample_order as order
-from megalite.data.indexed_dataset import IndexedDataset, build_indexed_dataset
+from megalite.data.encode_docs import build_indexed_dataset
+from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.splits import SPLIT_NAMES, Blend, split_blends, split_sequences, split_sizes
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError

@@ -20,15 +20,11 @@ mismatched or foreign file is a clear error rather than garbage samples.
 """
 
 import json
-import multiprocessing
 import os
 import struct
-import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from megalite.data import megatron_index
 from megalite.data.megatron_index import IndexArrays, megatron_dtype
@@ -273,139 +269,3 @@ class IndexedDataset:
 
     def document(self, i: int) -> np.ndarray:
         return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]]
-
-
-# --- building one from text: tokenization in worker processes -------------------------------
-
-_worker = None  # (tokenizer, encoding threads, append EOD) of this process
-
-
-def _init_worker(model_path: str, threads: int = 1, kind: str | None = None, eod=True) -> None:
-    global _worker
-    from megalite.data.tokenizer import load_tokenizer
-
-    _worker = (load_tokenizer(model_path, kind), threads, eod)
-
-
-def _encode_batch(records: list[tuple[list[str], ...]]) -> list[list[tuple[np.ndarray, list]]]:
-    """Each record's fields (each a list of sentences) as (ids, sequence lengths), the way
-    Megatron's preprocessing makes them: empty sentences dropped, EOD after a non-empty
-    document's last sentence when asked (megalite always asks)."""
-    tok, threads, eod = _worker
-    flat = [s for rec in records for field in rec for s in field]
-    encoded = iter(tok.encode_batch(flat, num_threads=threads))
-    out = []
-    for rec in records:
-        fields = []
-        for field in rec:
-            seqs = [ids for ids in (next(encoded) for _ in field) if len(ids)]
-            lengths = [len(ids) for ids in seqs]
-            if seqs and eod:  # samples crossing documents see where one ends
-                seqs.append([tok.eos_id])
-                lengths[-1] += 1
-            arr, at = np.empty(sum(lengths), dtype=np.int64), 0
-            for ids in seqs:  # slice assignment: no Python loop over the tokens
-                arr[at : at + len(ids)] = ids
-                at += len(ids)
-            fields.append((arr, lengths))
-        out.append(fields)
-    return out
-
-
-def _batches(records: Iterable[tuple], max_chars: int = 1 << 18) -> Iterator[list[tuple]]:
-    """Groups of records of about `max_chars`: big enough to amortise the inter-process hop."""
-    batch, size = [], 0
-    for rec in records:
-        batch.append(rec)
-        size += sum(len(s) for field in rec for s in field)
-        if size >= max_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def build_indexed_dataset(
-    documents: Iterable[str],
-    tokenizer_model: str | os.PathLike,
-    output_prefix: str | os.PathLike,
-    workers: int = 1,
-    progress: bool = True,
-    threads: int = 1,
-    tokenizer_type: str | None = None,
-) -> dict:
-    """Tokenize `documents` (EOS after each) into PREFIX.bin/.idx; returns a summary dict.
-
-    `tokenizer_model`/`tokenizer_type` are what `load_tokenizer` takes. `workers > 1` encodes
-    in that many worker processes (order kept), each single-threaded. They are spawned, which
-    re-imports the caller's `__main__`: use them from a script file. `threads` is for
-    `workers == 1`: the tokenizer's own encoding threads in this process (-1: all cores), the
-    way to go parallel inside a library caller (no processes, nothing re-imported).
-    `progress` shows a bar on a terminal; it stays quiet when stderr is not one (a log file).
-    """
-    from megalite.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_model, tokenizer_type)
-    if tok.eos_id < 0:
-        raise MegaliteError(
-            f"tokenizer {tokenizer_model} has no end-of-sequence token; megalite ends every "
-            "document with one: use a tokenizer that has one (e.g. </s> or <|endoftext|>)"
-        )
-    records = (([doc],) for doc in documents)
-    return build_datasets_of_fields(records, tok, [output_prefix], True, workers, progress, threads)
-
-
-def build_datasets_of_fields(
-    records: Iterable[tuple[list[str], ...]],
-    tok,
-    prefixes: list,
-    append_eod: bool,
-    workers: int = 1,
-    progress: bool = True,
-    threads: int = 1,
-) -> dict:
-    """Tokenize records of k text fields (each a list of sentences) with the loaded tokenizer
-    `tok` into k datasets, field j to `prefixes[j]` (Megatron's preprocessing with k
-    --json-keys); see `build_indexed_dataset` for `workers`, `threads` and `progress`."""
-    start = time.perf_counter()
-    ndocs = ntokens = 0
-    # the total is unknown (documents stream in): the bar counts tokens and shows the rate
-    bar = tqdm(unit="tok", unit_scale=True, disable=None if progress else True, leave=False)
-    pool = None
-    init = (tok.model_path, 1, tok.kind, append_eod)  # the file a directory holds, and its kind
-    if workers > 1:
-        ctx = multiprocessing.get_context("spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=init)
-        encoded = pool.imap(_encode_batch, _batches(records))
-    else:
-        _init_worker(tok.model_path, threads, tok.kind, append_eod)
-        encoded = map(_encode_batch, _batches(records))
-    writers = [IndexedDatasetWriter(p, tok.vocab_size, tok.fingerprint) for p in prefixes]
-    try:
-        for batch in encoded:
-            for fields in batch:
-                for writer, (ids, lengths) in zip(writers, fields):
-                    writer.add_document(ids, lengths)
-                    ntokens += ids.size
-                ndocs += 1
-            bar.update(sum(ids.size for fields in batch for ids, _ in fields))
-            bar.set_postfix_str(f"{ndocs} documents", refresh=False)
-        for writer in writers:
-            writer.finalize()
-    except BaseException:
-        for writer in writers:
-            writer._discard()
-        raise
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-    seconds = time.perf_counter() - start
-    out = [str(p) for p in prefixes]
-    return {
-        "documents": ndocs,
-        "tokens": ntokens,
-        "seconds": seconds,
-        "prefix": out[0],
-        "prefixes": out,
-    }

@@ -13,7 +13,8 @@ from megalite.checkpoint import format as fmt
 from megalite.config import Config
 from megalite.config_read import parse_args
 from megalite.data import corpus
-from megalite.data.indexed_dataset import IndexedDataset, build_indexed_dataset
+from megalite.data.encode_docs import build_indexed_dataset
+from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_kind
 from megalite.errors import MegaliteError
 from megalite.training.logger import Logger

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from megalite.data import corpus
+from megalite.data.encode_docs import build_indexed_dataset
 from megalite.data.indexed_dataset import (
     HEADER,
     MEGALITE,
     IndexedDataset,
     IndexedDatasetWriter,
-    build_indexed_dataset,
 )
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError
