@@ -2,12 +2,13 @@
 interpreter, against the torch core `sink_attention` (attention_sinks_ref): the output and the
 gradients of q, k, v and the sinks, causal, with GQA and MQA, a sliding window, packed documents
 and rows that see no key; and the ring's composition (Triton key blocks merged, the sink added
-once, each block's backward fed the final result) equals the whole softmax with its sink.
+once, each block's backward fed the final result) equals the whole softmax with its sink; a
+gpt-oss layer (sinks, a window) on the Triton ops gives the torch ops' loss and gradients.
 """
 
 import pytest
 import torch
-from megalite.kernels import TORCH_OPS, TRITON_OPS, _triton
+from megalite.kernels import TORCH_OPS, TRITON_OPS, _triton, select
 from megalite.kernels.attention_blocks import (
     attention_block_bwd,
     attention_block_fwd,
@@ -20,8 +21,10 @@ from megalite.kernels.attention_sinks import (
     sink_grad,
 )
 
+from megalite.config import ModelConfig
 from tests.kernels.helpers import check_op, make
 from tests.kernels.test_attention import _qkv
+from tests.kernels.test_hf_families_kernels import _loss_and_grads
 
 F32 = torch.float32
 
@@ -115,3 +118,16 @@ def test_ring_composition_matches_whole_softmax():
     got = (dq, dk, dv, sink_grad(out, lse, dout, sinks))
     for name, a, t in zip("q k v sinks".split(), got, full):
         assert (a - t.grad).abs().max() <= 1e-5 * max(1.0, t.grad.abs().max().item()), name
+
+
+def test_gpt_oss_layer_matches_torch(recwarn):
+    cfg = ModelConfig(flavour="gpt_oss", num_layers=1, hidden_size=64, num_attention_heads=4,
+                      num_query_groups=2, seq_length=24, vocab_size=250, sliding_window=7,
+                      make_vocab_size_divisible_by=64)  # fmt: skip
+    loss_t, grads_t = _loss_and_grads(cfg, TORCH_OPS)
+    loss_k, grads_k = _loss_and_grads(cfg, select("triton", "cpu"))
+    assert not [str(w.message) for w in recwarn]  # no fallback to the torch ops
+    torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-6)
+    assert "layers.0.attention.sinks" in grads_t
+    for name, g in grads_t.items():
+        torch.testing.assert_close(grads_k[name], g, rtol=1e-4, atol=1e-6, msg=name)
