@@ -22,7 +22,7 @@ from megalite.kernels.attention_sinks import (
 )
 
 from megalite.config import ModelConfig
-from tests.kernels.helpers import check_op, make
+from tests.kernels.helpers import check_op, cuda_dtypes, make
 from tests.kernels.test_attention import _qkv
 from tests.kernels.test_hf_families_kernels import _loss_and_grads
 
@@ -83,9 +83,22 @@ def test_namespaces_and_minus_inf_sinks():
     out = attention_sinks(q, k, v, sinks, q_pos, k_pos)
     plain = TORCH_OPS.attention_masked(q, k, v, q_pos, k_pos)
     assert (out - plain).abs().max() <= 1e-6
+    assert out.stride() == q.stride()  # q's layout, as attention's
     grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
     assert all(torch.isfinite(g).all() for g in grads)
     assert grads[3].abs().max() == 0  # a sink at -inf has no share
+
+
+@pytest.mark.gpu
+@cuda_dtypes()
+@pytest.mark.parametrize("window", [None, 128])
+def test_attention_sinks_gpu(dtype, window):
+    torch.manual_seed(1)
+    q, k, v = _qkv(2, 16, 4, 1023, 64, dtype, "cuda")
+    sinks = make((16,), dtype, "cuda", scale=2.0)
+    check_op(lambda q, k, v, s: attention_sinks(q, k, v, s, window=window),
+             lambda q, k, v, s: attention_sinks_ref(q, k, v, s, window=window),
+             (q, k, v, sinks))  # fmt: skip
 
 
 def test_ring_composition_matches_whole_softmax():
