@@ -11,11 +11,17 @@ sink of their own:
   one (d out_i / d l_ij = p_ij (v_j - out_i), the sink taking no value);
 - d s_h = -sum_i p_sink,i * rowsum(dout_i * out_f,i), p_sink = exp(s_h - lse_f) (`sink_grad`).
 
-Context parallelism uses the same two functions: ring attention merges its key blocks, adds the
-sink once at the end and hands (out_f, lse_f) to every block's backward; all-to-all attention
-holds whole sequences and calls `attention_sinks`. `attention_sinks_ref` (plain torch, the
-(s_q, s_k) scores materialised with the sink column) is the reference the model's torch path
-runs; `sink_attention` is its core on any visibility mask (the KV cache's, too).
+What runs where: a `gpt_oss` model's attention (Attention._core, and its KV cache) calls
+`ops.attention_sinks`: with `--kernels triton` (or auto on CUDA) this file's autograd op on the
+flash kernels (causal, GQA, sliding windows, positions and documents), falling back to the
+reference with one warning for attention dropout or inputs the kernels do not take; with
+`--kernels torch` `attention_sinks_ref`, the plain-torch reference (the (s_q, s_k) scores
+materialised with the sink column, `sink_attention`). Context parallelism uses the same two
+functions with either op set: ring attention merges its key blocks, adds the sink once at the
+end and hands (out_f, lse_f) to every block's backward; all-to-all attention holds whole
+sequences of its heads and calls `ops.attention_sinks` with their sinks. The sinks are split
+over TP with the heads (`attention.sinks` (nh,), split along dim 0), so each rank's gradient is
+its heads' whole gradient: nothing is reduced over TP and the norm counts each element once.
 """
 
 import torch

@@ -181,17 +181,17 @@ def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, sinks=N
     order = positions.reshape(-1).argsort()
     back = order.argsort()
     q, k, v = (t[:, :, order] for t in (q, k, v))
-    if docs is None and sinks is None:
-        o = ops.attention(q, k, v, **window)
-    elif docs is None:
-        o = ops.attention_sinks(q, k, v, sinks, **window)
-    else:
+    ids = ()  # causal in natural order; with documents, positions and doc ids
+    if docs is not None:
         d = docs.permute(1, 0, 2).reshape(docs.shape[1], -1)[:, order]  # (b, s)
         every = positions.reshape(-1)[order]
-        if sinks is None:
-            o = ops.attention_masked(q, k, v, every, every, d, d, **window)
-        else:
-            o = ops.attention_sinks(q, k, v, sinks, every, every, d, d, **window)
+        ids = (every, every, d, d)
+    if sinks is not None:
+        o = ops.attention_sinks(q, k, v, sinks, *ids, **window)
+    elif ids:
+        o = ops.attention_masked(q, k, v, *ids, **window)
+    else:
+        o = ops.attention(q, k, v, **window)
     return _exchange(o[:, :, back], group, 2)  # (b, hq, s/cp, d)
 
 
