@@ -15,6 +15,10 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
   and whole-sequence inference (`Attention._core`). A model with `--sliding-window W` also
   passes `window=W` (to the masked and block ops too); others never do. Packed documents and context parallelism
   use `attention_masked` and the `attention_block_*` ops; a KV cache `attention_masked`.
+- `attention_sinks(q, k, v, sinks, q_pos=None, k_pos=None, q_doc=None, k_doc=None,
+  dropout_p=0.0, window=None)`: gpt-oss's attention with a learned sink logit per query head
+  (sinks (hq,)), causal or by positions as `attention_masked`; context parallelism adds the
+  sink to the block ops' merged result (kernels/attention_sinks.py `add_sink`, `sink_grad`).
 - `fp8_linear`: a maker `(shards, reduce_max) -> linear or None` (kernels/fp8.py `Fp8Maker`;
   default `NO_FP8`, which makes none): the linears that may run in FP8 (the attention and MLP
   projections) each build their own `linear` from it with the groups that shard their dims;
@@ -40,6 +44,7 @@ from megalite.kernels.attention_blocks import (
     attention_block_fwd_ref,
     merge_attention,
 )
+from megalite.kernels.attention_sinks import attention_sinks, attention_sinks_ref
 from megalite.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_ref,
@@ -66,6 +71,7 @@ TORCH_OPS = SimpleNamespace(
     ce_shard_grad=cross_entropy_shard_grad_ref,
     attention=attention_ref,
     attention_masked=attention_masked_ref,
+    attention_sinks=attention_sinks_ref,
     attention_block_fwd=attention_block_fwd_ref,
     attention_block_bwd=attention_block_bwd_ref,
     merge_attention=merge_attention,
@@ -85,6 +91,7 @@ TRITON_OPS = SimpleNamespace(
     ce_shard_grad=cross_entropy_shard_grad,
     attention=attention,
     attention_masked=attention_masked,
+    attention_sinks=attention_sinks,
     attention_block_fwd=attention_block_fwd,
     attention_block_bwd=attention_block_bwd,
     merge_attention=merge_attention,

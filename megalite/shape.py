@@ -292,8 +292,6 @@ def _check_attention(cfg: Config) -> str | None:
     m = cfg.model
     if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
         return f"--rope-scaling-factor={m.rope_scaling_factor} must be positive"
-    if m.features.attention_sinks and cfg.parallel.cp > 1:
-        return f"the {m.flavour} flavour's attention sinks do not run with --cp yet; use --cp 1"
     return None
 
 

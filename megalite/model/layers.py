@@ -9,7 +9,7 @@ x then holds only the new tokens (never sequence-parallel), their keys and value
 to the cache, and attention runs over every cached slot with explicit positions.
 
 What the flavour decides is read from `cfg.features` (model_config.ModelFeatures: biases, Qwen3's
-per-head q/k norms, gpt-oss's attention sinks in model/sinks.py); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
+per-head q/k norms, gpt-oss's attention sinks: `ops.attention_sinks`); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
 scaling in model/rope.py, a sliding window handed to the attention ops). Every matmul and the
 attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).
 `sequence_parallel` is the chunk's `SequenceParallel` switch (or a bool), shared by its layers.
@@ -27,7 +27,6 @@ from megalite.config import ModelConfig
 from megalite.model.mla import LatentAttention
 from megalite.model.moe import MoELayer
 from megalite.model.rope import rotary_tables
-from megalite.model.sinks import sink_attention, visible
 from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
@@ -144,17 +143,15 @@ class Attention(nn.Module):
     def _core(self, q, k, v, shard=None):
         """q (b, nh/t, s, hd), k and v (b, kv heads, s, hd) -> (b, nh/t, s, hd): `ops.attention`,
         the seam for an attention variant (or the masked/context-parallel blocks of `shard`)."""
-        if hasattr(self, "sinks"):  # torch only (model/sinks.py); cp > 1 is refused
-            s, w = q.shape[2], self.window.get("window")
-            pos = torch.arange(s, device=q.device) if shard is None else shard.positions
-            doc = None if shard is None or shard.docs is None else shard.docs[0]
-            p = self.cfg.attention_dropout if self.training else 0.0
-            with self.rng.fork() if p > 0 else nullcontext():
-                return sink_attention(q, k, v, self.sinks, visible(pos, pos, doc, doc, w), p)
+        # gpt-oss's sinks (kernels/attention_sinks.py): ops.attention_sinks, or the cp blocks'
+        sinks = {"sinks": self.sinks} if hasattr(self, "sinks") else {}
         if shard is not None and shard.attention_masked:  # cp > 1 or documents (no dropout)
             return context_attention(q, k, v, self.cp, shard, self.cp_comm_type, self.ops,
-                                     **self.window)  # fmt: skip
+                                     **sinks, **self.window)  # fmt: skip
         p = self.cfg.attention_dropout if self.training else 0.0
+        if sinks:
+            with self.rng.fork() if p > 0 else nullcontext():
+                return self.ops.attention_sinks(q, k, v, self.sinks, dropout_p=p, **self.window)
         if p > 0:
             with self.rng.fork():  # heads are sharded: each rank drops its own
                 return self.ops.attention(q, k, v, p, **self.window)
@@ -201,9 +198,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
         if kv is not None:
             k, v = kv.append(k, v)  # (b, kv heads, every cached slot, hd)
-            if hasattr(self, "sinks"):
-                vis = visible(kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc, self.window.get("window"))
-                o = sink_attention(q, k, v, self.sinks, vis)
+            if hasattr(self, "sinks"):  # the same visibility as attention_masked's below
+                o = self.ops.attention_sinks(q, k, v, self.sinks, kv.q_slot, kv.k_slot, kv.q_doc,
+                                             kv.k_doc, **self.window)  # fmt: skip
             elif s == 1 and kv.k_doc is None and not self.window:  # one token sees every slot
                 o = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
             else:  # a query sees the slots up to its own (in its window), padding excluded

@@ -23,6 +23,11 @@ rank's tokens of every head for every token of 1/cp of the heads, ordinary atten
 the whole sequence (in natural order), and a second all-to-all trades back. Three exchanges
 forward (q, k+v, out), their reverses backward; it needs the heads divisible by cp.
 
+Attention sinks (gpt-oss, kernels/attention_sinks.py): a sink is one more softmax block with
+value 0. The ring adds it once to each rank's merged result (`add_sink`), so every block's
+backward sees the final probabilities, and its gradient comes from that result (`sink_grad`);
+all-to-all hands each member its heads' sinks with the heads.
+
 Batches (`shard_batch`): every cp rank loads the same samples and keeps its tokens, labels and
 loss mask; what attention and the loss need to know of the whole (every rank's positions and
 document ids, the step's count of tokens with a loss) is computed from the whole samples on
@@ -34,6 +39,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from megalite.kernels.attention_sinks import add_sink, sink_grad
 from megalite.parallel import comm, p2p
 from megalite.parallel.comm import Group
 
@@ -62,9 +68,10 @@ def _wait(batch, group: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, positions, docs, ops, window):
+    def forward(ctx, q, k, v, sinks, group, positions, docs, ops, window):
         # q (b, hq, s, d), k, v (b, hkv, s, d): this rank's tokens; positions/docs: (cp, s) of
-        # every rank's tokens (known everywhere: every cp rank holds the same samples)
+        # every rank's tokens (known everywhere: every cp rank holds the same samples); sinks
+        # (hq,) or None: gpt-oss's sink logits, one more block merged once, after the ring
         cp, me = group.size, group.rank
         kv = torch.stack([k, v])  # (2, b, hkv, s, d): one message per hop
         out = lse = None
@@ -80,14 +87,19 @@ class _RingAttention(torch.autograd.Function):
             if batch is not None:
                 _wait(batch, group)
                 kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse, positions, *(() if docs is None else (docs,)))
+        if sinks is not None:  # backward sees the final (out, lse): the sink's included
+            out, lse = add_sink(out, lse, sinks)
+        extra = (() if docs is None else (docs,)) + (() if sinks is None else (sinks,))
+        ctx.has_docs, ctx.has_sinks = docs is not None, sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, positions, *extra)
         ctx.group, ctx.ops, ctx.window = group, ops, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, positions, *docs = ctx.saved_tensors
-        docs = docs[0] if docs else None
+        q, k, v, out, lse, positions, *extra = ctx.saved_tensors
+        docs = extra.pop(0) if ctx.has_docs else None
+        dsinks = sink_grad(out, lse, dout, extra[0]) if ctx.has_sinks else None
         group, ops = ctx.group, ctx.ops
         cp, me = group.size, group.rank
         dq = torch.zeros_like(out)
@@ -122,18 +134,19 @@ class _RingAttention(torch.autograd.Function):
         if arriving is not None:
             _wait(arriving[0], group)
             dkv = arriving[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 5
+        dq, dk, dv = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq, dk, dv, dsinks, *(None,) * 5
 
 
-def ring_attention(q, k, v, group: Group, positions, docs=None, ops=None, **window):
+def ring_attention(q, k, v, group: Group, positions, docs=None, ops=None, sinks=None, **window):
     """Causal (and, with `docs`, document-masked) attention of this rank's queries against the
     keys of every rank of `group`. q (b, hq, s/cp, d), k and v (b, hkv, s/cp, d); positions
     (cp, s/cp): the global positions of every rank's tokens; docs (cp, s/cp) their document
-    ids, or None; `window=W`: a sliding window over the positions. Returns (b, hq, s/cp, d) in
-    q's dtype."""
+    ids, or None; `sinks` (hq,): a learned sink logit per query head (gpt-oss), or None;
+    `window=W`: a sliding window over the positions. Returns (b, hq, s/cp, d) in q's dtype."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
-    return _RingAttention.apply(q, k, v, group, positions, docs, ops, window)
+    return _RingAttention.apply(q, k, v, sinks, group, positions, docs, ops, window)
 
 
 def _exchange(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -151,12 +164,15 @@ def _exchange(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return got.reshape(cp, b, h, s // cp, d).transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, **window):
+def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, sinks=None, **window):
     """ring_attention's result by all-to-all (Ulysses): same arguments and result; the heads of
     q and of k, v must be divisible by the group's size."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
     b, hkv, _, d = k.shape
+    if sinks is not None:  # this member's heads' sinks (so only their gradient reaches it)
+        n = q.shape[1] // group.size
+        sinks = sinks[group.rank * n : (group.rank + 1) * n]
     q = _exchange(q, group, 1)  # (b, hq/cp, s, d), tokens in rank order
     # one exchange for k and v: interleaved per head, so each member gets both of its heads
     kv = _exchange(torch.stack([k, v], 2).reshape(b, 2 * hkv, -1, d), group, 1)
@@ -165,28 +181,35 @@ def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, **windo
     order = positions.reshape(-1).argsort()
     back = order.argsort()
     q, k, v = (t[:, :, order] for t in (q, k, v))
-    if docs is None:
-        o = ops.attention(q, k, v, **window)
-    else:
+    ids = ()  # causal in natural order; with documents, positions and doc ids
+    if docs is not None:
         d = docs.permute(1, 0, 2).reshape(docs.shape[1], -1)[:, order]  # (b, s)
         every = positions.reshape(-1)[order]
-        o = ops.attention_masked(q, k, v, every, every, d, d, **window)
+        ids = (every, every, d, d)
+    if sinks is not None:
+        o = ops.attention_sinks(q, k, v, sinks, *ids, **window)
+    elif ids:
+        o = ops.attention_masked(q, k, v, *ids, **window)
+    else:
+        o = ops.attention(q, k, v, **window)
     return _exchange(o[:, :, back], group, 2)  # (b, hq, s/cp, d)
 
 
 def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None,
-                      **window):  # fmt: skip
+                      sinks=None, **window):  # fmt: skip
     """Causal attention of this rank's tokens over the whole sequence of every rank of `group`,
     document-masked when the shard has document ids: q (b, hq, s/cp, d), k, v (b, hkv, s/cp, d).
-    At cp = 1 that is masked attention over this rank's sequences. `window=W`: a sliding window
-    by sequence index (the torch ops: the Triton ones fall back to them for it)."""
+    At cp = 1 that is masked attention over this rank's sequences. `sinks` (hq,): gpt-oss's
+    sink logits, or None. `window=W`: a sliding window by sequence index."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
     if group.size == 1:
         pos, doc = shard.index[0], None if shard.docs is None else shard.docs[0]
+        if sinks is not None:
+            return ops.attention_sinks(q, k, v, sinks, pos, pos, doc, doc, **window)
         return ops.attention_masked(q, k, v, pos, pos, doc, doc, **window)
     attend = a2a_attention if comm_type == "a2a" else ring_attention
-    return attend(q, k, v, group, shard.index, shard.docs, ops, **window)
+    return attend(q, k, v, group, shard.index, shard.docs, ops, sinks, **window)
 
 
 @dataclass

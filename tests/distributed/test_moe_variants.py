@@ -3,10 +3,11 @@ one process: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layer
 DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after every
 step, node-limited groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's
 model (attention sinks, alternating sliding/full layers, biased router and experts, clamped
-SwiGLU). Qwen3-MoE and gpt-oss also at ep2·tp2·pp2, the DeepSeek-style one at ep2·pp2 (the
-dense first layer and an MoE one on stage 0, the expert bias update over both stages). 8 steps
-each, losses within 1e-4 of the single process per step and final parameters (expert biases
-included) within 1e-4 (fp32); one spawn.
+SwiGLU). Qwen3-MoE and gpt-oss also at ep2·tp2·pp2, a dense gpt-oss at cp2·tp2 (its sinks and
+alternating windows through ring attention), the DeepSeek-style one at ep2·pp2 (the dense first
+layer and an MoE one on stage 0, the expert bias update over both stages). 8 steps each, losses
+within 1e-4 of the single process per step and final parameters (expert biases included) within
+1e-4 (fp32); one spawn.
 """
 
 import functools
@@ -28,6 +29,9 @@ MODELS = {  # name: ModelConfig fields over test_moe_training's tiny llama with 
                  "num_layers": 4},
     "gpt-oss": {"flavour": "gpt_oss", "swiglu_limit": 1.0, "sliding_window": 4,
                 "window_attn_skip_freq": 2},  # attention sinks too
+    # dense (MoE does not run with cp): the sinks and alternating windows at cp2 (ring)
+    "gpt-oss-dense": {"flavour": "gpt_oss", "sliding_window": 4, "window_attn_skip_freq": 2,
+                      "num_experts": None},
 }  # fmt: skip
 
 
@@ -49,9 +53,10 @@ def single(name: str):
     return losses, final, moved
 
 
-RUNS = [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS]
+RUNS = [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS if name != "gpt-oss-dense"]
 RUNS.append(("deepseek", "ep2 pp2", {"pp": 2, "ep": 2}))
 RUNS += [(name, "ep2 tp2 pp2", {"tp": 2, "pp": 2, "ep": 2}) for name in ("qwen3-moe", "gpt-oss")]
+RUNS.append(("gpt-oss-dense", "cp2 tp2", {"tp": 2, "cp": 2}))  # sinks through ring attention
 
 
 def _run(rank, world):

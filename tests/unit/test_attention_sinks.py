@@ -1,20 +1,22 @@
-"""gpt-oss's attention sinks (megalite/model/sinks.py): the core equals transformers' gpt-oss
+"""gpt-oss's attention sinks (kernels/attention_sinks.py): the torch core equals transformers' gpt-oss
 eager attention (sinks in the softmax, causal and sliding-window masks) in fp32 within 1e-6;
 sinks at -inf give plain attention; a `gpt_oss` model's KV-cache generation picks the tokens
 that full forwards pick (batched prompts of different lengths too), and its sinks change the
-logits. The tp2 gradients (the sinks split with the heads) are in
-tests/distributed/test_hf_families.py.
+logits; they validate with --cp. The tp2 and cp2 gradients (the sinks split with the heads) are
+in tests/distributed/test_hf_families.py, the Triton kernels' in
+tests/kernels/test_attention_sinks.py.
 """
 
 import pytest
 import torch
 from megalite.kernels import TORCH_OPS
+from megalite.kernels.attention import _visible_ref
+from megalite.kernels.attention_sinks import sink_attention
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.generation import Sampling, generate
 from megalite.model.gpt import GPTChunk
-from megalite.model.sinks import sink_attention, visible
 from megalite.parallel.groups import single_process_groups
 from megalite.shape import validate
 
@@ -36,7 +38,7 @@ def test_core_matches_transformers_gpt_oss(window):
 
     q, k, v, sinks = qkv()
     pos = torch.arange(S)
-    vis = visible(pos, pos, window=window)  # (1, S, S)
+    vis = _visible_ref(pos, pos, None, None, window)  # (1, S, S)
     mask = torch.zeros(1, 1, S, S).masked_fill(~vis[:, None], float("-inf"))
     module = SimpleNamespace(num_key_value_groups=HQ // HKV, sinks=sinks, training=False)
     want, _ = eager_attention_forward(module, q, k, v, mask, scaling=D**-0.5)
@@ -77,11 +79,10 @@ def test_kv_cache_generation_picks_what_full_forwards_pick(window):
         assert (chunk(x) - before).abs().max() > 1e-3
 
 
-def test_sinks_with_context_parallelism_are_refused():
+def test_sinks_with_context_parallelism_validate():
     cfg = Config(model=tiny())
     cfg.parallel.cp = 2
-    with pytest.raises(MegaliteError, match="attention sinks do not run with --cp yet"):
-        validate(cfg, 2)
+    assert validate(cfg, 2).cp == 2  # they run with cp now (refused before)
 
 
 def test_alternating_windows():
