@@ -149,16 +149,16 @@ def comm_bytes(
             gathers = calls["param_gather"] * _ring("gather", d, n * e)
             out["dp_gather"] = out.get("dp_gather", 0) + gathers
     out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
-    for kind, n in muon_bytes(whole, shape, pp_rank, dp_rank, tp_rank, edp_rank).items():
-        out[kind] = out.get(kind, 0) + n
     if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
-        kind = "cp+dp" if shape.dp > 1 else "cp"
+        kind = _replicas_kind(shape)
         out[kind] = out.pop("dp")
         layers = sum(len(kw["layers"]) for kw in kws)
         passes = 2 if tr.recompute == "full" else 1  # a recomputed forward sends again
         fwd, bwd = cp_layer_bytes(whole, shape)
         out["cp"] = out.get("cp", 0) + layers * microbatches * (passes * fwd + bwd)
     out["embed"] = _ring("all_reduce", 2, tied * g_size) if tied else 0
+    for kind, n in muon_bytes(whole, shape, pp_rank, dp_rank, tp_rank, edp_rank).items():
+        out[kind] = out.get(kind, 0) + n
     # the step's status: the gradient norm, the inf flag and the preemption flag
     out["world"] = _ring("all_reduce", t * pp * d, 24)
     if m.num_experts:  # the expert buffer over edp, as the dense one over dp
@@ -174,7 +174,7 @@ def comm_bytes(
 
 def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0, edp_rank=0):
     """Bytes --optimizer muon's all-to-alls send per step on this rank (optim/muon_owners.py's
-    three hops, the plan the step makes): over the replicas ("dp") and tp, experts' over edp."""
+    three hops, the plan the step makes): over the replicas, tp, and edp for the experts."""
     if not muon_on(cfg.optimizer):
         return {}
     m, prec, t = cfg.model, cfg.training.precision, shape.tp
@@ -186,7 +186,7 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
         specs.update((n, s) for n, _, s in chunk_specs(m, t, **kw, sp=sp, ep=ep))
     out = {}
     for experts, kind, n, rank in (
-        (False, "dp", replicas(shape), dp_rank),
+        (False, _replicas_kind(shape), replicas(shape), dp_rank),
         (True, "edp", edp, edp_rank),
     ):
         owners = muon_owners.Owners(n, t)
@@ -199,6 +199,11 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
             out[kind] = out.get(kind, 0) + over_group * e
             out["tp"] = out.get("tp", 0) + over_tp * e
     return {k: v for k, v in out.items() if v}
+
+
+def _replicas_kind(shape: RunShape) -> str:
+    """The ledger kind of the replicas' group: dp, or with context parallelism cp+dp (cp)."""
+    return ("cp+dp" if shape.dp > 1 else "cp") if shape.cp > 1 else "dp"
 
 
 def _dp_bytes(calls: dict, n: int, grad_bytes: int, param_bytes: int) -> int:
