@@ -9,8 +9,10 @@ pieces back).
 Two gloo processes on CPU (one thread each) per layout, dp2 at ZeRO-1 and tp2: a llama-flavour
 `GPTChunk` (fp32, torch ops), one forward and backward, then `DistributedOptimizer.step` timed
 alone, --steps times per repeat after one warm-up, the two ways alternating in the same
-processes. Reported: the median step of the slower rank, per way, and before / after. The two
-ways' parameters after one step from the same state agree within 1e-6 (checked, or it stops).
+processes. Reported: the median step of the slower rank, per way, and before / after, and the
+Newton-Schulz runs of each rank in a step (at ZeRO-1 a rank only ever ran the matrices its
+shard touches: the repeated work is the matrices cut by a shard edge). The two ways'
+parameters after one step from the same state agree within 1e-6 (checked, or it stops).
 """
 
 import argparse
@@ -31,7 +33,11 @@ from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
 
-LAYOUTS = {"dp2 zero1": {"dp": 2, "zero": 1}, "tp2": {"tp": 2, "zero": 0}}
+LAYOUTS = {
+    "dp2 zero0": {"dp": 2, "zero": 0},
+    "dp2 zero1": {"dp": 2, "zero": 1},
+    "tp2": {"tp": 2, "zero": 0},
+}
 
 
 @torch.no_grad()
@@ -114,16 +120,19 @@ def _run(rank, world, args, layout):
 
     start = [p.detach().clone() for p in params]
     state = [t.clone() for t in opt.muon.tensors()]
-    after = {}
+    after, runs, ns = {}, [], muon.orthogonalise
+    muon.orthogonalise = lambda *a: (runs.append(1), ns(*a))[1]  # counted, this step only
     for way in ways:  # the same step from the same state: the same parameters
         for p, s in zip(params, start):
             p.data.copy_(s)
         for t, s in zip(opt.muon.tensors(), state):
             t.copy_(s)
-        opt.step_count = 0
+        opt.step_count, before = 0, len(runs)
         once(way)
         after[way] = [p.detach().clone() for p in params]
-    err = max((a - b).abs().max().item() for a, b in zip(*after.values()))
+        after[f"{way} runs"] = len(runs) - before
+    muon.orthogonalise = ns
+    err = max((a - b).abs().max().item() for a, b in zip(after["repeated"], after["owned"]))
     if err > 1e-6:
         raise SystemExit(f"{layout}: the two ways differ by {err}")
     times = {way: [] for way in ways}
@@ -131,7 +140,8 @@ def _run(rank, world, args, layout):
         for way in ways:
             once(way)  # warm-up
             times[way] += [once(way) for _ in range(args.steps)]
-    return {way: statistics.median(t) for way, t in times.items()}
+    out = {way: statistics.median(t) for way, t in times.items()}
+    return {**out, **{f"{way} runs": after[f"{way} runs"] for way in ways}}
 
 
 def main():
@@ -146,14 +156,16 @@ def main():
     print(machine())
     print(f"llama, {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, fp32, gloo, "
           f"2 processes, 1 thread each; optimizer step, median of the slower rank")  # fmt: skip
-    print(f"{'layout':<12} {'repeated NS':>12} {'one owner':>12} {'before/after':>13}")
+    print(f"{'layout':<12} {'repeated NS':>12} {'one owner':>12} {'before/after':>13} "
+          f"{'NS runs per rank, before -> after':>34}")  # fmt: skip
     figures = []
     for layout in LAYOUTS:
         ranks = spawn(_run, 2, args, layout, timeout=1800)
         t = {way: max(r[way] for r in ranks) for way in ("repeated", "owned")}
         ratio = t["repeated"] / t["owned"]
+        runs = {w: "/".join(str(r[f"{w} runs"]) for r in ranks) for w in ("repeated", "owned")}
         print(f"{layout:<12} {t['repeated'] * 1e3:>10.1f}ms {t['owned'] * 1e3:>10.1f}ms "
-              f"{ratio:>12.2f}x")  # fmt: skip
+              f"{ratio:>12.2f}x {runs['repeated'] + ' -> ' + runs['owned']:>34}")  # fmt: skip
         figures.append(figure(f"muon step {layout}: repeated / owned", round(ratio, 2)))
     write_summary(args.summary, "muon", figures, " ".join(sys.argv))
 
