@@ -19,6 +19,7 @@ step moves its Nesterov update in three hops, each one `all_to_all` per bucket:
 Owners are chosen longest first (the Newton-Schulz cost of the matrix) onto the least loaded
 slot, loads carried over the buckets of a buffer, ties to the lowest (d, t)."""
 
+import dataclasses
 from dataclasses import dataclass
 
 from megalite.parallel.specs import ParamSpec
@@ -62,11 +63,11 @@ def matrices(ranges, tp: int, parts_of) -> list[Matrix]:
         rows, cols = spec.shape[-2:]
         cost = ns_cost(rows, cols, parts)
         if spec.expert:  # (E, out, in): each expert its own matrix, whole on its ep rank
-            count, shape, mode, dim = spec.local_shape[0], tuple(spec.local_shape[1:]), None, None
+            count, shape, mode = spec.local_shape[0], tuple(spec.local_shape[1:]), None
         else:
-            count, shape, dim = 1, tuple(spec.local_shape), spec.split_dim
+            count, shape = 1, tuple(spec.local_shape)
             mode = None if tp == 1 else ("split" if _tp_split(spec) else "copy")
-            dim = dim if mode == "split" else None
+        dim = spec.split_dim if mode == "split" else None
         size = numel // count
         for e in range(count):
             lo = offset + e * size
@@ -87,13 +88,14 @@ class Owners:
         self.load: dict[tuple, int] = {}
 
     def assign(self, mats: list[Matrix]) -> list[Matrix]:
+        """`mats` (one bucket's, in flat order) with their owners."""
         out = list(mats)
         for k in sorted(range(len(mats)), key=lambda k: (-mats[k].cost, k)):
             m = mats[k]
             slots = [(d, t) for d in range(self.n) for t in range(self.tp if m.tp else 1)]
             best = min(slots, key=lambda s: (self.load.get(s, 0), s))
             self.load[best] = self.load.get(best, 0) + m.cost
-            out[k] = Matrix(**{**m.__dict__, "owner": best})
+            out[k] = dataclasses.replace(m, owner=best)
         return out
 
 

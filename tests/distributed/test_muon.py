@@ -77,6 +77,7 @@ def single(model: str):
             for _ in range(STEPS)]  # fmt: skip
 
 
+@functools.lru_cache(maxsize=3)
 def matrices(model: str) -> int:
     """The matrices one process orthogonalises per step (an expert weight: one per expert)."""
     tr = trainer(config(model), 1, single_process_groups())
