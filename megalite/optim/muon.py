@@ -142,8 +142,8 @@ class MuonState:
             mats = matrices(in_bucket[i], tp.size, muon_parts)
             if not mats:
                 continue
-            g = buffer.group_of(b)
-            owner = owners.setdefault(id(g), Owners(g.size, tp.size))  # loads over its buckets
+            g, experts = buffer.group_of(b), spec_of(b.params[0]).expert  # (their own buffer)
+            owner = owners.setdefault(experts, Owners(g.size, tp.size))  # loads over a buffer
             self.plans[i] = owner.assign(mats)
             sharded = b.shard_end - b.shard_start < b.numel
             self.shards[i] = bounds(b.start, b.numel, g.size, sharded)
