@@ -12,7 +12,7 @@ per parameter. A step:
      caller's flags, in one all-reduce and one host read (the only one in a training step);
      any non-finite gradient skips the step on every rank
   3. unscale (fp16) and clip in one multiply, AdamW on the shards (or Muon: optim/muon.py,
-     the matrices' updates gathered whole over DP and TP), masters -> parameters
+     each matrix orthogonalised once, by one owner over DP and TP), masters -> parameters
   4. stage 1/2: all-gather the updated parameter shards into the flat parameter buffer, by
      default overlapped with the next forward (each bucket waited for where it is first read);
      stage 3 keeps the shards, gathered unit by unit where they are used (parallel/zero3.py)

@@ -19,11 +19,12 @@ The update of a matrix W (m, n) with gradient G at step t:
                                    Moonlight), or sqrt(max(1, m/n)) ("shape": Keller Jordan)
 
 Sharded, every layout computes the single-process update (DistributedOptimizer):
-the momentum lives with the AdamW moments in the ZeRO shards (it is elementwise); the Nesterov
-update U of each rank's shard is all-gathered over the data-parallel group, bucket by bucket
-(one bucket's update is alive at a time), then over tp along the parameter's split dimension, so every rank holding a
-piece of a matrix orthogonalises the same whole matrix and keeps its piece. Experts are whole
-on their ep rank, one matrix each. The AdamW second moment exists only for the AdamW elements.
+the momentum lives with the AdamW moments in the ZeRO shards (it is elementwise). Each matrix
+(an expert: each expert) has one owner among the ranks holding a part of it, over the bucket's
+group and tp, chosen from the layout alone (muon_owners.py); bucket by bucket (one bucket's
+update is alive at a time) the Nesterov update of each rank's pieces goes to the owner, which
+orthogonalises the whole matrix once and sends every holder its piece of the result. The
+AdamW second moment exists only for the AdamW elements.
 """
 
 import math
@@ -32,6 +33,17 @@ import torch
 
 from megalite.config import OptimizerConfig
 from megalite.optim.adamw import adamw
+from megalite.optim.muon_owners import (
+    Owners,
+    bounds,
+    cut,
+    extent,
+    gather_sizes,
+    matrices,
+    moves,
+    scatter_sizes,
+    tp_sizes,
+)
 from megalite.parallel import comm
 from megalite.parallel.specs import ParamSpec, spec_of
 
@@ -95,21 +107,27 @@ def muon_state(o: OptimizerConfig, buffer, tp, dtype: torch.dtype, decay) -> "Mu
 class MuonState:
     """Muon's state and step over a gradient buffer's shards: the momentum of the matrices and
     the AdamW first moment share the flat `exp_avg` shards, the AdamW second moment
-    `exp_avg_sq` is compact (only AdamW elements). `decay(range)`: weight decay applies."""
+    `exp_avg_sq` is compact (only AdamW elements). `decay(range)`: weight decay applies.
+    Each matrix is orthogonalised by one owner (muon_owners.py's plan, `self.plans`)."""
 
     def __init__(self, buffer, tp, o: OptimizerConfig, dtype: torch.dtype, decay):
         self.buffer, self.tp, self.o = buffer, tp, o
         index = {b: i for i, b in enumerate(buffer.buckets)}
-        self.matrices = []  # (range, bucket index, shard slice, parts, decay) with a piece here
+        self.matrices = []  # (range, bucket index, shard slice, scale, decay) with a piece here
         self.adam = []  # (bucket index, lo, hi, offset into exp_avg_sq, decay)
         self._sq_at = {}  # range name -> (bucket index, offset of its piece in exp_avg_sq)
         held = [0] * len(buffer.buckets)
+        in_bucket = [[] for _ in buffer.buckets]  # (name, offset, numel, spec) per bucket
         for r in buffer.ranges:
-            i, s, parts = index[r.bucket], r.shard_slice(), muon_parts(r.name, spec_of(r.param))
+            i, s, spec = index[r.bucket], r.shard_slice(), spec_of(r.param)
+            in_bucket[i].append((r.name, r.offset, r.param.numel(), spec))
+            parts = muon_parts(r.name, spec)
             if s is None:
                 continue
             if parts:
-                self.matrices.append((r, i, s, parts, decay(r)))
+                rows, cols = spec.shape[-2:]
+                s_ = scale(rows // parts, cols, o.muon_scale)
+                self.matrices.append((r, i, s, s_, decay(r)))
                 continue
             self.adam.append((i, s[0], s[1], held[i], decay(r)))
             self._sq_at[r.name] = (i, held[i] - s[0])
@@ -117,10 +135,18 @@ class MuonState:
         self.matrices_of = {}  # bucket index -> its entries of self.matrices
         for entry in self.matrices:
             self.matrices_of.setdefault(entry[1], []).append(entry)
-        # buckets holding a matrix anywhere (not only in this rank's shard): gathered by all
-        self.buckets_with_matrices = sorted(
-            {index[r.bucket] for r in buffer.ranges if muon_parts(r.name, spec_of(r.param))}
-        )
+        # Per bucket holding a matrix anywhere (not only in this rank's shard; every member of
+        # its group takes part in its hops): the plan, and each member's flat range.
+        self.plans, self.shards, owners = {}, {}, {}
+        for i, b in enumerate(buffer.buckets):
+            mats = matrices(in_bucket[i], tp.size, muon_parts)
+            if not mats:
+                continue
+            g, experts = buffer.group_of(b), spec_of(b.params[0]).expert  # (their own buffer)
+            owner = owners.setdefault(experts, Owners(g.size, tp.size))  # loads over a buffer
+            self.plans[i] = owner.assign(mats)
+            sharded = b.shard_end - b.shard_start < b.numel
+            self.shards[i] = bounds(b.start, b.numel, g.size, sharded)
         shards = [buffer.param_shard(b) for b in buffer.buckets]
         self.exp_avg = [torch.zeros_like(s, dtype=dtype) for s in shards]
         self.exp_avg_sq = [torch.zeros(n, dtype=dtype, device=s.device)
@@ -167,44 +193,119 @@ class MuonState:
                 decayed.append(w[-1])
         adamw(w, g, m, v, decayed, lr, step, o)
 
-        # Bucket by bucket (the same on every DP peer): the Nesterov update of this rank's
-        # pieces, gathered over the bucket's group, so each matrix is whole here; then every
-        # rank runs the matrices of the bucket in the same order as its TP peers (they share
-        # the bucket layout), so the TP gathers pair up.
-        for i in self.buckets_with_matrices:
+        # Bucket by bucket (in the same order on every member of its group, one bucket's
+        # update alive at a time): the Nesterov update of this rank's pieces to each matrix's
+        # owner, orthogonalised there once, the result's pieces back (muon_owners.py).
+        for i in sorted(self.plans):
             b, mats = self.buffer.buckets[i], self.matrices_of.get(i, [])
             update = torch.zeros_like(self.exp_avg[i])
             for _, _, (lo, hi, _, _), _, _ in mats:
                 mom, grad = self.exp_avg[i][lo:hi], grads[i][lo:hi].to(update.dtype)
                 mom.lerp_(grad, 1 - o.muon_momentum)
                 update[lo:hi] = grad.lerp(mom, o.muon_momentum) if o.muon_nesterov else mom
-            full = update
-            if update.numel() < b.numel:  # sharded: gather the bucket
-                full = update.new_empty(b.numel)
-                comm.all_gather(full, update, self.buffer.group_of(b))
-            del update
-            for r, _, (lo, hi, plo, phi), parts, decay in mats:
-                spec, start = spec_of(r.param), r.offset - b.start
-                local = full[start : start + r.param.numel()].view(r.param.shape)
-                out, s = orthogonalise(self._whole(local, spec), parts, o)
-                mine = (spec.local(out) if self._tp_split(spec) else out).reshape(-1)[plo:phi]
+            group, base = self.buffer.group_of(b), b.shard_start
+            whole = self._to_owners(self.plans[i], self.shards[i], group, update, base)
+            results = self._ns(i, whole)
+            result = self._back(self.plans[i], self.shards[i], group, results, update)
+            for _, _, (lo, hi, _, _), s, decay in mats:
                 piece = weights[i][lo:hi]
                 if decay and o.weight_decay:
                     piece.mul_(1 - lr * o.weight_decay)
-                piece.add_(mine.to(piece.dtype), alpha=-lr * s)
+                piece.add_(result[lo:hi].to(piece.dtype), alpha=-lr * s)
 
     @staticmethod
-    def _tp_split(spec: ParamSpec) -> bool:
-        return spec.split_axis == "tp" and spec.split_size > 1
+    def _to_owners(plan, shards, group, update, base) -> dict[int, torch.Tensor]:
+        """Hop A: {plan index: its local tensor, flat} for the matrices this replica owns
+        (`update`: this rank's shard of the bucket, starting at flat offset `base`)."""
+        me, n = group.rank, group.size
+        mine = [k for k, m in enumerate(plan) if m.owner[0] == me]
+        got = {}  # (member, plan index) -> its piece
+        if moves(lambda j: gather_sizes(plan, shards, j), n):
+            send, recv = gather_sizes(plan, shards, me)
+            x = [update[a - base : b - base] for j in range(n) if j != me
+                 for m in plan if m.owner[0] == j for a, b in [cut(m, *shards[me])]]  # fmt: skip
+            out = comm.all_to_all(torch.cat(x) if x else update[:0], group, recv, send)
+            for j, chunk in enumerate(out.split(recv)):
+                sizes = [extent(cut(plan[k], *shards[j])) for k in mine] if j != me else []
+                got.update(((j, k), p) for k, p in zip(mine, chunk.split(sizes)))
+        whole = {}
+        for k in mine:
+            a, b = cut(plan[k], *shards[me])
+            pieces = [update[a - base : b - base] if j == me else got.get((j, k), update[:0])
+                      for j in range(n)]  # fmt: skip
+            whole[k] = torch.cat(pieces) if len(set(shards)) > 1 else pieces[me]
+        return whole
 
-    def _whole(self, local: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
-        """The whole logical matrix of a TP-split parameter's local piece (gathered over tp)."""
-        if not self._tp_split(spec):  # (experts: whole on their ep rank)
-            return local
-        t = self.tp.size
-        out = local.new_empty(t * local.numel())
-        comm.all_gather(out, local.reshape(-1).contiguous(), self.tp)
-        return torch.cat(out.view(t, *local.shape).unbind(0), dim=spec.split_dim)
+    def _ns(self, i: int, whole: dict) -> dict[int, torch.Tensor]:
+        """Hop B and Newton-Schulz: {plan index: the result of this rank's local tensor, flat}
+        for the matrices this replica owns; each orthogonalised by its owner alone."""
+        plan, tp, o = self.plans[i], self.tp, self.o
+        d, t, size = self.buffer.group_of(self.buffer.buckets[i]).rank, tp.rank, tp.size
+        mine = [k for k in whole if plan[k].tp]  # with a TP stage
+        slices = {}  # (TP rank, plan index) -> its slice, at the owner
+        if moves(lambda j: tp_sizes(plan, d, j, size)[0], size):
+            (send, recv), _ = tp_sizes(plan, d, t, size)
+            x = [whole[k] for j in range(size) if j != t
+                 for k in mine if plan[k].tp == "split" and plan[k].owner[1] == j]  # fmt: skip
+            out = comm.all_to_all(torch.cat(x) if x else _empty(whole), tp, recv, send)
+            ours = [k for k in mine if plan[k].tp == "split" and plan[k].owner[1] == t]
+            for j, chunk in enumerate(out.split(recv)):
+                if j != t:
+                    sizes = [plan[k].numel for k in ours]
+                    slices.update(((j, k), p) for k, p in zip(ours, chunk.split(sizes)))
+        results, pieces = {}, {}  # pieces: (TP rank, plan index) -> what the owner sends it
+        for k, u in whole.items():
+            m = plan[k]
+            if m.tp and m.owner[1] != t:
+                continue  # (its result comes back below)
+            local = u.view(m.shape)
+            if m.tp == "split":
+                parts = [slices[(j, k)].view(m.shape) if j != t else local for j in range(size)]
+                local = torch.cat(parts, dim=m.split_dim)
+            out = orthogonalise(local, m.parts, o)[0]
+            if m.tp == "split":
+                for j, p in enumerate(out.chunk(size, m.split_dim)):
+                    pieces[(j, k)] = p.reshape(-1)
+            else:
+                pieces.update(((j, k), out.reshape(-1)) for j in range(size))
+            results[k] = pieces[(t, k)]
+        if moves(lambda j: tp_sizes(plan, d, j, size)[1], size):
+            _, (send, recv) = tp_sizes(plan, d, t, size)
+            x = [pieces[(j, k)] for j in range(size) if j != t
+                 for k in mine if plan[k].owner[1] == t]  # fmt: skip
+            out = comm.all_to_all(torch.cat(x) if x else _empty(whole), tp, recv, send)
+            for j, chunk in enumerate(out.split(recv)):
+                theirs = [k for k in mine if plan[k].owner[1] == j] if j != t else []
+                results.update(zip(theirs, chunk.split([plan[k].numel for k in theirs])))
+        return results
+
+    @staticmethod
+    def _back(plan, shards, group, results, update) -> torch.Tensor:
+        """Hop C: this rank's shard of the bucket's orthogonalised matrices, zeros elsewhere
+        (written over `update`, which hop A has read)."""
+        me, n = group.rank, group.size
+        lo, hi = shards[me]
+        base = lo
+        out = update.zero_()
+        for k, r in results.items():
+            a, b = cut(plan[k], lo, hi)
+            out[a - base : b - base] = r[a - plan[k].lo : b - plan[k].lo]
+        if moves(lambda j: scatter_sizes(plan, shards, j), n):
+            send, recv = scatter_sizes(plan, shards, me)
+            x = [results[k][a - m.lo : b - m.lo] for j in range(n) if j != me
+                 for k, m in enumerate(plan) if m.owner[0] == me
+                 for a, b in [cut(m, *shards[j])]]  # fmt: skip
+            got = comm.all_to_all(torch.cat(x) if x else out[:0], group, recv, send)
+            for j, chunk in enumerate(got.split(recv)):
+                theirs = [m for m in plan if m.owner[0] == j] if j != me else []
+                spans = [cut(m, lo, hi) for m in theirs]
+                for (a, b), p in zip(spans, chunk.split([extent(s) for s in spans])):
+                    out[a - base : b - base] = p
+        return out
+
+
+def _empty(tensors: dict) -> torch.Tensor:
+    return next(iter(tensors.values()))[:0]
 
 
 def adam_elements(ranges, lo: int, hi: int) -> int:

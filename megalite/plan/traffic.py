@@ -6,6 +6,8 @@ collectives the layout's ZeRO stage makes (`ZeroStage.collectives`)."""
 import dataclasses
 
 from megalite.config import Config
+from megalite.optim import muon_owners
+from megalite.optim.muon import muon_on, muon_parts
 from megalite.parallel.zero import GATHERS
 from megalite.pipeline.actions import SEND_B, SEND_F
 from megalite.pipeline.partition import rank_chunks
@@ -13,6 +15,7 @@ from megalite.plan.activations import schedule_actions
 from megalite.plan.memory import (
     BYTES,
     buckets,
+    chunk_specs,
     expert_parallel,
     replicas,
     reshard_policy,
@@ -70,8 +73,9 @@ def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
 
 
 def comm_bytes(
-    cfg: Config, shape: RunShape, pp_rank: int, microbatches: int, dp_rank=0, bs=None
-) -> dict:
+    cfg: Config, shape: RunShape, pp_rank: int, microbatches: int, dp_rank=0, bs=None,
+    tp_rank=0, edp_rank=0,
+) -> dict:  # fmt: skip
     """Bytes per step this rank's ledger records, per group kind (docs/planner.md). With
     context parallelism activations are s/cp tokens of each sequence, attention sends its
     bytes over cp, and gradients are reduced over the dp*cp replicas (ledger kind "cp+dp",
@@ -146,13 +150,15 @@ def comm_bytes(
             out["dp_gather"] = out.get("dp_gather", 0) + gathers
     out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
     if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
-        kind = "cp+dp" if shape.dp > 1 else "cp"
+        kind = _replicas_kind(shape)
         out[kind] = out.pop("dp")
         layers = sum(len(kw["layers"]) for kw in kws)
         passes = 2 if tr.recompute == "full" else 1  # a recomputed forward sends again
         fwd, bwd = cp_layer_bytes(whole, shape)
         out["cp"] = out.get("cp", 0) + layers * microbatches * (passes * fwd + bwd)
     out["embed"] = _ring("all_reduce", 2, tied * g_size) if tied else 0
+    for kind, n in muon_bytes(whole, shape, pp_rank, dp_rank, tp_rank, edp_rank).items():
+        out[kind] = out.get(kind, 0) + n
     # the step's status: the gradient norm, the inf flag and the preemption flag
     out["world"] = _ring("all_reduce", t * pp * d, 24)
     if m.num_experts:  # the expert buffer over edp, as the dense one over dp
@@ -164,6 +170,40 @@ def comm_bytes(
             rows = m.num_layers + m.mtp_num_layers
             out["world"] += _ring("all_reduce", t * pp * d, rows * m.num_experts * 8)
     return {k: v for k, v in out.items() if v}
+
+
+def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0, edp_rank=0):
+    """Bytes --optimizer muon's all-to-alls send per step on this rank (optim/muon_owners.py's
+    three hops, the plan the step makes): over the replicas, tp, and edp for the experts."""
+    if not muon_on(cfg.optimizer):
+        return {}
+    m, prec, t = cfg.model, cfg.training.precision, shape.tp
+    e = 4 if prec in ("bf16", "fp16") else BYTES[prec]  # the update: in the state's dtype
+    ep, edp = expert_parallel(shape)
+    specs = {}
+    for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
+        sp = shape.sequence_parallel
+        specs.update((n, s) for n, _, s in chunk_specs(m, t, **kw, sp=sp, ep=ep))
+    out = {}
+    for experts, kind, n, rank in (
+        (False, _replicas_kind(shape), replicas(shape), dp_rank),
+        (True, "edp", edp, edp_rank),
+    ):
+        owners = muon_owners.Owners(n, t)
+        for start, end, ranges in buckets(cfg, shape, pp_rank, experts=experts):
+            named = [(name, o, k, specs[name]) for name, o, k, _ in ranges]
+            mats = owners.assign(muon_owners.matrices(named, t, muon_parts))
+            sharded = shape.zero.shard(end - start, n) < end - start
+            shards = muon_owners.bounds(start, end - start, n, sharded)
+            over_group, over_tp = muon_owners.sent_elements(mats, shards, rank, tp_rank, t)
+            out[kind] = out.get(kind, 0) + over_group * e
+            out["tp"] = out.get("tp", 0) + over_tp * e
+    return {k: v for k, v in out.items() if v}
+
+
+def _replicas_kind(shape: RunShape) -> str:
+    """The ledger kind of the replicas' group: dp, or with context parallelism cp+dp (cp)."""
+    return ("cp+dp" if shape.dp > 1 else "cp") if shape.cp > 1 else "dp"
 
 
 def _dp_bytes(calls: dict, n: int, grad_bytes: int, param_bytes: int) -> int:

@@ -2,9 +2,12 @@
 model (k/v narrower than q; a MoE twin with 4 experts for ep; GPT-2 with its tied embedding
 split over pp) with the real Trainer, fp32, the parameters after every step within 1e-6 of one
 process at tp2, pp2, dp2 with ZeRO 0-3 (and small buckets), ep2, cp2, tp2·dp2 ZeRO-1, ep2·tp2
-ZeRO-2 and pp2·dp2 ZeRO-3; the planner's optimizer-state bytes equal each rank's. A checkpoint
-saved at tp2·dp2 ZeRO-1 resumes there bitwise and resharded at pp2·dp2 ZeRO-2 within 1e-6 of
-one process."""
+ZeRO-2 and pp2·dp2 ZeRO-3; the planner's optimizer-state bytes equal each rank's, and so do
+the bytes Muon's exchange sends per step (plan/traffic.muon_bytes, against the ledger; at
+tp2·dp2 ZeRO-1 the whole step's tp and dp bytes too); each matrix is orthogonalised by one
+rank of the layout per step (as many Newton-Schulz runs over the ranks as one process makes).
+A checkpoint saved at tp2·dp2 ZeRO-1 resumes there bitwise and resharded at pp2·dp2 ZeRO-2
+within 1e-6 of one process."""
 
 import functools
 import json
@@ -15,8 +18,9 @@ import pytest
 import torch
 
 from megalite.config import Config
+from megalite.optim import muon
 from megalite.parallel.groups import build_groups, single_process_groups
-from megalite.plan import memory
+from megalite.plan import memory, traffic
 from megalite.shape import validate
 from megalite.testing import spawn
 
@@ -73,6 +77,38 @@ def single(model: str):
             for _ in range(STEPS)]  # fmt: skip
 
 
+@functools.lru_cache(maxsize=3)
+def matrices(model: str) -> int:
+    """The matrices one process orthogonalises per step (an expert weight: one per expert)."""
+    tr = trainer(config(model), 1, single_process_groups())
+    return sum(len(plan) for plan in tr.opt.muon.plans.values())
+
+
+def counted(tr) -> list:
+    """Per step from now: (the bytes the ledger records in Muon's step by group kind, the
+    Newton-Schulz runs in it), appended to the list returned."""
+    ledger, seen, state = tr.groups.ledger, [], tr.opt.muon
+    step, ns = state.step, muon.orthogonalise
+    runs = []
+
+    def orthogonalise(*args):
+        runs.append(1)
+        return ns(*args)
+
+    def wrapped(*args, **kw):
+        before, n = dict(ledger.bytes), len(runs)
+        muon.orthogonalise = orthogonalise
+        try:
+            step(*args, **kw)
+        finally:
+            muon.orthogonalise = ns
+        sent = {k: v - before.get(k, 0) for k, v in ledger.bytes.items()}
+        seen.append(({k: v for k, v in sent.items() if v}, len(runs) - n))
+
+    state.step = wrapped
+    return seen
+
+
 LAYOUTS = {  # name: (world, model, parallel flags)
     "tp2": (2, "llama", {"tp": 2}),
     "pp2": (2, "llama", {"pp": 2}),
@@ -95,14 +131,21 @@ def _run(rank, world, save_dir):
             continue
         cfg = config(model, **flags)
         tr = trainer(cfg, world)
-        steps = []
-        for _ in range(STEPS):
-            tr.train_step(log=False)
+        steps, seen = [], counted(tr)
+        whole_step = name == "tp2 dp2 zero1"  # the last step logged: its loss mean over dp
+        for i in range(STEPS):
+            tr.train_step(log=whole_step and i == STEPS - 1)
             steps.append(params(tr))
         shape, g = validate(cfg, world), tr.groups
         ranks = {"dp_rank": g.replicas.rank, "edp_rank": g.edp.rank if model == "moe" else 0}
         planned = memory.state_memory(cfg, shape, g.pp.rank, **ranks)
-        out[name] = steps, (planned["optimizer"], tr.opt.state_bytes())
+        sent = traffic.muon_bytes(cfg, shape, g.pp.rank, tp_rank=g.tp.rank, **ranks)
+        whole = {}
+        if whole_step:  # the whole last step's tp and dp bytes, Muon's hops included
+            mb = cfg.training.global_batch_size // (cfg.training.micro_batch_size * g.data.size)
+            plan = traffic.comm_bytes(cfg, shape, g.pp.rank, mb, tp_rank=g.tp.rank, **ranks)
+            whole = {k: (plan[k], g.ledger.bytes[k]) for k in ("tp", "dp")}
+        out[name] = steps, (planned["optimizer"], tr.opt.state_bytes()), (sent, seen, whole)
     if save_dir:
         out["resume"] = _resume(world, save_dir)
     return out
@@ -145,10 +188,22 @@ def test_muon_layouts_equal_one_process(tmp_path):
     for name, (_, model, _) in LAYOUTS.items():
         ranks = [r[name] for r in results if name in r]
         assert ranks, name
-        for rank, (steps, (planned, real)) in enumerate(ranks):
+        for rank, (steps, (planned, real), (sent, seen, whole)) in enumerate(ranks):
             assert planned == real, f"{name} rank {rank}: planner {planned} != {real} bytes"
             for i, (got, ref) in enumerate(zip(steps, single(model)), 1):
                 _close(got, ref, f"{name} rank {rank} step {i}")
+            assert len(seen) == STEPS, (name, seen)
+            for i, (ledger, _) in enumerate(seen, 1):
+                assert ledger == sent, f"{name} rank {rank} step {i}: {ledger} != planned {sent}"
+            for kind, (plan, ledger) in whole.items():
+                assert plan == ledger, f"{name} rank {rank}: {kind} {plan} planned, {ledger} sent"
+        # one owner per matrix: as many Newton-Schulz runs per step over the ranks as one process
+        for i in range(STEPS):
+            runs = sum(seen[i][1] for _, _, (_, seen, _) in ranks)
+            assert runs == matrices(model), f"{name} step {i + 1}: {runs} Newton-Schulz runs"
+    # (not vacuous: there Muon sends over dp and tp, and the whole step was compared)
+    tp_dp = [r["tp2 dp2 zero1"][2] for r in results if "tp2 dp2 zero1" in r]
+    assert all(set(sent) == {"dp", "tp"} and whole for sent, _, whole in tp_dp), tp_dp
     # topology-free: the momentum of the whole logical matrix, no second moment for it
     tensors = json.loads((tmp_path / "iter_0000003" / "index.json").read_text())["tensors"]
     assert tensors["optimizer.momentum.layers.0.attention.k.weight"]["shape"] == [16, 32]

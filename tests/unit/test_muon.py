@@ -187,3 +187,77 @@ def test_an_adamw_checkpoint_does_not_resume_as_muon(tmp_path):
     cfg.checkpoint.load = str(tmp_path)
     with pytest.raises(MegaliteError, match="another --optimizer"):
         trainer(cfg).resume()
+
+
+def _plan(n: int, tp: int, zero: int, experts=False):
+    """The plan of a bucket of a q (split over tp), a k copied over tp and a down (split on
+    its columns), or four experts' down (E, 8, 6), over `n` ranks; their shards."""
+    from megalite.optim.muon_owners import Owners, bounds, matrices
+
+    if experts:
+        ep = {"split_dim": 0, "split_axis": "ep", "split_size": 1}
+        ranges = [("layers.0.mlp.experts.down.weight", 0, 192,
+                   ParamSpec(shape=(4, 8, 6), local_shape=(4, 8, 6), **ep))]  # fmt: skip
+    else:
+        split = {"split_axis": "tp", "split_size": tp}
+        ranges = [
+            ("layers.0.attention.q.weight", 0, 32 * 32 // tp,
+             ParamSpec(shape=(32, 32), local_shape=(32 // tp, 32), split_dim=0, **split)),
+            ("layers.0.attention.k.weight", 1024 // tp, 16 * 32,
+             ParamSpec(shape=(16, 32), local_shape=(16, 32))),
+            ("layers.0.mlp.down.weight", 1024 // tp + 512, 32 * 64 // tp,
+             ParamSpec(shape=(32, 64), local_shape=(32, 64 // tp), split_dim=1, **split)),
+        ]  # fmt: skip
+    numel = -(-(ranges[-1][1] + ranges[-1][2]) // (8 * n)) * 8 * n  # padded as a bucket
+    plan = Owners(n, tp).assign(matrices(ranges, tp, muon_parts))
+    return plan, bounds(0, numel, n, zero > 0)
+
+
+def test_owners_take_the_longest_first_onto_the_least_loaded():
+    from megalite.optim.muon_owners import Matrix, Owners
+
+    mats = [Matrix(f"m{c}", 0, 1, (1, 1), 1, None, None, c) for c in (3, 8, 5, 4, 2)]
+    owners = Owners(2, 1)
+    got = [m.owner for m in owners.assign(mats)]
+    assert got == [(0, 0), (0, 0), (1, 0), (1, 0), (1, 0)]  # 8 3 | 5 4 2
+    assert owners.load == {(0, 0): 11, (1, 0): 11}
+    # loads carry over buckets; a TP stage spreads over replicas x tp; ties to the lowest
+    split = [Matrix("q", 0, 1, (1, 1), 1, "split", 0, 1)] * 4
+    assert [m.owner for m in Owners(2, 2).assign(split)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [m.owner for m in owners.assign(mats[:1] * 2)] == [(0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("n, tp, zero, experts", [(2, 2, 1, False), (4, 1, 2, False),
+                                                  (2, 2, 0, False), (2, 1, 1, True)])  # fmt: skip
+def test_the_hops_pair_up_and_every_matrix_is_orthogonalised_once(n, tp, zero, experts):
+    from megalite.optim.muon_owners import cut, extent, gather_sizes, scatter_sizes, tp_sizes
+
+    plan, shards = _plan(n, tp, zero, experts)
+    assert len(plan) == (4 if experts else 3)
+    assert len({m.owner for m in plan}) == min(len(plan), n * (1 if experts else tp))
+    for sizes in (gather_sizes, scatter_sizes):  # what j sends k is what k takes from j
+        table = [sizes(plan, shards, j) for j in range(n)]
+        assert all(table[j][0][k] == table[k][1][j] for j in range(n) for k in range(n))
+    # ZeRO-0: each replica holds the bucket, nothing is gathered; the result goes to all
+    assert (sum(gather_sizes(plan, shards, 0)[0]) == 0) == (zero == 0)
+    sent = sum(sum(scatter_sizes(plan, shards, j)[0]) for j in range(n))
+    kept = sum(extent(cut(m, *shards[m.owner[0]])) for m in plan)  # the owner's own piece
+    assert sent == (sum(m.numel for m in plan) - kept if zero else kept * (n - 1))
+    for d in range(n):
+        for hop in (0, 1):
+            table = [tp_sizes(plan, d, t, tp)[hop] for t in range(tp)]
+            assert all(table[j][0][k] == table[k][1][j] for j in range(tp) for k in range(tp))
+    if tp > 1:  # hop B: q's slices both ways; the k copy is only sent back, whole
+        for m, gathered in ((plan[0], plan[0].numel), (plan[1], 0)):
+            d, t = m.owner
+            (_, g_recv), (s_send, _) = tp_sizes([m], d, t, tp)
+            assert sum(g_recv) == gathered * (tp - 1) and sum(s_send) == m.numel * (tp - 1)
+
+
+def test_muon_bytes_plan_nothing_under_adamw():
+    from megalite.plan import traffic
+
+    cfg = config()
+    assert traffic.muon_bytes(cfg, validate(cfg, 1), 0) == {}  # one process sends nothing
+    cfg.optimizer.optimizer = "adamw"
+    assert traffic.muon_bytes(cfg, validate(cfg, 1), 0) == {}
