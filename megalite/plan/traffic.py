@@ -159,8 +159,10 @@ def comm_bytes(
     out["embed"] = _ring("all_reduce", 2, tied * g_size) if tied else 0
     for kind, n in muon_bytes(whole, shape, pp_rank, dp_rank, tp_rank, edp_rank).items():
         out[kind] = out.get(kind, 0) + n
-    # the step's status: the gradient norm, the inf flag and the preemption flag
-    out["world"] = _ring("all_reduce", t * pp * d, 24)
+    # the step's status, float64 each: the gradient norm, the inf flag, the preemption signal
+    # and time-limit flags, and the loss when the spike guard reads it
+    status = 4 + (tr.spike_threshold > 0)
+    out["world"] = _ring("all_reduce", t * pp * d, 8 * status)
     if m.num_experts:  # the expert buffer over edp, as the dense one over dp
         edp = expert_parallel(shape)[1]
         for start, end, _ in buckets(cfg, shape, pp_rank, experts=True):

@@ -133,8 +133,11 @@ def _run(rank, world, save_dir):
         tr = trainer(cfg, world)
         steps, seen = [], counted(tr)
         whole_step = name == "tp2 dp2 zero1"  # the last step logged: its loss mean over dp
+        ledger, status = tr.groups.ledger, []
         for i in range(STEPS):
+            before = ledger.bytes.get("world", 0)
             tr.train_step(log=whole_step and i == STEPS - 1)
+            status.append(ledger.bytes.get("world", 0) - before)
             steps.append(params(tr))
         shape, g = validate(cfg, world), tr.groups
         ranks = {"dp_rank": g.replicas.rank, "edp_rank": g.edp.rank if model == "moe" else 0}
@@ -145,6 +148,7 @@ def _run(rank, world, save_dir):
             mb = cfg.training.global_batch_size // (cfg.training.micro_batch_size * g.data.size)
             plan = traffic.comm_bytes(cfg, shape, g.pp.rank, mb, tp_rank=g.tp.rank, **ranks)
             whole = {k: (plan[k], g.ledger.bytes[k]) for k in ("tp", "dp")}
+            whole["world"] = plan["world"], status[0]  # an unlogged step's status reduction
         out[name] = steps, (planned["optimizer"], tr.opt.state_bytes()), (sent, seen, whole)
     if save_dir:
         out["resume"] = _resume(world, save_dir)
