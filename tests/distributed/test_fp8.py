@@ -19,14 +19,14 @@ pytestmark = pytest.mark.distributed
 TOL = 1e-9
 
 
-def _step(model, tokens, labels):
+def _step(model, tokens, labels, **kw):
     model.zero_grad()
-    loss = model(tokens, labels)
+    loss = model(tokens, labels, **kw)
     loss.backward()
     return loss.detach()
 
 
-def _fp8_model(rank, world, recipe, unreduced=False):
+def _fp8_model(rank, world, recipe, unreduced=False, pow2=True):
     g = tp_group(world)
     cfg = ModelConfig(
         num_layers=2,
@@ -38,7 +38,9 @@ def _fp8_model(rank, world, recipe, unreduced=False):
         num_query_groups=4,
         ffn_hidden_size=128,
     )  # fmt: skip  (each rank's dims: multiples of 32)
-    ops = kernels.override(kernels.TORCH_OPS, fp8_linear=fp8.Fp8Maker(fp8.make_recipe(recipe)))
+    ops = kernels.override(
+        kernels.TORCH_OPS, fp8_linear=fp8.Fp8Maker(fp8.make_recipe(recipe, pow2=pow2))
+    )
     ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
     model = GPTChunk(cfg, g, sequence_parallel=True, seed=11, dtype=torch.float64, ops=ops)
     if unreduced:  # the check can fail: amaxes of this rank's shard only
@@ -76,4 +78,44 @@ def test_tp2_fp8_model_matches_one_process(recipe):
 
 
 def test_without_the_amax_reduction_tp2_differs():
-    assert max(spawn(_fp8_model, 2, "tensorwise", True)) > 1e-4
+    """With the exact 448/amax scales: a power-of-two scale usually hides a shard's own amax
+    (it falls in the whole tensor's binade), so the missing reduction shows only sometimes."""
+    assert max(spawn(_fp8_model, 2, "tensorwise", True, False)) > 1e-4
+
+
+def _cp_fp8_model(rank, world):
+    """cp2 (the tokens split) against one process, tensorwise with exact 448/amax scales: with
+    the amax max-reduced over cp (Fp8Maker's `tokens`), and without it (the check can fail)."""
+    from megalite.parallel.context_parallel import shard_batch
+    from megalite.parallel.groups import build_groups
+    from megalite.parallel.topology import Topology
+
+    groups = build_groups(Topology(cp=world), torch.device("cpu"))
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
+                      vocab_size=128, ffn_hidden_size=64, flavour="llama")  # fmt: skip
+    worst = []
+    for tokens_group in (groups.cp, None):
+        recipe = fp8.make_recipe("tensorwise", pow2=False)
+        ops = kernels.override(kernels.TORCH_OPS, fp8_linear=fp8.Fp8Maker(recipe, tokens_group))
+        ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
+        model = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops, cp=groups.cp)
+        torch.manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1))
+        batch = [(ids[:, :-1], ids[:, 1:])]
+        (t, lab, *sh), (rt, rlab, *_) = shard_batch(batch, world, rank, None)[0], batch[0]
+        loss = _step(model, t, lab, **({"shard": sh[0]} if sh else {}))
+        comm.all_reduce(loss, groups.cp)
+        expected = _step(ref, rt, rlab)
+        err = (loss / world - expected).abs().item()
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            grad, full = p.grad.clone() / world, ref_params[name].grad
+            comm.all_reduce(grad, groups.cp)
+            err = max(err, ((grad - full).abs().max() / full.abs().max().clamp(min=1e-30)).item())
+        worst.append(err)
+    return worst
+
+
+def test_cp2_fp8_model_matches_one_process_and_differs_without_the_reduction():
+    for reduced, unreduced in spawn(_cp_fp8_model, 2):
+        assert reduced <= TOL and unreduced > 1e-4
