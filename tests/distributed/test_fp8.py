@@ -119,3 +119,39 @@ def _cp_fp8_model(rank, world):
 def test_cp2_fp8_model_matches_one_process_and_differs_without_the_reduction():
     for reduced, unreduced in spawn(_cp_fp8_model, 2):
         assert reduced <= TOL and unreduced > 1e-4
+
+
+def _histories_at_pp2(rank, world, saved, again):
+    from tests.unit.test_fp8 import _fp8_config, _fp8_trainer, _histories
+
+    cfg = _fp8_config(again, pp=2)
+    cfg.checkpoint.load = saved
+    tr = _fp8_trainer(cfg, world=world)
+    tr.resume()
+    loaded = _histories(tr)
+    tr.train_step(log=False)
+    tr.checkpointer.save(tr.state())
+    return loaded, _histories(tr)
+
+
+def test_amax_histories_are_topology_free(tmp_path):
+    """A one-process delayed-FP8 checkpoint loads at pp2 (each stage its layers' histories,
+    bitwise), and pp2's checkpoint (each stage's first rank writes its own) loads in one."""
+    from megalite.checkpoint import format as fmt
+    from tests.unit.test_fp8 import _fp8_config, _fp8_trainer, _histories
+
+    one = _fp8_trainer(_fp8_config(str(tmp_path / "one")))
+    for _ in range(2):
+        one.train_step(log=False)
+    one.checkpointer.save(one.state())
+    want = _histories(one)
+    results = spawn(_histories_at_pp2, 2, str(tmp_path / "one"), str(tmp_path / "pp2"))
+    loaded = {n: t for r in results for n, t in r[0].items()}
+    assert sorted(loaded) == sorted(want) and {n.split(".")[1] for n in results[1][0]} == {"1"}
+    assert all(torch.equal(loaded[n], t) for n, t in want.items())
+    trained = {n: t for r in results for n, t in r[1].items()}
+    back = _fp8_trainer(_fp8_config(None))
+    back.checkpointer.load(str(fmt.resolve(tmp_path / "pp2")))
+    got = _histories(back)
+    assert got.keys() == trained.keys() and all(torch.equal(got[n], t) for n, t in trained.items())
+    assert got["layers.0.attention.q.fp8_x.steps"] == 3

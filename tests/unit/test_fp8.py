@@ -218,7 +218,7 @@ def test_delayed_scaling_ignores_evaluation_forwards():
     assert lin.state["x"].history[0] < 10 and lin.state["x"].steps == 1
 
 
-def _fp8_config(save=None, recipe="delayed"):
+def _fp8_config(save=None, recipe="delayed", **parallel):
     from megalite.config import Config
 
     cfg = Config()
@@ -230,10 +230,12 @@ def _fp8_config(save=None, recipe="delayed"):
     cfg.optimizer.lr = 3e-3
     cfg.logging.wandb_mode = "disabled"
     cfg.checkpoint.save = save
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
     return cfg
 
 
-def _fp8_trainer(cfg, log=None):
+def _fp8_trainer(cfg, log=None, world=1):
     from types import SimpleNamespace
 
     import numpy as np
@@ -244,7 +246,14 @@ def _fp8_trainer(cfg, log=None):
 
     tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
     data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
-    tr = Trainer(cfg, validate(cfg, 1), single_process_groups(), data)
+    shape = validate(cfg, world)
+    if world == 1:
+        groups = single_process_groups()
+    else:
+        from megalite.parallel.groups import build_groups
+
+        groups = build_groups(shape.topology(), torch.device("cpu"))
+    tr = Trainer(cfg, shape, groups, data)
     if log is not None:
         tr.checkpointer.log = log.append
     return tr
