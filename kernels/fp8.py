@@ -4,12 +4,14 @@ y = x w^T runs on e4m3 x and w; backward's grad_x = g w and grad_w = g^T x run o
 gradient g in e5m2 (format `hybrid`) or e4m3 (format `e4m3`) and the operands in e4m3. A recipe
 says how each operand is scaled into the FP8 range before the cast (`RECIPES`):
 
-- `tensorwise`: one scale per tensor from its current amax (torchao's "tensorwise").
+- `tensorwise`: one scale per tensor from its current amax (torchao's "tensorwise"), rounded
+  down to a power of two unless `pow2=False` (torchao's `round_scales_to_power_of_2`).
 - `rowwise`: one scale per row of each GEMM operand along the contracted dim, rounded down to a
   power of two (torchao's "rowwise"); backward re-scales the saved high-precision tensors
   along the other dim.
 - `delayed`: one scale per tensor from an amax history of past steps (Transformer Engine's
-  delayed scaling); the first step, with no history, scales by the current amax.
+  delayed scaling), a power of two as tensorwise's; the first step, with no history, scales by
+  the current amax. The histories are saved in checkpoints (`restore` reads them back).
 - `mxfp8`: blocks of 32 along the contracted dim, each with a power-of-two (e8m0) scale; the
   GEMM is emulated (dequantised, exact, summed in fp32): these are MXFP8's numerics, not its
   speed.
@@ -77,7 +79,7 @@ def scaled_gemm(a: Quantised, b: Quantised, out_dtype) -> torch.Tensor:
     sb = b.scale.reshape(1, -1) if b.scale.numel() > 1 else b.scale.reshape(())
     if out_dtype == torch.float64 or a.data.device.type != "cuda":
         # not CPU _scaled_mm: torch 2.13's is a reference loop, ~2000x slower than this GEMM,
-        # and no more exact (docs/fp8.md: the layouts part as little with either)
+        # and the layouts agree as closely with either (docs/fp8.md has the figures)
         y = (a.data.double() * sa.double()) @ (b.data.double() * sb.t().double()).t()
         return y.to(out_dtype)
     return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
@@ -95,7 +97,7 @@ class Recipe:
     def __init__(self, fmt: Fp8Format, pow2=True, **options):  # options: delayed scaling's
         # pow2: per-tensor scales rounded down to a power of two (tensorwise, delayed): the cast
         # x * scale is exact, and a last-bit change of the amax (another layout's fp32 sums)
-        # leaves the scale, hence every rounding, as it was unless it crosses a power of two
+        # leaves the scale as it was unless the amax crosses a power of two
         self.format, self.pow2 = fmt, pow2
 
     def new_state(self, role: str, dtype) -> object | None:
@@ -310,7 +312,7 @@ class Fp8Linear:
         return y if b is None else y + b
 
     def histories(self) -> list:
-        return [s for s in self.state.values() if isinstance(s, AmaxHistory)]
+        return list(self.named_histories().values())
 
     def named_histories(self) -> dict:
         """{role ("x", "w", "g"): AmaxHistory} of delayed scaling (empty for other recipes)."""
