@@ -199,6 +199,10 @@ class TrainingConfig:
         choices=("max", "most_recent"),
     )  # fmt: skip
     fp8_margin: int = opt(0, "delayed scaling: scales divided by 2^margin (headroom)")
+    fp8_scale_pow2: bool = opt(
+        True, "tensorwise/delayed FP8: scales rounded down to a power of two (--no-fp8-scale-pow2: "
+        "448/amax exactly, as torchao's default)",
+    )  # fmt: skip
     fp8_first_last_layers_bf16: bool = opt(
         False, "with FP8: the first and last transformer layers' linears stay in high precision",
         "--first-last-layers-bf16",

@@ -44,6 +44,8 @@ from megalite.checkpoint.regions import (  # noqa: F401  (check_model, load_mode
     check_model,
     decode_rng,
     encode_rng,
+    fp8_tensors,
+    load_fp8_state,
     load_model,
     load_optimizer,
     piece_blocks,
@@ -127,6 +129,7 @@ class Checkpointer:
         with agreed_errors(g.world):
             with self.optimizer.gathered_params(write_back=True):  # ZeRO-3 holds shards
                 no_bias = load_model(self.chunks, tp, ckpt)
+            no_fp8 = load_fp8_state(self.chunks, ckpt)
             fresh = finetune or not (c.load_optim or own)
             load_optimizer(self.chunks, tp, self.optimizer, ckpt, fresh)
         idx = ckpt.index
@@ -147,6 +150,8 @@ class Checkpointer:
         rng_note = rng_note if same_layout else "; another layout, so RNG streams are re-seeded"
         if no_bias:  # written before checkpoints held them
             rng_note += f"; it holds no expert bias ({no_bias[0]}, ...): they start from zero"
+        if no_fp8:  # trained without delayed FP8 scaling
+            rng_note += f"; it holds no FP8 amax history ({no_fp8[0]}, ...): they start empty"
         self.log(
             f"loaded checkpoint {ckpt.dir} (iteration {ckpt.iteration}, {what}{rng_note}) in "
             f"{time.perf_counter() - start:.1f} s"
@@ -198,6 +203,8 @@ class Checkpointer:
         if rank == topo.rank(pp=topo.coords(rank)["pp"]):  # the first rank of each stage
             for name, bias in expert_biases(self.chunks):  # replicated buffers, whole (fp32)
                 out[name] = (bias, [(0, bias.numel())], list(bias.shape))
+            for name, t in fp8_tensors(self.chunks).items():  # delayed FP8: amax histories
+                out[name] = (t, [(0, n) for n in t.shape], list(t.shape))
         return out
 
     def _paths(self, iteration: int) -> tuple[Path, Path]:

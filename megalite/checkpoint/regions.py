@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.format import Checkpoint, opt_name
 from megalite.errors import MegaliteError
+from megalite.kernels.fp8 import Fp8Linear
 from megalite.model.moe import expert_biases
 from megalite.parallel import comm
 from megalite.parallel.specs import spec_of
@@ -138,6 +139,46 @@ def load_model(chunks, tp, ckpt: Checkpoint) -> list[str]:
             )
         else:
             bias.copy_(ckpt.read(name))
+    return missing
+
+
+def fp8_histories(chunks):
+    """(logical name, recipe, AmaxHistory, device) of every delayed-scaling tensor of these
+    chunks' FP8 linears, named after the layer's weight (layers.0.attn.q.fp8_x): whole and
+    equal on every rank holding the layer (end_step reduces them over tp and dp+cp), so a
+    checkpoint holds them as it holds the expert biases, topology-free."""
+    for chunk in chunks:
+        for m in chunk.modules():
+            lin, w = getattr(getattr(m, "ops", None), "linear", None), getattr(m, "weight", None)
+            if isinstance(lin, Fp8Linear) and w is not None:
+                base = spec_of(w).name.removesuffix("weight")
+                for role, st in lin.named_histories().items():
+                    yield f"{base}fp8_{role}", lin.recipe, st, w.device
+
+
+def fp8_tensors(chunks) -> dict:
+    """{name: tensor} of the FP8 state a checkpoint holds: each history (newest first) and the
+    number of steps that filled it (int64: whether a first step is still to come)."""
+    out = {}
+    for name, _, st, _ in fp8_histories(chunks):
+        out[name + ".amax_history"] = st.history.float()
+        out[name + ".steps"] = torch.tensor(st.steps, dtype=torch.int64)
+    return out
+
+
+@torch.no_grad()
+def load_fp8_state(chunks, ckpt: Checkpoint) -> list[str]:
+    """The amax histories of this run's delayed-scaling layers from the checkpoint; returns
+    the names it lacks (a checkpoint trained without delayed FP8): those start empty, their
+    first step scaling by its own amax. A checkpoint's FP8 state that this run has no use
+    for (a bf16 run, another recipe) is not read."""
+    missing = []
+    for name, recipe, st, device in fp8_histories(chunks):
+        if not (ckpt.has(name + ".amax_history") and ckpt.has(name + ".steps")):
+            missing.append(name)
+            continue
+        steps = int(ckpt.read(name + ".steps"))
+        recipe.restore(st, ckpt.read(name + ".amax_history"), steps, device)
     return missing
 
 

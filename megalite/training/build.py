@@ -82,6 +82,7 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
             history_len=t.fp8_amax_history_len,
             algo=t.fp8_amax_compute_algo,
             margin=t.fp8_margin,
+            pow2=t.fp8_scale_pow2,
         )
         ops = kernels.override(
             ops, fp8_linear=fp8.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16)

@@ -10,12 +10,13 @@ import torch.nn as nn
 from megalite.kernels.fp8 import E4M3, E5M2, Fp8Linear, end_step, make_recipe
 
 
-def _torchao_linear(linear: nn.Linear, recipe: str):
+def _torchao_linear(linear: nn.Linear, recipe: str, pow2: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
-    cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True,
+                              round_scales_to_power_of_2=pow2)  # fmt: skip
     return Float8Linear.from_float(linear, config=cfg)
 
 
@@ -26,20 +27,25 @@ def _run(fn, x, w, g):
     return y.detach(), x.grad, w.grad
 
 
-@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("rowwise", "e4m3")])
-def test_tensorwise_and_rowwise_equal_torchao(recipe, fmt):
-    """torchao's tensorwise recipe takes gradients in e5m2 (our `hybrid`), rowwise in e4m3."""
+@pytest.mark.parametrize(
+    "recipe,fmt,pow2",
+    [("tensorwise", "hybrid", True), ("tensorwise", "hybrid", False), ("rowwise", "e4m3", True)],
+)  # fmt: skip
+def test_tensorwise_and_rowwise_equal_torchao(recipe, fmt, pow2):
+    """torchao's tensorwise recipe takes gradients in e5m2 (our `hybrid`), rowwise in e4m3;
+    our power-of-two tensorwise scales (the default) are its round_scales_to_power_of_2, and
+    --no-fp8-scale-pow2 its default. Rowwise scales are powers of two in both."""
     torch.manual_seed(0)
     x, w = torch.randn(3, 16, 64) * 3, torch.randn(48, 64) * 0.02
     g = torch.randn(3, 16, 48) * 1e-3
-    ao = _torchao_linear(nn.Linear(64, 48, bias=False), recipe)
+    ao = _torchao_linear(nn.Linear(64, 48, bias=False), recipe, pow2)
     with torch.no_grad():
         ao.weight.copy_(w)
     xa = x.clone().requires_grad_()
     ya = ao(xa)
     ya.backward(g)
     ref = (ya.detach(), xa.grad, ao.weight.grad)
-    mine = _run(Fp8Linear(make_recipe(recipe, fmt)), x, w, g)
+    mine = _run(Fp8Linear(make_recipe(recipe, fmt, pow2=pow2)), x, w, g)
     exact = _run(lambda x, w: x @ w.t(), x, w, g)
     for a, b, e in zip(mine, ref, exact):
         # the same FP8 values: equal up to fp32 summation order, far inside fp8's round-off
@@ -47,18 +53,22 @@ def test_tensorwise_and_rowwise_equal_torchao(recipe, fmt):
         assert (a - e).abs().max() > 1e-3 * e.abs().max()  # and it is FP8, not fp32
 
 
-def _q(t, amax, dtype, margin=0):
-    """fp32 emulation of one per-tensor cast: scale to the format's max, round, scale back."""
+def _q(t, amax, dtype, margin=0, pow2=True):
+    """fp32 emulation of one per-tensor cast: scale to the format's max (rounded down to a
+    power of two), round, scale back."""
     s = torch.finfo(dtype).max / amax / 2**margin
+    s = 2.0 ** torch.floor(torch.log2(s)) if pow2 else s
     return (t * s).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).float() / s
 
 
-@pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 1)])
-def test_delayed_scaling_equals_an_emulation(algo, margin):
+@pytest.mark.parametrize("algo,margin,pow2", [("max", 0, True), ("most_recent", 1, True),
+                                             ("max", 0, False)])  # fmt: skip
+def test_delayed_scaling_equals_an_emulation(algo, margin, pow2):
     """Step 1 scales by the current amax; later steps by the history's max (or newest) of the
     previous steps' amaxes, kept for `history_len` steps."""
     torch.manual_seed(1)
-    lin = Fp8Linear(make_recipe("delayed", "hybrid", history_len=2, algo=algo, margin=margin))
+    lin = Fp8Linear(make_recipe("delayed", "hybrid", pow2=pow2, history_len=2, algo=algo,
+                                margin=margin))  # fmt: skip
     w = torch.randn(32, 64) * 0.05
     hist = {"x": [], "w": [], "g": []}
     for step in range(4):
@@ -70,7 +80,8 @@ def test_delayed_scaling_equals_an_emulation(algo, margin):
         else:
             pick = max if algo == "max" else (lambda h: h[-1])
             use, m = {k: pick(h[-2:]) for k, h in hist.items()}, margin
-        qx, qw, qg = _q(x, use["x"], E4M3, m), _q(w, use["w"], E4M3, m), _q(g, use["g"], E5M2, m)
+        qx, qw = _q(x, use["x"], E4M3, m, pow2), _q(w, use["w"], E4M3, m, pow2)
+        qg = _q(g, use["g"], E5M2, m, pow2)
         for a, b in ((y, qx @ qw.t()), (gx, qg @ qw), (gw, qg.t() @ qx)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
         for k in hist:
@@ -205,3 +216,98 @@ def test_delayed_scaling_ignores_evaluation_forwards():
         lin(torch.randn(4, 32) * 100, w)  # an evaluation batch: not in the step's amax
     end_step([lin])
     assert lin.state["x"].history[0] < 10 and lin.state["x"].steps == 1
+
+
+def _fp8_config(save=None, recipe="delayed", **parallel):
+    from megalite.config import Config
+
+    cfg = Config()
+    m, t = cfg.model, cfg.training
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 64
+    m.seq_length, m.vocab_size = 16, 100
+    t.micro_batch_size, t.global_batch_size, t.kernels, t.train_iters = 2, 4, "torch", 4
+    t.fp8_format, t.fp8_recipe, t.fp8_amax_history_len = recipe and "hybrid", recipe, 3
+    cfg.optimizer.lr = 3e-3
+    cfg.logging.wandb_mode = "disabled"
+    cfg.checkpoint.save = save
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _fp8_trainer(cfg, log=None, world=1):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megalite.parallel.groups import single_process_groups
+    from megalite.shape import validate
+    from megalite.training.trainer import Trainer
+
+    tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
+    data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
+    shape = validate(cfg, world)
+    if world == 1:
+        groups = single_process_groups()
+    else:
+        from megalite.parallel.groups import build_groups
+
+        groups = build_groups(shape.topology(), torch.device("cpu"))
+    tr = Trainer(cfg, shape, groups, data)
+    if log is not None:
+        tr.checkpointer.log = log.append
+    return tr
+
+
+def _histories(tr) -> dict:
+    from megalite.checkpoint.regions import fp8_tensors
+
+    return {n: t.clone() for n, t in fp8_tensors(tr.chunks).items()}
+
+
+def test_a_delayed_fp8_run_resumes_bitwise(tmp_path):
+    """2 + 2 steps resumed from a checkpoint give the 4-step run's losses and amax histories
+    bitwise: the histories (and so the next step's scales) are in the checkpoint."""
+    from megalite.checkpoint import format as fmt
+
+    ref = _fp8_trainer(_fp8_config())
+    losses = [ref.train_step()["loss"] for _ in range(4)]
+    want = _histories(ref)
+    assert (
+        "layers.1.mlp.down.fp8_g.amax_history" in want
+        and want["layers.0.attention.q.fp8_x.steps"] == 4
+    )
+    first = _fp8_trainer(_fp8_config(str(tmp_path / "run")))
+    assert [first.train_step()["loss"] for _ in range(2)] == losses[:2]
+    first.checkpointer.save(first.state())
+    saved = fmt.Checkpoint(tmp_path / "run").read("layers.0.mlp.up.fp8_w.amax_history")
+    assert saved.shape == (3,) and saved[:2].min() > 0 and saved[2] == 0  # two steps of three
+    log = []
+    again = _fp8_trainer(_fp8_config(str(tmp_path / "run")), log)
+    again.resume()
+    assert [again.train_step()["loss"] for _ in range(2)] == losses[2:]
+    got = _histories(again)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    assert "amax" not in log[0]
+
+
+def test_fp8_and_high_precision_checkpoints_load_into_each_other(tmp_path):
+    """A delayed-FP8 checkpoint loads into an fp32 run (its FP8 state unread) and an fp32 one
+    into a delayed-FP8 run: the histories start empty, said in the load's log line."""
+    fp8 = _fp8_trainer(_fp8_config(str(tmp_path / "fp8")))
+    fp8.train_step(log=False)
+    fp8.checkpointer.save(fp8.state())
+    weights = [p.detach().clone() for p in fp8.chunks[0].parameters()]
+    log = []
+    high = _fp8_trainer(_fp8_config(str(tmp_path / "fp8"), recipe=None), log)
+    high.resume()
+    assert all(torch.equal(p, w) for p, w in zip(high.chunks[0].parameters(), weights))
+    assert "amax" not in log[0] and _histories(high) == {}
+    high.train_step(log=False)
+    high.checkpointer.save(high.state())
+    log = []
+    again = _fp8_trainer(_fp8_config(str(tmp_path / "fp8")), log)
+    again.resume()
+    assert "holds no FP8 amax history (layers.0.attention.q.fp8_x, ...): they start empty" in log[0]
+    assert all(t.eq(0).all() for t in _histories(again).values())  # empty: steps and history
+    assert again.train_step()["loss"] > 0
