@@ -3,10 +3,10 @@ one process: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layer
 DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after every
 step, node-limited groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's
 model (attention sinks, alternating sliding/full layers, biased router and experts, clamped
-SwiGLU). Qwen3-MoE and gpt-oss also at ep2·tp2·pp2, the DeepSeek-style one at ep2·pp2 (the
-dense first layer and an MoE one on stage 0, the expert bias update over both stages). 8 steps
-each, losses within 1e-4 of the single process per step and final parameters (expert biases
-included) within 1e-4 (fp32); one spawn.
+SwiGLU). Qwen3-MoE and gpt-oss also at the full layout tp2·pp2·dp2 with ep2 (8 ranks, a spawn
+of its own, 4 steps), the DeepSeek-style one at ep2·pp2 (the dense first layer and an MoE one on
+stage 0, the expert bias update over both stages). Losses within 1e-4 of the single process per
+step and final parameters (expert biases included) within 1e-4 (fp32).
 """
 
 import functools
@@ -39,37 +39,45 @@ def model_config(name: str, **parallel):
 
 
 @functools.cache
-def single(name: str):
+def single(name: str, steps: int):
     tr = trainer(model_config(name), 1, single_process_groups())
     init = {n: p.clone() for n, (p, _) in params(tr).items()}
-    losses = [tr.train_step()["loss"] for _ in range(STEPS)]
+    losses = [tr.train_step()["loss"] for _ in range(steps)]
     final = {n: p for n, (p, _) in params(tr).items()}
     # it trains: every parameter moved (8 small steps on fresh batches need not lower the loss)
     moved = min((final[n] - init[n]).abs().max().item() for n in final)
     return losses, final, moved
 
 
-RUNS = [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS]
-RUNS.append(("deepseek", "ep2 pp2", {"pp": 2, "ep": 2}))
-RUNS += [(name, "ep2 tp2 pp2", {"tp": 2, "pp": 2, "ep": 2}) for name in ("qwen3-moe", "gpt-oss")]
+RUNS = {  # world: [(model, layout, parallel flags)]
+    4: [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS]
+    + [("deepseek", "ep2 pp2", {"pp": 2, "ep": 2})],
+    # the full layout: dp 2 beside tp2 and pp2, the experts over ep2 (8 ranks, fewer steps)
+    8: [
+        (name, "ep2 tp2 pp2 dp2", {"tp": 2, "pp": 2, "ep": 2}) for name in ("qwen3-moe", "gpt-oss")
+    ],
+}
+STEPS_AT = {4: STEPS, 8: 4}
 
 
 def _run(rank, world):
     out = {}
-    for name, layout, flags in RUNS:
+    for name, layout, flags in RUNS[world]:
         tr = trainer(model_config(name, **flags), world)
-        losses = [tr.train_step()["loss"] for _ in range(STEPS)]
+        losses = [tr.train_step()["loss"] for _ in range(STEPS_AT[world])]
         out[name, layout] = losses, params(tr)
     return out
 
 
-def test_moe_variants_train_like_one_process():
-    results = spawn(_run, 4, timeout=600)
-    for name, layout, _ in RUNS:
-        ref_losses, ref_params, moved = single(name)
+@pytest.mark.parametrize("world", sorted(RUNS))
+def test_moe_variants_train_like_one_process(world):
+    results = spawn(_run, world, timeout=900)
+    for name, layout, _ in RUNS[world]:
+        ref_losses, ref_params, moved = single(name, STEPS_AT[world])
         assert moved > 1e-5, (name, moved)
         key = name, layout
         losses = next(r[key][0] for r in results if r[key][0][0] is not None)  # last stage's
+        assert len(losses) == STEPS_AT[world], key
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= 1e-4 * abs(b), f"{key} step {step}: {a} vs one process {b}"
         for r in results:
