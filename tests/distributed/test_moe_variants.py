@@ -1,12 +1,13 @@
-"""The new MoE architectures train at ep2·tp2 (experts over TP, dp 2) with the real Trainer like
-one process: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layers), a
-DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after every
-step, node-limited groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's
-model (attention sinks, alternating sliding/full layers, biased router and experts, clamped
-SwiGLU). Qwen3-MoE and gpt-oss also at the full layout tp2·pp2·dp2 with ep2 (8 ranks, a spawn
-of its own, 4 steps), the DeepSeek-style one at ep2·pp2 (the dense first layer and an MoE one on
-stage 0, the expert bias update over both stages). Losses within 1e-4 of the single process per
-step and final parameters (expert biases included) within 1e-4 (fp32).
+"""The new MoE architectures train with the real Trainer like one process, in one spawn of 8
+ranks: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layers), a DeepSeek-V3-style
+router (sigmoid scores, the auxiliary-loss-free expert bias moved after every step, node-limited
+groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's model (attention
+sinks, alternating sliding/full layers, biased router and experts, clamped SwiGLU) at ep2·tp2
+(experts over TP, dp 4); the DeepSeek-style one at ep2·pp2 (the dense first layer and an MoE one
+on stage 0, the expert bias update over both stages); Qwen3-MoE and gpt-oss at the full layout
+tp2·pp2·dp2 with ep2 and sequence parallelism (Qwen3-MoE at ZeRO-1). 5 steps each, losses
+within 1e-4 of the single process per step and final parameters (expert biases included)
+within 1e-4 (fp32).
 """
 
 import functools
@@ -18,7 +19,7 @@ from megalite.testing import spawn
 from tests.distributed.test_moe_training import config, params, trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-STEPS = 8
+STEPS = 5
 MODELS = {  # name: ModelConfig fields over test_moe_training's tiny llama with 4 experts
     "qwen3-moe": {"flavour": "qwen3", "kv_channels": 16, "moe_dense_layers": [1]},
     "deepseek": {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
@@ -49,35 +50,34 @@ def single(name: str, steps: int):
     return losses, final, moved
 
 
-RUNS = {  # world: [(model, layout, parallel flags)]
-    4: [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS]
-    + [("deepseek", "ep2 pp2", {"pp": 2, "ep": 2})],
-    # the full layout: dp 2 beside tp2 and pp2, the experts over ep2 (8 ranks, fewer steps)
-    8: [
-        (name, "ep2 tp2 pp2 dp2", {"tp": 2, "pp": 2, "ep": 2}) for name in ("qwen3-moe", "gpt-oss")
-    ],
-}
-STEPS_AT = {4: STEPS, 8: 4}
+FULL = {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}
+RUNS = [  # (model, layout, parallel flags, steps), all at 8 ranks
+    *[(name, "ep2 tp2 dp4", {"tp": 2, "ep": 2}, STEPS) for name in MODELS],
+    ("deepseek", "ep2 pp2 dp4", {"pp": 2, "ep": 2}, STEPS),
+    # the full layout: dp 2 beside tp2 and pp2, the experts over ep2 (edp 2), sequence
+    # parallel; Qwen3-MoE with ZeRO-1
+    ("qwen3-moe", "ep2 tp2 pp2 dp2 sp zero1", {**FULL, "zero_stage": 1}, STEPS),
+    ("gpt-oss", "ep2 tp2 pp2 dp2 sp", FULL, STEPS),
+]
 
 
 def _run(rank, world):
     out = {}
-    for name, layout, flags in RUNS[world]:
+    for name, layout, flags, steps in RUNS:
         tr = trainer(model_config(name, **flags), world)
-        losses = [tr.train_step()["loss"] for _ in range(STEPS_AT[world])]
+        losses = [tr.train_step()["loss"] for _ in range(steps)]
         out[name, layout] = losses, params(tr)
     return out
 
 
-@pytest.mark.parametrize("world", sorted(RUNS))
-def test_moe_variants_train_like_one_process(world):
-    results = spawn(_run, world, timeout=900)
-    for name, layout, _ in RUNS[world]:
-        ref_losses, ref_params, moved = single(name, STEPS_AT[world])
+def test_moe_variants_train_like_one_process():
+    results = spawn(_run, 8, timeout=900)
+    for name, layout, _, steps in RUNS:
+        ref_losses, ref_params, moved = single(name, steps)
         assert moved > 1e-5, (name, moved)
         key = name, layout
         losses = next(r[key][0] for r in results if r[key][0][0] is not None)  # last stage's
-        assert len(losses) == STEPS_AT[world], key
+        assert len(losses) == steps, key
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= 1e-4 * abs(b), f"{key} step {step}: {a} vs one process {b}"
         for r in results:
