@@ -7,10 +7,10 @@ parameter (a matmul computes both dX and dW; a norm both dX and dweight). I runs
 the output to the input only, keeping the graph, and records the gradient arriving at each
 intermediate node (a pre-hook); nothing flows to the parameters. W later starts from those
 recorded gradients at the intermediates and runs to the parameters only, so no input gradient
-is computed twice. Parameters whose intermediates overlap are done together, and so are those
-whose W runs the path's nodes between two depths (a weight used at both, as the MTP modules'
-shared embedding) with the parameters there. W accumulates
-into `.grad` like any backward, so gradient hooks (the data-parallel buckets) fire then.
+is computed twice (but on the path between two depths where one weight is used at both, as
+the MTP modules' shared embedding: W runs it again, with the parameters there in the same
+pass). Parameters whose intermediates overlap are done together. W accumulates into `.grad`
+like any backward, so gradient hooks (the data-parallel buckets) fire then.
 (torch.distributed.pipelining does the same split; this is a small version of the idea.)
 """
 
