@@ -25,8 +25,8 @@ multi-token prediction module (model/mtp.py) adds its eh_proj (2h x h), its tran
 once more); its embedding is a lookup of the shared one.
 
 Hardware FLOPs add what recomputation runs again (Korthikanti et al. 2022, section 5): full
-recompute repeats the whole forward (2 N + 4 L h s), selective repeats the attention core
-(4 L h s). They are reported as HFU and never used for MFU.
+recompute repeats the whole forward (2 N + the core's forward third, 4 L h s when nh d = h),
+selective repeats the attention core (its forward third). They are reported as HFU and never used for MFU.
 
 MFU = model FLOPs per second / (devices x the device's dense peak at the training precision).
 The peak comes from `PEAKS`; an unlisted device or a CPU gives None ("unknown"), never a guess.
