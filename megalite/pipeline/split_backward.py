@@ -7,8 +7,10 @@ parameter (a matmul computes both dX and dW; a norm both dX and dweight). I runs
 the output to the input only, keeping the graph, and records the gradient arriving at each
 intermediate node (a pre-hook); nothing flows to the parameters. W later starts from those
 recorded gradients at the intermediates and runs to the parameters only, so no input gradient
-is computed twice. Parameters whose intermediates overlap are done together. W accumulates
-into `.grad` like any backward, so gradient hooks (the data-parallel buckets) fire then.
+is computed twice (but on the path between two depths where one weight is used at both, as
+the MTP modules' shared embedding: W runs it again, with the parameters there in the same
+pass). Parameters whose intermediates overlap are done together. W accumulates into `.grad`
+like any backward, so gradient hooks (the data-parallel buckets) fire then.
 (torch.distributed.pipelining does the same split; this is a small version of the idea.)
 """
 
@@ -69,10 +71,10 @@ def input_grad(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, pa
                 queue.append(f)
     on_path, _ = _reachable([_node(x)], up)  # between the input and the output
     groups = {}  # intermediate node -> its group {"params", "nodes"}
-    for p in params:
-        _, hit = _reachable([_node(p)], up, stop=on_path)
-        group = {"params": {id(p): p}, "nodes": set(hit)}
-        for n in hit:  # parameters sharing an intermediate are one group
+
+    def join(group, nodes):
+        """`group` takes in `nodes` and the groups they are intermediates of."""
+        for n in nodes:
             other = groups.get(n)
             if other is not None and other is not group:
                 group["params"].update(other["params"])
@@ -80,6 +82,29 @@ def input_grad(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, pa
                 for m in other["nodes"]:
                     groups[m] = group
             groups[n] = group
+
+    spans = []  # (a parameter's intermediates, the path's nodes between them)
+    for p in params:
+        _, hit = _reachable([_node(p)], up, stop=on_path)
+        group = {"params": {id(p): p}, "nodes": set(hit)}
+        join(group, hit)  # parameters sharing an intermediate are one group
+        if len(hit) > 1:
+            spans.append(hit)
+    # A parameter used at two depths of the path (a weight shared by the MTP modules) has W
+    # run the path's nodes from its upper intermediate down to its lower one: the groups with
+    # an intermediate there, or running a node of it too, join it, so that no node runs in two
+    # W passes (the first would free what the second needs)
+    if spans:
+        path_down = {n: [f for f in fs if f in on_path] for n, fs in down.items() if n in on_path}
+        path_up = {n: [f for f in fs if f in on_path] for n, fs in up.items() if n in on_path}
+        claimed = {}  # path node -> an intermediate of the group whose W runs it
+        for hit in spans:
+            below, _ = _reachable(list(hit), path_down)
+            above, _ = _reachable(list(hit), path_up)
+            between, rep = below & above, next(iter(hit))
+            join(groups[rep], [n for n in between if n in groups]
+                 + [claimed[n] for n in between if n in claimed])  # fmt: skip
+            claimed.update((n, rep) for n in between)
     saved, handles = {}, []
     for n in groups:
         handles.append(n.register_prehook(lambda grads, n=n: saved.__setitem__(n, grads)))

@@ -59,24 +59,46 @@ def peak_activations(
     return peak
 
 
+def attention_core_heads(m: ModelConfig) -> tuple[int, int]:
+    """(k/v heads, head dim) of the k and v the attention core is handed (the kernels, context
+    parallelism's ring and all-to-all): MLA's heads each have their own k and v, q, k and v
+    zero-padded to d = max(dn + dr, dv) (model/mla.py); else the k/v groups at head_dim."""
+    if m.features.latent_attention:
+        return m.num_attention_heads, max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+    return m.heads_kv, m.head_dim
+
+
+def _projection_outputs(m: ModelConfig, tp: int) -> float:
+    """Per token, the elements a layer's attention projections (other than out) produce on a
+    TP rank: q/k/v (k/v groups whole when tp does not divide them); MLA's q_a and its norm,
+    q_b (or q), kv_a, the kv norm and kv_b (model/mla.py)."""
+    if m.features.latent_attention:
+        heads, dqk = m.num_attention_heads / tp, m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = 2 * (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank
+        return latents + heads * (dqk + m.qk_nope_head_dim + m.v_head_dim)
+    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+    return m.num_attention_heads * m.head_dim / tp + 2 * kv
+
+
 def pending_weight_grads(cfg: Config, shape: RunShape, kw: dict) -> float:
     """Bytes a split backward keeps from a micro-batch's I to its W (pipeline/split_backward.py:
     the gradient arriving at each op that holds parameters, which W starts from): per layer the
     outputs of the two norms and of the attention's and the MLP's output projections (h wide),
-    of q/k/v and of the MLP's first linear(s) (TP-sharded); at the head, the final norm's and
-    the logits'. An MoE layer is counted as its dense MLP would be."""
+    of the attention's other projections (q/k/v, or MLA's) and of the MLP's first linear(s)
+    (TP-sharded); at the head, the final norm's and the logits', and per MTP module its layer,
+    enorm, hnorm, eh_proj and head. An MoE layer is counted as its dense MLP would be."""
     m, t = cfg.model, cfg.training
     if shape.cp > 1:
         m = dataclasses.replace(m, seq_length=m.seq_length // shape.cp)
     e, tp = BYTES[t.precision], shape.tp
     tokens = m.seq_length * t.micro_batch_size
     rows = tokens / (tp if shape.sequence_parallel else 1)
-    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
     mlp_in = m.ffn / tp * (2 if m.features.gated_mlp else 1)
-    layer = rows * m.hidden_size * 4 + tokens * (m.hidden_size / tp + 2 * kv + mlp_in)
+    layer = rows * m.hidden_size * 4 + tokens * (_projection_outputs(m, tp) + mlp_in)
     total = len(kw["layers"]) * layer
     if kw["has_head"]:
-        total += rows * m.hidden_size + tokens * m.padded_vocab_size(tp) / tp
+        head = rows * m.hidden_size + tokens * m.padded_vocab_size(tp) / tp
+        total += head + m.mtp_num_layers * (layer + head + 3 * rows * m.hidden_size)
     return total * e
 
 

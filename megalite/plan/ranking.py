@@ -77,10 +77,12 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     embed = seconds(p.comm.get("embed", 0), cluster.gpus)
     # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
     cp = seconds(p.comm.get("cp", 0), lay.tp * cp)
-    # the last stage also runs the output layer: the pipeline moves at its pace (the output
-    # layer's share of the FLOPs as training/flops.py counts it, recomputed under full)
-    vocab = m.vocab_size or 0
-    head = (8 if t.recompute == "full" else 6) * vocab * m.hidden_size / flops_per_token
+    # the last stage also runs the output layer and the MTP modules (their logits and layers):
+    # the pipeline moves at its pace (their share of the FLOPs as training/flops.py counts it,
+    # recomputed under full; an MTP module's layer at an average layer's share of the rest)
+    vocab, d = m.vocab_size or 0, m.mtp_num_layers
+    head = (8 if t.recompute == "full" else 6) * (1 + d) * vocab * m.hidden_size / flops_per_token
+    head += d * (1 - head) / (m.num_layers + d)
     slowest = 1 + head * (lay.pp - 1)
     return compute * slowest * (1 + p.bubble) + tp + pp + cp + embed + exposed
 

@@ -11,7 +11,7 @@ from megalite.optim.muon import muon_on, muon_parts
 from megalite.parallel.zero import GATHERS
 from megalite.pipeline.actions import SEND_B, SEND_F
 from megalite.pipeline.partition import rank_chunks
-from megalite.plan.activations import schedule_actions
+from megalite.plan.activations import attention_core_heads, schedule_actions
 from megalite.plan.memory import (
     BYTES,
     buckets,
@@ -64,10 +64,11 @@ def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
         return 0, 0
     m, tr, t = cfg.model, cfg.training, shape.tp
     e, b, s = BYTES[tr.precision], tr.micro_batch_size, m.seq_length // cp
-    kv_heads = m.heads_kv // t if m.heads_kv % t == 0 else 1  # each rank's k/v heads
-    kv = b * kv_heads * s * m.head_dim  # elements of this rank's K (or V)
+    heads, d = attention_core_heads(m)  # MLA: a k and v per head, padded to its q/k dims
+    kv_heads = heads // t if heads % t == 0 else 1  # each rank's k/v heads
+    kv = b * kv_heads * s * d  # elements of this rank's K (or V)
     if cfg.parallel.cp_comm_type == "a2a":
-        q = b * m.num_attention_heads // t * s * m.head_dim
+        q = b * m.num_attention_heads // t * s * d
         return (2 * q + 2 * kv) * e, (2 * q + 2 * kv) * e
     return (cp - 1) * 2 * kv * e, (cp - 1) * 2 * kv * e + cp * 2 * kv * max(e, 4)
 
@@ -108,15 +109,19 @@ def comm_bytes(
     ce = _ring("all_reduce", t, b * s * 4) + _ring("all_reduce", t, 2 * b * s * 4)  # max; 2 sums
     tp_bytes = 0
     moe = _moe_comm(cfg, shape)
+    L = m.num_layers
     for kw in kws:
-        for i in kw["layers"]:
+        # the head's chunk runs the MTP modules (model/mtp.py): layer L + k, the embedding
+        # of the shifted ids, the head's logits and loss again
+        mtp = range(L, L + m.mtp_num_layers) if kw["has_head"] else ()
+        for i in [*kw["layers"], *mtp]:
             if m.is_moe_layer(i):
                 for kind, n in moe.items():
                     out[kind] = out.get(kind, 0) + n * microbatches
             else:
                 tp_bytes += per_layer
         tp_bytes += embed if kw["has_embedding"] else 0
-        tp_bytes += head + ce if kw["has_head"] else 0
+        tp_bytes += (head + ce) * (1 + len(mtp)) + embed * len(mtp) if kw["has_head"] else 0
     tp_bytes *= microbatches
     tp_bytes += out.pop("tp", 0)
     bs = bs or buckets(cfg, shape, pp_rank)

@@ -284,11 +284,14 @@ def match(reports: list[RoleReport]) -> Matching:
 def expected_syncs(cfg, shape, pp_rank: int) -> int:
     """Host reads of a non-logging step on a rank of stage `pp_rank`: the optimizer's status,
     and with experts over ep > 1 the dispatch sizes of every MoE layer it holds, once per
-    micro-batch (the all-to-all's split sizes, as in Megatron)."""
+    micro-batch (the all-to-all's split sizes, as in Megatron; the head's MTP modules' too)."""
     if shape.ep <= 1:
         return 1
-    chunks = rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement)
-    moe = sum(cfg.model.is_moe_layer(i) for kw in chunks for i in kw["layers"])
+    m = cfg.model
+    chunks = rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement)
+    mtp = range(m.num_layers, m.num_layers + m.mtp_num_layers)  # layer L + k (model/mtp.py)
+    moe = sum(m.is_moe_layer(i) for kw in chunks
+              for i in [*kw["layers"], *(mtp if kw["has_head"] else ())])  # fmt: skip
     return 1 + moe * shape.microbatches
 
 

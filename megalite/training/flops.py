@@ -2,7 +2,7 @@
 
 Model FLOPs per token (what the model needs, whatever the implementation does):
 
-    6 N + 12 L h s
+    6 N + 6 s sum_layers nh (d_qk + d_v)       (= 6 N + 12 L h s when nh d_qk = nh d_v = h)
 
 N counts matmul parameters: every layer's q, k, v, out and MLP weights plus the output layer
 (vocab x h, the real vocabulary); an MoE layer counts its active parameters (router, the k
@@ -10,14 +10,23 @@ experts of a token, the shared expert). The input embedding is a lookup, not a m
 nothing of its own: a tied embedding counts once, as the output layer. Each matmul parameter
 costs 2 FLOPs per token forward and 4 backward (input and weight gradients): 6 N (Kaplan et al.
 2020, "Scaling laws", C = 6N; Chowdhery et al. 2022, PaLM, appendix B). Attention adds the
-score matmul QK^T and the weighted sum AV, each 2 s h FLOPs per token and layer forward, times
-3 for forward and backward: 12 L h s (PaLM appendix B counts exactly 6N + 12 L H Q T; Narayanan
-et al. 2021 count the same full s x s square, as Megatron does, even though causal attention
-could skip half). Norms, activations, softmax and the loss are left out, as everyone does.
+score matmul QK^T (2 s nh d_qk FLOPs per token and layer forward) and the weighted sum AV
+(2 s nh d_v), times 3 for forward and backward; with nh d = h that is PaLM's 12 L h s (appendix
+B counts exactly 6N + 12 L H Q T; Narayanan et al. 2021 count the same full s x s square, as
+Megatron does, even though causal attention could skip half). Norms, activations, softmax,
+RoPE, attention sinks, biases and the loss are left out, as everyone does.
+
+Multi-head latent attention (model/mla.py) counts its real shapes: q_a (h x r_q) and q_b
+(r_q x nh (dn + dr)), or one q (h x nh (dn + dr)) without a q rank; kv_a (h x (r + dr): the
+latent and the RoPE key shared by the heads), kv_b (r x nh (dn + dv)), out (nh dv x h); the core
+with d_qk = dn + dr and d_v = dv (not the padded head dim the kernels are handed). Each
+multi-token prediction module (model/mtp.py) adds its eh_proj (2h x h), its transformer layer
+(layer L + k: an MoE one when that index is) and its logits (the shared output layer, vocab x h,
+once more); its embedding is a lookup of the shared one.
 
 Hardware FLOPs add what recomputation runs again (Korthikanti et al. 2022, section 5): full
-recompute repeats the whole forward (2 N + 4 L h s), selective repeats the attention core
-(4 L h s). They are reported as HFU and never used for MFU.
+recompute repeats the whole forward (2 N + the core's forward third, 4 L h s when nh d = h),
+selective repeats the attention core (its forward third). They are reported as HFU and never used for MFU.
 
 MFU = model FLOPs per second / (devices x the device's dense peak at the training precision).
 The peak comes from `PEAKS`; an unlisted device or a CPU gives None ("unknown"), never a guess.
@@ -48,27 +57,58 @@ PEAKS = [
 ]
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """The matmul weights of one layer's attention: q, k, v and out, or MLA's projections."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.features.latent_attention:
+        dn, dr, dv, r, rq = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                             cfg.kv_lora_rank, cfg.q_lora_rank)  # fmt: skip
+        q = (h * rq + rq * nh * (dn + dr)) if rq else h * nh * (dn + dr)
+        return q + h * (r + dr) + r * nh * (dn + dv) + nh * dv * h  # q; kv_a; kv_b; out
+    return h * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.heads_kv * 2)  # q, out; k, v
+
+
+def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(d_qk, d_v): the per-head dims of QK^T and of AV (MLA: dn + dr and dv)."""
+    if cfg.features.latent_attention:
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.head_dim, cfg.head_dim
+
+
+def layer_params(cfg: ModelConfig, i: int) -> int:
+    """The matmul weights a token passes through in layer i (MTP module k's layer: i = L + k)."""
+    h = cfg.hidden_size
+    per = 3 if cfg.features.gated_mlp else 2  # (gate,) up, down
+    if not cfg.is_moe_layer(i):
+        return attention_params(cfg) + h * cfg.ffn * per
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    routed = h * cfg.num_experts + h * (cfg.moe_router_topk * cfg.moe_ffn + shared) * per
+    return attention_params(cfg) + routed
+
+
+def attention_layers(cfg: ModelConfig) -> int:
+    """Layers with an attention core: the model's and the MTP modules'."""
+    return cfg.num_layers + cfg.mtp_num_layers
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """N: the weights that multiply activations (biases and norms excluded). In a mixture of
     experts the active ones: per MoE layer the router, the k experts a token passes through
-    and the shared expert, not the E - k others (what a token costs, as Megatron counts)."""
-    h, L, hd = cfg.hidden_size, cfg.num_layers, cfg.head_dim
-    attn = h * hd * (cfg.num_attention_heads * 2 + cfg.heads_kv * 2)  # q and out; k and v
-    per = 3 if cfg.features.gated_mlp else 2  # (gate,) up, down
-    mlp = h * cfg.ffn * per
-    n = L * attn + cfg.vocab_size * h  # + the output layer (the tied embedding)
-    for i in range(L):
-        if cfg.is_moe_layer(i):
-            shared = cfg.moe_shared_expert_intermediate_size or 0
-            n += h * cfg.num_experts + h * (cfg.moe_router_topk * cfg.moe_ffn + shared) * per
-        else:
-            n += mlp
+    and the shared expert, not the E - k others (what a token costs, as Megatron counts).
+    MTP modules: eh_proj, the layer and the output layer again."""
+    h, L = cfg.hidden_size, cfg.num_layers
+    n = sum(layer_params(cfg, i) for i in range(L)) + cfg.vocab_size * h  # + the output layer
+    for k in range(cfg.mtp_num_layers):
+        n += 2 * h * h + layer_params(cfg, L + k) + cfg.vocab_size * h
     return n
 
 
 def attention_flops_per_token(cfg: ModelConfig) -> float:
-    """Forward and backward of QK^T and AV: 12 L h s."""
-    return 12 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+    """Forward and backward of QK^T and AV: 6 s nh (d_qk + d_v) per layer (12 L h s when
+    nh d = h), the MTP modules' layers included."""
+    d_qk, d_v = attention_dims(cfg)
+    per_layer = 6 * cfg.seq_length * cfg.num_attention_heads * (d_qk + d_v)
+    return attention_layers(cfg) * per_layer
 
 
 def model_flops_per_token(cfg: ModelConfig) -> float:

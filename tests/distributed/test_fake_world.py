@@ -131,3 +131,39 @@ def test_dry_run_fake_world_prints_groups_syncs_and_memory(capsys):
     out = capsys.readouterr().out
     assert "tp: 2 group(s) compared, matched" in out and "pp: 2 group(s)" in out, out
     assert "planned MiB" in out and "MISMATCHED" not in out, out
+
+
+DEEPSEEK = dict(flavour="deepseek_v3", num_layers=4, num_attention_heads=4, seq_length=32,
+                q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                v_head_dim=8, mtp_num_layers=2, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_dense_layers=[0])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_deepseek_v3_last_stage_peaks_as_planned(capsys):
+    """A tiny DeepSeek-V3 (MLA, experts from layer 1 on, two MTP modules whose layers hold
+    experts) at tp2·pp2·dp2·ep2 with SP: the last stage (MLA layers, the head, both MTP
+    modules) peaks within 10% of the planner's total and reads the host once plus once per MoE
+    layer (its MTP modules' included) and micro-batch; the dry run's plan holds the MTP modules'
+    parameters on the last stage and prints every kind of traffic."""
+    from megalite.training.dry_run import print_plan
+
+    cfg = tiny_config(hidden=32)
+    for k, v in DEEPSEEK.items():
+        setattr(cfg.model, k, v)
+    for k, v in dict(tp=2, pp=2, ep=2, sequence_parallel=True).items():
+        setattr(cfg.parallel, k, v)
+    cfg.training.global_batch_size = 8
+    shape = validate(cfg, 8)
+    (report,) = run_roles(cfg, 8, [shape.topology().rank(pp=1)])
+    _memory_as_planned([report])
+    moe_layers = 2 + 2  # layers 2 and 3, the MTP modules' layers 4 and 5
+    assert report.syncs == expected_syncs(cfg, shape, 1) == 1 + moe_layers * shape.microbatches
+    print_plan(cfg, shape, top=2)
+    out = capsys.readouterr().out
+    for kind in ("tp ", "pp ", "dp ", "ep ", "edp ", "embed "):
+        assert f"{kind}" in out.split("bytes per step:")[1].splitlines()[0], out
+    stage0, stage1 = (line.split() for line in out.splitlines() if "  stage " in line)
+    assert float(stage1[2]) > float(stage0[2]) and "fits in" in out, out  # params (KiB)

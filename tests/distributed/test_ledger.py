@@ -5,6 +5,8 @@ One spawn of two gloo ranks runs every case, each on its own groups: tensor para
 sequence parallelism, and the activations autograd keeps), data parallelism at ZeRO 0-3
 (ledger bytes of the bucket reductions; ZeRO-3's gathers as dp_gather), and the planner's parameter, gradient and optimizer
 bytes against DistributedOptimizer's buffers for tp, pp (tied embedding) and dp layouts.
+Multi-head latent attention: TP's bytes with an MTP module (with and without sequence
+parallelism) and cp's (ring and all-to-all), each equal to traffic.comm_bytes.
 """
 
 import pytest
@@ -23,12 +25,15 @@ from tests.unit.test_plan_activations import saved_bytes
 L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m
 
 
-def config(tp=1, pp=1, dp=1, zero=0, sp=False, precision="fp32") -> Config:
+def config(tp=1, pp=1, dp=1, zero=0, sp=False, precision="fp32", cp=1, cp_comm_type="p2p",
+           **model) -> Config:  # fmt: skip
     cfg = Config()
-    cfg.model = ModelConfig(flavour="gpt2", num_layers=L, hidden_size=H, num_attention_heads=HEADS,
-                            seq_length=S, vocab_size=V, make_vocab_size_divisible_by=8)  # fmt: skip
+    model = {"flavour": "gpt2", **model}
+    cfg.model = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, seq_length=S,
+                            vocab_size=V, make_vocab_size_divisible_by=8, **model)  # fmt: skip
     p, t, o = cfg.parallel, cfg.training, cfg.optimizer
-    p.tp, p.pp, p.dp, p.sequence_parallel = tp, pp, dp, sp
+    p.tp, p.pp, p.dp, p.sequence_parallel, p.cp = tp, pp, dp, sp, cp
+    p.cp_comm_type = cp_comm_type
     t.micro_batch_size, t.global_batch_size, t.precision, t.kernels = (
         B,
         B * M * dp,
@@ -44,10 +49,18 @@ def build(cfg: Config):
     from megalite.parallel.topology import Topology
 
     p = cfg.parallel
-    groups = build_groups(Topology(tp=p.tp, pp=p.pp, dp=p.dp), torch.device("cpu"))
+    groups = build_groups(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp), torch.device("cpu"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
     chunks = [
-        GPTChunk(cfg.model, groups.tp, sequence_parallel=p.sequence_parallel, dtype=dtype, **kw)
+        GPTChunk(
+            cfg.model,
+            groups.tp,
+            sequence_parallel=p.sequence_parallel,
+            dtype=dtype,
+            **kw,
+            cp=groups.cp,
+            cp_comm_type=p.cp_comm_type,
+        )
         for kw in rank_chunks(L, p.pp, 1, groups.pp.rank)
     ]
     return groups, chunks, DistributedOptimizer(chunks, groups, cfg)
@@ -59,16 +72,20 @@ def data(k):
 
 
 def step(groups, chunks, opt, dp_rank=0):
-    """One optimizer step of M micro-batches through a whole-model chunk, as the trainer does."""
+    """One optimizer step of M micro-batches through a whole-model chunk, as the trainer does
+    (with cp, this rank's s/cp tokens of each: context_parallel.shard_batch)."""
+    from megalite.parallel.context_parallel import shard_batch
+
     groups.ledger.reset()
     opt.zero_grad(M)
     loss = 0.0
-    for k in range(M):
-        x, y = data(10 * dp_rank + k)
-        out = chunks[0](x, y)
+    batch = [data(10 * dp_rank + k) for k in range(M)]
+    for x, y, *shard in shard_batch(batch, groups.cp.size, groups.cp.rank):
+        out = chunks[0](x, y, **({"shard": shard[0]} if shard else {}))
         (out / M).backward()
         loss += out.item() / M
-    comm.all_reduce(torch.tensor([loss], dtype=torch.float64), groups.dp)  # the trainer's mean
+    replicas = groups.cp if groups.cp.size > 1 else groups.dp  # one of them is 1 here
+    comm.all_reduce(torch.tensor([loss], dtype=torch.float64), replicas)  # the trainer's mean
     opt.step(1e-3)
     return dict(groups.ledger.bytes)
 
@@ -94,6 +111,30 @@ def tp_case(sp: bool):
     kw = rank_chunks(L, 1, 1, 0)[0]
     estimate, _ = activations.chunk_activations(cfg, layout(cfg, tp=2, sequence_parallel=sp), kw)
     return got["tp"], measured, estimate
+
+
+MLA = dict(
+    flavour="deepseek_v3",
+    q_lora_rank=12,
+    kv_lora_rank=10,
+    qk_nope_head_dim=6,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+)  # k 10 dims per head, v 8: padded to 10 for cp
+
+
+def latent_case(cfg: Config):
+    """MLA (and an MTP module at tp2): the bytes a step's ledger records per group kind, TP's
+    (the MTP module's layer, embedding, logits and loss on the head too) and cp's (each head's
+    K and V at the padded dims), equal to the planner's."""
+    groups, chunks, opt = build(cfg)
+    got = step(groups, chunks, opt)
+    p = cfg.parallel
+    lay = layout(cfg, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
+    want = traffic.comm_bytes(cfg, lay, 0, M)
+    kinds = {"tp", "cp"} & set(want)
+    assert kinds and {k: got[k] for k in kinds} == {k: want[k] for k in kinds}, (lay, got, want)
+    return {k: got[k] for k in kinds}
 
 
 def dp_case(zero: int, rank: int):
@@ -142,6 +183,8 @@ def memory_case(cfg: Config):
 def run(rank, world):
     out = {"tp": [tp_case(sp) for sp in (False, True)]}
     out["dp"] = [dp_case(z, rank) for z in (0, 1, 2, 3)]
+    out["mla"] = [latent_case(config(tp=2, sp=sp, mtp_num_layers=1, **MLA)) for sp in (False, True)]
+    out["mla"] += [latent_case(config(cp=2, **MLA, cp_comm_type=c)) for c in ("p2p", "a2a")]
     out["memory"] = [
         memory_case(config(tp=2, sp=True)),
         memory_case(config(pp=2)),  # tied embedding halves in buckets of their own

@@ -1,13 +1,13 @@
-"""The new MoE architectures train at ep2·tp2 (experts over TP, dp 2) with the real Trainer like
-one process: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layers), a
-DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after every
-step, node-limited groups, a scaling factor, a shared expert, the first layer dense) and gpt-oss's
-model (attention sinks, alternating sliding/full layers, biased router and experts, clamped
-SwiGLU). Qwen3-MoE and gpt-oss also at ep2·tp2·pp2, a dense gpt-oss at cp2·tp2 (its sinks and
-alternating windows through ring attention), the DeepSeek-style one at ep2·pp2 (the dense first
-layer and an MoE one on stage 0, the expert bias update over both stages). 8 steps each, losses
-within 1e-4 of the single process per step and final parameters (expert biases included) within
-1e-4 (fp32); one spawn.
+"""The new MoE architectures train with the real Trainer like one process, in one spawn of 8
+ranks: Qwen3-MoE (QK-norm, head_dim 16, a dense layer by --moe-dense-layers) and gpt-oss's model
+(attention sinks, alternating sliding/full layers, biased router and experts, clamped SwiGLU) at
+the full layout tp2·pp2·dp2 with ep2 (Qwen3-MoE sequence parallel at ZeRO-1; gpt-oss without
+SP), a DeepSeek-V3-style router (sigmoid scores, the auxiliary-loss-free expert bias moved after
+every step, node-limited groups, a scaling factor, a shared expert, the first layer dense) at
+ep2·tp2 (experts over TP, dp 4) and ep2·pp2 (the dense first layer and an MoE one on stage 0,
+the expert bias update over both stages), and a dense gpt-oss at cp2·tp2·dp2 (its sinks and
+alternating windows through ring attention). 5 steps each, losses within 1e-4 of the single
+process per step and final parameters (expert biases included) within 1e-4 (fp32).
 """
 
 import functools
@@ -19,7 +19,7 @@ from megalite.testing import spawn
 from tests.distributed.test_moe_training import config, params, trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-STEPS = 8
+STEPS = 5
 MODELS = {  # name: ModelConfig fields over test_moe_training's tiny llama with 4 experts
     "qwen3-moe": {"flavour": "qwen3", "kv_channels": 16, "moe_dense_layers": [1]},
     "deepseek": {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
@@ -43,38 +43,46 @@ def model_config(name: str, **parallel):
 
 
 @functools.cache
-def single(name: str):
+def single(name: str, steps: int):
     tr = trainer(model_config(name), 1, single_process_groups())
     init = {n: p.clone() for n, (p, _) in params(tr).items()}
-    losses = [tr.train_step()["loss"] for _ in range(STEPS)]
+    losses = [tr.train_step()["loss"] for _ in range(steps)]
     final = {n: p for n, (p, _) in params(tr).items()}
     # it trains: every parameter moved (8 small steps on fresh batches need not lower the loss)
     moved = min((final[n] - init[n]).abs().max().item() for n in final)
     return losses, final, moved
 
 
-RUNS = [(name, "ep2 tp2", {"tp": 2, "ep": 2}) for name in MODELS if name != "gpt-oss-dense"]
-RUNS.append(("deepseek", "ep2 pp2", {"pp": 2, "ep": 2}))
-RUNS += [(name, "ep2 tp2 pp2", {"tp": 2, "pp": 2, "ep": 2}) for name in ("qwen3-moe", "gpt-oss")]
-RUNS.append(("gpt-oss-dense", "cp2 tp2", {"tp": 2, "cp": 2}))  # sinks through ring attention
+FULL = {"tp": 2, "pp": 2, "ep": 2}
+RUNS = [  # (model, layout, parallel flags, steps), all at 8 ranks
+    ("deepseek", "ep2 tp2 dp4", {"tp": 2, "ep": 2}, STEPS),
+    ("deepseek", "ep2 pp2 dp4", {"pp": 2, "ep": 2}, STEPS),
+    # the full layout: dp 2 beside tp2 and pp2, the experts over ep2 (edp 2); Qwen3-MoE
+    # sequence parallel at ZeRO-1, gpt-oss without (the routed tokens' own split over TP)
+    ("qwen3-moe", "ep2 tp2 pp2 dp2 sp zero1", {**FULL, "sequence_parallel": True, "zero_stage": 1},
+     STEPS),
+    ("gpt-oss", "ep2 tp2 pp2 dp2", FULL, STEPS),
+    ("gpt-oss-dense", "cp2 tp2 dp2", {"tp": 2, "cp": 2}, STEPS),  # sinks through ring attention
+]  # fmt: skip
 
 
 def _run(rank, world):
     out = {}
-    for name, layout, flags in RUNS:
+    for name, layout, flags, steps in RUNS:
         tr = trainer(model_config(name, **flags), world)
-        losses = [tr.train_step()["loss"] for _ in range(STEPS)]
+        losses = [tr.train_step()["loss"] for _ in range(steps)]
         out[name, layout] = losses, params(tr)
     return out
 
 
 def test_moe_variants_train_like_one_process():
-    results = spawn(_run, 4, timeout=600)
-    for name, layout, _ in RUNS:
-        ref_losses, ref_params, moved = single(name)
+    results = spawn(_run, 8, timeout=900)
+    for name, layout, _, steps in RUNS:
+        ref_losses, ref_params, moved = single(name, steps)
         assert moved > 1e-5, (name, moved)
         key = name, layout
         losses = next(r[key][0] for r in results if r[key][0][0] is not None)  # last stage's
+        assert len(losses) == steps, key
         for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
             assert abs(a - b) <= 1e-4 * abs(b), f"{key} step {step}: {a} vs one process {b}"
         for r in results:

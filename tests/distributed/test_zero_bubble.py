@@ -1,7 +1,8 @@
 """Zero-bubble schedules: the backward split into I and W, and whole optimizer steps.
 
 - W is real: after I the parameters have no gradient yet (only the stage input has one); after
-  W they hold exactly the gradient a full backward gives.
+  W they hold exactly the gradient a full backward gives (also with two MTP modules, whose
+  shared embedding is used at two depths of the path from the input).
 - In fp64, ZB-H1, ZB-V and DualPipeV steps at pp 2 and 4, with dp2 at ZeRO 0/1/2 and with
   tp2, equal one process (loss, gradients, parameters after the step) within 1e-10: the
   data-parallel hooks, buckets and reduce-scatters, the tied embedding (on one rank in a V) and
@@ -28,10 +29,16 @@ TOL = 1e-10
 V, S, MBS = 50, 6, 2
 
 
-def test_weight_gradients_wait_for_w():
+# two MTP modules: their shared embedding is used at two depths of the path from the input
+MTP = dict(flavour="deepseek_v3", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+           v_head_dim=4, mtp_num_layers=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_kw", [{"flavour": "llama"}, MTP], ids=["llama", "mtp2"])
+def test_weight_gradients_wait_for_w(model_kw):
     torch.manual_seed(0)
-    model = GPTChunk(ModelConfig(flavour="llama", num_layers=2, hidden_size=16,
-                                 num_attention_heads=2, seq_length=S, vocab_size=V),
+    model = GPTChunk(ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                                 seq_length=S, vocab_size=V, **model_kw),
                      has_embedding=False, dtype=torch.float64)  # fmt: skip
     x = torch.randn(2, S, 16, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (2, S))

@@ -74,3 +74,43 @@ def test_unknown_device_is_unknown(name):
 
 def test_cpu_reports_no_mfu():
     assert flops.device_peak_flops(torch.device("cpu"), "fp32") is None
+
+
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+           moe_shared_expert_intermediate_size=16, moe_dense_layers=[0])  # fmt: skip
+
+
+@pytest.mark.parametrize("q_lora_rank, moe", [(12, {}), (None, MOE)])
+def test_latent_attention_and_mtp_against_the_flop_counter(q_lora_rank, moe):
+    """A tiny one-process DeepSeek-V3-style model (MLA with v narrower than q/k, two MTP modules,
+    with and without a q rank, dense or with experts from layer 1 on, the MTP layers' too):
+    the formula's forward (2 N + the attention core's third) against the matmul FLOPs
+    torch.utils.flop_counter counts in a forward. The counter sees what the implementation
+    runs: SDPA's math path (the full s x s square, as the formula counts it) on v padded to the
+    q/k head dim (model/mla.py), which the test adds; norms, RoPE, softmax, the routing's
+    top-k and the loss are no matmuls, left out by both. The real vocabulary is a padded one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megalite.model.gpt import GPTChunk
+
+    nh, s, b, dqk, dv = 4, 16, 2, 10, 8
+    cfg = ModelConfig(flavour="deepseek_v3", num_layers=2, hidden_size=32, num_attention_heads=nh,
+                      seq_length=s, vocab_size=256, ffn_hidden_size=48, q_lora_rank=q_lora_rank,
+                      kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=dv,
+                      mtp_num_layers=2, **moe)  # fmt: skip
+    assert cfg.padded_vocab_size(1) == cfg.vocab_size
+    model = GPTChunk(cfg, seed=0)
+    x, y = torch.randint(256, (2, b, s), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, y)
+    counted = counter.get_total_flops() / (b * s)  # per token
+    layers = cfg.num_layers + cfg.mtp_num_layers
+    padding = layers * 2 * s * nh * (dqk - dv)  # AV over dqk dims instead of dv
+    formula = 2 * flops.matmul_params(cfg) + flops.attention_flops_per_token(cfg) / 3
+    assert counted == pytest.approx(formula + padding, rel=1e-9), (counted, formula, padding)
+    # the model's parts: MLA's projections, not q, k, v, out of h x h; the MTP modules counted
+    assert flops.attention_dims(cfg) == (dqk, dv)
+    h, r = 32, 10
+    q = h * 12 + 12 * nh * dqk if q_lora_rank else h * nh * dqk
+    assert flops.attention_params(cfg) == q + h * (r + 4) + r * nh * (6 + dv) + nh * dv * h

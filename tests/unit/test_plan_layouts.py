@@ -1,6 +1,8 @@
 """plan/layouts.py: the layout search's recommendations for a few fixed cases, and the Table 1
 layouts of Narayanan et al. 2021."""
 
+import pytest
+
 from megalite.plan import layouts
 from megalite.plan.layouts import layout
 from megalite.plan.ranking import Cluster
@@ -73,3 +75,22 @@ def test_plans_the_megatron_paper_layouts():
         if (tp, pp) not in [(p.layout.tp, p.layout.pp) for p in top]:
             missed.append((name, [str(p.layout) for p in top]))
     assert missed == []
+
+
+def test_the_last_stage_runs_the_mtp_modules():
+    """The step time's last stage (the pipeline's pace) holds the output layer once more and a
+    layer per MTP module: at pp=4 the compute term grows by (pp - 1) times that share."""
+    from megalite.plan.ranking import step_time
+
+    cfg = big("deepseek_v3", 8, 1024, 8, 1024, 32000, mbs=1, gbs=64)
+    cfg.model.mtp_num_layers = 2
+    cluster = Cluster(gpus=8, gpu_memory_gib=80)
+    p = layouts.plan(cfg, layout(cfg, pp=4, dp=2), cluster)
+    f = flops(cfg)
+    with_mtp = step_time(cfg, p, cluster, f)
+    cfg.model.mtp_num_layers = 0  # the same plan and FLOPs: only the last stage's share differs
+    without = step_time(cfg, p, cluster, f)
+    compute = f * 64 * 1024 / 8 / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    out = 6 * 32000 * 1024 / f  # one output layer's share
+    extra = 2 * out + 2 * (1 - 3 * out) / (8 + 2)  # two more logits, two layers
+    assert with_mtp - without == pytest.approx(compute * (1 + p.bubble) * 3 * extra, rel=1e-9)
