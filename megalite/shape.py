@@ -247,6 +247,8 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
     if not e:
         if ep > 1:
             return f"--ep {ep} needs a mixture-of-experts model; set --num-experts"
+        if m.moe_router_enable_expert_bias:
+            return "--moe-router-enable-expert-bias needs a mixture-of-experts model; set --num-experts"
         return None
     if sizes.get("cp", 1) > 1:  # the balancing loss and capacity are over a TP group's sequence
         return "mixture-of-experts models do not run with --cp yet; use --cp 1"

@@ -153,6 +153,7 @@ def test_expert_bias_moves_towards_balance():
         ({"num_experts": 6, "ep": 3}, 4, "ep=3 does not divide tp*dp=1*4"),
         ({"num_experts": 4, "ep": 2, "etp": 2}, 2, "--expert-tensor-parallel-size 2 is not supported"),
         ({"ep": 2}, 2, "--ep 2 needs a mixture-of-experts model"),
+        ({"moe_router_enable_expert_bias": True}, 1, "--moe-router-enable-expert-bias needs a mixture-of-experts"),
         ({"num_experts": 4, "cp": 2}, 2, "mixture-of-experts models do not run with --cp yet"),
     ],
 )  # fmt: skip
