@@ -201,6 +201,10 @@ QUICK = {
         ],
         "full shape: 8 layers, h 384, s 256, 2 repeats of 3 steps",
     ),  # fmt: skip
+    "bench_nanogpt.py": (
+        ["--iters", "150", "--block", "25"],
+        "the full 2000 iterations of nanoGPT's recipe (about 5 minutes)",
+    ),
     "stress_exit.py": (["--runs", "1"], "50 runs per job"),
     "gpu_trainer_check.py multirank": (
         ["multirank", "--device", "cpu", "--timeout", "120"],
@@ -225,7 +229,7 @@ HELPERS = {"run_all.py", "_common.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
-           "bench_context_parallel.py", "bench_zero3.py"}  # fmt: skip
+           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py"}  # fmt: skip
 
 
 def check_coverage() -> list[str]:
