@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_nanogpt.py [--iters 300] [--block 25] [--threads 1]
         [--log-interval 1] [--peer-adamw single|foreach] [--peer-bias] [--peer-gelu none|tanh]
-        [--profile N] [--summary PATH]
+        [--megalite-compile] [--profile N] [--summary PATH]
 
 nanoGPT (github.com/karpathy/nanoGPT) documents a CPU run in its README: "4 layers, 4 heads,
 128 embedding size", context 64, batch 12, 2000 iterations with the learning rate decayed over
@@ -188,7 +188,7 @@ class Peer:
 # ---- megalite's one-process trainer path ------------------------------------------------------
 
 
-def megalite_config(iters: int, cache: str) -> Config:
+def megalite_config(iters: int, cache: str, compile_layers: bool = False) -> Config:
     cfg = Config()
     m = cfg.model
     m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = "gpt2", LAYERS, WIDTH, HEADS
@@ -196,6 +196,7 @@ def megalite_config(iters: int, cache: str) -> Config:
     t = cfg.training
     t.micro_batch_size = t.global_batch_size = BATCH
     t.train_iters, t.kernels, t.log_interval = iters, "torch", 1
+    t.compile = compile_layers  # --megalite-compile: each layer through torch.compile
     o = cfg.optimizer
     o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters = LR, MIN_LR, WARMUP, iters
     o.adam_beta1, o.adam_beta2 = BETAS
@@ -208,8 +209,8 @@ def megalite_config(iters: int, cache: str) -> Config:
 class Megalite:
     name = "megalite"
 
-    def __init__(self, train, iters, log_interval, groups, cache, seed=1337):
-        cfg = megalite_config(iters, cache)
+    def __init__(self, train, iters, log_interval, groups, cache, compile_layers=False, seed=1337):
+        cfg = megalite_config(iters, cache, compile_layers)
         torch.manual_seed(seed)
         self.trainer = Trainer(cfg, validate(cfg, 1), groups)
         (self.model,) = self.trainer.chunks
@@ -271,6 +272,12 @@ def main():
         choices=("none", "tanh"),
         help="the peer's GELU: nanoGPT's exact one, or GPT-2's tanh (megalite's)",
     )
+    ap.add_argument(
+        "--megalite-compile",
+        action="store_true",
+        help="megalite with --compile (inductor C++); nanoGPT's CPU command has "
+        "--compile=False, so the peer stays eager",
+    )
     ap.add_argument("--cache", default="data_cache", help="built-in corpus cache directory")
     ap.add_argument("--profile", type=int, default=0, help="profile N iterations per side first")
     ap.add_argument("--summary", help="write the headline figures as JSON here")
@@ -284,10 +291,12 @@ def main():
     train, valid = splits(a.cache)
     vb = Batches(valid, 1)
     val = [vb() for _ in range(EVAL_BATCHES)]
-    sides = [Megalite(train, a.iters, a.log_interval, groups, a.cache),
+    sides = [Megalite(train, a.iters, a.log_interval, groups, a.cache, a.megalite_compile),
              Peer(train, a.iters, a.log_interval, a)]  # fmt: skip
     n_ml = sum(p.numel() for p in sides[0].model.parameters())
     n_peer = sum(p.numel() for p in sides[1].model.parameters())
+    if a.megalite_compile:
+        print("megalite with --compile (its first block, compiling, is not counted)")
     print(f"{LAYERS} layers x {WIDTH}, {HEADS} heads, context {CONTEXT}, batch {BATCH}, vocabulary "
           f"{VOCAB}; parameters megalite {n_ml:,} (biases, tanh GELU), nanoGPT-style {n_peer:,} "
           f"(bias {a.peer_bias}, GELU {a.peer_gelu}, AdamW {a.peer_adamw}); "
