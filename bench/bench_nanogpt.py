@@ -17,7 +17,8 @@ CPU torch's default (single-tensor) AdamW since it asks for the fused one only o
 nn.LayerNorm, F.scaled_dot_product_attention, its loop: random windows of the token memmap,
 forward, next batch, backward, clip, step, zero_grad(set_to_none)); nanoGPT's code is not
 copied. megalite runs the same recipe through its one-process trainer path, `Trainer.step`
-(the pipeline executor at pp=1, `DistributedOptimizer` over flat buffers, its LR schedule), on
+(the pipeline executor at pp=1, `DistributedOptimizer` over flat buffers, its LR schedule:
+warm-up lr (it + 1) / 100 where nanoGPT's is (it + 1) / 101, the same cosine after), on
 megalite's GPT-2 flavour, which is not quite nanoGPT's model: it has biases and GPT-2's tanh
 GELU (on CPU 2-4x the cost of the exact GELU nanoGPT uses). `--peer-bias --peer-gelu tanh`
 gives the peer megalite's architecture (nanoGPT's bias=True is its GPT-2 layout), so the
