@@ -24,7 +24,10 @@ in one bucket:
 
 Per bucket the mean of the two ranks, in seconds per step, and what it implies: the step time
 megalite would need for the 1.4x target against torch's measured step, set against megalite's
-own compute (gemm + other compute), the floor no amount of overlap or dispatch work removes.
+own compute (gemm + other compute), the floor no amount of overlap or dispatch work removes,
+and the gloo-bound ceiling: torch's step over megalite's compute plus its collectives (what
+remains with zero dispatch and Python time, since on two busy cores a gloo collective cannot
+hide behind compute), with the share of it megalite's measured step reaches.
 The profiler adds a few microseconds per op to both sides; the unprofiled step time is printed
 beside it.
 """
@@ -174,6 +177,12 @@ def main():
               f"computes {floor:.3f} s and spends {wall[ours] - floor:.3f} s elsewhere "
               f"(collectives {mean[ours]['collectives']:.3f}); best possible with zero "
               f"non-compute time: {wall[theirs] / floor:.2f}x; measured {wall[theirs] / wall[ours]:.2f}x")  # fmt: skip
+        # the gloo-bound ceiling: megalite's step were it only its compute and its collectives
+        # (on two busy cores gloo's reductions cannot hide behind compute)
+        bound = floor + mean[ours]["collectives"]
+        print(f"  {ours}: gloo-bound ceiling {wall[theirs] / bound:.2f}x torch (compute + "
+              f"collectives {bound:.3f} s); reached {bound / wall[ours]:.0%} of it "
+              f"(target 95%)")  # fmt: skip
     print(f"load average after: {os.getloadavg()}")
 
 

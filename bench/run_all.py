@@ -201,6 +201,53 @@ QUICK = {
         ],
         "full shape: 8 layers, h 384, s 256, 2 repeats of 3 steps",
     ),  # fmt: skip
+    "bench_nanogpt.py": (
+        ["--iters", "150", "--block", "25"],
+        "the full 2000 iterations of nanoGPT's recipe (about 5 minutes)",
+    ),
+    "profile_tp.py": (
+        [
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
+            "--heads",
+            "4",
+            "--groups",
+            "2",
+            "--vocab",
+            "1024",
+            "--seq",
+            "64",
+            "--mbs",
+            "2",
+            "--micro",
+            "4",
+            "--steps",
+            "1",
+        ],
+        "bench_tp.py's full shape, 2 profiled steps",
+    ),  # fmt: skip
+    "profile_peers.py pp": (
+        [
+            "pp",
+            "--layers",
+            "4",
+            "--hidden",
+            "128",
+            "--seq",
+            "64",
+            "--vocab",
+            "1024",
+            "--microbatches",
+            "4",
+            "--micro-batch",
+            "2",
+            "--profile-steps",
+            "1",
+        ],
+        "bench_pipeline.py's full shape, 2 profiled steps",
+    ),  # fmt: skip
     "stress_exit.py": (["--runs", "1"], "50 runs per job"),
     "gpu_trainer_check.py multirank": (
         ["multirank", "--device", "cpu", "--timeout", "120"],
@@ -221,11 +268,11 @@ QUICK = {
 # 20 minutes cold on 2 busy cores; its ptxas reports are cached after)
 TIMEOUTS = {"../tools/check_kernels.py": 3600}
 # scripts of bench/ that are not benchmarks
-HELPERS = {"run_all.py", "_common.py"}
+HELPERS = {"run_all.py", "_common.py", "_tp_torch.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
-           "bench_context_parallel.py", "bench_zero3.py"}  # fmt: skip
+           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py"}  # fmt: skip
 
 
 def check_coverage() -> list[str]:
