@@ -133,6 +133,10 @@ QUICK = {
         ],
         "full shape: 4 layers, h 256, contexts 64 and 512",
     ),  # fmt: skip
+    "bench_muon.py": (
+        ["--layers", "1", "--hidden", "128", "--ffn", "512", "--steps", "2", "--repeats", "1"],
+        "2 layers of 384, ffn 1536, 5 steps x 3 repeats",
+    ),  # fmt: skip
     "bench_compile.py": (
         ["--layers", "2", "--hidden", "128", "--seq", "128", "--rounds", "3", "--warmup", "1"],
         "the shape 4 x 256, s 256, 8 rounds",
