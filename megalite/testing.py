@@ -182,15 +182,26 @@ def tiny_config(hidden: int = 32, vocab: int = 100) -> Config:
     return cfg
 
 
-def tiny_trainer(cfg: Config, samples: int = 256):
-    """The Trainer of `cfg` at this world's size, on `samples` random token rows."""
+def tiny_trainer(cfg: Config, samples: int = 256, world: int | None = None, log=None):
+    """The Trainer of `cfg` on `samples` random token rows, at `world` ranks (default: this
+    spawned world's size; 1: one process, no process group needed). `log`, a list, collects
+    the checkpointer's log lines."""
+    from megalite.parallel.groups import single_process_groups
     from megalite.training.trainer import Trainer
 
-    shape = validate(cfg, dist.get_world_size())
-    groups = build_groups(shape.topology(), torch.device("cpu"))
+    world = dist.get_world_size() if world is None else world
+    shape = validate(cfg, world)
+    groups = (
+        single_process_groups()
+        if world == 1
+        else build_groups(shape.topology(), torch.device("cpu"))
+    )
     m = cfg.model
     tokens = np.random.default_rng(0).integers(0, m.vocab_size, (samples, m.seq_length + 1))
-    return Trainer(cfg, shape, groups, SimpleNamespace(train=tokens, valid=None, tokenizer=None))
+    tr = Trainer(cfg, shape, groups, SimpleNamespace(train=tokens, valid=None, tokenizer=None))
+    if log is not None:
+        tr.checkpointer.log = log.append
+    return tr
 
 
 def perturbed(model: torch.nn.Module, scale: float = 0.05, louder: tuple = (), loud: float = 0.3):

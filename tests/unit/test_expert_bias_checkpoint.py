@@ -5,17 +5,14 @@ biases at zero and a note in the log line. The MTP modules' MoE layers move thei
 the planner counts their rows of the update's all-reduce."""
 
 import json
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.config import Config
 from megalite.model.moe import expert_biases, moe_layers
-from megalite.parallel.groups import single_process_groups
-from megalite.shape import validate
+from megalite.testing import tiny_trainer
 
 
 def _config(save=None, mtp=0, **parallel) -> Config:
@@ -38,20 +35,7 @@ def _config(save=None, mtp=0, **parallel) -> Config:
 
 def _trainer(cfg, log=None, world=1):
     """The Trainer of `cfg` (one process, or this spawned world's ranks)."""
-    from megalite.parallel.groups import build_groups
-    from megalite.training.trainer import Trainer
-
-    tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
-    shape = validate(cfg, world)
-    groups = (
-        single_process_groups()
-        if world == 1
-        else build_groups(shape.topology(), torch.device("cpu"))
-    )
-    tr = Trainer(cfg, shape, groups, SimpleNamespace(train=tokens, valid=None, tokenizer=None))
-    if log is not None:
-        tr.checkpointer.log = log.append
-    return tr
+    return tiny_trainer(cfg, 64, world, log)
 
 
 def _biases(tr) -> dict:

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 from megalite.kernels.fp8 import E4M3, E5M2, Fp8Linear, end_step, make_recipe
 
+from megalite.testing import tiny_trainer
+
 
 def _torchao_linear(linear: nn.Linear, recipe: str, pow2: bool):
     with warnings.catch_warnings():
@@ -236,27 +238,7 @@ def _fp8_config(save=None, recipe="delayed", **parallel):
 
 
 def _fp8_trainer(cfg, log=None, world=1):
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from megalite.parallel.groups import single_process_groups
-    from megalite.shape import validate
-    from megalite.training.trainer import Trainer
-
-    tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
-    data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
-    shape = validate(cfg, world)
-    if world == 1:
-        groups = single_process_groups()
-    else:
-        from megalite.parallel.groups import build_groups
-
-        groups = build_groups(shape.topology(), torch.device("cpu"))
-    tr = Trainer(cfg, shape, groups, data)
-    if log is not None:
-        tr.checkpointer.log = log.append
-    return tr
+    return tiny_trainer(cfg, 64, world, log)
 
 
 def _histories(tr) -> dict:
