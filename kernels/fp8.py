@@ -101,6 +101,13 @@ class Recipe:
         """t (rows, k), its logical dims `dims` (rows', k's): FP8 data and its scale."""
         raise NotImplementedError
 
+    def scale(self, op, amax, role, dtype, dims, record=False) -> torch.Tensor:
+        """A per-tensor recipe's scale for a tensor whose local amax is `amax` (reduced over the
+        groups sharding `dims` here), as `quantise` computes it: ZeRO-3's FP8 parameter gather
+        (parallel/fp8_gather.py) casts the weight's shards itself. `record`: the amax counts
+        for delayed scaling's history."""
+        raise NotImplementedError(f"the {self.name} recipe has no per-tensor scale")
+
     def gemm(self, a: Quantised, b: Quantised, out_dtype) -> torch.Tensor:
         return scaled_gemm(a, b, out_dtype)
 
@@ -108,10 +115,12 @@ class Recipe:
 class Tensorwise(Recipe):
     name = "tensorwise"
 
-    def quantise(self, op, t, role, dtype, dims):
-        amax = t.detach().abs().amax().float()
+    def scale(self, op, amax, role, dtype, dims, record=False):
         op.reduce(amax, dims)  # the whole tensor's amax: every group that shards it
-        scale = amax_to_scale(amax, dtype)
+        return amax_to_scale(amax, dtype)
+
+    def quantise(self, op, t, role, dtype, dims):
+        scale = self.scale(op, t.detach().abs().amax().float(), role, dtype, dims)
         return Quantised(cast(t, scale, dtype), scale.reciprocal())
 
 
@@ -151,17 +160,18 @@ class Delayed(Recipe):
         z = torch.zeros(())
         return AmaxHistory(torch.zeros(self.history_len), z.clone(), z + 1.0, dtype)
 
-    def quantise(self, op, t, role, dtype, dims):
+    def scale(self, op, amax, role, dtype, dims, record=False):
         st = op.state[role]
-        amax = t.detach().abs().amax().float()
-        if op.recording:  # a training forward or a backward (an evaluation's does not count)
+        if record:  # a training forward or a backward (an evaluation's does not count)
             st.pending = torch.maximum(st.pending.to(amax.device), amax)
         if st.steps == 0:  # no history yet: this tensor's own (reduced) amax
             amax = amax.clone()
             op.reduce(amax, dims)
-            scale = amax_to_scale(amax, dtype, self.margin)
-        else:
-            scale = st.scale.to(t.device)
+            return amax_to_scale(amax, dtype, self.margin)
+        return st.scale.to(amax.device)
+
+    def quantise(self, op, t, role, dtype, dims):
+        scale = self.scale(op, t.detach().abs().amax().float(), role, dtype, dims, op.recording)
         return Quantised(cast(t, scale, dtype), scale.reciprocal())
 
     def push(self, st: AmaxHistory, amax: torch.Tensor):
@@ -237,7 +247,10 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, w, op):
         r, fwd = op.recipe, op.recipe.format.forward
         xq = r.quantise(op, x, "x", fwd, ("tokens", "in"))
-        wq = r.quantise(op, w, "w", fwd, ("out", "in"))
+        wq = op.gathered or r.quantise(op, w, "w", fwd, ("out", "in"))
+        if wq.data.shape != w.shape:
+            raise RuntimeError(f"FP8 gathered weight {tuple(wq.data.shape)} is not the "
+                               f"weight {tuple(w.shape)} this linear was called with")  # fmt: skip
         ctx.op = op
         if r.transposable:  # keep the FP8 copies (a quarter of fp32's bytes)
             ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
@@ -267,6 +280,20 @@ class _Fp8Matmul(torch.autograd.Function):
         return gx, gw, None
 
 
+class _Unread(torch.autograd.Function):
+    """torch.cat's shape and gradient without reading the weights (an expanded zero)."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.rows = [w.shape[0] for w in weights]
+        w = weights[0]
+        return w.new_zeros(()).expand(sum(ctx.rows), *w.shape[1:])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.split(ctx.rows)
+
+
 class Fp8Linear:
     """`ops.linear` in FP8 for one layer: `(x, w, b=None)` with F.linear's meaning. It holds the
     layer's delayed-scaling state and `shards`: logical dim ("tokens", "in", "out") -> the group
@@ -274,6 +301,9 @@ class Fp8Linear:
 
     def __init__(self, recipe: Recipe, shards: dict | None = None, reduce_max=None):
         self.recipe, self.reduce_max, self.recording = recipe, reduce_max, True
+        # --fp8-param-gather: the FP8 weight (Quantised) ZeRO-3 gathered (parallel/fp8_gather.py),
+        # used instead of quantising the weight it is called with, which is then never read
+        self.gathered = None
         self.shards = {k: g for k, g in (shards or {}).items() if g is not None and g.size > 1}
         fmt = recipe.format
         roles = {"x": fmt.forward, "w": fmt.forward, "g": fmt.backward}
@@ -291,6 +321,14 @@ class Fp8Linear:
         y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), w, self)
         y = y.view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
+
+    def concat(self, weights: list) -> torch.Tensor:
+        """The weights of fused layers (q, k, v; gate, up) as this linear's one weight: their
+        concatenation, or with a gathered FP8 weight a stand-in of its shape that reads none of
+        them (their storage is not gathered) and passes the gradient back to each."""
+        if self.gathered is None:
+            return torch.cat(weights)
+        return _Unread.apply(*weights)
 
     def histories(self) -> list:
         return [s for s in self.state.values() if isinstance(s, AmaxHistory)]
