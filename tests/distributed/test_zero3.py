@@ -7,7 +7,11 @@ two pipeline stages, torch.optim.AdamW + clip_grad_norm_ in one process).
 
 import pytest
 import torch
+from megalite.kernels import fp8
 
+from megalite import kernels
+from megalite.config import Config, ModelConfig
+from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.parallel.groups import build_groups
@@ -182,11 +186,6 @@ def test_zero3_dp2_matches_one_process_and_holds_two_layers():
 def _fp8_run(groups, recipe, gather, dtype, steps):
     """A two-layer llama GPTChunk at dp2 ZeRO-3 with FP8 linears: the losses, this rank's
     parameter shards after `steps` steps, and the dp_gather bytes of gathering one layer."""
-    from megalite import kernels
-    from megalite.config import Config, ModelConfig
-    from megalite.kernels import fp8
-    from megalite.model.gpt import GPTChunk
-
     cfg = Config()
     cfg.model = ModelConfig(flavour="llama", num_layers=2, hidden_size=32, num_attention_heads=2,
                             seq_length=16, vocab_size=64, ffn_hidden_size=64)  # fmt: skip
