@@ -344,8 +344,8 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
     from megalite.kernels.fp8 import RECIPES, device_problem  # torch: only for an FP8 run
 
     if t.fp8_param_gather and not RECIPES[t.fp8_recipe].transposable:
-        return (f"--fp8-param-gather needs a per-tensor recipe (tensorwise, delayed): "
-                f"--fp8-recipe {t.fp8_recipe} re-quantises the high-precision weight in backward")
+        return (f"--fp8-param-gather needs --fp8-recipe tensorwise or delayed: {t.fp8_recipe} "
+                "re-quantises the high-precision weight in backward")  # fmt: skip
     q = RECIPES[t.fp8_recipe].multiple
     kv = m.heads_kv // shape.tp if m.heads_kv % shape.tp == 0 else m.heads_kv  # k/v per rank
     dims = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp": m.ffn // shape.tp,
