@@ -69,6 +69,42 @@ def cast(t: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return (t.float() * scale).clamp(-m, m).to(dtype)
 
 
+def quantise_mx_torch(t: torch.Tensor, dtype) -> Quantised:
+    """MXFP8 along the last dim of t (rows, k): per block of 32 the OCP MX scale
+    2^(floor(log2 amax) - emax), clamped to e8m0's range, and the block cast with it."""
+    rows, k = t.shape
+    pad = -k % MX_BLOCK
+    blocks = torch.nn.functional.pad(t.float(), (0, pad)).view(rows, -1, MX_BLOCK)
+    amax = blocks.detach().abs().amax(-1, keepdim=True)  # (rows, k/32, 1)
+    exp = (torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - _EMAX[dtype]).clamp(-127, 127)
+    scale = torch.exp2(exp)
+    data = cast(blocks, scale.reciprocal(), dtype).view(rows, -1)[:, :k]
+    return Quantised(data, scale.squeeze(-1))
+
+
+class TorchCasts:
+    """The quantise steps the recipes take, in torch: the CPU path, and the reference of the
+    fused Triton kernels (kernels/fp8_cast.py `TRITON_CASTS`, which the ops namespace hands
+    an `Fp8Maker` on CUDA: `ops.fp8_casts`)."""
+
+    def __call__(self, t: torch.Tensor, dtype) -> Quantised:
+        """t quantised with one scale from its own amax (the steps below, nothing reduced)."""
+        scale = amax_to_scale(self.amax(t), dtype)
+        return Quantised(self.cast(t, scale, dtype), scale.reciprocal())
+
+    def amax(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().abs().amax().float()
+
+    def cast(self, t: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+        return cast(t, scale, dtype)
+
+    def mx(self, t: torch.Tensor, dtype) -> Quantised:
+        return quantise_mx_torch(t, dtype)
+
+
+TORCH_CASTS = TorchCasts()
+
+
 def scaled_gemm(a: Quantised, b: Quantised, out_dtype) -> torch.Tensor:
     """a (m, k) @ b (n, k)^T with per-tensor or per-row scales -> (m, n): torch._scaled_mm
     (cuBLAS on CUDA; on CPU the same products of FP8 values, summed in fp32)."""
@@ -120,8 +156,8 @@ class Tensorwise(Recipe):
         return amax_to_scale(amax, dtype)
 
     def quantise(self, op, t, role, dtype, dims):
-        scale = self.scale(op, t.detach().abs().amax().float(), role, dtype, dims)
-        return Quantised(cast(t, scale, dtype), scale.reciprocal())
+        scale = self.scale(op, op.casts.amax(t), role, dtype, dims)
+        return Quantised(op.casts.cast(t, scale, dtype), scale.reciprocal())
 
 
 class Rowwise(Recipe):
@@ -171,8 +207,8 @@ class Delayed(Recipe):
         return st.scale.to(amax.device)
 
     def quantise(self, op, t, role, dtype, dims):
-        scale = self.scale(op, t.detach().abs().amax().float(), role, dtype, dims, op.recording)
-        return Quantised(cast(t, scale, dtype), scale.reciprocal())
+        scale = self.scale(op, op.casts.amax(t), role, dtype, dims, op.recording)
+        return Quantised(op.casts.cast(t, scale, dtype), scale.reciprocal())
 
     def push(self, st: AmaxHistory, amax: torch.Tensor):
         """Append a step's reduced amax and compute the next step's scale from the history."""
@@ -191,16 +227,8 @@ class MXFP8(Recipe):
 
     def quantise(self, op, t, role, dtype, dims):
         # blocks never straddle shards when each shard's k is a multiple of 32 (validate()):
-        # no reduction
-        rows, k = t.shape
-        pad = -k % MX_BLOCK
-        blocks = torch.nn.functional.pad(t.float(), (0, pad)).view(rows, -1, MX_BLOCK)
-        amax = blocks.detach().abs().amax(-1, keepdim=True)  # (rows, k/32, 1)
-        # the OCP MX scale: 2^(floor(log2 amax) - emax), clamped to e8m0's range
-        exp = (torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - _EMAX[dtype]).clamp(-127, 127)
-        scale = torch.exp2(exp)
-        data = cast(blocks, scale.reciprocal(), dtype).view(rows, -1)[:, :k]
-        return Quantised(data, scale.squeeze(-1))
+        # no reduction (and no layer: `op` may be None)
+        return getattr(op, "casts", TORCH_CASTS).mx(t, dtype)
 
     def gemm(self, a, b, out_dtype):
         acc = torch.float64 if out_dtype == torch.float64 else torch.float32
@@ -299,8 +327,10 @@ class Fp8Linear:
     layer's delayed-scaling state and `shards`: logical dim ("tokens", "in", "out") -> the group
     that splits it, whose ranks `reduce_max(amax, group)` max-reduces an amax over in place."""
 
-    def __init__(self, recipe: Recipe, shards: dict | None = None, reduce_max=None):
+    def __init__(self, recipe: Recipe, shards: dict | None = None, reduce_max=None,
+                 casts: TorchCasts = TORCH_CASTS):  # fmt: skip
         self.recipe, self.reduce_max, self.recording = recipe, reduce_max, True
+        self.casts = casts  # amax and cast: torch, or the fused Triton kernels on CUDA
         # --fp8-param-gather: the FP8 weight (Quantised) ZeRO-3 gathered (parallel/fp8_gather.py),
         # used instead of quantising the weight it is called with, which is then never read
         self.gathered = None
@@ -338,10 +368,13 @@ class Fp8Maker:
     """What `ops.fp8_linear` holds: builds each FP8-eligible layer's own `Fp8Linear` from the
     groups that shard its weight's dims (`shards`) and the layer's collective
     (`reduce_max(amax, group)`); `tokens` is the group that splits every activation's tokens
-    (context parallelism)."""
+    (context parallelism); `casts`: how operands are quantised (`ops.fp8_casts`: TORCH_CASTS, or
+    the fused Triton kernels of kernels/fp8_cast.py on CUDA)."""
 
-    def __init__(self, recipe: Recipe | None = None, tokens=None, first_last_high=False):
+    def __init__(self, recipe: Recipe | None = None, tokens=None, first_last_high=False,
+                 casts: TorchCasts = TORCH_CASTS):  # fmt: skip
         self.recipe, self.tokens, self.first_last_high = recipe, tokens, first_last_high
+        self.casts = casts
 
     def covers(self, layer: int, num_layers: int) -> bool:
         """Whether transformer layer `layer` (of `num_layers`) runs its linears in FP8."""
@@ -351,7 +384,7 @@ class Fp8Maker:
         """The layer's FP8 linear; None without a recipe (NO_FP8): it keeps `ops.linear`."""
         if self.recipe is None:
             return None
-        return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, reduce_max)
+        return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, reduce_max, self.casts)
 
 
 NO_FP8 = Fp8Maker()  # the default `ops.fp8_linear`: every layer keeps `ops.linear`

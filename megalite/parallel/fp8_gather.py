@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.kernels.fp8 import Fp8Linear, Quantised, cast
+from megalite.kernels.fp8 import Fp8Linear, Quantised
 from megalite.parallel import comm
 from megalite.parallel.buckets import Bucket
 from megalite.parallel.comm import Group
@@ -112,7 +112,7 @@ class Fp8Gather:
             dtype = r.format.forward
             scale = r.scale(g.linear, m.clone(), "w", dtype, ("out", "in"), record)
             if a < z:
-                out[a:z] = cast(shard[a:z], scale, dtype).view(torch.uint8)
+                out[a:z] = g.linear.casts.cast(shard[a:z], scale, dtype).view(torch.uint8)
             g.linear.gathered = Quantised(g.data, scale.reciprocal())
         return comm.all_gather(self.full8, out, group, async_op=True)
 
