@@ -123,8 +123,9 @@ def quantise_mx(x: torch.Tensor, dtype) -> Quantised:
     blocks = triton.cdiv(k, MX_BLOCK)
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
-    _mx_kernel[(rows * blocks,)](x, y, s, k, blocks, float(_EMAX[dtype]),
-                                 torch.finfo(dtype).max, *_GRID[dtype], BLOCK=MX_BLOCK)  # fmt: skip
+    # one warp per block of 32: a thread per element (4 warps left 3 of them idle)
+    _mx_kernel[(rows * blocks,)](x, y, s, k, blocks, float(_EMAX[dtype]), torch.finfo(dtype).max,
+                                 *_GRID[dtype], BLOCK=MX_BLOCK, num_warps=1)  # fmt: skip
     return Quantised(y, s)
 
 
