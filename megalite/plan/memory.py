@@ -94,6 +94,33 @@ def fp8_weights(cfg: Config, shape: RunShape, layers) -> dict:
             for k, names in enumerate(groups) for n in names}  # fmt: skip
 
 
+def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
+    """What FP8 linears change in the bytes `layers` keep for backward per micro-batch (`m`: the
+    model at the rank's sequence length), as kernels/fp8.py saves them: a per-tensor recipe
+    (tensorwise, delayed) keeps FP8 copies (1 byte per element, and a scale) of every linear's
+    input and weight, and no longer the high-precision inputs only the linears kept (those of
+    q/k/v and of the MLP's first linear(s), the MLP activation's output) nor the fused layers'
+    concatenated weights; rowwise and mxfp8 keep what F.linear keeps. Dense, non-MLA layers
+    (others unchanged), nothing under full recompute."""
+    t = cfg.training
+    if t.fp8_format is None or t.recompute == "full" or m.features.latent_attention:
+        return 0.0
+    from megalite.kernels.fp8 import RECIPES  # torch: only for an FP8 plan
+
+    if not RECIPES[t.fp8_recipe].transposable:
+        return 0.0
+    e, n, h, f = BYTES[t.precision], m.seq_length * t.micro_batch_size, m.hidden_size, m.ffn
+    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+    qkv, up = h / tp + 2 * kv, f / tp * (2 if m.features.gated_mlp else 1)  # output features
+    copies = n * h + qkv * h + n * h / tp + h * h / tp  # attention: q/k/v fused, out
+    copies += n * h + up * h + n * f / tp + h * f / tp + 4 * 2 * 4  # MLP; 8 scales (fp32)
+    gone = 2 * n * h * e + qkv * (h + m.features.qkv_bias) * e + n * f / tp * e
+    gone += 2 * f / tp * h * e if m.features.gated_mlp else 0  # gate/up concatenated
+    high = (0, m.num_layers - 1) if t.fp8_first_last_layers_bf16 else ()
+    fp8 = [i for i in layers if i not in high and not m.is_moe_layer(i)]
+    return len(fp8) * (copies - gone)
+
+
 def zero3_params(cfg: Config, shape: RunShape, kw: dict, specs) -> list:
     """A chunk's [(name, numel, alone)] for unit_layout, as Zero3Buffer lays them out: tied
     halves alone, FP8 weights together in a bucket of their own per layer."""
