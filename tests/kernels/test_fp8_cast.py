@@ -35,9 +35,12 @@ def test_mx_block_scales(k, dtype):
 
 
 @pytest.mark.gpu
-def test_fp8_casts_bitwise_on_gpu():
-    x = torch.randn(4096, 4096, device="cuda") * 3
-    _agree(quantise_tensorwise(x, E4M3), quantise_tensorwise_ref(x, E4M3))
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_casts_bitwise_on_gpu(dt):
+    """Compiled, and bf16 inputs (the training dtype, which the interpreter cannot check)."""
+    x = (torch.randn(4096, 4096, device="cuda") * 3).to(dt)
+    for fp8 in (E4M3, E5M2):
+        _agree(quantise_tensorwise(x, fp8), quantise_tensorwise_ref(x, fp8))
     _agree(quantise_mx(x, E4M3), quantise_mx_ref(x, E4M3))
 
 
