@@ -80,18 +80,20 @@ def _fp8_layer_groups(m_fields: tuple, tp: int, sp: bool) -> tuple:
     return tuple(tuple(name[id(p)] for p in g.params) for g in weight_groups([chunk], False))
 
 
-def fp8_weights(cfg: Config, shape: RunShape, layers) -> dict:
-    """{name: its FP8 group's index in its layer} of the FP8 linears' weights of `layers` (none
-    without --fp8-format; not the first and last layers with --fp8-first-last-layers-bf16).
-    ZeRO-3 keeps them in a bucket of their own per layer (parallel/fp8_gather.py)."""
+def fp8_weights(cfg: Config, shape: RunShape, layers, head: bool = False) -> dict:
+    """{name: (its layer, its FP8 group there)} of the FP8 linears' weights of `layers` (none
+    without --fp8-format; not the first and last layers with --fp8-first-last-layers-bf16),
+    and with `head` of the MTP modules' layers (model/mtp.py: always FP8). ZeRO-3 keeps them
+    in a bucket of their own per unit (parallel/fp8_gather.py)."""
     m, t = cfg.model, cfg.training
     if t.fp8_format is None:
         return {}
     fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))
     groups = _fp8_layer_groups(fields, shape.tp, shape.sequence_parallel and shape.tp > 1)
     high = (0, m.num_layers - 1) if t.fp8_first_last_layers_bf16 else ()
-    return {f"layers.{i}.{n}": k for i in layers if i not in high
-            for k, names in enumerate(groups) for n in names}  # fmt: skip
+    prefixes = [f"layers.{i}." for i in layers if i not in high]
+    prefixes += [f"mtp.{k}.layer." for k in range(m.mtp_num_layers)] if head else []
+    return {p + n: (p, k) for p in prefixes for k, names in enumerate(groups) for n in names}
 
 
 def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
@@ -124,7 +126,7 @@ def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
 def zero3_params(cfg: Config, shape: RunShape, kw: dict, specs) -> list:
     """A chunk's [(name, numel, alone)] for unit_layout, as Zero3Buffer lays them out: tied
     halves alone, FP8 weights together in a bucket of their own per layer."""
-    fp8 = fp8_weights(cfg, shape, kw["layers"])
+    fp8 = fp8_weights(cfg, shape, kw["layers"], kw["has_head"])
     return [(n, k, "fp8" if n in fp8 else "embed" in s.grad_sum) for n, k, s in specs]
 
 
@@ -243,7 +245,7 @@ def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
     for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
         specs = chunk_specs(cfg.model, shape.tp, **kw, sp=shape.sequence_parallel)
         params = zero3_params(cfg, shape, kw, specs)
-        fp8 = fp8_weights(cfg, shape, kw["layers"]) if t.fp8_param_gather else {}
+        fp8 = fp8_weights(cfg, shape, kw["layers"], kw["has_head"]) if t.fp8_param_gather else {}
         units = {}
         for start, end, ranges in unit_layout([params], replicas(shape) * ALIGN):
             amaxes = len({fp8[n] for n, _, _ in ranges if n in fp8})

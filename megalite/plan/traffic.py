@@ -146,7 +146,8 @@ def comm_bytes(
     calls = zero.collectives(microbatches, reshard_policy(cfg, shape))
     fp8 = {}  # --fp8-param-gather: FP8 weights' buckets gathered at 1 byte, after their amaxes
     if tr.fp8_param_gather:
-        fp8 = fp8_weights(cfg, shape, [i for kw in kws for i in kw["layers"]])
+        layers = [i for kw in kws for i in kw["layers"]]
+        fp8 = fp8_weights(cfg, shape, layers, any(kw["has_head"] for kw in kws))
     dp_bytes = 0
     for start, end, ranges in bs:
         n = end - start
