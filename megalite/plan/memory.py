@@ -234,11 +234,11 @@ def reshard_policy(cfg: Config, shape: RunShape) -> str | None:
 
 def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
     """{policy: (most parameter bytes gathered at once, [padded numel of each bucket], [(bytes
-    gathered, FP8 amaxes all-reduced first) of each bucket])} on this pipeline rank. "forward": a chunk's outer unit
-    (embedding, head) and two layers (the one computing and the one prefetched); "backward": a
-    whole chunk (each layer kept from its forward to its backward); "step": every chunk of the
-    rank. With --fp8-param-gather an FP8 bucket is gathered at 1 byte per element, after one
-    all-reduce of its weights' amaxes (fp32)."""
+    gathered, FP8 amaxes all-reduced first) of each bucket])} on this pipeline rank.
+    "forward": a chunk's outer unit (embedding, head) and two neighbouring layers (the one
+    computing and the one prefetched); "backward": a whole chunk (each layer kept from its
+    forward to its backward); "step": every chunk of the rank. With --fp8-param-gather an FP8
+    bucket is gathered at 1 byte per element, after one all-reduce of its weights' amaxes."""
     t = cfg.training
     e = BYTES[t.precision]
     per_chunk, sizes, gathers = [], [], []
@@ -253,9 +253,12 @@ def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
             units[unit_of(ranges[0][0])] = units.get(unit_of(ranges[0][0]), 0) + nbytes
             sizes.append(end - start)
             gathers.append((nbytes, amaxes))
-        layers = sorted((n for u, n in units.items() if u), reverse=True)
+        layers = [n for u, n in units.items() if u]  # in forward order
         per_chunk.append((units.get("", 0), layers))
-    forward = max((outer + sum(layers[:2]) for outer, layers in per_chunk), default=0)
+    # two neighbours at once (one computing, the next or previous arriving): they differ in
+    # size with FP8 gathers and --fp8-first-last-layers-bf16
+    pairs = lambda ls: max((a + b for a, b in zip(ls, ls[1:])), default=sum(ls))  # noqa: E731
+    forward = max((outer + pairs(layers) for outer, layers in per_chunk), default=0)
     chunk = max((outer + sum(layers) for outer, layers in per_chunk), default=0)
     total = sum(outer + sum(layers) for outer, layers in per_chunk)
     return {"forward": (forward, sizes, gathers), "backward": (chunk, sizes, gathers),
