@@ -19,6 +19,10 @@ dim of its GEMMs ("tokens", "in", "out") and max-reduces an amax over the groups
 dims it was taken over before the scale is computed (`reduce_max`, injected by the layer: this
 file imports nothing from megalite.parallel). Delayed scaling records each step's amax locally
 and `end_step` reduces them all at once after the optimizer step.
+
+The amax and cast steps are a linear's `casts` (`TorchCasts`; on CUDA the fused Triton kernels
+of kernels/fp8_cast.py, through `ops.fp8_casts`). With `--fp8-param-gather` ZeRO-3 hands a
+linear its weight already in FP8 (`Fp8Linear.gathered`, parallel/fp8_gather.py).
 """
 
 from dataclasses import dataclass
