@@ -23,6 +23,8 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
   default `NO_FP8`, which makes none): the linears that may run in FP8 (the attention and MLP
   projections) each build their own `linear` from it with the groups that shard their dims;
   the output layer and the MoE router keep `linear`.
+- `fp8_casts`: how an FP8 linear takes amaxes and casts (kernels/fp8.py `TorchCasts`; the fused
+  kernels of kernels/fp8_cast.py in TRITON_OPS), handed to the `Fp8Maker` by training/build.py.
 """
 
 from types import SimpleNamespace
@@ -53,7 +55,8 @@ from megalite.kernels.cross_entropy import (
     cross_entropy_shard_stats,
     cross_entropy_shard_stats_ref,
 )
-from megalite.kernels.fp8 import NO_FP8
+from megalite.kernels.fp8 import NO_FP8, TORCH_CASTS
+from megalite.kernels.fp8_cast import TRITON_CASTS
 from megalite.kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 from megalite.kernels.layer_norm import layer_norm, layer_norm_ref
 from megalite.kernels.rms_norm import rms_norm, rms_norm_ref
@@ -77,6 +80,7 @@ TORCH_OPS = SimpleNamespace(
     merge_attention=merge_attention,
     grouped_mm=grouped_mm_ref,
     fp8_linear=NO_FP8,
+    fp8_casts=TORCH_CASTS,
 )
 
 TRITON_OPS = SimpleNamespace(
@@ -97,6 +101,7 @@ TRITON_OPS = SimpleNamespace(
     merge_attention=merge_attention,
     grouped_mm=grouped_mm,
     fp8_linear=NO_FP8,
+    fp8_casts=TRITON_CASTS,
 )
 
 __all__ = [

@@ -3,8 +3,8 @@
 Each scenario calls a launcher as the model does (forward and backward), on fake CUDA tensors
 inside aot_capture.capture; the launches it makes are what gets compiled. `cases(full)` lists
 (name, thunk): the quick set covers every kernel at bf16 and the default shapes, with a sliding
-window and at MLA's head dim 192 for attention; the full set
-adds fp32/fp16, head dim 128, GQA and odd sizes.
+window and at MLA's head dim 192 for attention, and the FP8 quantise kernels (sm_89+); the full
+set adds fp32/fp16, head dim 128, GQA and odd sizes.
 """
 
 import importlib
@@ -87,6 +87,19 @@ def _grouped_mm(dtype, tokens, experts, n, k):
                      offsets)  # fmt: skip
 
 
+def _fp8_casts(dtype, rows, n):
+    """The FP8 quantise kernels as the recipes call them (kernels/fp8_cast.py TRITON_CASTS):
+    tensorwise amax and casts to e4m3 (x, w) and e5m2 (the gradient), MXFP8 blocks. FP8 needs
+    sm_89+ (no FP8 run starts below it, kernels/fp8.py device_problem): nothing on sm_80/86."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        return
+    fc = _mod("fp8_cast")
+    x = _t(rows, n, dtype=dtype)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fc.TRITON_CASTS(x, fp8)
+    fc.TRITON_CASTS.mx(x, torch.float8_e4m3fn)
+
+
 # gpt-oss's window (Mistral's is 4096): the window is a runtime int, so one size stands for all.
 WINDOW = 128
 
@@ -141,6 +154,7 @@ def cases(full: bool) -> list[tuple[str, object]]:
             tag = f"{name} {rows}x{n}"
             out.append((f"norms {tag}", lambda dt=dt, a=(rows, n): _norms(dt, *a)))
             out.append((f"activations {tag}", lambda dt=dt, a=(rows, n): _activations(dt, *a)))
+            out.append((f"fp8 casts {tag}", lambda dt=dt, a=(rows, n): _fp8_casts(dt, *a)))
         for heads_, d in [(32, 128)] + ([(12, 64), (5, 96)] if full else []):
             out.append((f"rotary {name} h{heads_} d{d}",
                         lambda dt=dt, a=(heads_, d): _rotary(dt, *a)))  # fmt: skip

@@ -21,6 +21,10 @@ dim of its GEMMs ("tokens", "in", "out") and max-reduces an amax over the groups
 dims it was taken over before the scale is computed (`reduce_max`, injected by the layer: this
 file imports nothing from megalite.parallel). Delayed scaling records each step's amax locally
 and `end_step` reduces them all at once after the optimizer step.
+
+The amax and cast steps are a linear's `casts` (`TorchCasts`; on CUDA the fused Triton kernels
+of kernels/fp8_cast.py, through `ops.fp8_casts`). With `--fp8-param-gather` ZeRO-3 hands a
+linear its weight already in FP8 (`Fp8Linear.gathered`, parallel/fp8_gather.py).
 """
 
 from dataclasses import dataclass
@@ -71,6 +75,42 @@ def cast(t: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return (t.float() * scale).clamp(-m, m).to(dtype)
 
 
+def quantise_mx_torch(t: torch.Tensor, dtype) -> Quantised:
+    """MXFP8 along the last dim of t (rows, k): per block of 32 the OCP MX scale
+    2^(floor(log2 amax) - emax), clamped to e8m0's range, and the block cast with it."""
+    rows, k = t.shape
+    pad = -k % MX_BLOCK
+    blocks = torch.nn.functional.pad(t.float(), (0, pad)).view(rows, -1, MX_BLOCK)
+    amax = blocks.detach().abs().amax(-1, keepdim=True)  # (rows, k/32, 1)
+    exp = (torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - _EMAX[dtype]).clamp(-127, 127)
+    scale = torch.exp2(exp)
+    data = cast(blocks, scale.reciprocal(), dtype).view(rows, -1)[:, :k]
+    return Quantised(data, scale.squeeze(-1))
+
+
+class TorchCasts:
+    """The quantise steps the recipes take, in torch: the CPU path, and the reference of the
+    fused Triton kernels (kernels/fp8_cast.py `TRITON_CASTS`, which the ops namespace hands
+    an `Fp8Maker` on CUDA: `ops.fp8_casts`)."""
+
+    def __call__(self, t: torch.Tensor, dtype) -> Quantised:
+        """t quantised with one scale from its own amax (the steps below, nothing reduced)."""
+        scale = amax_to_scale(self.amax(t), dtype)
+        return Quantised(self.cast(t, scale, dtype), scale.reciprocal())
+
+    def amax(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().abs().amax().float()
+
+    def cast(self, t: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+        return cast(t, scale, dtype)
+
+    def mx(self, t: torch.Tensor, dtype) -> Quantised:
+        return quantise_mx_torch(t, dtype)
+
+
+TORCH_CASTS = TorchCasts()
+
+
 def scaled_gemm(a: Quantised, b: Quantised, out_dtype) -> torch.Tensor:
     """a (m, k) @ b (n, k)^T with per-tensor or per-row scales -> (m, n): torch._scaled_mm on
     CUDA (cuBLAS: FP8 products summed in fp32); elsewhere, and for fp64 models, the same FP8
@@ -107,6 +147,13 @@ class Recipe:
         """t (rows, k), its logical dims `dims` (rows', k's): FP8 data and its scale."""
         raise NotImplementedError
 
+    def scale(self, op, amax, role, dtype, dims, record=False) -> torch.Tensor:
+        """A per-tensor recipe's scale for a tensor whose local amax is `amax` (reduced over the
+        groups sharding `dims` here), as `quantise` computes it: ZeRO-3's FP8 parameter gather
+        (parallel/fp8_gather.py) casts the weight's shards itself. `record`: the amax counts
+        for delayed scaling's history."""
+        raise NotImplementedError(f"the {self.name} recipe has no per-tensor scale")
+
     def gemm(self, a: Quantised, b: Quantised, out_dtype) -> torch.Tensor:
         return scaled_gemm(a, b, out_dtype)
 
@@ -114,11 +161,13 @@ class Recipe:
 class Tensorwise(Recipe):
     name = "tensorwise"
 
-    def quantise(self, op, t, role, dtype, dims):
-        amax = t.detach().abs().amax().float()
+    def scale(self, op, amax, role, dtype, dims, record=False):
         op.reduce(amax, dims)  # the whole tensor's amax: every group that shards it
-        scale = amax_to_scale(amax, dtype, pow2=self.pow2)
-        return Quantised(cast(t, scale, dtype), scale.reciprocal())
+        return amax_to_scale(amax, dtype, pow2=self.pow2)
+
+    def quantise(self, op, t, role, dtype, dims):
+        scale = self.scale(op, op.casts.amax(t), role, dtype, dims)
+        return Quantised(op.casts.cast(t, scale, dtype), scale.reciprocal())
 
 
 class Rowwise(Recipe):
@@ -157,18 +206,19 @@ class Delayed(Recipe):
         z = torch.zeros(())
         return AmaxHistory(torch.zeros(self.history_len), z.clone(), z + 1.0, dtype)
 
-    def quantise(self, op, t, role, dtype, dims):
+    def scale(self, op, amax, role, dtype, dims, record=False):
         st = op.state[role]
-        amax = t.detach().abs().amax().float()
-        if op.recording:  # a training forward or a backward (an evaluation's does not count)
+        if record:  # a training forward or a backward (an evaluation's does not count)
             st.pending = torch.maximum(st.pending.to(amax.device), amax)
         if st.steps == 0:  # no history yet: this tensor's own (reduced) amax
             amax = amax.clone()
             op.reduce(amax, dims)
-            scale = amax_to_scale(amax, dtype, self.margin, self.pow2)
-        else:
-            scale = st.scale.to(t.device)
-        return Quantised(cast(t, scale, dtype), scale.reciprocal())
+            return amax_to_scale(amax, dtype, self.margin, self.pow2)
+        return st.scale.to(amax.device)
+
+    def quantise(self, op, t, role, dtype, dims):
+        scale = self.scale(op, op.casts.amax(t), role, dtype, dims, op.recording)
+        return Quantised(op.casts.cast(t, scale, dtype), scale.reciprocal())
 
     def push(self, st: AmaxHistory, amax: torch.Tensor):
         """Append a step's reduced amax and compute the next step's scale from the history."""
@@ -200,16 +250,8 @@ class MXFP8(Recipe):
 
     def quantise(self, op, t, role, dtype, dims):
         # blocks never straddle shards when each shard's k is a multiple of 32 (validate()):
-        # no reduction
-        rows, k = t.shape
-        pad = -k % MX_BLOCK
-        blocks = torch.nn.functional.pad(t.float(), (0, pad)).view(rows, -1, MX_BLOCK)
-        amax = blocks.detach().abs().amax(-1, keepdim=True)  # (rows, k/32, 1)
-        # the OCP MX scale: 2^(floor(log2 amax) - emax), clamped to e8m0's range
-        exp = (torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - _EMAX[dtype]).clamp(-127, 127)
-        scale = torch.exp2(exp)
-        data = cast(blocks, scale.reciprocal(), dtype).view(rows, -1)[:, :k]
-        return Quantised(data, scale.squeeze(-1))
+        # no reduction (and no layer: `op` may be None)
+        return getattr(op, "casts", TORCH_CASTS).mx(t, dtype)
 
     def gemm(self, a, b, out_dtype):
         acc = torch.float64 if out_dtype == torch.float64 else torch.float32
@@ -256,7 +298,10 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, w, op):
         r, fwd = op.recipe, op.recipe.format.forward
         xq = r.quantise(op, x, "x", fwd, ("tokens", "in"))
-        wq = r.quantise(op, w, "w", fwd, ("out", "in"))
+        wq = op.gathered or r.quantise(op, w, "w", fwd, ("out", "in"))
+        if wq.data.shape != w.shape:
+            raise RuntimeError(f"FP8 gathered weight {tuple(wq.data.shape)} is not the "
+                               f"weight {tuple(w.shape)} this linear was called with")  # fmt: skip
         ctx.op = op
         if r.transposable:  # keep the FP8 copies (a quarter of fp32's bytes)
             ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
@@ -286,13 +331,32 @@ class _Fp8Matmul(torch.autograd.Function):
         return gx, gw, None
 
 
+class _Unread(torch.autograd.Function):
+    """torch.cat's shape and gradient without reading the weights (an expanded zero)."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.rows = [w.shape[0] for w in weights]
+        w = weights[0]
+        return w.new_zeros(()).expand(sum(ctx.rows), *w.shape[1:])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.split(ctx.rows)
+
+
 class Fp8Linear:
     """`ops.linear` in FP8 for one layer: `(x, w, b=None)` with F.linear's meaning. It holds the
     layer's delayed-scaling state and `shards`: logical dim ("tokens", "in", "out") -> the group
     that splits it, whose ranks `reduce_max(amax, group)` max-reduces an amax over in place."""
 
-    def __init__(self, recipe: Recipe, shards: dict | None = None, reduce_max=None):
+    def __init__(self, recipe: Recipe, shards: dict | None = None, reduce_max=None,
+                 casts: TorchCasts = TORCH_CASTS):  # fmt: skip
         self.recipe, self.reduce_max, self.recording = recipe, reduce_max, True
+        self.casts = casts  # amax and cast: torch, or the fused Triton kernels on CUDA
+        # --fp8-param-gather: the FP8 weight (Quantised) ZeRO-3 gathered (parallel/fp8_gather.py),
+        # used instead of quantising the weight it is called with, which is then never read
+        self.gathered = None
         self.shards = {k: g for k, g in (shards or {}).items() if g is not None and g.size > 1}
         fmt = recipe.format
         roles = {"x": fmt.forward, "w": fmt.forward, "g": fmt.backward}
@@ -311,6 +375,14 @@ class Fp8Linear:
         y = y.view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
 
+    def concat(self, weights: list) -> torch.Tensor:
+        """The weights of fused layers (q, k, v; gate, up) as this linear's one weight: their
+        concatenation, or with a gathered FP8 weight a stand-in of its shape that reads none of
+        them (their storage is not gathered) and passes the gradient back to each."""
+        if self.gathered is None:
+            return torch.cat(weights)
+        return _Unread.apply(*weights)
+
     def histories(self) -> list:
         return list(self.named_histories().values())
 
@@ -323,10 +395,13 @@ class Fp8Maker:
     """What `ops.fp8_linear` holds: builds each FP8-eligible layer's own `Fp8Linear` from the
     groups that shard its weight's dims (`shards`) and the layer's collective
     (`reduce_max(amax, group)`); `tokens` is the group that splits every activation's tokens
-    (context parallelism)."""
+    (context parallelism); `casts`: how operands are quantised (`ops.fp8_casts`: TORCH_CASTS, or
+    the fused Triton kernels of kernels/fp8_cast.py on CUDA)."""
 
-    def __init__(self, recipe: Recipe | None = None, tokens=None, first_last_high=False):
+    def __init__(self, recipe: Recipe | None = None, tokens=None, first_last_high=False,
+                 casts: TorchCasts = TORCH_CASTS):  # fmt: skip
         self.recipe, self.tokens, self.first_last_high = recipe, tokens, first_last_high
+        self.casts = casts
 
     def covers(self, layer: int, num_layers: int) -> bool:
         """Whether transformer layer `layer` (of `num_layers`) runs its linears in FP8."""
@@ -336,7 +411,7 @@ class Fp8Maker:
         """The layer's FP8 linear; None without a recipe (NO_FP8): it keeps `ops.linear`."""
         if self.recipe is None:
             return None
-        return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, reduce_max)
+        return Fp8Linear(self.recipe, {"tokens": self.tokens, **shards}, reduce_max, self.casts)
 
 
 NO_FP8 = Fp8Maker()  # the default `ops.fp8_linear`: every layer keeps `ops.linear`

@@ -11,14 +11,27 @@ Each returns `Quantised(data, scale)` like the references `quantise_tensorwise_r
 `quantise_mx_ref`. The interpreter's float -> fp8 conversion loses the carry into the exponent
 (127.9 becomes 64 in e4m3), so the kernels round onto the FP8 grid in fp32 themselves
 (`_round_fp8`) and the cast only stores an exact value: bitwise torch's result under
-TRITON_INTERPRET=1 (tests/kernels/test_fp8_cast.py); compiled, the `gpu` test checks the same
-(not yet run: no GPU so far). Not yet in the ahead-of-time check's cases (kernels/aot_cases.py). The recipes in kernels/fp8.py still call the torch path: these are the kernels a
-GPU run would switch to once they are measured there (bench/gpu_check.sh).
+TRITON_INTERPRET=1 (tests/kernels/test_fp8_cast.py); compiled, the `gpu` test checks the same.
+
+The recipes quantise through `TRITON_CASTS` (amax, cast, MX blocks: the steps of
+kernels/fp8.py `TorchCasts`, with the amax reduced over the shards between the first two)
+wherever the ops namespace is Triton's (`ops.fp8_casts`: CUDA, or --kernels triton); inputs a
+kernel cannot take (bf16 under the interpreter, a CPU tensor without it) take the torch steps.
+The ahead-of-time check compiles the three kernels (kernels/aot_cases.py `_fp8_casts`).
 """
 
 import torch
-from megalite.kernels._triton import tl, triton
-from megalite.kernels.fp8 import _EMAX, FORMATS, MX_BLOCK, MXFP8, Quantised, amax_to_scale, cast
+from megalite.kernels._triton import tl, triton, unsupported, warn_once
+from megalite.kernels.fp8 import (
+    _EMAX,
+    MX_BLOCK,
+    TORCH_CASTS,
+    Quantised,
+    TorchCasts,
+    amax_to_scale,
+    cast,
+    quantise_mx_torch,
+)
 
 BLOCK = 1024
 
@@ -71,16 +84,31 @@ def _mx_kernel(x_ptr, y_ptr, s_ptr, k, blocks, emax, fmax, mbits, emin, BLOCK: t
     tl.store(s_ptr + pid, scale)
 
 
-def quantise_tensorwise(x: torch.Tensor, dtype) -> Quantised:
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim fp32 tensor: one partial max per program, then their max."""
     x = x.contiguous()
     n = x.numel()
     grid = (triton.cdiv(n, BLOCK),)
     partial = torch.empty(grid[0], dtype=torch.float32, device=x.device)
     _amax_kernel[grid](x, partial, n, BLOCK=BLOCK)
-    scale = amax_to_scale(partial.amax(), dtype).reshape(1)
+    return partial.amax()
+
+
+def cast_to(x: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """x * scale saturated and rounded into `dtype` (kernels/fp8.py `cast`), scale a 1-element
+    fp32 tensor (read on the device: no host sync)."""
+    x = x.contiguous()
+    n = x.numel()
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _cast_kernel[grid](x, y, scale, n, torch.finfo(dtype).max, *_GRID[dtype], BLOCK=BLOCK)
-    return Quantised(y, scale.reciprocal().reshape(()))
+    s = scale.reshape(1).float()
+    _cast_kernel[(triton.cdiv(n, BLOCK),)](x, y, s, n, torch.finfo(dtype).max, *_GRID[dtype],
+                                           BLOCK=BLOCK)  # fmt: skip
+    return y
+
+
+def quantise_tensorwise(x: torch.Tensor, dtype) -> Quantised:
+    scale = amax_to_scale(amax(x), dtype)
+    return Quantised(cast_to(x, scale, dtype), scale.reciprocal())
 
 
 def quantise_tensorwise_ref(x: torch.Tensor, dtype) -> Quantised:
@@ -95,10 +123,34 @@ def quantise_mx(x: torch.Tensor, dtype) -> Quantised:
     blocks = triton.cdiv(k, MX_BLOCK)
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
-    _mx_kernel[(rows * blocks,)](x, y, s, k, blocks, float(_EMAX[dtype]),
-                                 torch.finfo(dtype).max, *_GRID[dtype], BLOCK=MX_BLOCK)  # fmt: skip
+    # one warp per block of 32: a thread per element (4 warps left 3 of them idle)
+    _mx_kernel[(rows * blocks,)](x, y, s, k, blocks, float(_EMAX[dtype]), torch.finfo(dtype).max,
+                                 *_GRID[dtype], BLOCK=MX_BLOCK, num_warps=1)  # fmt: skip
     return Quantised(y, s)
 
 
 def quantise_mx_ref(x: torch.Tensor, dtype) -> Quantised:
-    return MXFP8(FORMATS["e4m3"]).quantise(None, x, "x", dtype, ())
+    return quantise_mx_torch(x, dtype)
+
+
+class TritonCasts(TorchCasts):
+    """The recipes' quantise steps through the kernels above; the torch steps (TorchCasts) for
+    inputs the kernels cannot take here (warned once)."""
+
+    def _torch(self, t: torch.Tensor) -> bool:
+        reason = unsupported(t)
+        if reason:
+            warn_once("fp8_cast", reason)
+        return reason is not None
+
+    def amax(self, t):
+        return TORCH_CASTS.amax(t) if self._torch(t) else amax(t.detach())
+
+    def cast(self, t, scale, dtype):
+        return TORCH_CASTS.cast(t, scale, dtype) if self._torch(t) else cast_to(t, scale, dtype)
+
+    def mx(self, t, dtype):
+        return TORCH_CASTS.mx(t, dtype) if self._torch(t) else quantise_mx(t, dtype)
+
+
+TRITON_CASTS = TritonCasts()

@@ -207,6 +207,10 @@ class TrainingConfig:
         False, "with FP8: the first and last transformer layers' linears stay in high precision",
         "--first-last-layers-bf16",
     )  # fmt: skip
+    fp8_param_gather: bool = opt(
+        False, "ZeRO-3 with FP8 (tensorwise, delayed): gather the FP8 linears' weights in FP8 "
+        "(1 byte per element; docs/zero3.md)",
+    )  # fmt: skip
     recompute: str = opt(
         "none",
         "activation recomputation",

@@ -333,6 +333,8 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
     """Why this run cannot train in FP8, or None: each rank's GEMM dims must be multiples of
     16 (cuBLAS FP8), 32 for MXFP8 (its blocks, which must not straddle the TP shards)."""
     t, m = cfg.training, cfg.model
+    if t.fp8_param_gather and (t.fp8_format is None or not shape.zero.shard_params):
+        return "--fp8-param-gather needs --zero-stage 3 and --fp8-format (it gathers FP8 weights)"
     if t.fp8_format is None:
         return None
     if t.precision == "fp16":
@@ -341,6 +343,9 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
         return f"--fp8-amax-history-len={t.fp8_amax_history_len} must be a positive integer"
     from megalite.kernels.fp8 import RECIPES, device_problem  # torch: only for an FP8 run
 
+    if t.fp8_param_gather and not RECIPES[t.fp8_recipe].transposable:
+        return (f"--fp8-param-gather needs --fp8-recipe tensorwise or delayed: {t.fp8_recipe} "
+                "re-quantises the high-precision weight in backward")  # fmt: skip
     q = RECIPES[t.fp8_recipe].multiple
     kv = m.heads_kv // shape.tp if m.heads_kv % shape.tp == 0 else m.heads_kv  # k/v per rank
     dims = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp": m.ffn // shape.tp,

@@ -93,7 +93,8 @@ class DistributedOptimizer:
         )
 
         self.chunks, self.model_cfg = chunks, cfg.model
-        self.buffer = _buffers(chunks, groups, o.zero_stage, o.bucket_size_mb, o.zero3_keep_params)
+        self.buffer = _buffers(chunks, groups, o.zero_stage, o.bucket_size_mb, o.zero3_keep_params,
+                               t.fp8_param_gather)  # fmt: skip
         buf = self.buffer
         self._bucket_index = {b: i for i, b in enumerate(buf.buckets)}
         self.scaler = None
@@ -375,13 +376,15 @@ class DistributedOptimizer:
             self.scaler.load_state_dict(d)
 
 
-def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, keep_params=False):
+def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, keep_params=False,
+             fp8_gather=False):  # fmt: skip
     """The gradient buffer: dense parameters reduced and sharded over the replicas; with MoE,
     expert parameters in a buffer of their own over their expert-data-parallel group. Expert
     gradients hold the tokens of the whole ep group, so they are summed over edp and divided
     by the replicas (the mean over data-parallel ranks, as dense gradients). ZeRO-3: a
     Zero3Buffer, its parameters kept gathered for the step under pp (1F1B interleaves
-    micro-batches), from forward to backward with `keep_params`, else freed after each use."""
+    micro-batches), from forward to backward with `keep_params`, else freed after each use;
+    with `fp8_gather` the FP8 linears' weights are gathered in FP8 (parallel/fp8_gather.py)."""
     # Tied halves get a bucket of their own: both stages then shard them identically, so the
     # sum over `embed` can run on the DP shards.
     own = lambda name, p: "embed" in spec_of(p).grad_sum  # noqa: E731
@@ -392,7 +395,7 @@ def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, k
         if any(expert(n, p) for n, p in params):
             raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
         reshard = zero.reshard(groups.pp.size > 1, keep_params)
-        return Zero3Buffer(chunks, groups.replicas, reshard, own)
+        return Zero3Buffer(chunks, groups.replicas, reshard, own, fp8_gather)
     if not any(expert(n, p) for n, p in params):
         return GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own)
     dense = GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own,

@@ -123,7 +123,8 @@ def fused_column_linear(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]:
     """One matmul for column-parallel layers that read the same input (q, k, v; gate, up), each
     keeping its own logical parameter: their local weights are concatenated for the step (kept
     for backward: a few percent of a layer's activations) and the output is split into views."""
-    w = torch.cat([layer.weight for layer in layers])
+    join = getattr(layers[0].ops.linear, "concat", torch.cat)  # an FP8 linear joins its own
+    w = join([layer.weight for layer in layers])
     b = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
     y = layers[0].ops.linear(x, w, b)
     return y.split([layer.weight.shape[0] for layer in layers], dim=-1)

@@ -50,6 +50,7 @@ from megalite.parallel import comm
 from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dtype, trainable
 from megalite.parallel.comm import Group
 from megalite.parallel.data_parallel import GradBuffer
+from megalite.parallel.fp8_gather import fp8_buckets, weight_groups
 from megalite.parallel.zero import ZERO
 
 RESHARD = ("forward", "backward", "step")
@@ -65,7 +66,9 @@ def unit_layout(chunks: list[list[tuple]], pad: int) -> list[tuple]:
     """Buckets of a ZeRO-3 buffer, in bucket_layout's format [(start, end, [(name, offset,
     numel)])]: per chunk its outer unit, then its layers in order (forward order); one bucket
     per unit, an `alone` parameter in a bucket of its own. `chunks`: per chunk [(name, numel,
-    alone)] in registration order. The buffer and the planner both lay units out with this."""
+    alone)] in registration order; `alone` may also name a kind ("fp8": the weights ZeRO-3
+    gathers in FP8), whose parameters share a bucket of their own in each unit. The buffer and
+    the planner both lay units out with this."""
     pack = Packer(pad)
     for params in chunks:
         units: dict[str, list] = {"": []}
@@ -73,9 +76,14 @@ def unit_layout(chunks: list[list[tuple]], pad: int) -> list[tuple]:
             units.setdefault(unit_of(name), []).append((name, n, alone))
         for members in units.values():
             shared = [(name, n) for name, n, alone in members if not alone]
+            kinds: dict[str, list] = {}
             for name, n, alone in members:
-                if alone:
+                if alone is True:
                     pack.close([(name, n)])
+                elif alone:
+                    kinds.setdefault(alone, []).append((name, n))
+            for ranges in kinds.values():
+                pack.close(ranges)
             if shared:
                 pack.close(shared)
     return pack.out
@@ -96,12 +104,19 @@ class Unit:
 
 class Zero3Buffer(GradBuffer):
     """A GradBuffer (the optimizer's view: buckets, shards, shard gradients) whose parameters
-    live as shards, gathered per unit around their use."""
+    live as shards, gathered per unit around their use. The weights of FP8 linears sit in a
+    bucket of their own per unit; `fp8_gather` (--fp8-param-gather) gathers them as FP8 data
+    and a scale (parallel/fp8_gather.py)."""
 
     def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
-                 own_bucket=lambda name, p: False):  # fmt: skip
+                 own_bucket=lambda name, p: False, fp8_gather: bool = False):  # fmt: skip
         if reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
+        # FP8 weights get a bucket of their own per unit whether or not they travel in FP8: one
+        # layout, so a run with the flag equals one without bit for bit (the norm's sums too)
+        groups = weight_groups(chunks, check=fp8_gather)
+        fp8 = {p for g in groups for p in g.params}
+        own = lambda name, p: "fp8" if p in fp8 else own_bucket(name, p)  # noqa: E731
         named, self.param_dtype = trainable(chunks)
         params = [x for c in named for x in c]
         self.dp, self.zero, self.scale = dp, ZERO[3], 1.0 / dp.size
@@ -110,7 +125,7 @@ class Zero3Buffer(GradBuffer):
         self.grad_dtype = grad_dtype(self.param_dtype)
         device = params[0][1].device
         layout = unit_layout(
-            [[(n, p.numel(), own_bucket(n, p)) for n, p in c] for c in named], dp.size * ALIGN
+            [[(n, p.numel(), own(n, p)) for n, p in c] for c in named], dp.size * ALIGN
         )
         by_name = dict(params)
         chunk_of = {n: c for c, named_c in enumerate(named) for n, _ in named_c}
@@ -141,13 +156,15 @@ class Zero3Buffer(GradBuffer):
                 self.units.append(units[key])
             units[key].buckets.append(b)
         self.numel = layout[-1][1] if layout else 0
+        offsets = {r.param: r.offset for r in self.ranges}
+        self._fp8 = fp8_buckets(self.buckets, groups, offsets) if fp8_gather else {}
         self.grad_buffer = None
         self._unit_of = {b: u for u in self.units for b in u.buckets}
         self._range_of = {r.param: r for r in self.ranges}
         self._grad_is_view = False
         self._in_flight = deque()
         self.staged_bytes = self.peak_staged_bytes = self.staged_buckets = 0
-        self.gathered_bytes = sum(b.numel * b.full.element_size() for b in self.buckets)
+        self.gathered_bytes = self._held()
         self.free_all()  # built whole: from now on each rank holds its shards only
         self._hook(chunks)
         for r in self.ranges:
@@ -156,15 +173,26 @@ class Zero3Buffer(GradBuffer):
 
     # ---- gathering and freeing ----------------------------------------------------------
 
-    def _gather(self, u: Unit, wait: bool = True):
+    def _held(self) -> int:
+        """Parameter bytes gathered now (full tensors and FP8 copies)."""
+        full = sum(b.full.untyped_storage().nbytes() for b in self.buckets)
+        return full + sum(f.full8.untyped_storage().nbytes() for f in self._fp8.values())
+
+    def _gather(self, u: Unit, wait: bool = True, whole: bool = False):
         """Allocate the unit's storage and start gathering its shards into it (a prefetch),
-        and with `wait` wait for them."""
+        and with `wait` wait for them. FP8 weights travel in FP8 unless `whole`."""
         if not u.gathered:
+            record = torch.is_grad_enabled()  # a training forward (backward's hooks run without)
             for b in u.buckets:
-                b.full.untyped_storage().resize_(b.numel * b.full.element_size())
-                u.works.append(comm.all_gather(b.full, b.param_shard, self.gather_group,
-                                               async_op=True))  # fmt: skip
-                self.gathered_bytes += b.numel * b.full.element_size()
+                f8 = None if whole else self._fp8.get(b)
+                if f8 is None:
+                    b.full.untyped_storage().resize_(b.numel * b.full.element_size())
+                    u.works.append(comm.all_gather(b.full, b.param_shard, self.gather_group,
+                                                   async_op=True))  # fmt: skip
+                else:
+                    f8.full8.untyped_storage().resize_(b.numel)
+                    u.works.append(f8.start(self.gather_group, record))
+            self.gathered_bytes = self._held()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
             u.gathered = True
         if wait:
@@ -179,7 +207,10 @@ class Zero3Buffer(GradBuffer):
         self._gather(u, wait=True)  # never release storage a collective still writes
         for b in u.buckets:
             b.full.untyped_storage().resize_(0)
-            self.gathered_bytes -= b.numel * b.full.element_size()
+            if b in self._fp8:
+                self._fp8[b].full8.untyped_storage().resize_(0)
+                self._fp8[b].release()
+        self.gathered_bytes = self._held()
         u.gathered = False
 
     def free_all(self):
@@ -259,8 +290,9 @@ class Zero3Buffer(GradBuffer):
     def gathered(self, write_back: bool = False):
         """Every parameter whole in the block (checkpoints, tests); with `write_back` what the
         block wrote into the parameters becomes this rank's shards. Collective over DP."""
+        self.free_all()  # (FP8 weights: gathered whole here, in their high precision)
         for u in self.units:
-            self._gather(u, wait=False)
+            self._gather(u, wait=False, whole=True)
         for u in self.units:
             self._gather(u)
         try:
@@ -283,4 +315,4 @@ class Zero3Buffer(GradBuffer):
     def live_param_bytes(self) -> int:
         """Parameter bytes this rank holds now: its shards and the units gathered."""
         shards = sum(b.param_shard.numel() * b.param_shard.element_size() for b in self.buckets)
-        return shards + sum(b.full.untyped_storage().nbytes() for b in self.buckets)
+        return shards + self._held()

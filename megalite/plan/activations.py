@@ -12,7 +12,7 @@ from megalite.pipeline.actions import B, F, I, W
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
 from megalite.plan.buffers import P2PBuffers, backward_working
-from megalite.plan.memory import BYTES
+from megalite.plan.memory import BYTES, fp8_saved
 from megalite.shape import RunShape
 
 
@@ -195,6 +195,7 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
     sp = shape.sequence_parallel
     total = sum(layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(i))
                 for i in kw["layers"])  # fmt: skip
+    total += fp8_saved(cfg, m, tp, kw["layers"])  # FP8 linears' copies (plan/memory.py)
     if kw["has_embedding"]:
         total += b * s * (9 if tp > 1 else 8)  # token ids (int64; a bool mask with TP)
         total += s * 8 if m.features.learned_positions else 0  # position ids

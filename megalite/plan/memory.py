@@ -59,6 +59,77 @@ def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=Fal
     return out + after
 
 
+@lru_cache(maxsize=64)
+def _fp8_layer_groups(m_fields: tuple, tp: int, sp: bool) -> tuple:
+    """The weights an FP8 layer quantises together (fp8_gather.weight_groups), as names within
+    the layer (("attention.q.weight", ...), ...), from the real layer built on `meta`."""
+    import torch
+
+    from megalite import kernels
+    from megalite.kernels import fp8
+    from megalite.model.gpt import GPTChunk
+    from megalite.parallel.comm import Group
+    from megalite.parallel.fp8_gather import weight_groups
+
+    maker = fp8.Fp8Maker(fp8.make_recipe("tensorwise"))
+    ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
+    chunk = GPTChunk(ModelConfig(*m_fields), Group("tp", list(range(tp)), tp - 1), layers=[0],
+                     has_embedding=False, has_head=False, sequence_parallel=sp,
+                     device=torch.device("meta"), ops=ops)  # fmt: skip
+    name = {id(p): n.removeprefix("layers.0.") for n, p in chunk.named_parameters()}
+    return tuple(tuple(name[id(p)] for p in g.params) for g in weight_groups([chunk], False))
+
+
+def fp8_weights(cfg: Config, shape: RunShape, layers, head: bool = False) -> dict:
+    """{name: (its layer, its FP8 group there)} of the FP8 linears' weights of `layers` (none
+    without --fp8-format; not the first and last layers with --fp8-first-last-layers-bf16),
+    and with `head` of the MTP modules' layers (model/mtp.py: always FP8). ZeRO-3 keeps them
+    in a bucket of their own per unit (parallel/fp8_gather.py)."""
+    m, t = cfg.model, cfg.training
+    if t.fp8_format is None:
+        return {}
+    fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))
+    groups = _fp8_layer_groups(fields, shape.tp, shape.sequence_parallel and shape.tp > 1)
+    high = (0, m.num_layers - 1) if t.fp8_first_last_layers_bf16 else ()
+    prefixes = [f"layers.{i}." for i in layers if i not in high]
+    prefixes += [f"mtp.{k}.layer." for k in range(m.mtp_num_layers)] if head else []
+    return {p + n: (p, k) for p in prefixes for k, names in enumerate(groups) for n in names}
+
+
+def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
+    """What FP8 linears change in the bytes `layers` keep for backward per micro-batch (`m`: the
+    model at the rank's sequence length), as kernels/fp8.py saves them: a per-tensor recipe
+    (tensorwise, delayed) keeps FP8 copies (1 byte per element, and a scale) of every linear's
+    input and weight, and no longer the high-precision inputs only the linears kept (those of
+    q/k/v and of the MLP's first linear(s), the MLP activation's output) nor the fused layers'
+    concatenated weights; rowwise and mxfp8 keep what F.linear keeps. Dense, non-MLA layers
+    (others unchanged), nothing under full recompute."""
+    t = cfg.training
+    if t.fp8_format is None or t.recompute == "full" or m.features.latent_attention:
+        return 0.0
+    from megalite.kernels.fp8 import RECIPES  # torch: only for an FP8 plan
+
+    if not RECIPES[t.fp8_recipe].transposable:
+        return 0.0
+    e, n, h, f = BYTES[t.precision], m.seq_length * t.micro_batch_size, m.hidden_size, m.ffn
+    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+    qkv, up = h / tp + 2 * kv, f / tp * (2 if m.features.gated_mlp else 1)  # output features
+    copies = n * h + qkv * h + n * h / tp + h * h / tp  # attention: q/k/v fused, out
+    copies += n * h + up * h + n * f / tp + h * f / tp + 4 * 2 * 4  # MLP; 8 scales (fp32)
+    gone = 2 * n * h * e + qkv * (h + m.features.qkv_bias) * e + n * f / tp * e
+    gone += 2 * f / tp * h * e if m.features.gated_mlp else 0  # gate/up concatenated
+    high = (0, m.num_layers - 1) if t.fp8_first_last_layers_bf16 else ()
+    fp8 = [i for i in layers if i not in high and not m.is_moe_layer(i)]
+    return len(fp8) * (copies - gone)
+
+
+def zero3_params(cfg: Config, shape: RunShape, kw: dict, specs) -> list:
+    """A chunk's [(name, numel, alone)] for unit_layout, as Zero3Buffer lays them out: tied
+    halves alone, FP8 weights together in a bucket of their own per layer."""
+    fp8 = fp8_weights(cfg, shape, kw["layers"], kw["has_head"])
+    return [(n, k, "fp8" if n in fp8 else "embed" in s.grad_sum) for n, k, s in specs]
+
+
 def replicas(shape: RunShape) -> int:
     """Ranks holding the same parameters (gradients reduced, ZeRO sharded over them): dp*cp."""
     return shape.dp * shape.cp
@@ -89,9 +160,13 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
         specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep)
         specs = [x for x in specs if x[2].expert == experts]
-        chunks.append([(n, k, "embed" in s.grad_sum) for n, k, s in specs])
+        zero3 = shape.zero.shard_params and not experts  # one bucket per unit, as Zero3Buffer
+        if zero3:
+            chunks.append(zero3_params(cfg, shape, kw, specs))
+        else:
+            chunks.append([(n, k, "embed" in s.grad_sum) for n, k, s in specs])
         sync.update({n: s.grad_sum for n, _, s in specs})
-    if shape.zero.shard_params and not experts:  # one bucket per unit (a layer), as Zero3Buffer
+    if shape.zero.shard_params and not experts:
         layout = unit_layout(chunks, replicas(shape) * ALIGN)
     else:
         pad = (edp if experts else replicas(shape)) * ALIGN
@@ -158,23 +233,33 @@ def reshard_policy(cfg: Config, shape: RunShape) -> str | None:
 
 
 def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
-    """{policy: (most parameter bytes gathered at once, [padded numel of each bucket])} on
-    this pipeline rank. "forward": a chunk's outer unit (embedding, head) and two layers (the
-    one computing and the one prefetched); "backward": a whole chunk (each layer kept from its
-    forward to its backward); "step": every chunk of the rank."""
-    e = BYTES[cfg.training.precision]
-    per_chunk, sizes = [], []
+    """{policy: (most parameter bytes gathered at once, [padded numel of each bucket], [(bytes
+    gathered, FP8 amaxes all-reduced first) of each bucket])} on this pipeline rank.
+    "forward": a chunk's outer unit (embedding, head) and two neighbouring layers (the one
+    computing and the one prefetched); "backward": a whole chunk (each layer kept from its
+    forward to its backward); "step": every chunk of the rank. With --fp8-param-gather an FP8
+    bucket is gathered at 1 byte per element, after one all-reduce of its weights' amaxes."""
+    t = cfg.training
+    e = BYTES[t.precision]
+    per_chunk, sizes, gathers = [], [], []
     for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
         specs = chunk_specs(cfg.model, shape.tp, **kw, sp=shape.sequence_parallel)
-        params = [(n, k, "embed" in s.grad_sum) for n, k, s in specs]
+        params = zero3_params(cfg, shape, kw, specs)
+        fp8 = fp8_weights(cfg, shape, kw["layers"], kw["has_head"]) if t.fp8_param_gather else {}
         units = {}
         for start, end, ranges in unit_layout([params], replicas(shape) * ALIGN):
-            units[unit_of(ranges[0][0])] = units.get(unit_of(ranges[0][0]), 0) + end - start
+            amaxes = len({fp8[n] for n, _, _ in ranges if n in fp8})
+            nbytes = (end - start) * (1 if amaxes else e)
+            units[unit_of(ranges[0][0])] = units.get(unit_of(ranges[0][0]), 0) + nbytes
             sizes.append(end - start)
-        layers = sorted((n for u, n in units.items() if u), reverse=True)
+            gathers.append((nbytes, amaxes))
+        layers = [n for u, n in units.items() if u]  # in forward order
         per_chunk.append((units.get("", 0), layers))
-    forward = max((outer + sum(layers[:2]) for outer, layers in per_chunk), default=0)
+    # two neighbours at once (one computing, the next or previous arriving): they differ in
+    # size with FP8 gathers and --fp8-first-last-layers-bf16
+    pairs = lambda ls: max((a + b for a, b in zip(ls, ls[1:])), default=sum(ls))  # noqa: E731
+    forward = max((outer + pairs(layers) for outer, layers in per_chunk), default=0)
     chunk = max((outer + sum(layers) for outer, layers in per_chunk), default=0)
     total = sum(outer + sum(layers) for outer, layers in per_chunk)
-    return {"forward": (forward * e, sizes), "backward": (chunk * e, sizes),
-            "step": (total * e, sizes)}  # fmt: skip
+    return {"forward": (forward, sizes, gathers), "backward": (chunk, sizes, gathers),
+            "step": (total, sizes, gathers)}  # fmt: skip

@@ -17,6 +17,7 @@ from megalite.plan.memory import (
     buckets,
     chunk_specs,
     expert_parallel,
+    fp8_weights,
     replicas,
     reshard_policy,
     zero3_units,
@@ -32,8 +33,8 @@ def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -
     g_size = 4 if cfg.training.precision in ("bf16", "fp16") else e
     units, ours = zero3_units(cfg, shape, pp_rank), reshard_policy(cfg, shape)
     out = []
-    for policy, (peak, sizes) in units.items():
-        traffic = GATHERS[policy](microbatches) * sum(_ring("gather", d, n * e) for n in sizes)
+    for policy, (peak, _, gathers) in units.items():
+        traffic = GATHERS[policy](microbatches) * sum(_gather_bytes(d, *x) for x in gathers)
         mark = " (this run)" if policy == ours else ""
         out.append(f"zero3 reshard={policy}{mark}: {peak / 2**20:.2f} MiB gathered at most, "
                    f"{traffic / 1e6:.2f} MB of parameter gathers per step")  # fmt: skip
@@ -45,6 +46,12 @@ def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -
                f"unsharded gradient until the last micro-batch: {each / 1e6:.2f} MB per step, "
                f"+{whole / 2**20:.2f} MiB")  # fmt: skip
     return out
+
+
+def _gather_bytes(d: int, nbytes: int, amaxes: int) -> int:
+    """Bus bytes of gathering one ZeRO-3 bucket of `nbytes` over d replicas, after the all-reduce
+    of its `amaxes` FP8 weights' amaxes (fp32) when it travels in FP8 (--fp8-param-gather)."""
+    return _ring("gather", d, nbytes) + (_ring("all_reduce", d, 4 * amaxes) if amaxes else 0)
 
 
 def _ring(kind: str, n: int, nbytes: float) -> int:
@@ -146,13 +153,18 @@ def comm_bytes(
     # DP, per bucket: the collectives of the ZeRO stage (ZeroStage.collectives), ZeRO-3's
     # parameter gathers counted apart as dp_gather. Plus the loss mean (a logging step's).
     calls = zero.collectives(microbatches, reshard_policy(cfg, shape))
+    fp8 = {}  # --fp8-param-gather: FP8 weights' buckets gathered at 1 byte, after their amaxes
+    if tr.fp8_param_gather:
+        layers = [i for kw in kws for i in kw["layers"]]
+        fp8 = fp8_weights(cfg, shape, layers, any(kw["has_head"] for kw in kws))
     dp_bytes = 0
-    for start, end, _ in bs:
+    for start, end, ranges in bs:
         n = end - start
         dp_bytes += _dp_bytes(calls, d, n * g_size, n * e)
         if calls.get("param_gather"):
-            gathers = calls["param_gather"] * _ring("gather", d, n * e)
-            out["dp_gather"] = out.get("dp_gather", 0) + gathers
+            amaxes = len({fp8[r[0]] for r in ranges if r[0] in fp8})
+            each = _gather_bytes(d, n * (1 if amaxes else e), amaxes)
+            out["dp_gather"] = out.get("dp_gather", 0) + calls["param_gather"] * each
     out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
     if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
         kind = _replicas_kind(shape)

@@ -85,8 +85,9 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
             pow2=t.fp8_scale_pow2,
         )
         ops = kernels.override(
-            ops, fp8_linear=fp8.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16)
-        )
+            ops, fp8_linear=fp8.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16,
+                                         getattr(ops, "fp8_casts", fp8.TORCH_CASTS))
+        )  # fmt: skip
     chunks = [
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],

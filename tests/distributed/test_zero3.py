@@ -7,11 +7,18 @@ two pipeline stages, torch.optim.AdamW + clip_grad_norm_ in one process).
 
 import pytest
 import torch
+from megalite.kernels import fp8
 
+from megalite import kernels
+from megalite.config import Config, ModelConfig
+from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.parallel import comm
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import unit_layout
+from megalite.plan import memory, traffic
+from megalite.plan.layouts import layout
 from megalite.testing import spawn
 from tests.distributed.test_zero import (
     LR,
@@ -176,3 +183,76 @@ def test_zero3_dp2_matches_one_process_and_holds_two_layers():
     results = spawn(_dp2, 2, timeout=180)
     peak, padded, layer = results[0]
     assert peak <= padded // 2 + 2 * layer
+
+
+def _fp8_run(groups, recipe, gather, dtype, steps):
+    """A two-layer llama GPTChunk at dp2 ZeRO-3 with FP8 linears: the losses, this rank's
+    parameter shards after `steps` steps, and the dp_gather bytes of gathering one layer."""
+    cfg = Config()
+    cfg.model = ModelConfig(flavour="llama", num_layers=2, hidden_size=32, num_attention_heads=2,
+                            seq_length=16, vocab_size=64, ffn_hidden_size=64)  # fmt: skip
+    cfg.optimizer.zero_stage, cfg.optimizer.lr, cfg.optimizer.clip_grad = 3, 1e-2, 0.5
+    t = cfg.training
+    t.fp8_param_gather, t.fp8_format, t.fp8_recipe, t.fp8_amax_history_len = (
+        gather,
+        "hybrid",
+        recipe,
+        4,
+    )
+    t.micro_batch_size, t.global_batch_size = 2, 4
+    maker = fp8.Fp8Maker(fp8.make_recipe(recipe, "hybrid", history_len=4))
+    ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
+    chunks = [GPTChunk(cfg.model, groups.tp, seed=5, dtype=dtype, ops=ops)]
+    opt = DistributedOptimizer(chunks, groups, cfg)
+    losses, gathered = [], []
+    for s in range(steps):
+        before = groups.ledger.bytes["dp_gather"]
+        gen = torch.Generator().manual_seed(s)
+        ids = torch.randint(0, 64, (2, 2, 17), generator=gen)[groups.dp.rank]
+        opt.zero_grad(1)
+        loss = chunks[0](ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step(1e-2)
+        gathered.append(groups.ledger.bytes["dp_gather"] - before)
+        fp8.end_step(fp8.fp8_linears(chunks[0].modules()),
+                     lambda t: comm.all_reduce(t, groups.dp, op=torch.distributed.ReduceOp.MAX))  # fmt: skip
+    buf = opt.buffer
+    unit = buf.units[1]  # layers.0
+    before = groups.ledger.bytes["dp_gather"]
+    with torch.no_grad():
+        buf._gather(unit)
+        buf._free(unit)
+    moved = groups.ledger.bytes["dp_gather"] - before
+    fp8_numel = sum(b.numel for b in unit.buckets if b in buf._fp8)
+    if steps:  # the planner: the same buckets, gather bytes per step and gathered peak
+        lay = layout(cfg, dp=2, zero=3)
+        assert [e - s for s, e, _ in memory.buckets(cfg, lay, 0)] == [b.numel for b in buf.buckets]
+        assert gathered[0] == traffic.comm_bytes(cfg, lay, 0, 1)["dp_gather"], gathered
+        peak = opt.memory_bytes()["param_gathered_peak_bytes"]
+        assert peak == memory.zero3_units(cfg, lay, 0)["forward"][0], peak
+    return losses, [b.param_shard.clone() for b in buf.buckets], moved, fp8_numel
+
+
+def _fp8_gather(rank, world):
+    groups = build_groups(Topology(dp=2), torch.device("cpu"))
+    for recipe in ("tensorwise", "delayed"):  # delayed: step 2 scales by its history
+        off = _fp8_run(groups, recipe, False, torch.float32, 2)
+        on = _fp8_run(groups, recipe, True, torch.float32, 2)
+        assert all(torch.equal(a, b) for a, b in zip(off[0], on[0])), (recipe, off[0], on[0])
+        assert all(torch.equal(a, b) for a, b in zip(off[1], on[1])), recipe
+    for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):  # FP8: a quarter, a half
+        off, on = (_fp8_run(groups, "tensorwise", g, dtype, 0) for g in (False, True))
+        n_weights = 4  # layers.0: q/k/v fused, out, gate/up fused, down: one amax each
+        amax = 2 * (2 - 1) / 2 * 4 * n_weights
+        assert on[3] > 0 and off[3] == 0
+        assert on[2] - amax == off[2] - (2 - 1) / 2 * on[3] * (e - 1), (dtype, on[2], off[2])
+    return True
+
+
+@pytest.mark.distributed
+def test_fp8_param_gather_equals_the_fp8_run_at_a_quarter_of_the_bytes():
+    """--fp8-param-gather at dp2 ZeRO-3: the same losses and parameters, bit for bit, as the
+    same FP8 run gathering in fp32 (tensorwise and delayed scaling, clipping on), and the FP8
+    weights' gather bytes a quarter of fp32's, half of bf16's."""
+    assert all(spawn(_fp8_gather, 2, timeout=180))

@@ -5,6 +5,7 @@ import pytest
 import torch
 from megalite.kernels.fp8 import E4M3, E5M2
 from megalite.kernels.fp8_cast import (
+    TRITON_CASTS,
     quantise_mx,
     quantise_mx_ref,
     quantise_tensorwise,
@@ -34,7 +35,34 @@ def test_mx_block_scales(k, dtype):
 
 
 @pytest.mark.gpu
-def test_fp8_casts_bitwise_on_gpu():
-    x = torch.randn(4096, 4096, device="cuda") * 3
-    _agree(quantise_tensorwise(x, E4M3), quantise_tensorwise_ref(x, E4M3))
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_casts_bitwise_on_gpu(dt):
+    """Compiled, and bf16 inputs (the training dtype, which the interpreter cannot check)."""
+    x = (torch.randn(4096, 4096, device="cuda") * 3).to(dt)
+    for fp8 in (E4M3, E5M2):
+        _agree(quantise_tensorwise(x, fp8), quantise_tensorwise_ref(x, fp8))
     _agree(quantise_mx(x, E4M3), quantise_mx_ref(x, E4M3))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "mxfp8"])
+def test_recipes_quantise_through_the_kernels(recipe):
+    """An Fp8Linear given TRITON_CASTS (what TRITON_OPS hands the maker) quantises through the
+    kernels, not their torch fallback, and computes forward and backward bit for bit what the
+    torch steps compute."""
+    from megalite.kernels import TORCH_OPS, TRITON_OPS, _triton
+    from megalite.kernels.fp8 import TORCH_CASTS, Fp8Linear, make_recipe
+
+    assert TRITON_OPS.fp8_casts is TRITON_CASTS and TORCH_OPS.fp8_casts is TORCH_CASTS
+    torch.manual_seed(2)
+    x0, w0 = torch.randn(4, 16, 64), torch.randn(32, 64) * 0.1
+    g = torch.randn(4, 16, 32)
+    out = []
+    for casts in (TRITON_CASTS, TORCH_CASTS):
+        lin = Fp8Linear(make_recipe(recipe), casts=casts)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = lin(x, w)
+        y.backward(g)
+        out.append((y, x.grad, w.grad))
+    assert not _triton._warned  # no fallback: the kernels ran
+    for a, b in zip(*out):
+        assert torch.equal(a, b)

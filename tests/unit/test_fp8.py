@@ -156,6 +156,22 @@ def test_validate_refuses_fp8_it_cannot_run(argv, message):
         validate(parse_args(argv), 2 if "--tp" in argv else 1)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--fp8-param-gather", "--zero-stage", "3"], "needs --zero-stage 3 and --fp8-format"),
+    (["--fp8-param-gather", "--fp8-format", "hybrid", "--zero-stage", "2"], "needs --zero-stage 3"),
+    (["--fp8-param-gather", "--fp8-format", "hybrid", "--zero-stage", "3", "--fp8-recipe",
+      "rowwise"], "needs --fp8-recipe tensorwise or delayed: rowwise"),
+])  # fmt: skip
+def test_fp8_param_gather_is_refused_without_zero3_fp8_or_a_per_tensor_recipe(argv, message):
+    from megalite.config_read import parse_args
+    from megalite.errors import MegaliteError
+    from megalite.shape import validate
+
+    validate(parse_args(["--fp8-param-gather", "--fp8-format", "hybrid", "--zero-stage", "3"]), 1)
+    with pytest.raises(MegaliteError, match=message):
+        validate(parse_args(argv), 1)
+
+
 def test_an_unknown_recipe_is_one_line_before_any_group():
     from megalite.config_read import parse_args
     from megalite.errors import MegaliteError

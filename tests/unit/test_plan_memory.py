@@ -44,3 +44,30 @@ def test_buffers_one_process(precision):
     assert mem["params"] == buf.param_buffer.numel() * buf.param_buffer.element_size()
     assert mem["grads"] == buf.grad_buffer.numel() * buf.grad_buffer.element_size()
     assert mem["optimizer"] == opt.state_bytes()
+
+
+@pytest.mark.parametrize("first_last", [False, True])
+def test_zero3_fp8_buckets_are_the_buffers(first_last):
+    """ZeRO-3 with FP8 linears: the planner lays out Zero3Buffer's buckets (the FP8 weights of
+    each unit in a bucket of their own, the MTP modules' in the outer unit's, none for the
+    layers --fp8-first-last-layers-bf16 keeps high), and its gathered peak at 1 byte per FP8
+    element with --fp8-param-gather."""
+    from megalite.kernels import fp8
+
+    from megalite import kernels
+
+    cfg = tiny("llama", layers=3, mtp_num_layers=1)
+    t = cfg.training
+    t.fp8_format, t.fp8_param_gather, t.fp8_first_last_layers_bf16 = "hybrid", True, first_last
+    cfg.optimizer.zero_stage = 3
+    maker = fp8.Fp8Maker(fp8.make_recipe("tensorwise"), first_last_high=first_last)
+    chunks = [GPTChunk(cfg.model, ops=kernels.override(kernels.TORCH_OPS, fp8_linear=maker))]
+    opt = DistributedOptimizer(chunks, single_process_groups(), cfg)
+    lay = layout(cfg, zero=3)
+    assert [e - s for s, e, _ in memory.buckets(cfg, lay, 0)] == [
+        b.numel for b in opt.buffer.buckets
+    ]
+    assert len(opt.buffer._fp8) == (2 if first_last else 4)  # layers (not 0, 2) and MTP
+    chunks[0](torch.randint(500, (2, 64)), torch.randint(500, (2, 64))).backward()
+    peak = opt.memory_bytes()["param_gathered_peak_bytes"]
+    assert peak == memory.zero3_units(cfg, lay, 0)["forward"][0]
