@@ -55,8 +55,9 @@ from megalite.kernels.cross_entropy import (
     cross_entropy_shard_stats,
     cross_entropy_shard_stats_ref,
 )
-from megalite.kernels.fp8 import NO_FP8, TORCH_CASTS
+from megalite.kernels.fp8 import TORCH_CASTS
 from megalite.kernels.fp8_cast import TRITON_CASTS
+from megalite.kernels.fp8_linear import NO_FP8
 from megalite.kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 from megalite.kernels.layer_norm import layer_norm, layer_norm_ref
 from megalite.kernels.rms_norm import rms_norm, rms_norm_ref

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.format import Checkpoint, opt_name
 from megalite.errors import MegaliteError
-from megalite.kernels.fp8 import Fp8Linear
+from megalite.kernels.fp8_linear import Fp8Linear
 from megalite.model.moe import expert_biases
 from megalite.parallel import comm
 from megalite.parallel.specs import spec_of

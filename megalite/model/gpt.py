@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megalite.config import ModelConfig
 from megalite.kernels import TORCH_OPS
-from megalite.kernels.fp8 import layer_ops
+from megalite.kernels.fp8_linear import layer_ops
 from megalite.model.layers import Norm, TransformerLayer
 from megalite.model.mtp import MTPModule, mtp_loss
 from megalite.parallel import comm

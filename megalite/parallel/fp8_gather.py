@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.kernels.fp8 import Fp8Linear, Quantised
+from megalite.kernels.fp8 import Quantised
+from megalite.kernels.fp8_linear import Fp8Linear
 from megalite.parallel import comm
 from megalite.parallel.buckets import Bucket
 from megalite.parallel.comm import Group

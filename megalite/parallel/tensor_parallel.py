@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.kernels import TORCH_OPS, override
-from megalite.kernels.fp8 import NO_FP8
+from megalite.kernels.fp8_linear import NO_FP8
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.specs import mark

@@ -66,12 +66,12 @@ def _fp8_layer_groups(m_fields: tuple, tp: int, sp: bool) -> tuple:
     import torch
 
     from megalite import kernels
-    from megalite.kernels import fp8
+    from megalite.kernels import fp8, fp8_linear
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.comm import Group
     from megalite.parallel.fp8_gather import weight_groups
 
-    maker = fp8.Fp8Maker(fp8.make_recipe("tensorwise"))
+    maker = fp8_linear.Fp8Maker(fp8.make_recipe("tensorwise"))
     ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
     chunk = GPTChunk(ModelConfig(*m_fields), Group("tp", list(range(tp)), tp - 1), layers=[0],
                      has_embedding=False, has_head=False, sequence_parallel=sp,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megalite import kernels
 from megalite.config import Config
-from megalite.kernels import fp8
+from megalite.kernels import fp8, fp8_linear
 from megalite.model.gpt import GPTChunk
 from megalite.model.moe import aux_loss_scale
 from megalite.optim.distributed_optimizer import DistributedOptimizer, build_optimizer
@@ -65,7 +65,7 @@ def end_fp8_step(chunks, groups: ProcessGroups):
         for g in (groups.tp, groups.replicas):
             comm.all_reduce(t, g, op=dist.ReduceOp.MAX)
 
-    fp8.end_step(fp8.fp8_linears(m for c in chunks for m in c.modules()), reduce)
+    fp8_linear.end_step(fp8_linear.fp8_linears(m for c in chunks for m in c.modules()), reduce)
 
 
 def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
@@ -85,7 +85,7 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
             pow2=t.fp8_scale_pow2,
         )
         ops = kernels.override(
-            ops, fp8_linear=fp8.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16,
+            ops, fp8_linear=fp8_linear.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16,
                                          getattr(ops, "fp8_casts", fp8.TORCH_CASTS))
         )  # fmt: skip
     chunks = [

@@ -5,7 +5,7 @@ each amax of a tensor split over tp is max-reduced over tp before its scale is c
 import pytest
 import torch
 import torch.nn.functional as F
-from megalite.kernels import fp8
+from megalite.kernels import fp8, fp8_linear
 
 from megalite import kernels
 from megalite.config import ModelConfig
@@ -39,12 +39,12 @@ def _fp8_model(rank, world, recipe, unreduced=False, pow2=True):
         ffn_hidden_size=128,
     )  # fmt: skip  (each rank's dims: multiples of 32)
     ops = kernels.override(
-        kernels.TORCH_OPS, fp8_linear=fp8.Fp8Maker(fp8.make_recipe(recipe, pow2=pow2))
+        kernels.TORCH_OPS, fp8_linear=fp8_linear.Fp8Maker(fp8.make_recipe(recipe, pow2=pow2))
     )
     ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
     model = GPTChunk(cfg, g, sequence_parallel=True, seed=11, dtype=torch.float64, ops=ops)
     if unreduced:  # the check can fail: amaxes of this rank's shard only
-        for lin in fp8.fp8_linears(model.modules()):
+        for lin in fp8_linear.fp8_linears(model.modules()):
             lin.shards = {}
     torch.manual_seed(0)
     worst = 0.0
@@ -66,8 +66,8 @@ def _fp8_model(rank, world, recipe, unreduced=False, pow2=True):
             worst = max(
                 worst, ((grad - full).abs().max() / full.abs().max().clamp(min=1e-30)).item()
             )
-        fp8.end_step(fp8.fp8_linears(ref.modules()))
-        fp8.end_step(fp8.fp8_linears(model.modules()),
+        fp8_linear.end_step(fp8_linear.fp8_linears(ref.modules()))
+        fp8_linear.end_step(fp8_linear.fp8_linears(model.modules()),
                      lambda t: comm.all_reduce(t, g, op=torch.distributed.ReduceOp.MAX))  # fmt: skip
     return worst
 
@@ -96,7 +96,9 @@ def _cp_fp8_model(rank, world):
     worst = []
     for tokens_group in (groups.cp, None):
         recipe = fp8.make_recipe("tensorwise", pow2=False)
-        ops = kernels.override(kernels.TORCH_OPS, fp8_linear=fp8.Fp8Maker(recipe, tokens_group))
+        ops = kernels.override(
+            kernels.TORCH_OPS, fp8_linear=fp8_linear.Fp8Maker(recipe, tokens_group)
+        )
         ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
         model = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops, cp=groups.cp)
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ two pipeline stages, torch.optim.AdamW + clip_grad_norm_ in one process).
 
 import pytest
 import torch
-from megalite.kernels import fp8
+from megalite.kernels import fp8, fp8_linear
 
 from megalite import kernels
 from megalite.config import Config, ModelConfig
@@ -200,7 +200,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
         4,
     )
     t.micro_batch_size, t.global_batch_size = 2, 4
-    maker = fp8.Fp8Maker(fp8.make_recipe(recipe, "hybrid", history_len=4))
+    maker = fp8_linear.Fp8Maker(fp8.make_recipe(recipe, "hybrid", history_len=4))
     ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
     chunks = [GPTChunk(cfg.model, groups.tp, seed=5, dtype=dtype, ops=ops)]
     opt = DistributedOptimizer(chunks, groups, cfg)
@@ -215,7 +215,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
         losses.append(loss.detach())
         opt.step(1e-2)
         gathered.append(groups.ledger.bytes["dp_gather"] - before)
-        fp8.end_step(fp8.fp8_linears(chunks[0].modules()),
+        fp8_linear.end_step(fp8_linear.fp8_linears(chunks[0].modules()),
                      lambda t: comm.all_reduce(t, groups.dp, op=torch.distributed.ReduceOp.MAX))  # fmt: skip
     buf = opt.buffer
     unit = buf.units[1]  # layers.0

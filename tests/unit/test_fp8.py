@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from megalite.kernels.fp8 import E4M3, E5M2, Fp8Linear, end_step, make_recipe
+from megalite.kernels.fp8 import E4M3, E5M2, make_recipe
+from megalite.kernels.fp8_linear import Fp8Linear, end_step
 
 from megalite.testing import tiny_trainer
 
@@ -183,7 +184,7 @@ def test_an_unknown_recipe_is_one_line_before_any_group():
 def test_fp8_flags_reach_the_layers_and_the_first_last_stay_high():
     """--fp8-first-last-layers-bf16: layers 0 and n-1 keep ops.linear; the output layer and
     the embedding never run in FP8."""
-    from megalite.kernels.fp8 import Fp8Maker, fp8_linears
+    from megalite.kernels.fp8_linear import Fp8Maker, fp8_linears
 
     from megalite import kernels
     from megalite.config import ModelConfig

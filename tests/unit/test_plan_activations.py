@@ -3,7 +3,7 @@ chunks in flight at the schedule's worst moment."""
 
 import pytest
 import torch
-from megalite.kernels import fp8
+from megalite.kernels import fp8, fp8_linear
 
 from megalite import kernels
 from megalite.model.gpt import GPTChunk
@@ -105,7 +105,7 @@ def test_fp8_activations_match_saved_tensors(recipe):
         ops = kernels.TORCH_OPS
         cfg.training.fp8_format, cfg.training.fp8_recipe = ("hybrid" if on else None), recipe
         if on:
-            ops = kernels.override(ops, fp8_linear=fp8.Fp8Maker(fp8.make_recipe(recipe)))
+            ops = kernels.override(ops, fp8_linear=fp8_linear.Fp8Maker(fp8.make_recipe(recipe)))
         measured.append(saved_bytes(GPTChunk(cfg.model, ops=ops, **kw), x, labels))
         estimate.append(activations.chunk_activations(cfg, layout(cfg), kw)[0])
     change, planned = measured[1] - measured[0], estimate[1] - estimate[0]

@@ -52,7 +52,7 @@ def test_zero3_fp8_buckets_are_the_buffers(first_last):
     each unit in a bucket of their own, the MTP modules' in the outer unit's, none for the
     layers --fp8-first-last-layers-bf16 keeps high), and its gathered peak at 1 byte per FP8
     element with --fp8-param-gather."""
-    from megalite.kernels import fp8
+    from megalite.kernels import fp8, fp8_linear
 
     from megalite import kernels
 
@@ -60,7 +60,7 @@ def test_zero3_fp8_buckets_are_the_buffers(first_last):
     t = cfg.training
     t.fp8_format, t.fp8_param_gather, t.fp8_first_last_layers_bf16 = "hybrid", True, first_last
     cfg.optimizer.zero_stage = 3
-    maker = fp8.Fp8Maker(fp8.make_recipe("tensorwise"), first_last_high=first_last)
+    maker = fp8_linear.Fp8Maker(fp8.make_recipe("tensorwise"), first_last_high=first_last)
     chunks = [GPTChunk(cfg.model, ops=kernels.override(kernels.TORCH_OPS, fp8_linear=maker))]
     opt = DistributedOptimizer(chunks, single_process_groups(), cfg)
     lay = layout(cfg, zero=3)
