@@ -12,8 +12,9 @@
   8), Qwen3-MoE (a dense layer among MoE ones) and gpt-oss (attention sinks, alternating
   windows) models converted to megalite and loaded at
   tp2*pp2 give transformers' greedy tokens and the one-process sampled ones; the MoE ones also
-  at tp2*pp2*ep2 as tools/generate.py loads them (each rank reading only its experts), and
-  the tool refuses an ep the experts, the ranks or a dense model cannot take.
+  at tp2*pp2*ep2 as tools/generate.py loads them (each rank reading only its experts), Qwen3-MoE
+  at tp1*pp2*dp2*ep2 too (experts over the replicas), and the tool refuses an ep the experts,
+  the ranks or a dense model cannot take.
 """
 
 import re
@@ -116,27 +117,29 @@ def test_sliding_window_with_context_parallelism_matches_one_process(tp, world, 
             assert not bad, (comm_type, documents, bad)
 
 
-def _generate(rank, world, paths):
+def _generate(rank, world, paths, over_replicas=()):
     """Each model at tp2*pp2 (chunks as the trainer builds them, experts whole); an MoE model
     also at tp2*pp2*ep2 as tools/generate.py lays it out and loads it (experts over the TP
-    ranks), with the expert rows each rank read from the checkpoint."""
+    ranks), and those in `over_replicas` at tp1*pp2*dp2*ep2 (experts over the two replicas),
+    with the expert rows each rank read from the checkpoint."""
     groups = build_groups(Topology(tp=2, pp=2, dp=1), torch.device("cpu"))
-    out, ep_groups = {}, None
+    out, ep_groups = {}, {}
     for path in paths:
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         chunks = _chunks(cfg, groups, 2, 1, sp=True)
         assert len(chunks) == len(rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank))
         load_model(chunks, groups.tp, fmt.Checkpoint(path))
         out[path] = _run(chunks, groups)
-        if not cfg.num_experts:
-            continue
-        ckpt = fmt.Checkpoint(path)
-        shape = gen_tool.layout(ckpt, world, tp=2, pp=2, ep=2)
-        ep_groups = ep_groups or build_groups(shape.topology(), torch.device("cpu"))
-        rows = _track_expert_reads(ckpt, cfg.num_experts)
-        chunks = gen_tool.load_chunks(ckpt, cfg, shape, ep_groups, dtype="fp64")
-        sizes = sorted({m.ep.size for _, m in moe_layers(chunks)})  # [] on a dense stage
-        out[path, "ep2"] = (*_run(chunks, ep_groups), ep_groups.ep.rank, sizes, sorted(rows))
+        for tp in [2, 1] if path in over_replicas else [2] if cfg.num_experts else []:
+            ckpt = fmt.Checkpoint(path)
+            shape = gen_tool.layout(ckpt, world, tp=tp, pp=2, ep=2)
+            if tp not in ep_groups:
+                ep_groups[tp] = build_groups(shape.topology(), torch.device("cpu"))
+            g = ep_groups[tp]
+            rows = _track_expert_reads(ckpt, cfg.num_experts)
+            chunks = gen_tool.load_chunks(ckpt, cfg, shape, g, dtype="fp64")
+            sizes = sorted({m.ep.size for _, m in moe_layers(chunks)})  # [] on a dense stage
+            out[path, "ep2", tp] = (*_run(chunks, g), g.ep.rank, sizes, sorted(rows))
     return out
 
 
@@ -163,13 +166,14 @@ def _refuses_bad_ep(dense, moe):
             gen_tool.layout(fmt.Checkpoint(path), 4, tp=2, pp=2, ep=ep)
 
 
-def _check_ep2(results, path, cfg, greedy, sampled):
-    """The ep2 run gave the one-process tokens, and each rank holding MoE layers split them over
-    ep2 and read only its half of the experts (ep rank r: global experts [r E/2, (r+1) E/2))."""
+def _check_ep2(results, path, cfg, greedy, sampled, tp=2):
+    """The ep2 run at tp gave the one-process tokens, and each rank holding MoE layers split
+    them over ep2 and read only its half of the experts (ep rank r: global experts
+    [r E/2, (r+1) E/2); the ep groups are ranks {0, 1} and {2, 3}, the two pipeline stages)."""
     half, stages = cfg.num_experts // 2, set()
     for rank in range(4):
-        g, s, _, ep_rank, sizes, rows = results[rank][path, "ep2"]
-        assert (g, s) == (greedy, sampled), (path, rank, "ep2")
+        g, s, _, ep_rank, sizes, rows = results[rank][path, "ep2", tp]
+        assert (g, s) == (greedy, sampled), (path, rank, "ep2", tp)
         assert ep_rank == rank % 2 and sizes in ([], [2]), (rank, ep_rank, sizes)
         assert rows == ([(ep_rank * half, (ep_rank + 1) * half)] if sizes else []), (rank, rows)
         stages |= {rank // 2} if sizes else set()
@@ -194,7 +198,7 @@ def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_pat
         models.append(m if name in ("qwen3-moe", "gpt-oss") else m.double())
         paths.append(str(tmp_path / f"{name}-ml"))
     _refuses_bad_ep(paths[0], paths[3])  # qwen3 (dense), qwen3-moe (4 experts)
-    results = spawn(_generate, 4, paths)
+    results = spawn(_generate, 4, paths, [paths[3]])  # qwen3-moe's experts over dp too
     for m, path in zip(models, paths):
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         greedy, sampled, _ = _one_process(cfg, path)
@@ -205,3 +209,5 @@ def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_pat
             assert fed == [[max(map(len, PROMPTS))] + [1] * (NEW - 1)], (path, rank)
         if cfg.num_experts:
             _check_ep2(results, path, cfg, greedy, sampled)
+        if path == paths[3]:
+            _check_ep2(results, path, cfg, greedy, sampled, tp=1)
