@@ -3,12 +3,14 @@
     python tools/generate.py --load DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
         [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--stop STRING]
         [--tokenizer-model M] [--dtype fp32|bf16|fp64] [--json]
-    torchrun --nproc_per_node N tools/generate.py --load DIR --tp T --pp P ...
+    torchrun --nproc_per_node N tools/generate.py --load DIR --tp T --pp P [--ep E] ...
 
 DIR is a megalite checkpoint (a --save directory or one iter_* folder, or the output of
 tools/convert_checkpoint.py --to megalite). Each rank reads only the slices of the logical
 tensors its (tp, pp) position needs, whatever layout saved it; world / (tp * pp) replicas
-generate the same text. The tokenizer is the one stored in the checkpoint unless
+generate the same text. An MoE model's experts are whole on every rank, or split over --ep
+ranks of each stage (the TP ranks, then the replicas), run by the trainer's MoE layer (its
+all-to-all dispatch) in prefill and in each one-token step; a rank reads only its experts. The tokenizer is the one stored in the checkpoint unless
 --tokenizer-model is given. Prompts are generated together in one batch (left-padded) with a KV
 cache (megalite/generation.py); each stops after N tokens, at EOS, at a --stop string (cut
 before it) or when the context is full. Rank 0 prints.
@@ -78,31 +80,50 @@ class Model:
         pg.destroy(barrier=True)
 
 
-def load_at_layout(opened, tp=1, pp=1, dtype="fp32") -> Model:
-    """This rank's chunks at tp x pp from `open_checkpoint`'s result. Bad input fails before
-    torch.distributed starts (identically on every rank), or every rank agrees on the error."""
-    from megalite.pipeline.partition import rank_chunks
+def layout(ckpt, world: int, tp=1, pp=1, ep=1):
+    """The run shape of generation at tp x pp over `world` ranks (world / (tp pp) replicas),
+    with an MoE model's experts split over `ep` ranks of each pipeline stage (the TP ranks
+    first, then the replicas: Topology.experts). A layout the model or the world cannot take
+    (tp vs heads, pp vs layers, ep vs the experts or the ranks of a stage) is refused in one
+    line here, before any process group exists."""
     from megalite.shape import validate
-    from megalite.training.launch import setup
 
-    ckpt, cfg, tok = opened
-    world = world_from_env()[1]
     run = from_dict({
-        "model": ckpt.model_config, "parallel": {"tp": tp, "pp": pp},
+        "model": ckpt.model_config, "parallel": {"tp": tp, "pp": pp, "ep": ep},
         "training": {"micro_batch_size": 1, "global_batch_size": world * pp},
     })  # fmt: skip
-    shape = validate(run, world)  # tp vs heads, pp vs layers, the world: one line each
-    groups = pg.single_process_groups() if world == 1 else setup(shape)
+    return validate(run, world)
+
+
+def load_chunks(ckpt, cfg, shape, groups, dtype="fp32") -> list[GPTChunk]:
+    """This rank's chunks (eval mode) of `layout`'s shape, each holding only its experts (those
+    of its ep rank), loaded with only this rank's slices read. Every rank agrees on an error."""
+    from megalite.pipeline.partition import rank_chunks
+
     chunks = [
         GPTChunk(cfg, groups.tp, **kw, dtype=DTYPES[dtype], device=groups.device).eval()
         for kw in rank_chunks(cfg.num_layers, shape.pp, 1, groups.pp.rank, shape.placement)
-    ]
+    ]  # the expert group: the one build_groups attaches to groups.tp
     with agreed_errors(groups.world):
         files = sorted(ckpt.files)
         ckpt.verify(files[groups.rank :: groups.world.size])  # each file hashed by one rank
         check_model(chunks, groups.tp, ckpt)
     with agreed_errors(groups.world):
         load_model(chunks, groups.tp, ckpt)
+    return chunks
+
+
+def load_at_layout(opened, tp=1, pp=1, dtype="fp32", ep=1) -> Model:
+    """This rank's chunks at tp x pp (experts over ep) from `open_checkpoint`'s result. Bad
+    input fails before torch.distributed starts (identically on every rank), or every rank
+    agrees on the error."""
+    from megalite.training.launch import setup
+
+    ckpt, cfg, tok = opened
+    world = world_from_env()[1]
+    shape = layout(ckpt, world, tp, pp, ep)
+    groups = pg.single_process_groups() if world == 1 else setup(shape)
+    chunks = load_chunks(ckpt, cfg, shape, groups, dtype)
     ckpt.close()
     return Model(chunks, groups, tok, cfg)
 
@@ -150,6 +171,7 @@ def main(argv):
     p.add_argument("--stop", action="append", help="stop a prompt's text at this string")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--tokenizer-model", help="sentencepiece model (default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print prompt and new token ids as JSON")
@@ -164,7 +186,7 @@ def main(argv):
     cfg, tok = opened[1:]
     prompts = [encode(tok, t) for t in texts]
     check_prompts(prompts, cfg)  # before any process group
-    m = load_at_layout(opened, a.tp, a.pp, a.dtype)
+    m = load_at_layout(opened, a.tp, a.pp, a.dtype, a.ep)
     g = torch.Generator().manual_seed(a.seed)
     new = generate_ids(m.chunks, m.groups, prompts, a.max_new_tokens, sampling, g,
                        tok.eos_id, stop_at(tok, a.stop))  # fmt: skip

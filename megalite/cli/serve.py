@@ -1,15 +1,16 @@
 """Serve generation over HTTP: Megatron's `PUT /api` and an OpenAI-style `POST /v1/completions`.
 
     python tools/serve.py --load DIR [--host 127.0.0.1] [--port 5000] [--tokenizer-model M]
-    torchrun --nproc_per_node N tools/serve.py --load DIR --tp T --pp P [--port 5000]
+    torchrun --nproc_per_node N tools/serve.py --load DIR --tp T --pp P [--ep E] [--port 5000]
 
     curl -s -X POST localhost:5000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def main(", "max_tokens": 32, "temperature": 0}'
 
 Every rank keeps its part of the model loaded (tools/generate.py's loading: any checkpoint, any
-tp x pp). Rank 0 answers HTTP with the standard library, one request at a time: it checks and
-tokenizes a request, then broadcasts it to the other ranks (JSON in a byte tensor, over the world
-group: nothing from the network is unpickled), and all run the same generation. When idle,
+tp x pp, an MoE model's experts over --ep). Rank 0 answers HTTP with the standard library, one
+request at a time: it checks and tokenizes a request, then broadcasts it to the other ranks
+(JSON in a byte tensor, over the world group: nothing from the network is unpickled), and all
+run the same generation. When idle,
 rank 0 broadcasts a heartbeat, so the others never reach the process-group timeout while they
 wait. SIGINT or SIGTERM on rank 0 (Ctrl-C; torchrun passes it on) ends the loop within half a
 second; a stop message releases the other ranks and every rank exits 0. `--port 0` picks a free
@@ -248,11 +249,13 @@ def main(argv):
     p.add_argument("--port", type=int, default=5000, help="0: any free port")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--dtype", choices=sorted(gen.DTYPES), default="fp32")
     p.add_argument("--tokenizer-model", help="sentencepiece model (default: the checkpoint's)")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     a = p.parse_args(argv)
-    model = gen.load_at_layout(gen.open_checkpoint(a.load, a.tokenizer_model), a.tp, a.pp, a.dtype)
+    opened = gen.open_checkpoint(a.load, a.tokenizer_model)
+    model = gen.load_at_layout(opened, a.tp, a.pp, a.dtype, a.ep)
     server = Server(model, a.host, a.port)
     if model.groups.rank == 0:
         for s in (signal.SIGINT, signal.SIGTERM):

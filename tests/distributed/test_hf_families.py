@@ -11,8 +11,13 @@
 - Generation: random transformers Qwen3, Llama 3 (llama3 rope scaling), Mistral (a window of
   8), Qwen3-MoE (a dense layer among MoE ones) and gpt-oss (attention sinks, alternating
   windows) models converted to megalite and loaded at
-  tp2*pp2 give transformers' greedy tokens and the one-process sampled ones.
+  tp2*pp2 give transformers' greedy tokens and the one-process sampled ones; the MoE ones also
+  at tp2*pp2*ep2 as tools/generate.py loads them (each rank reading only its experts), Qwen3-MoE
+  at tp1*pp2*dp2*ep2 too (experts over the replicas), and the tool refuses an ep the experts,
+  the ranks or a dense model cannot take.
 """
+
+import re
 
 import pytest
 import torch
@@ -20,9 +25,12 @@ import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
+from megalite.cli import generate as gen_tool
 from megalite.config import ModelConfig
 from megalite.config_read import from_dict
+from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
+from megalite.model.moe import moe_layers
 from megalite.parallel import comm
 from megalite.parallel.groups import build_groups
 from megalite.parallel.specs import spec_of
@@ -109,16 +117,67 @@ def test_sliding_window_with_context_parallelism_matches_one_process(tp, world, 
             assert not bad, (comm_type, documents, bad)
 
 
-def _generate(rank, world, paths):
+def _generate(rank, world, paths, over_replicas=()):
+    """Each model at tp2*pp2 (chunks as the trainer builds them, experts whole); an MoE model
+    also at tp2*pp2*ep2 as tools/generate.py lays it out and loads it (experts over the TP
+    ranks), and those in `over_replicas` at tp1*pp2*dp2*ep2 (experts over the two replicas),
+    with the expert rows each rank read from the checkpoint."""
     groups = build_groups(Topology(tp=2, pp=2, dp=1), torch.device("cpu"))
-    out = {}
+    out, ep_groups = {}, {}
     for path in paths:
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         chunks = _chunks(cfg, groups, 2, 1, sp=True)
         assert len(chunks) == len(rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank))
         load_model(chunks, groups.tp, fmt.Checkpoint(path))
         out[path] = _run(chunks, groups)
+        for tp in [2, 1] if path in over_replicas else [2] if cfg.num_experts else []:
+            ckpt = fmt.Checkpoint(path)
+            shape = gen_tool.layout(ckpt, world, tp=tp, pp=2, ep=2)
+            if tp not in ep_groups:
+                ep_groups[tp] = build_groups(shape.topology(), torch.device("cpu"))
+            g = ep_groups[tp]
+            rows = _track_expert_reads(ckpt, cfg.num_experts)
+            chunks = gen_tool.load_chunks(ckpt, cfg, shape, g, dtype="fp64")
+            sizes = sorted({m.ep.size for _, m in moe_layers(chunks)})  # [] on a dense stage
+            out[path, "ep2", tp] = (*_run(chunks, g), g.ep.rank, sizes, sorted(rows))
     return out
+
+
+def _track_expert_reads(ckpt, num_experts) -> set:
+    """The ranges of experts (dim 0) that `ckpt.read` is asked for, filled as it reads."""
+    rows, read = set(), ckpt.read
+
+    def tracked(name, region=None):
+        if ".experts." in name:
+            rows.add(tuple(region[0]) if region else (0, num_experts))
+        return read(name, region)
+
+    ckpt.read = tracked
+    return rows
+
+
+def _refuses_bad_ep(dense, moe):
+    """tools/generate.py's layout refuses, in one line and before any process group, an ep the
+    experts or the ranks of a stage cannot take, and ep on a dense model."""
+    for path, ep, why in [(moe, 3, "num_experts=4 is not divisible by ep=3"),
+                          (moe, 4, "ep=4 does not divide tp*dp=2*1, the ranks of a pipeline"),
+                          (dense, 2, "--ep 2 needs a mixture-of-experts model")]:  # fmt: skip
+        with pytest.raises(MegaliteError, match=re.escape(why)):
+            gen_tool.layout(fmt.Checkpoint(path), 4, tp=2, pp=2, ep=ep)
+
+
+def _check_ep2(results, path, cfg, greedy, sampled, tp=2):
+    """The ep2 run at tp gave the one-process tokens, and each rank holding MoE layers split
+    them over ep2 and read only its half of the experts (ep rank r: global experts
+    [r E/2, (r+1) E/2); the ep groups are ranks {0, 1} and {2, 3}, the two pipeline stages)."""
+    half, stages = cfg.num_experts // 2, set()
+    for rank in range(4):
+        g, s, _, ep_rank, sizes, rows = results[rank][path, "ep2", tp]
+        assert (g, s) == (greedy, sampled), (path, rank, "ep2", tp)
+        assert ep_rank == rank % 2 and sizes in ([], [2]), (rank, ep_rank, sizes)
+        assert rows == ([(ep_rank * half, (ep_rank + 1) * half)] if sizes else []), (rank, rows)
+        stages |= {rank // 2} if sizes else set()
+    assert stages, "no rank holds an MoE layer"
 
 
 def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_path):
@@ -138,7 +197,8 @@ def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_pat
         # transformers' MoE routing runs in fp32 only (its router casts to float): keep it there
         models.append(m if name in ("qwen3-moe", "gpt-oss") else m.double())
         paths.append(str(tmp_path / f"{name}-ml"))
-    results = spawn(_generate, 4, paths)
+    _refuses_bad_ep(paths[0], paths[3])  # qwen3 (dense), qwen3-moe (4 experts)
+    results = spawn(_generate, 4, paths, [paths[3]])  # qwen3-moe's experts over dp too
     for m, path in zip(models, paths):
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         greedy, sampled, _ = _one_process(cfg, path)
@@ -147,3 +207,7 @@ def test_qwen3_llama3_mistral_generate_at_tp2_pp2_what_transformers_does(tmp_pat
             g, s, fed = results[rank][path]
             assert (g, s) == (greedy, sampled), (path, rank)
             assert fed == [[max(map(len, PROMPTS))] + [1] * (NEW - 1)], (path, rank)
+        if cfg.num_experts:
+            _check_ep2(results, path, cfg, greedy, sampled)
+        if path == paths[3]:
+            _check_ep2(results, path, cfg, greedy, sampled, tp=1)

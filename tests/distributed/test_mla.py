@@ -8,7 +8,7 @@
   without packed documents) and cp2*tp2 gives one process's loss and gradients.
 - Generation: random transformers DeepSeek-V3 models (dense, and with its MoE) converted to
   megalite and loaded at tp2*pp2 give transformers' greedy tokens and the one-process sampled
-  ones (latent KV cache).
+  ones (latent KV cache); the MoE one also at tp2*pp2*ep2 (test_hf_families._generate).
 """
 
 import pytest
@@ -53,8 +53,8 @@ def test_latent_attention_with_context_parallelism_matches_one_process(tp, world
 
 
 def test_deepseek_v3_generates_at_tp2_pp2_what_transformers_does(tmp_path):
-    """Dense, and with DeepSeek-V3's MoE from layer 1 on (experts whole on each rank): one
-    spawn for both."""
+    """Dense, and with DeepSeek-V3's MoE from layer 1 on (experts whole on each rank, then split
+    over ep2): one spawn for both."""
     from tests.unit.test_checkpoint_hf import convert, hf_greedy
     from tests.unit.test_mla import hf_deepseek
 
@@ -73,3 +73,5 @@ def test_deepseek_v3_generates_at_tp2_pp2_what_transformers_does(tmp_path):
         for rank in range(4):
             g, s, _ = results[rank][path]
             assert (g, s) == (greedy, sampled), (path, rank)
+        if cfg.num_experts:
+            test_hf_families._check_ep2(results, path, cfg, greedy, sampled)
