@@ -198,13 +198,15 @@ class MoELayer(nn.Module):
 
     def forward(self, x, fused: bool = True):
         """x (b, s, h), or (b, s/t, h) with sequence parallelism -> the same shape. `fused` is
-        False for inference with a KV cache: every TP rank then routes the whole input."""
-        out = self._routed(x, split=self.tp.size > 1 and not self.sp and fused)
+        False for inference with a KV cache: every TP rank then routes the whole input, and no
+        assignment is dropped (a capacity per decode step of one token per row would drop by
+        the batch's choices, and each TP rank would count every token)."""
+        out = self._routed(x, self.tp.size > 1 and not self.sp and fused, dropless=not fused)
         if self.shared is not None:
             out = out + self.shared(x, fused=fused)
         return out
 
-    def _routed(self, x: torch.Tensor, split: bool) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, split: bool, dropless: bool = False) -> torch.Tensor:
         if split:  # this TP rank's 1/t of the sequence; gathered back at the end
             x = comm.scatter_to_group(x, self.tp, dim=1)
         b, s, h = x.shape
@@ -212,7 +214,7 @@ class MoELayer(nn.Module):
         t, k, e = b * s, self.k, self.e
         logits, probs, top, w = self.route(tokens)
         training = self.training and torch.is_grad_enabled()
-        dropping = self.capacity_factor is not None
+        dropping = self.capacity_factor is not None and not dropless
         # Full recompute replays this forward in backward: the routing decided in the first
         # pass (capacity and the dispatch plan: an all-gather and a host read) is kept for it.
         phase = _checkpoint_phase() if training else None

@@ -92,6 +92,14 @@ def test_layer_matches_token_by_token_reference(flavour, capacity):
     assert stats[:E].sum() == B * S * K  # loads count every assignment, dropped or not
 
 
+def test_inference_with_a_kv_cache_drops_nothing():
+    layer = moe(moe_expert_capacity_factor=0.75)
+    x = torch.randn(B, S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref, _, _, dropped = naive(layer, x, None)
+    assert (layer(x, fused=False) - ref).abs().max() <= 1e-12
+    assert dropped == 0 and naive(layer, x, 0.75)[3] > 0  # the training forward would drop
+
+
 def test_aux_losses_reach_the_router():
     # the losses' gradient joins in backward at the scale the trainer hands in (loss_scale / m)
     layer = moe()
