@@ -31,8 +31,10 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import MegaliteError
+from megalite.kernels.attention_sinks import add_sink
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
+from megalite.parallel.context_parallel import chunk_positions, ring_attention
 from megalite.parallel.p2p import exchange
 
 # ---- the cache -----------------------------------------------------------------------------
@@ -46,6 +48,8 @@ class KVCache:
     `layer(name)`: buffers (b, kv heads, capacity, hd), allocated at the first write (latent
     attention caches its compressed latent and RoPE key there instead).
     """
+
+    cp = None  # a CPKVCache's group: attention layers then call its layers' `attend`
 
     def __init__(self, pad: torch.Tensor, capacity: int, padded: bool = True):
         self.pad, self.capacity, self.padded = pad, capacity, padded  # padded: any pad > 0
@@ -92,6 +96,77 @@ class LayerKV:
         self.k[:, :, c.start : c.length] = k
         self.v[:, :, c.start : c.length] = v
         return self.k[:, :, : c.length], self.v[:, :, : c.length]
+
+
+class CPKVCache(KVCache):
+    """A KVCache whose slots are shared over the ranks of `cp` (context-parallel generation).
+
+    The prompt (left-padded to `width`, a multiple of 2·cp) is split as the trainer splits a
+    sequence: rank r holds slots chunk_positions(width, cp, r), so the prefill is the trainer's
+    ring attention. Each later token is fed to every rank (the same queries everywhere) and its
+    keys and values stay on one rank, the next in turn (slot - width) mod cp, so the shares stay
+    within one token of each other. A decode step's attention is exact: each rank attends to
+    its own share (output and log-sum-exp), the partials are all-gathered and merged in rank
+    order (the same bits on every rank), and a gpt-oss sink is added once to the merged result.
+    """
+
+    def __init__(self, pad: torch.Tensor, width: int, steps: int, cp: Group):
+        n = width // cp.size
+        super().__init__(pad, n + -(-max(steps - 1, 0) // cp.size), True)
+        self.cp, self.width, self.total = cp, width, 0  # total: slots written on every rank
+        dev = pad.device
+        self.index = torch.stack([chunk_positions(width, cp.size, r, dev) for r in range(cp.size)])
+        self.docs = -(self.index[:, None] < pad[None, :, None]).long()  # (cp, b, n): -1 padding
+        self.slots = torch.zeros(self.capacity, dtype=torch.long, device=dev)  # held, global
+        self.held_doc = torch.zeros(len(pad), self.capacity, dtype=torch.long, device=dev)
+        self.slots[:n], self.held_doc[:, :n] = self.index[cp.rank], self.docs[cp.rank]
+        self.every = torch.arange(width + steps, device=dev)  # decode slots, without a copy
+
+    def extend(self, s: int):
+        """This rank's new tokens: its share of the prompt (first), then one token (each rank)."""
+        if self.total == 0:
+            q, self.owner, self.start, self.length = self.index[self.cp.rank], None, 0, s
+        else:
+            q = self.every[self.total : self.total + 1]
+            self.owner = (self.total - self.width) % self.cp.size
+            self.start, mine = self.length, self.owner == self.cp.rank
+            if mine and self.length >= self.capacity:
+                raise ValueError(f"KV cache of {self.capacity} slots cannot take more")
+            if mine:
+                self.slots[self.length : self.length + 1] = q  # device to device: no host read
+            self.length += mine
+        self.q_slot, self.positions = q, (q - self.pad[:, None]).clamp(min=0)  # (s,), (b, s)
+        self.q_doc = -(q < self.pad[:, None]).long()
+        self.k_slot, self.k_doc = self.slots[: self.length], self.held_doc[:, : self.length]
+        self.total = self.width if self.total == 0 else self.total + 1
+
+    def layer(self, name: str) -> "CPLayerKV":
+        if name not in self.layers:
+            self.layers[name] = CPLayerKV(self)
+        return self.layers[name]
+
+
+class CPLayerKV(LayerKV):
+    """One layer's share of a CPKVCache; `attend` is its attention (layers.Attention calls it)."""
+
+    def attend(self, q, k, v, ops, sinks=None, **window):
+        """q (b, hq, s, hd), k, v (b, kvh, s, hd) of this rank's new tokens -> (b, hq, s, hd)."""
+        c = self.cache
+        if c.owner is None:  # the prompt: the trainer's ring over every rank's share
+            self.append(k, v)
+            return ring_attention(q, k, v, c.cp, c.index, c.docs, ops, sinks, **window)
+        if c.owner == c.cp.rank:
+            k, v = self.append(k, v)
+        else:
+            k, v = self.k[:, :, : c.length], self.v[:, :, : c.length]
+        o, lse = ops.attention_block_fwd(q, k, v, c.q_slot, c.k_slot, c.q_doc, c.k_doc, **window)
+        every = _gathered(torch.cat([o, lse.to(o.dtype)[..., None]], -1), c.cp)  # (cp, ..., d+1)
+        out, lse = every[0, ..., :-1], every[0, ..., -1]
+        for part in every[1:]:
+            out, lse = ops.merge_attention(out, lse, part[..., :-1], part[..., -1])
+        if sinks is not None:
+            out, lse = add_sink(out, lse, sinks)
+        return out.to(q.dtype)
 
 
 # ---- sampling over vocabulary shards -------------------------------------------------------
@@ -273,30 +348,42 @@ def _through_pipeline(chunks, route, pp: Group, ids, caches, h_dtype):
     return x if chunks[route[-1][1]].has_head and route[-1][0] == me else None
 
 
+def _check_cp(cfg, cp: Group, use_cache: bool):
+    """What context-parallel generation cannot do, named in one line."""
+    if cp.size > 1 and cfg.features.latent_attention:
+        raise MegaliteError("generation at cp > 1 cannot cache latent attention (MLA); use cp 1")
+    if cp.size > 1 and not use_cache:
+        raise MegaliteError("generation at cp > 1 needs the KV cache (use_cache=True)")
+
+
 @torch.no_grad()
 def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
              sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
              eos_id: int | None = None, stop=None, use_cache: bool = True,
              pad_id: int = 0) -> list[list[int]]:  # fmt: skip
-    """The new token ids of each prompt, on every rank of the (tp, pp) replica.
+    """The new token ids of each prompt, on every rank of the (tp, cp, pp) replica.
 
     A row ends at `eos_id` (kept), when `stop(its new ids)` is true, after `max_new_tokens`, or
     when the model's context is full. `generator` (CPU; default seeded 0) is the only RNG used.
     `use_cache=False` recomputes the whole context at each step (the baseline it replaces).
     The chunks are put in eval mode without sequence parallelism, and restored after.
+    With `groups.cp` of size > 1 the prompt and the cache are split over cp (CPKVCache).
     """
     sampling.check()
     cfg = chunks[0].cfg
     check_prompts(prompts, cfg)
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    tp, pp, device = groups.tp, groups.pp, groups.device
+    tp, pp, cp, device = groups.tp, groups.pp, groups.cp, groups.device
+    _check_cp(cfg, cp, use_cache)
     route = _route(chunks, pp)
     head = route[-1][0]
     b, longest = len(prompts), max(len(p) for p in prompts)
     steps = min(max_new_tokens, context_length(cfg) - longest + 1)  # the last token is not fed
-    pads = [longest - len(p) for p in prompts]
+    # with cp, more left padding: the prompt splits into 2·cp equal chunks, as in training
+    width = longest if cp.size == 1 else -(-longest // (2 * cp.size)) * 2 * cp.size
+    pads = [width - len(p) for p in prompts]
     pad, padded = torch.tensor(pads, device=device), any(pads)
-    seq = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=device)
+    seq = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     h_dtype = next(chunks[0].parameters()).dtype
     out, done = [[] for _ in prompts], [False] * b
     with ExitStack() as stack:
@@ -306,6 +393,9 @@ def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
             c.eval()
         caches = [KVCache(pad, longest + steps - 1, padded) for _ in chunks]
         new = seq
+        if cp.size > 1:  # each rank feeds its share of the prompt, then every new token
+            caches = [CPKVCache(pad, width, steps, cp) for _ in chunks]
+            new = seq[:, caches[0].index[cp.rank]]
         for step in range(steps):
             if not use_cache:  # the whole context again, into a fresh cache
                 new = seq = seq if step == 0 else torch.cat([seq, new], 1)
@@ -313,6 +403,7 @@ def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
             logits = _through_pipeline(chunks, route, pp, new, caches, h_dtype)
             if logits is not None:
                 tokens = sample(logits, tp, cfg.vocab_size, sampling, generator)
+                comm.broadcast(tokens, 0, cp)  # cp rank 0 holds the prompt's last slot
             else:
                 tokens = torch.empty(b, dtype=torch.int64, device=device)
             comm.broadcast(tokens, head, pp)

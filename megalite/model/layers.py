@@ -196,7 +196,9 @@ class Attention(nn.Module):
             q = self.ops.rotary(q, self.cos[:s], self.sin[:s])
             k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
-        if kv is not None:
+        if kv is not None and kv.cp is not None:  # the cache is split over cp (CPKVCache)
+            o = kv.attend(q, k, v, self.ops, getattr(self, "sinks", None), **self.window)
+        elif kv is not None:
             k, v = kv.append(k, v)  # (b, kv heads, every cached slot, hd)
             if hasattr(self, "sinks"):  # the same visibility as attention_masked's below
                 o = self.ops.attention_sinks(q, k, v, self.sinks, kv.q_slot, kv.k_slot, kv.q_doc,

@@ -33,7 +33,7 @@ DEEP = ModelConfig(flavour="llama", num_layers=4, hidden_size=32, num_attention_
                    num_query_groups=2, ffn_hidden_size=64, seq_length=32, vocab_size=300)  # fmt: skip
 
 
-def _run(chunks, groups):
+def _run(chunks, groups, prompts=PROMPTS):
     """(greedy, sampled, tokens fed per forward to each chunk's first layer)."""
     fed = [[] for _ in chunks]
     hooks = [
@@ -42,10 +42,10 @@ def _run(chunks, groups):
         )
         for c, f in zip(chunks, fed)
     ]
-    greedy = generate(chunks, groups, PROMPTS, NEW)
+    greedy = generate(chunks, groups, prompts, NEW)
     for h in hooks:
         h.remove()
-    sampled = generate(chunks, groups, PROMPTS, NEW, SAMPLING, torch.Generator().manual_seed(7))
+    sampled = generate(chunks, groups, prompts, NEW, SAMPLING, torch.Generator().manual_seed(7))
     return greedy, sampled, fed
 
 
@@ -97,11 +97,11 @@ def checkpoints(tmp_path_factory):
     return models, paths
 
 
-def _one_process(cfg, path=None):
+def _one_process(cfg, path=None, prompts=PROMPTS):
     chunk = GPTChunk(cfg, dtype=torch.float64)
     if path:
         load_model([chunk], single_process_groups().tp, fmt.Checkpoint(path))
-    return _run([chunk], single_process_groups())
+    return _run([chunk], single_process_groups(), prompts)
 
 
 def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints):
