@@ -6,6 +6,12 @@ tokens must equal transformers' `generate`, sampled tokens the one-process run w
 seed, and every rank must feed the prompt once, then one token per step (the cache is used at
 every stage). One spawn runs all layouts: tp2 (dp2), pp2 (dp2), tp2*pp2, and an interleaved
 pp2*vpp2 4-layer model.
+
+Context parallelism (generation.CPKVCache) in the same spawn, at cp2 (dp2) and cp2*tp2: random
+transformers Mistral (a window of 8, shorter than the prompts) and Llama 3 (llama3 rope scaling)
+models give transformers' greedy tokens and the one-process sampled ones. The prompts differ in
+length, so the left padding (widened to 16 slots, four chunks of 4) ends inside another rank's
+chunk; each rank feeds its 8 slots of the prompt once, then every new token.
 """
 
 import pytest
@@ -15,6 +21,7 @@ from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config import ModelConfig
 from megalite.config_read import from_dict
+from megalite.errors import MegaliteError
 from megalite.generation import Sampling, generate
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups, single_process_groups
@@ -29,6 +36,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 NEW = 8
 SAMPLING = Sampling(temperature=0.9, top_k=40, top_p=0.9)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1)]  # (tp, pp, vpp) on four ranks
+CP_LAYOUTS = [dict(cp=2, dp=2), dict(tp=2, cp=2)]
+# 13, 6 and 10 tokens: padded to 16 at cp2, row 1's ten padding slots span chunks 0, 1 and 2
+CP_PROMPTS = [list(range(20, 33)), [7, 3, 9, 4, 8, 2], [40, 41, 5, 44, 6, 46, 47, 9, 49, 50]]
 DEEP = ModelConfig(flavour="llama", num_layers=4, hidden_size=32, num_attention_heads=4,
                    num_query_groups=2, ffn_hidden_size=64, seq_length=32, vocab_size=300)  # fmt: skip
 
@@ -56,8 +66,15 @@ def _chunks(cfg, groups, pp, vpp, sp):
     ]
 
 
-def _layouts(rank, world, paths):
+def _layouts(rank, world, paths, cp_paths=()):
     out = {}
+    for sizes in CP_LAYOUTS:
+        groups = build_groups(Topology(**sizes), torch.device("cpu"))
+        for path in cp_paths:
+            cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
+            chunks = _chunks(cfg, groups, 1, 1, sp=groups.tp.size > 1)
+            load_model(chunks, groups.tp, fmt.Checkpoint(path))
+            out[(str(sizes), path)] = _run(chunks, groups, CP_PROMPTS)
     for tp, pp, vpp in LAYOUTS:
         groups = build_groups(Topology(tp=tp, pp=pp, dp=world // (tp * pp)), torch.device("cpu"))
         for path in paths:
@@ -84,17 +101,20 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """(models, paths) for the tp/pp layouts (GPT-2, Llama) and for cp (Mistral, Llama 3)."""
     from tests.unit.test_checkpoint_hf import convert, hf_model
+    from tests.unit.test_hf_families import hf_family
 
     d = tmp_path_factory.mktemp("gen")
     models, paths = [], []
-    for kind in ("gpt2", "llama"):
-        m = hf_model(kind, seed=5)
+    makers = {"gpt2": hf_model, "llama": hf_model, "mistral": hf_family, "llama3": hf_family}
+    for kind, make in makers.items():
+        m = make(kind, seed=5)
         m.save_pretrained(d / kind, safe_serialization=True)
         convert.main([str(d / kind), str(d / f"{kind}-ml"), "--to", "megalite", "--tp", "2"])
         models.append(m.double())
         paths.append(str(d / f"{kind}-ml"))
-    return models, paths
+    return models[:2], paths[:2], models[2:], paths[2:]
 
 
 def _one_process(cfg, path=None, prompts=PROMPTS):
@@ -107,8 +127,8 @@ def _one_process(cfg, path=None, prompts=PROMPTS):
 def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints):
     from tests.unit.test_checkpoint_hf import hf_greedy
 
-    models, paths = checkpoints
-    results = spawn(_layouts, 4, paths)
+    models, paths, cp_models, cp_paths = checkpoints
+    results = spawn(_layouts, 4, paths, cp_paths)
     for m, path in zip(models, paths):
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         greedy, sampled, _ = _one_process(cfg, path)
@@ -125,3 +145,27 @@ def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints
         g, s, fed = results[rank]["deep"]
         assert (g, s) == (greedy, sampled), rank
         assert fed == [[9] + [1] * (NEW - 1)] * 2, rank  # both chunks of every rank
+    for m, path in zip(cp_models, cp_paths):  # context parallelism
+        cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
+        greedy, sampled, _ = _one_process(cfg, path, CP_PROMPTS)
+        assert greedy == [hf_greedy(m, p, NEW) for p in CP_PROMPTS], path
+        for sizes in CP_LAYOUTS:
+            for rank in range(4):
+                g, s, fed = results[rank][(str(sizes), path)]
+                assert (g, s) == (greedy, sampled), (sizes, path, rank)
+                assert fed == [[8] + [1] * (NEW - 1)], (sizes, path, rank)
+
+
+def test_latent_attention_at_cp_is_refused_in_one_line():
+    from megalite.parallel.comm import Group
+
+    cfg = ModelConfig(flavour="deepseek_v3", num_layers=1, hidden_size=32, num_attention_heads=4,
+                      seq_length=16, vocab_size=64)  # fmt: skip
+
+    class Groups:  # a cp axis of two, without starting torch.distributed
+        tp = pp = Group("tp", [0], 0)
+        cp = Group("cp", [0, 1], 0)
+        device = torch.device("cpu")
+
+    with pytest.raises(MegaliteError, match="latent attention"):
+        generate([GPTChunk(cfg)], Groups, [[1, 2]], 2)
