@@ -8,8 +8,9 @@ every stage). One spawn runs all layouts: tp2 (dp2), pp2 (dp2), tp2*pp2, and an 
 pp2*vpp2 4-layer model.
 
 Context parallelism (generation.CPKVCache) in the same spawn, at cp2 (dp2) and cp2*tp2: random
-transformers Mistral (a window of 8, shorter than the prompts) and Llama 3 (llama3 rope scaling)
-models give transformers' greedy tokens and the one-process sampled ones. The prompts differ in
+transformers Mistral (a window of 8, shorter than the prompts), Llama 3 (llama3 rope scaling)
+and gpt-oss (attention sinks, alternating windows of 6) models give transformers' greedy tokens
+and the one-process sampled ones. The prompts differ in
 length, so the left padding (widened to 16 slots, four chunks of 4) ends inside another rank's
 chunk; each rank feeds its 8 slots of the prompt once, then every new token.
 """
@@ -101,18 +102,22 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """(models, paths) for the tp/pp layouts (GPT-2, Llama) and for cp (Mistral, Llama 3)."""
+    """(models, paths) for the tp/pp layouts (GPT-2, Llama) and for cp (Mistral, Llama 3,
+    gpt-oss)."""
+    from tests.unit.test_checkpoint_gpt_oss import gpt_oss
     from tests.unit.test_checkpoint_hf import convert, hf_model
     from tests.unit.test_hf_families import hf_family
 
     d = tmp_path_factory.mktemp("gen")
     models, paths = [], []
     makers = {"gpt2": hf_model, "llama": hf_model, "mistral": hf_family, "llama3": hf_family}
+    makers["gpt-oss"] = lambda kind, seed: gpt_oss()  # sinks, alternating windows of 6
     for kind, make in makers.items():
         m = make(kind, seed=5)
         m.save_pretrained(d / kind, safe_serialization=True)
         convert.main([str(d / kind), str(d / f"{kind}-ml"), "--to", "megalite", "--tp", "2"])
-        models.append(m.double())
+        # transformers' MoE routing runs in fp32 only (its router casts to float): keep it there
+        models.append(m if kind == "gpt-oss" else m.double())
         paths.append(str(d / f"{kind}-ml"))
     return models[:2], paths[:2], models[2:], paths[2:]
 
