@@ -3,7 +3,7 @@
     python tools/generate.py --load DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
         [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--stop STRING]
         [--tokenizer-model M] [--dtype fp32|bf16|fp64] [--json]
-    torchrun --nproc_per_node N tools/generate.py --load DIR --tp T --pp P [--ep E] ...
+    torchrun --nproc_per_node N tools/generate.py --load DIR --tp T --pp P [--ep E] [--cp C] ...
 
 DIR is a megalite checkpoint (a --save directory or one iter_* folder, or the output of
 tools/convert_checkpoint.py --to megalite). Each rank reads only the slices of the logical
@@ -13,7 +13,8 @@ ranks of each stage (the TP ranks, then the replicas), run by the trainer's MoE 
 all-to-all dispatch) in prefill and in each one-token step; a rank reads only its experts. The tokenizer is the one stored in the checkpoint unless
 --tokenizer-model is given. Prompts are generated together in one batch (left-padded) with a KV
 cache (megalite/generation.py); each stops after N tokens, at EOS, at a --stop string (cut
-before it) or when the context is full. Rank 0 prints.
+before it) or when the context is full. --cp C splits long prompts and the KV cache over C
+ranks (megalite.generation.CPKVCache). Rank 0 prints.
 """
 
 import argparse
@@ -80,16 +81,16 @@ class Model:
         pg.destroy(barrier=True)
 
 
-def layout(ckpt, world: int, tp=1, pp=1, ep=1):
+def layout(ckpt, world: int, tp=1, pp=1, ep=1, cp=1):
     """The run shape of generation at tp x pp over `world` ranks (world / (tp pp) replicas),
     with an MoE model's experts split over `ep` ranks of each pipeline stage (the TP ranks
     first, then the replicas: Topology.experts). A layout the model or the world cannot take
     (tp vs heads, pp vs layers, ep vs the experts or the ranks of a stage) is refused in one
-    line here, before any process group exists."""
+    line here, before any process group exists. `cp`: prompts and the KV cache split."""
     from megalite.shape import validate
 
     run = from_dict({
-        "model": ckpt.model_config, "parallel": {"tp": tp, "pp": pp, "ep": ep},
+        "model": ckpt.model_config, "parallel": {"tp": tp, "pp": pp, "ep": ep, "cp": cp},
         "training": {"micro_batch_size": 1, "global_batch_size": world * pp},
     })  # fmt: skip
     return validate(run, world)
@@ -113,7 +114,7 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="fp32") -> list[GPTChunk]:
     return chunks
 
 
-def load_at_layout(opened, tp=1, pp=1, dtype="fp32", ep=1) -> Model:
+def load_at_layout(opened, tp=1, pp=1, dtype="fp32", ep=1, cp=1) -> Model:
     """This rank's chunks at tp x pp (experts over ep) from `open_checkpoint`'s result. Bad
     input fails before torch.distributed starts (identically on every rank), or every rank
     agrees on the error."""
@@ -121,7 +122,7 @@ def load_at_layout(opened, tp=1, pp=1, dtype="fp32", ep=1) -> Model:
 
     ckpt, cfg, tok = opened
     world = world_from_env()[1]
-    shape = layout(ckpt, world, tp, pp, ep)
+    shape = layout(ckpt, world, tp, pp, ep, cp)
     groups = pg.single_process_groups() if world == 1 else setup(shape)
     chunks = load_chunks(ckpt, cfg, shape, groups, dtype)
     ckpt.close()
@@ -172,6 +173,7 @@ def main(argv):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (long prompts)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--tokenizer-model", help="sentencepiece model (default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print prompt and new token ids as JSON")
@@ -186,7 +188,7 @@ def main(argv):
     cfg, tok = opened[1:]
     prompts = [encode(tok, t) for t in texts]
     check_prompts(prompts, cfg)  # before any process group
-    m = load_at_layout(opened, a.tp, a.pp, a.dtype, a.ep)
+    m = load_at_layout(opened, a.tp, a.pp, a.dtype, a.ep, a.cp)
     g = torch.Generator().manual_seed(a.seed)
     new = generate_ids(m.chunks, m.groups, prompts, a.max_new_tokens, sampling, g,
                        tok.eos_id, stop_at(tok, a.stop))  # fmt: skip
