@@ -14,6 +14,9 @@ it would be alone. One forward over the prompts fills the cache (prefill), then 
 one token per row through the pipeline: stage after stage (p2p), the head's TP ranks sample from
 their vocabulary slices, and the head's pipeline rank broadcasts the tokens to the others. The
 host reads the tokens once per step (to stop at EOS or a stop condition); nothing else waits.
+With a context-parallel group (groups.cp) the prompt and the cache are split over its ranks
+(CPKVCache: the prefill is training's ring attention, each decode step merges every rank's
+partial attention over its share of the cache).
 
 Sampling follows transformers' order: temperature, top-k, then top-p over the renormalised
 top-k. Across vocabulary shards nothing of vocabulary size is gathered: greedy gathers each
