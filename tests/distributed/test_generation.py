@@ -7,12 +7,12 @@ seed, and every rank must feed the prompt once, then one token per step (the cac
 every stage). One spawn runs all layouts: tp2 (dp2), pp2 (dp2), tp2*pp2, and an interleaved
 pp2*vpp2 4-layer model.
 
-Context parallelism (generation.CPKVCache) in the same spawn, at cp2 (dp2) and cp2*tp2: random
-transformers Mistral (a window of 8, shorter than the prompts), Llama 3 (llama3 rope scaling)
-and gpt-oss (attention sinks, alternating windows of 6) models give transformers' greedy tokens
-and the one-process sampled ones. The prompts differ in
-length, so the left padding (widened to 16 slots, four chunks of 4) ends inside another rank's
-chunk; each rank feeds its 8 slots of the prompt once, then every new token.
+Context parallelism (generation.CPKVCache) in the same spawn, at cp2 (dp2), cp2*tp2 and
+cp2*pp2: random transformers Mistral (a window of 8, shorter than the prompts), Llama 3 (llama3
+rope scaling) and gpt-oss (attention sinks, alternating windows of 6) models give transformers'
+greedy tokens and the one-process sampled ones. The prompts differ in length, so the left
+padding (widened to 16 slots, four chunks of 4) ends inside another rank's chunk; each rank
+feeds its 8 slots of the prompt once, then every new token.
 """
 
 import pytest
@@ -37,7 +37,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 NEW = 8
 SAMPLING = Sampling(temperature=0.9, top_k=40, top_p=0.9)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1)]  # (tp, pp, vpp) on four ranks
-CP_LAYOUTS = [dict(cp=2, dp=2), dict(tp=2, cp=2)]
+CP_LAYOUTS = [dict(cp=2, dp=2), dict(tp=2, cp=2), dict(cp=2, pp=2)]
 # 13, 6 and 10 tokens: padded to 16 at cp2, row 1's ten padding slots span chunks 0, 1 and 2
 CP_PROMPTS = [list(range(20, 33)), [7, 3, 9, 4, 8, 2], [40, 41, 5, 44, 6, 46, 47, 9, 49, 50]]
 DEEP = ModelConfig(flavour="llama", num_layers=4, hidden_size=32, num_attention_heads=4,
@@ -73,7 +73,7 @@ def _layouts(rank, world, paths, cp_paths=()):
         groups = build_groups(Topology(**sizes), torch.device("cpu"))
         for path in cp_paths:
             cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
-            chunks = _chunks(cfg, groups, 1, 1, sp=groups.tp.size > 1)
+            chunks = _chunks(cfg, groups, groups.pp.size, 1, sp=groups.tp.size > 1)
             load_model(chunks, groups.tp, fmt.Checkpoint(path))
             out[(str(sizes), path)] = _run(chunks, groups, CP_PROMPTS)
     for tp, pp, vpp in LAYOUTS:
