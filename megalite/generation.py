@@ -351,12 +351,14 @@ def _through_pipeline(chunks, route, pp: Group, ids, caches, h_dtype):
     return x if chunks[route[-1][1]].has_head and route[-1][0] == me else None
 
 
-def _check_cp(cfg, cp: Group, use_cache: bool):
-    """What context-parallel generation cannot do, named in one line."""
-    if cp.size > 1 and cfg.features.latent_attention:
+def _cp_group(cfg, groups, use_cache: bool) -> Group:
+    """The group the prompt and the cache are split over: groups.cp, or this rank alone without
+    the cache (the baseline recomputes the whole context on every rank, as before cp)."""
+    if not use_cache:
+        return Group("cp", [0], 0, device=groups.device)
+    if groups.cp.size > 1 and cfg.features.latent_attention:
         raise MegaliteError("generation at cp > 1 cannot cache latent attention (MLA); use cp 1")
-    if cp.size > 1 and not use_cache:
-        raise MegaliteError("generation at cp > 1 needs the KV cache (use_cache=True)")
+    return groups.cp
 
 
 @torch.no_grad()
@@ -376,8 +378,7 @@ def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
     cfg = chunks[0].cfg
     check_prompts(prompts, cfg)
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    tp, pp, cp, device = groups.tp, groups.pp, groups.cp, groups.device
-    _check_cp(cfg, cp, use_cache)
+    tp, pp, cp, device = groups.tp, groups.pp, _cp_group(cfg, groups, use_cache), groups.device
     route = _route(chunks, pp)
     head = route[-1][0]
     b, longest = len(prompts), max(len(p) for p in prompts)

@@ -76,6 +76,8 @@ def _layouts(rank, world, paths, cp_paths=()):
             chunks = _chunks(cfg, groups, groups.pp.size, 1, sp=groups.tp.size > 1)
             load_model(chunks, groups.tp, fmt.Checkpoint(path))
             out[(str(sizes), path)] = _run(chunks, groups, CP_PROMPTS)
+            if (sizes, path) == (CP_LAYOUTS[0], cp_paths[0]):  # without the cache: rank alone
+                out["no cache"] = generate(chunks, groups, CP_PROMPTS, NEW, use_cache=False)
     for tp, pp, vpp in LAYOUTS:
         groups = build_groups(Topology(tp=tp, pp=pp, dp=world // (tp * pp)), torch.device("cpu"))
         for path in paths:
@@ -159,6 +161,8 @@ def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints
                 g, s, fed = results[rank][(str(sizes), path)]
                 assert (g, s) == (greedy, sampled), (sizes, path, rank)
                 assert fed == [[8] + [1] * (NEW - 1)], (sizes, path, rank)
+        if path == cp_paths[0]:
+            assert all(r["no cache"] == greedy for r in results)
 
 
 def test_latent_attention_at_cp_is_refused_in_one_line():
