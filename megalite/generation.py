@@ -395,9 +395,9 @@ def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
             stack.enter_context(c.full_sequences())
             stack.callback(c.train, c.training)
             c.eval()
-        caches = [KVCache(pad, longest + steps - 1, padded) for _ in chunks]
-        new = seq
-        if cp.size > 1:  # each rank feeds its share of the prompt, then every new token
+        if cp.size == 1:
+            caches, new = [KVCache(pad, width + steps - 1, padded) for _ in chunks], seq
+        else:  # each rank feeds its share of the prompt, then every new token
             caches = [CPKVCache(pad, width, steps, cp) for _ in chunks]
             new = seq[:, caches[0].index[cp.rank]]
         for step in range(steps):
