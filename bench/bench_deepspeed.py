@@ -4,8 +4,8 @@
         --hidden 256 --heads 4 --seq 256 --vocab 2048 --gbs 32 --mbs 4 --bucket-mb 4]
         [--rounds 3] [--block 2] [--methods zero1 ds1 zero2 ds2 zero3 ds3] [--summary PATH]
 
-DeepSpeed is never a dependency of megalite: the first run creates `bench/.venv-peers`
-(gitignored; `python -m venv`, then pip installs this interpreter's torch version, `deepspeed`
+DeepSpeed is never a dependency of megalite: the first run creates `.venv-peers`
+(gitignored, at the top of the checkout; `python -m venv`, then pip installs this interpreter's torch version, `deepspeed`
 (DEEPSPEED below) and megalite itself with `-e . --no-deps`) and re-runs itself there; later
 runs reuse it. DeepSpeed runs on its CPU accelerator (DS_ACCELERATOR=cpu), whose communication
 backend is gloo when oneCCL is absent: the same gloo process group megalite uses.
@@ -46,14 +46,14 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-PEERS = BENCH / ".venv-peers"
+PEERS = ROOT / ".venv-peers"  # (not under bench/: tests walk its files)
 DEEPSPEED = "deepspeed==0.19.8"  # the version docs/bench_dp.md's figures were measured with
 METHODS = ("zero1", "ds1", "zero2", "ds2", "zero3", "ds3")
 TARGET = 1.2  # issue 34: megalite ZeRO-N >= 1.2x DeepSpeed stage N
 
 
 def ensure_peers() -> Path:
-    """The python of bench/.venv-peers, creating the environment on first use."""
+    """The python of .venv-peers, creating the environment on first use."""
     python = PEERS / "bin" / "python"
     if python.exists():
         return python

@@ -7,7 +7,7 @@ Schedule1F1B, profiled op by op into profile_tp.py's buckets.
 
 dp: megalite ZeRO-0 and DDP, megalite ZeRO-2 and FSDP2 (reshard_after_forward=False), built by
 bench_dp.py (same model, weights, batches and foreach AdamW) at dp=2. ds: megalite ZeRO-1/2/3
-and DeepSpeed's stages 1/2/3, built by bench_deepspeed.py (which runs it in bench/.venv-peers,
+and DeepSpeed's stages 1/2/3, built by bench_deepspeed.py (which runs it in .venv-peers,
 creating it on first use). pp: megalite 1F1B and
 torch's Schedule1F1B at pp=2, built by bench_pipeline.py; zb: megalite ZB-V and torch's
 ScheduleZBVZeroBubble, the same way. Two gloo processes of one thread each; every side runs
