@@ -4,11 +4,12 @@
         --hidden 256 --heads 4 --seq 256 --vocab 2048 --gbs 32 --mbs 4 --bucket-mb 4]
         [--rounds 3] [--block 2] [--methods zero1 ds1 zero2 ds2 zero3 ds3] [--summary PATH]
 
-DeepSpeed is never a dependency of megalite: the first run creates `.venv-peers`
-(gitignored, at the top of the checkout; `python -m venv`, then pip installs this interpreter's torch version, `deepspeed`
-(DEEPSPEED below) and megalite itself with `-e . --no-deps`) and re-runs itself there; later
-runs reuse it. DeepSpeed runs on its CPU accelerator (DS_ACCELERATOR=cpu), whose communication
-backend is gloo when oneCCL is absent: the same gloo process group megalite uses.
+DeepSpeed is never a dependency of megalite: the first run creates `.venv-peers` at the top of
+the checkout (gitignored; not under bench/, whose files tests walk): `python -m venv`, then pip
+installs this interpreter's torch version, `deepspeed` (DEEPSPEED below) and megalite itself
+with `-e . --no-deps`; it then re-runs itself there, and later runs reuse it. DeepSpeed runs on
+its CPU accelerator (DS_ACCELERATOR=cpu), whose communication backend is gloo when oneCCL is
+absent: the same gloo process group megalite uses (DeepSpeed adopts it).
 
 Both sides train bench_dp.py's model (the same `GPTChunk`, llama flavour, torch reference ops,
 fp32, the same initial weights) on bench_dp.py's batches: gbs/(2*mbs) micro-batches per rank, the
