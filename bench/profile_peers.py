@@ -181,8 +181,9 @@ def profile_phases(steps: dict, n: int) -> dict:
                 step()
             wall = time.perf_counter() - t0
         events = prof.events()
-        thread = max({e.thread for e in events}, key=lambda t: sum(
-            e.cpu_time_total for e in events if e.thread == t and e.cpu_parent is None))  # fmt: skip
+        top = [e for e in events if e.cpu_parent is None]
+        thread = max({e.thread for e in top},
+                     key=lambda t: sum(e.cpu_time_total for e in top if e.thread == t))  # fmt: skip
         per = buckets(events, wall, ASYNC)
         ph, own = phases([e for e in events if e.thread == thread])
         per["dispatch"] -= own
