@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_deepspeed.py [bench_dp.py's shape flags: --layers 8
         --hidden 256 --heads 4 --seq 256 --vocab 2048 --gbs 32 --mbs 4 --bucket-mb 4]
-        [--rounds 3] [--block 2] [--methods zero1 ds1 zero2 ds2 zero3 ds3] [--summary PATH]
+        [--rounds 3] [--block 2] [--methods zero1 ds1 zero2 ds2 zero3 zero3k ds3] [--summary PATH]
 
 DeepSpeed is never a dependency of megalite: the first run creates `.venv-peers` at the top of
 the checkout (gitignored; not under bench/, whose files tests walk): `python -m venv`, then pip
@@ -19,7 +19,9 @@ loss of each divided by their number, the global norm clipped at 1.0, AdamW (lr 
 - megalite zeroN: bench_dp.py's megalite side (the pipeline executor at pp=1 and
   `DistributedOptimizer` at --zero-stage N, --bucket-mb buckets; ZeRO-1/2 gather the updated
   parameters overlapped with the next forward, ZeRO-3 gathers each layer before its forward and
-  again before its backward);
+  again before its backward); zero3k: ZeRO-3 with --zero3-keep-params (each layer gathered once
+  per micro-batch and kept until its backward, closer to what DeepSpeed's stage 3 does by
+  default: it keeps the parameters it will use again within stage3_max_reuse_distance);
 - DeepSpeed dsN: `deepspeed.initialize` with torch.optim.AdamW(foreach=True) as its client
   optimizer, `zero_optimization.stage` N, reduce_bucket_size and allgather_bucket_size (and at
   stage 3 stage3_prefetch_bucket_size) of --bucket-mb, overlap_comm and contiguous_gradients on,
@@ -49,7 +51,13 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PEERS = ROOT / ".venv-peers"  # (not under bench/: tests walk its files)
 DEEPSPEED = "deepspeed==0.19.8"  # the version docs/bench_dp.md's figures were measured with
-METHODS = ("zero1", "ds1", "zero2", "ds2", "zero3", "ds3")
+# zero3k: megalite ZeRO-3 with --zero3-keep-params (each layer gathered once per micro-batch,
+# kept from its forward to its backward, as DeepSpeed's stage 3 keeps parameters it will reuse
+# within stage3_max_reuse_distance); compared with ds3 as zero3 is
+METHODS = ("zero1", "ds1", "zero2", "ds2", "zero3", "zero3k", "ds3")
+LABEL = {"zero1": "megalite ZeRO-1", "zero2": "megalite ZeRO-2", "zero3": "megalite ZeRO-3",
+         "zero3k": "megalite ZeRO-3 --zero3-keep-params", "ds1": "DeepSpeed stage 1",
+         "ds2": "DeepSpeed stage 2", "ds3": "DeepSpeed stage 3"}  # fmt: skip
 TARGET = 1.2  # issue 34: megalite ZeRO-N >= 1.2x DeepSpeed stage N
 
 
@@ -152,9 +160,10 @@ def run(rank, world, a):
     torch.set_num_threads(1)  # (in case DeepSpeed's accelerator changed it)
     steps = {}
     for method in a.methods:
-        stage = int(method[-1])
+        stage = int(method[4] if method.startswith("zero") else method[2])
         if method.startswith("zero"):
-            steps[method] = bench_dp.megalite_side(a, m, groups, stage)
+            keep = method.endswith("k")
+            steps[method] = bench_dp.megalite_side(a, m, groups, stage, keep_params=keep)
         else:
             steps[method] = deepspeed_side(a, m, stage)
     batches = bench_dp._batches(a, m, rank, 2)
@@ -216,23 +225,23 @@ def main(argv=None):
     tokens = a.gbs * a.seq
     print(f"\nstep time: median over {a.rounds} rounds of {a.block} steps (slower rank), "
           f"{tokens} tokens per step")  # fmt: skip
-    print("| method | s/step | tokens/s | speed vs DeepSpeed's stage |")
-    print("| --- | --- | --- | --- |")
+    print("| method | s/step | tokens/s | speed vs DeepSpeed's stage | s/step by round |")
+    print("| --- | --- | --- | --- | --- |")
     figures = []
     for k, ts in times.items():
         med = statistics.median(ts)
-        peer = "ds" + k[-1]
+        peer = "ds" + k[4] if k.startswith("zero") else None
         vs = "n/a"
-        if k.startswith("zero") and peer in times:
+        if peer in times:
             x = statistics.median(b / t for t, b in zip(ts, times[peer]))
             vs = f"{x:.3f}x"
             figures.append(figure(
-                f"DP=2, megalite ZeRO-{k[-1]} vs DeepSpeed {v['deepspeed']} stage {k[-1]}, "
-                "whole step", round(x, 3), target=f">= {TARGET}x", met=x >= TARGET,
+                f"DP=2, {LABEL[k]} vs DeepSpeed {v['deepspeed']} stage {peer[2]}, whole step",
+                round(x, 3), target=f">= {TARGET}x", met=x >= TARGET,
                 how=f"bench_deepspeed.py, median of {a.rounds} interleaved per-round ratios",
             ))  # fmt: skip
-        label = f"megalite ZeRO-{k[-1]}" if k.startswith("zero") else f"DeepSpeed stage {k[-1]}"
-        print(f"| {label} | {med:.3f} | {tokens / med:.0f} | {vs} |")
+        rounds = ", ".join(f"{t:.2f}" for t in ts)
+        print(f"| {LABEL[k]} | {med:.3f} | {tokens / med:.0f} | {vs} | {rounds} |")
     print(f"load average after: {os.getloadavg()}")
     write_summary(a.summary, "bench_deepspeed", figures, " ".join(sys.argv))
 
