@@ -102,11 +102,12 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def _megalite_cfg(a, m, stage, precision="fp32") -> Config:
+def _megalite_cfg(a, m, stage, precision="fp32", keep_params=False) -> Config:
     cfg = Config()
     cfg.model = m
     o = cfg.optimizer
     o.zero_stage, o.clip_grad, o.weight_decay, o.bucket_size_mb = stage, CLIP, WD, a.bucket_mb
+    o.zero3_keep_params = keep_params
     o.adam_beta1, o.adam_beta2 = BETAS
     o.adam_eps = EPS
     cfg.training.micro_batch_size, cfg.training.global_batch_size = a.mbs, a.gbs
@@ -114,13 +115,14 @@ def _megalite_cfg(a, m, stage, precision="fp32") -> Config:
     return cfg
 
 
-def _megalite_rank(a, m, groups, stage, precision="fp32"):
-    cfg = _megalite_cfg(a, m, stage, precision)
+def _megalite_rank(a, m, groups, stage, precision="fp32", keep_params=False):
+    cfg = _megalite_cfg(a, m, stage, precision, keep_params)
     return build_rank(cfg, validate(cfg, groups.topo.world_size), groups)
 
 
-def megalite_side(a, m, groups, stage):
-    parts = _megalite_rank(a, m, groups, stage)  # one chunk, 1F1B over gbs / (dp * mbs)
+def megalite_side(a, m, groups, stage, keep_params=False):
+    """`keep_params`: ZeRO-3 with --zero3-keep-params (each layer gathered once a micro-batch)."""
+    parts = _megalite_rank(a, m, groups, stage, keep_params=keep_params)  # 1F1B, pp=1
     opt = parts.opt
 
     def step(batch):

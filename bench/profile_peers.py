@@ -2,10 +2,13 @@
 Schedule1F1B, profiled op by op into profile_tp.py's buckets.
 
     .venv/bin/python bench/profile_peers.py dp [bench_dp.py's flags] [--profile-steps 2]
+    .venv/bin/python bench/profile_peers.py ds [bench_dp.py's flags] [--profile-steps 2]
     .venv/bin/python bench/profile_peers.py pp|zb [bench_pipeline.py's flags] [--profile-steps 2]
 
 dp: megalite ZeRO-0 and DDP, megalite ZeRO-2 and FSDP2 (reshard_after_forward=False), built by
-bench_dp.py (same model, weights, batches and foreach AdamW) at dp=2. pp: megalite 1F1B and
+bench_dp.py (same model, weights, batches and foreach AdamW) at dp=2. ds: megalite ZeRO-1/2/3
+and DeepSpeed's stages 1/2/3, built by bench_deepspeed.py (which runs it in .venv-peers,
+creating it on first use). pp: megalite 1F1B and
 torch's Schedule1F1B at pp=2, built by bench_pipeline.py; zb: megalite ZB-V and torch's
 ScheduleZBVZeroBubble, the same way. Two gloo processes of one thread each; every side runs
 one warm-up step, then --profile-steps steps under torch.profiler, and the training thread's
@@ -17,20 +20,34 @@ pipelining's (`_wait_batch_p2p`). gloo's records of asynchronous work ("gloo:sen
 out; waits for asynchronous reductions (megalite's `finalise_grads`, DDP's reducer, FSDP2's)
 are not operators: they count as python.
 
+dp and ds also time the phases of a step (a second table, inclusive seconds per step, each
+phase labelled with `record_function`; their own Python time stays in the python bucket):
+megalite's gradient zeroing, gradient hooks (the copy or add into the bucket, launching its
+reduction), the wait for the reductions after backward, the global norm, AdamW, the launch of
+and the waits for the parameter gathers, ZeRO-3's gathers and frees, and the whole
+optimizer step (norm, clipping, AdamW, gather launch); DeepSpeed's bucket reductions, its
+norm, its optimizer step and its engine's backward and step calls.
+
 Per pair, what it implies: the peer's step over megalite's compute (gemm + other compute) is the
 best ratio megalite could reach with no time outside compute at all, set beside the target.
 """
 
+import importlib.util
+import logging
 import os
+import statistics
 import sys
+import time
+import warnings
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import bench_dp, bench_pipeline  # noqa: E402
 from bench._common import machine  # noqa: E402
-from bench.profile_tp import _labelled, label_comm, profile, table  # noqa: E402
+from bench.profile_tp import _labelled, buckets, label_comm, profile, table  # noqa: E402
 from megalite.parallel import p2p  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
@@ -39,7 +56,8 @@ from megalite.testing import spawn  # noqa: E402
 # gloo's records of asynchronous work (p2p, bucket reductions): spans of work in flight
 ASYNC = ("gloo:",)
 # (megalite side, peer, target ratio: the peer's step over megalite's)
-PAIRS = {"dp": [("zero0", "ddp", 1.0), ("zero2", "fsdp2", 1.2)],
+PAIRS = {"dp": [("zero0", "ddp", 1.05), ("zero2", "fsdp2", 1.2)],
+         "ds": [(f"zero{s}", f"ds{s}", 1.2) for s in (1, 2, 3)],
          "pp": [("megalite 1F1B", "torch Schedule1F1B", 1.1)],
          "zb": [("megalite zbv", "torch ScheduleZBVZeroBubble", 1.0)]}  # fmt: skip
 
@@ -54,12 +72,137 @@ def _sides(kind, a, rank, world):
         sides = {"zero0": zero(0), "ddp": bench_dp.torch_side(a, m, "ddp"),
                  "zero2": zero(2), "fsdp2": bench_dp.torch_side(a, m, "fsdp2")}  # fmt: skip
         return {k: (lambda s=s: (s(batch), s.finish())) for k, s in sides.items()}
+    if kind == "ds":
+        import deepspeed
+
+        from bench import bench_deepspeed
+
+        m = bench_dp.model_config(a)
+        groups = build_groups(Topology(dp=world), torch.device("cpu"))
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+        deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+        batch = bench_dp._batches(a, m, rank, 1)[0]
+        sides = {}
+        for s in (1, 2, 3):
+            sides[f"zero{s}"] = bench_dp.megalite_side(a, m, groups, s)
+            sides[f"ds{s}"] = bench_deepspeed.deepspeed_side(a, m, s)
+        return {k: (lambda s=s: (s(batch), s.finish())) for k, s in sides.items()}
     groups = build_groups(Topology(pp=world), torch.device("cpu"))
     if kind == "zb":
         return {"megalite zbv": bench_pipeline._megalite(a, groups, rank, "zbv", 2),
                 "torch ScheduleZBVZeroBubble": bench_pipeline._torch(a, groups, rank, 2, "zbv")}  # fmt: skip
     return {"megalite 1F1B": bench_pipeline._megalite(a, groups, rank, "1f1b", 1),
             "torch Schedule1F1B": bench_pipeline._torch(a, groups, rank, 1)}  # fmt: skip
+
+
+# phase labels: (module or class, attribute, label); patched before the sides are built (hooks
+# bind their methods when registered)
+MEGALITE_PHASES = [
+    ("megalite.parallel.data_parallel:GradBuffer", "zero_grad", "zero grads"),
+    ("megalite.parallel.data_parallel:GradBuffer", "_on_grad", "grad hooks"),
+    ("megalite.parallel.data_parallel:GradBuffer", "_launch", "bucket launch"),
+    ("megalite.parallel.data_parallel:GradBuffer", "all_gather_params", "param gather launch"),
+    ("megalite.parallel.param_gather", "wait_gathers", "param gather waits"),
+    ("megalite.parallel.zero3:Zero3Buffer", "_launch", "bucket launch"),
+    ("megalite.parallel.zero3:Zero3Buffer", "_gather", "zero3 gathers"),
+    ("megalite.parallel.zero3:Zero3Buffer", "_free", "zero3 frees"),
+    ("megalite.optim.distributed_optimizer:DistributedOptimizer", "finalise_grads",
+     "reduction wait after backward"),
+    ("megalite.optim.distributed_optimizer", "step_status", "global norm"),
+    ("megalite.optim.distributed_optimizer:DistributedOptimizer", "_adamw", "adamw"),
+    ("megalite.optim.distributed_optimizer:DistributedOptimizer", "step", "optimizer step"),
+]  # fmt: skip
+DEEPSPEED_PHASES = [
+    ("deepspeed.runtime.engine:DeepSpeedEngine", "backward", "ds engine.backward"),
+    ("deepspeed.runtime.engine:DeepSpeedEngine", "step", "ds engine.step"),
+    ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "reduce_ipg_grads",
+     "ds bucket reduce"),
+    ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "step", "ds optimizer step"),
+    ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "get_grad_norm_direct",
+     "ds global norm"),
+    ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "step", "ds optimizer step"),
+    ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "get_grad_norm_direct",
+     "ds global norm"),
+]  # fmt: skip
+PHASE = "phase:"
+
+
+def label_phases(kind: str):
+    """Wrap each phase of PHASES in a `record_function` named PHASE + its label."""
+    import importlib
+
+    table = MEGALITE_PHASES + (DEEPSPEED_PHASES if kind == "ds" else [])
+    for where, attr, label in table:
+        mod, _, cls = where.partition(":")
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        fn = owner.__dict__.get(attr) if cls else getattr(owner, attr)
+        if fn is not None:
+            setattr(owner, attr, _labelled(fn, PHASE + label))
+
+
+def phases(events) -> tuple[dict, float]:
+    """({label: inclusive seconds}, the labels' own seconds) over the profiled steps: a label
+    nested in itself counts once."""
+    out, own = {}, 0.0
+
+    def walk(e, open_labels):
+        nonlocal own
+        inside = open_labels
+        if e.name.startswith(PHASE):
+            own += e.self_cpu_time_total / 1e6
+            label = e.name[len(PHASE) :]
+            if label not in open_labels:
+                out[label] = out.get(label, 0.0) + e.cpu_time_total / 1e6
+            inside = open_labels | {label}
+        for c in e.cpu_children:
+            walk(c, inside)
+
+    for e in events:
+        if e.cpu_parent is None:
+            walk(e, frozenset())
+    return out, own
+
+
+def profile_phases(steps: dict, n: int) -> dict:
+    """profile_tp.profile's buckets (the phase labels' own time moved back from dispatch to
+    python, where it was before they were labelled) and each side's phases, per step."""
+    out = {}
+    for name, step in steps.items():
+        step()  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        plain = time.perf_counter() - t0
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            wall = time.perf_counter() - t0
+        events = prof.events()
+        top = [e for e in events if e.cpu_parent is None]
+        thread = max({e.thread for e in top},
+                     key=lambda t: sum(e.cpu_time_total for e in top if e.thread == t))  # fmt: skip
+        per = buckets(events, wall, ASYNC)
+        ph, own = phases([e for e in events if e.thread == thread])
+        per["dispatch"] -= own
+        per["python"] += own
+        out[name] = {"buckets": {k: v / n for k, v in per.items()}, "wall": wall / n,
+                     "plain": plain, "phases": {k: v / n for k, v in ph.items()}}  # fmt: skip
+    return out
+
+
+def phase_table(res: list):
+    names = list(res[0])
+    labels = list(dict.fromkeys(k for v in names for k in res[0][v]["phases"]))
+    print("\nphases, inclusive seconds per step (mean of the ranks; nested phases count in "
+          "their parents too):")  # fmt: skip
+    print("| phase | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for k in labels:
+        cells = [statistics.mean(r[v]["phases"].get(k, 0.0) for r in res) for v in names]
+        print(f"| {k} | " + " | ".join(f"{c:.4f}" if c else "-" for c in cells) + " |")
 
 
 def run(rank, world, kind, a):
@@ -69,22 +212,42 @@ def run(rank, world, kind, a):
     label_comm()
     p2p.Batch.wait = _labelled(p2p.Batch.wait, "megalite.comm.p2p_wait")
     schedules._wait_batch_p2p = _labelled(schedules._wait_batch_p2p, "c10d.p2p_wait")
+    if kind in ("dp", "ds"):
+        if kind == "ds":
+            import deepspeed
+
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+        label_phases(kind)
+        sides = _sides(kind, a, rank, world)
+        torch.set_num_threads(1)
+        return profile_phases(sides, a.profile_steps)
     return profile(_sides(kind, a, rank, world), a.profile_steps, ASYNC)
 
 
 def main():
     kind, rest = sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2:]
+    if kind == "ds" and importlib.util.find_spec("deepspeed") is None:
+        from bench import bench_deepspeed
+
+        peers = bench_deepspeed.ensure_peers()
+        os.execv(str(peers), [str(peers), *sys.argv])
+    if kind == "ds":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if kind not in PAIRS:
         raise SystemExit(
             f"usage: profile_peers.py {'|'.join(PAIRS)} [the benchmark's flags] [--profile-steps N]"
         )
-    ap = bench_dp.parser() if kind == "dp" else bench_pipeline.parser()
+    ap = bench_dp.parser() if kind in ("dp", "ds") else bench_pipeline.parser()
     ap.add_argument("--profile-steps", type=int, default=2, help="profiled steps per side")
     a = ap.parse_args(rest)
-    if kind != "dp" and a.pp != 2:
+    if kind in ("pp", "zb") and a.pp != 2:
         raise SystemExit(f"profile_peers.py {kind} runs at --pp 2")
     print(f"machine: {machine()}; {kind} on CPU gloo, 2 processes x 1 thread")
-    mean, wall = table(spawn(run, 2, kind, a, timeout=1800), a.profile_steps)
+    res = spawn(run, 2, kind, a, timeout=3600)
+    mean, wall = table(res, a.profile_steps)
+    if "phases" in next(iter(res[0].values())):
+        phase_table(res)
     print("\neach target against megalite's compute floor (gemm + other compute):")
     for ours, theirs, target in PAIRS[kind]:
         floor = mean[ours]["gemm"] + mean[ours]["other compute"]

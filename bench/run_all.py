@@ -82,6 +82,27 @@ QUICK = {
         ],
         "full shape: 8 layers, h 256, s 256, gbs 32",
     ),  # fmt: skip
+    "bench_deepspeed.py": (
+        [
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
+            "--seq",
+            "64",
+            "--vocab",
+            "1024",
+            "--gbs",
+            "16",
+            "--mbs",
+            "2",
+            "--bucket-mb",
+            "0.25",
+            "--rounds",
+            "3",
+        ],
+        "full shape: 8 layers, h 256, s 256, gbs 32 (the first run also creates .venv-peers)",
+    ),  # fmt: skip
     "bench_pipeline.py": (
         [
             "--layers",
@@ -275,7 +296,7 @@ TIMEOUTS = {"../tools/check_kernels.py": 3600}
 HELPERS = {"run_all.py", "_common.py", "_tp_torch.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
-           "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
+           "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
            "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py"}  # fmt: skip
 
 

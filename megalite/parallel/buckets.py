@@ -83,6 +83,9 @@ class Bucket:
     pending: int = 0  # params without a gradient in this pass yet
     passes: int = 0  # micro-batches whose gradients have all arrived
     launched: bool = False  # stage 0/1: reduction started (no more gradients may arrive)
+    reduced: bool = False  # a reduction of this step has been launched
+    # stage 2/3: the parameters whose gradient of this pass is in the staged `grad`
+    staged: set | None = None
     # ZeRO-3 (zero3.py): this rank's parameter shard, and the whole bucket the parameters are
     # views of (its storage freed between uses)
     param_shard: torch.Tensor | None = None
@@ -91,6 +94,11 @@ class Bucket:
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    @property
+    def used(self) -> int:
+        """Elements the parameters fill (the rest, up to numel, is padding)."""
+        return sum(p.numel() for p in self.params)
 
 
 @dataclass

@@ -145,8 +145,8 @@ class GradBuffer:
         for b in self.buckets:
             if self.grad_buffer is None:
                 b.shard_grad.zero_()
-                b.grad = None
-            b.pending, b.passes, b.launched = len(b.params), 0, False
+                b.grad, b.staged = None, None
+            b.pending, b.passes, b.launched, b.reduced = len(b.params), 0, False, False
         for r in self.ranges:
             # stages 0/1 keep the bucket buffer all step: cache each parameter's view of it once
             r.view = self._grad_view(r) if self.grad_buffer is not None else None
@@ -162,16 +162,14 @@ class GradBuffer:
                 f"the {self.microbatches} micro-batches this step was started with"
             )
         if b.grad is None:  # no gradient buffer: stage this pass's bucket
-            # at most zero.in_flight + 1 staged (being filled or reduced): two buckets
-            # can fill at once where gradients arrive out of layout order, so make room here
-            while self._in_flight and self.staged_buckets > self.zero.in_flight:
-                self._complete(*self._in_flight.popleft())
-            b.grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
-            self.staged_buckets += 1
-            self.staged_bytes += b.grad.numel() * b.grad.element_size()
-            self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+            self._stage(b, p.device)
         view = r.view if r.view is not None else self._grad_view(r)
-        if p.grad.data_ptr() != view.data_ptr():
+        if b.staged is not None and p not in b.staged:
+            # a staged bucket starts empty: a parameter's first gradient of the pass is copied
+            # in (0 + g, without zeroing the bucket first), any later one added
+            view.copy_(p.grad)
+            b.staged.add(p)
+        elif p.grad.data_ptr() != view.data_ptr():
             view.add_(p.grad)
         # With one dtype and a gradient buffer, `.grad` stays a view of the buffer, so autograd adds the
         # next micro-batch's gradient in place (DDP's gradient_as_bucket_view; backward with
@@ -185,12 +183,36 @@ class GradBuffer:
             if self.zero.reduce_each_microbatch or b.passes == self.microbatches:
                 self._launch(b)
 
+    def _stage(self, b: Bucket, device):
+        """A bucket for one pass's gradients, left uninitialised but for its padding (the hooks
+        write every parameter's part; `_launch` zeroes those of a partial pass): at most
+        zero.in_flight + 1 staged (being filled or reduced). Two buckets can fill at once where
+        gradients arrive out of layout order, so room is made here."""
+        while self._in_flight and self.staged_buckets > self.zero.in_flight:
+            self._complete(*self._in_flight.popleft())
+        b.grad = torch.empty(b.numel, dtype=self.grad_dtype, device=device)
+        b.grad[b.used :].zero_()
+        b.staged = set()
+        self.staged_buckets += 1
+        self.staged_bytes += b.grad.numel() * b.grad.element_size()
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+
     def _launch(self, b: Bucket):
         g = b.grad
+        if b.staged is not None:
+            if len(b.staged) < len(b.params):  # a partial pass: the missing gradients are 0
+                for r in self.ranges:
+                    if r.bucket is b and r.param not in b.staged:
+                        self._grad_view(r).zero_()
+            b.staged = None
         g.mul_(self.scale)
         out = None
         if self.zero.shard_state:
-            out = torch.empty(b.shard_end - b.shard_start, dtype=g.dtype, device=g.device)
+            if self.zero.reduce_each_microbatch and not b.reduced:
+                out = b.shard_grad  # the step's first reduction lands in the accumulator itself
+            else:
+                out = torch.empty(b.shard_end - b.shard_start, dtype=g.dtype, device=g.device)
+            b.reduced = True
         work = self.zero.launch(g, out, self.dp)
         self._in_flight.append((work, b, g, out))
         if self.zero.reduce_each_microbatch:
@@ -209,7 +231,8 @@ class GradBuffer:
         if out is None:
             return  # reduced in place
         if self.zero.reduce_each_microbatch:
-            b.shard_grad.add_(out)
+            if out is not b.shard_grad:
+                b.shard_grad.add_(out)
             self.staged_bytes -= g.numel() * g.element_size()  # dropped with this tuple
             self.staged_buckets -= 1
         else:

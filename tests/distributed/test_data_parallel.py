@@ -194,3 +194,37 @@ def test_overlapped_gathers_are_waited_for_where_the_forward_reads_them():
         model = _Chunk().double()
         model.load_state_dict(out["whole"])
         torch.testing.assert_close(out["out"], model(torch.arange(6).view(2, 3)), rtol=0, atol=0)
+
+
+def _partial(rank, world):
+    """ZeRO-2 over one bucket holding `a`, `b` and `c`, where `c` takes part in the first
+    micro-batch only: the second pass's staged bucket is partial (launched by finish())."""
+    groups = build_groups(Topology(dp=world), torch.device("cpu"))
+    model = _model()
+    torch.manual_seed(1)
+    model["c"] = nn.Linear(4, 2).double()
+    buf = GradBuffer([model], groups.replicas, zero_stage=2, bucket_size_mb=1 / 2**10)
+    buf.zero_grad(MICRO)
+    for k in range(MICRO):
+        loss = _loss(model, rank, k)
+        if k == 0:
+            loss = loss + model["c"](torch.ones(1, 4, dtype=torch.float64)).sum() * (rank + 1)
+        loss.backward()
+    buf.finish()
+    (b,) = buf.buckets
+    return {r.name: (r.shard_slice(), b.shard_grad.clone()) for r in buf.ranges}
+
+
+def test_zero2_partial_pass_reduces_zeros_where_no_gradient_came():
+    world = 2
+    ref = _reference(world)
+    torch.manual_seed(1)
+    c = nn.Linear(4, 2).double()
+    for rank in range(world):  # c's gradient of micro-batch 0 only, the mean over the ranks
+        (c(torch.ones(1, 4, dtype=torch.float64)).sum() * (rank + 1) / world).backward()
+    ref.update({f"c.{n}": p.grad.flatten() for n, p in c.named_parameters()})
+    for out in spawn(_partial, world):
+        for name, (s, shard) in out.items():
+            if s is not None:
+                lo, hi, plo, phi = s
+                torch.testing.assert_close(shard[lo:hi], ref[name][plo:phi], rtol=1e-12, atol=0)
