@@ -37,11 +37,9 @@ import logging
 import os
 import statistics
 import sys
-import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -167,20 +165,8 @@ def phases(events) -> tuple[dict, float]:
 def profile_phases(steps: dict, n: int) -> dict:
     """profile_tp.profile's buckets (the phase labels' own time moved back from dispatch to
     python, where it was before they were labelled) and each side's phases, per step."""
-    out = {}
-    for name, step in steps.items():
-        step()  # warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        plain = time.perf_counter() - t0
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            wall = time.perf_counter() - t0
-        events = prof.events()
+
+    def digest(events, wall):
         top = [e for e in events if e.cpu_parent is None]
         thread = max({e.thread for e in top},
                      key=lambda t: sum(e.cpu_time_total for e in top if e.thread == t))  # fmt: skip
@@ -188,9 +174,9 @@ def profile_phases(steps: dict, n: int) -> dict:
         ph, own = phases([e for e in events if e.thread == thread])
         per["dispatch"] -= own
         per["python"] += own
-        out[name] = {"buckets": {k: v / n for k, v in per.items()}, "wall": wall / n,
-                     "plain": plain, "phases": {k: v / n for k, v in ph.items()}}  # fmt: skip
-    return out
+        return {"buckets": per, "phases": ph}
+
+    return profile(steps, n, digest=digest)
 
 
 def phase_table(res: list):

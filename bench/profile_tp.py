@@ -114,9 +114,10 @@ def label_comm():
         setattr(comm, name, _labelled(getattr(comm, name), f"megalite.comm.{name}"))
 
 
-def profile(steps: dict, n: int, skip: tuple = ()) -> dict:
+def profile(steps: dict, n: int, skip: tuple = (), digest=None) -> dict:
     """{name: {"buckets", "wall", "plain"}} of each `steps[name]()` (a whole training step): one
-    warm-up, one unprofiled step, then `n` profiled steps, per step."""
+    warm-up, one unprofiled step, then `n` profiled steps, per step. `digest(events, wall)`,
+    when given, returns {field: {key: seconds over the n steps}} instead of the buckets alone."""
     out = {}
     for name, step in steps.items():
         step()  # warm-up
@@ -130,8 +131,9 @@ def profile(steps: dict, n: int, skip: tuple = ()) -> dict:
             for _ in range(n):
                 step()
             wall = time.perf_counter() - t0
-        per = {k: v / n for k, v in buckets(prof.events(), wall, skip).items()}
-        out[name] = {"buckets": per, "wall": wall / n, "plain": plain}
+        got = (digest or (lambda ev, w: {"buckets": buckets(ev, w, skip)}))(prof.events(), wall)
+        out[name] = {k: {x: y / n for x, y in v.items()} for k, v in got.items()}
+        out[name].update(wall=wall / n, plain=plain)
     return out
 
 
