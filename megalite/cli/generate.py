@@ -29,10 +29,11 @@ from megalite.checkpoint.checkpointer import agreed_errors, check_model, load_mo
 from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
-from megalite.generation import Sampling, check_prompts
+from megalite.generation import check_prompts
 from megalite.generation import generate as generate_ids
 from megalite.model.gpt import LOCAL, GPTChunk
 from megalite.parallel import groups as pg
+from megalite.parallel.sampling import Sampling
 from megalite.parallel.topology import world_from_env
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

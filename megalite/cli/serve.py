@@ -30,9 +30,10 @@ import torch
 
 from megalite.cli import generate as gen
 from megalite.errors import MegaliteError, run_main
-from megalite.generation import Sampling, check_prompts
+from megalite.generation import check_prompts
 from megalite.generation import generate as generate_ids
 from megalite.parallel import comm
+from megalite.parallel.sampling import Sampling
 
 MAX_BODY = 1 << 20
 HEARTBEAT_S = 30.0

@@ -23,9 +23,10 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config import ModelConfig
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
-from megalite.generation import Sampling, generate
+from megalite.generation import generate
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups, single_process_groups
+from megalite.parallel.sampling import Sampling
 from megalite.parallel.topology import Topology
 from megalite.pipeline.partition import rank_chunks
 from megalite.testing import spawn

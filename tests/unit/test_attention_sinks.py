@@ -15,9 +15,10 @@ from megalite.kernels.attention_sinks import sink_attention
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
-from megalite.generation import Sampling, generate
+from megalite.generation import generate
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
+from megalite.parallel.sampling import Sampling
 from megalite.shape import validate
 
 transformers = pytest.importorskip("transformers")

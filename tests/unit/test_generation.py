@@ -22,17 +22,17 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
-from megalite.generation import (
+from megalite.generation import generate
+from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.parallel.groups import single_process_groups
+from megalite.parallel.sampling import (
     Sampling,
     _argmax,
     _draw,
     _kth_largest,
     _nucleus_floor,
     _softmax,
-    generate,
 )
-from megalite.model.gpt import LOCAL, GPTChunk
-from megalite.parallel.groups import single_process_groups
 
 transformers = pytest.importorskip("transformers")
 from tests.unit.test_checkpoint_hf import SEQ, VOCAB, _tool, convert, hf_greedy, hf_model  # noqa: E402
