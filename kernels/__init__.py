@@ -19,7 +19,7 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
   dropout_p=0.0, window=None)`: gpt-oss's attention with a learned sink logit per query head
   (sinks (hq,)), causal or by positions as `attention_masked`; context parallelism adds the
   sink to the block ops' merged result (kernels/attention_sinks.py `add_sink`, `sink_grad`).
-- `fp8_linear`: a maker `(shards, reduce_max) -> linear or None` (kernels/fp8.py `Fp8Maker`;
+- `fp8_linear`: a maker `(shards, reduce_max) -> linear or None` (kernels/fp8_linear.py `Fp8Maker`;
   default `NO_FP8`, which makes none): the linears that may run in FP8 (the attention and MLP
   projections) each build their own `linear` from it with the groups that shard their dims;
   the output layer and the MoE router keep `linear`.

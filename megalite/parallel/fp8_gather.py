@@ -1,6 +1,6 @@
 """--fp8-param-gather: ZeRO-3 gathers the weights of FP8 linears as FP8 data and a scale.
 
-An FP8 linear (kernels/fp8.py `Fp8Linear`) quantises the weight it multiplies by anyway, with
+An FP8 linear (kernels/fp8_linear.py `Fp8Linear`) quantises the weight it multiplies by anyway, with
 one scale per tensor under the tensorwise and delayed recipes. Gathering that weight in FP8 (1
 byte per element instead of bf16's 2 or fp32's 4) hands the linear the very FP8 values it would
 have computed from the gathered weight, provided the scale is the whole weight's: each rank

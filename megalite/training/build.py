@@ -59,7 +59,7 @@ class RankParts:
 def end_fp8_step(chunks, groups: ProcessGroups):
     """Delayed FP8 scaling after a step's schedule: every layer's amaxes of the step, max-reduced
     over the ranks that hold the same layers (tp, then dp and cp: as if one process had seen
-    every micro-batch), pushed into their histories (kernels/fp8.py `end_step`)."""
+    every micro-batch), pushed into their histories (kernels/fp8_linear.py `end_step`)."""
 
     def reduce(t):
         for g in (groups.tp, groups.replicas):
