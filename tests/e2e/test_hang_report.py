@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -39,6 +40,9 @@ def _rank(rank, port, argv, stall_at):
             def watch(i, a):
                 observe(i, a)
                 if (observe.__self__.iteration, i) == (ITERATION, stall_at):
+                    # the sends already posted complete in gloo's thread, which the stop would
+                    # freeze too: on a loaded machine the peer's receive could come after it
+                    time.sleep(1.0)
                     os.kill(os.getpid(), signal.SIGSTOP)  # stopped before running action i
 
             return real(*args, observe=watch, **kw)
