@@ -43,7 +43,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -85,14 +84,13 @@ if __name__ == "__main__" and importlib.util.find_spec("deepspeed") is None:
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench import bench_dp  # noqa: E402
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, write_summary  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
@@ -167,26 +165,8 @@ def run(rank, world, a):
         else:
             steps[method] = deepspeed_side(a, m, stage)
     batches = bench_dp._batches(a, m, rank, 2)
-    out = {"check": {}, "versions": {"deepspeed": deepspeed.__version__,
-                                     "torch": str(torch.__version__)}}  # fmt: skip
-    for name, step in steps.items():  # the same first step everywhere: the same loss
-        out["check"][name] = step.loss(step(batches[0]))
-        step.finish()
-    times = {k: [] for k in steps}
-    order = list(steps)
-    for r in range(a.warmup + a.rounds):
-        shift = r % len(order)
-        for name in order[shift:] + order[:shift]:
-            step = steps[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for i in range(a.block):
-                step(batches[(r + i) % 2])
-            step.finish()  # the block ends when its parameter gathers have landed
-            t = bench_dp._slowest((time.perf_counter() - t0) / a.block)
-            if r >= a.warmup:
-                times[name].append(t)
-    out["times"] = times
+    out = bench_dp.timed_rounds(a, steps, batches)
+    out["versions"] = {"deepspeed": deepspeed.__version__, "torch": str(torch.__version__)}
     return out
 
 
@@ -203,24 +183,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    if a.gbs % (2 * a.mbs):
-        raise SystemExit(f"--gbs {a.gbs} must be a multiple of 2 x --mbs {a.mbs}")
-    m = bench_dp.model_config(a)
-    micro = a.gbs // (2 * a.mbs)
-    print(f"machine: {machine()}")
-    print(f"model: llama L={m.num_layers} h={m.hidden_size} heads={m.num_attention_heads} "
-          f"ffn={m.ffn} V={m.vocab_size} s={m.seq_length}, fp32; dp=2 (2 gloo processes x 1 "
-          f"thread), gbs {a.gbs} = 2 ranks x {micro} micro-batches x {a.mbs}; buckets "
-          f"{a.bucket_mb} MB", flush=True)  # fmt: skip
-    res = spawn(run, 2, a, timeout=3600)
-    r0 = res[0]
+    bench_dp.describe(a)
+    r0 = spawn(run, 2, a, timeout=3600)[0]
     v = r0["versions"]
     print(f"peers: deepspeed {v['deepspeed']}, torch {v['torch']} (DeepSpeed's CPU accelerator)")
-    print("check (first step, same batch, rank 0 loss):",
-          ", ".join(f"{k} {x:.6f}" for k, x in r0["check"].items()))  # fmt: skip
-    losses = list(r0["check"].values())
-    if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
-        raise SystemExit("the methods do not compute the same loss; the comparison is void")
+    bench_dp.check_losses(r0["check"])
     times = r0["times"]
     tokens = a.gbs * a.seq
     print(f"\nstep time: median over {a.rounds} rounds of {a.block} steps (slower rank), "

@@ -233,32 +233,7 @@ def run(rank, world, a):
         else:
             steps[method] = torch_side(a, m, method)
     batches = _batches(a, m, rank, 2)
-    out = {"check": {}}
-    for name, step in steps.items():  # the same first step everywhere: the same loss
-        out["check"][name] = step.loss(step(batches[0]))
-        step.finish()
-    times = {k: [] for k in steps}
-    opt_times = {k: [] for k in steps}  # clip + optimizer update
-    rest_times = {k: [] for k in steps}  # everything else: forward, backward, DP communication
-    order = list(steps)
-    for r in range(a.warmup + a.rounds):
-        shift = r % len(order)
-        for name in order[shift:] + order[:shift]:
-            step = steps[name]
-            dist.barrier()
-            o0 = step.opt_s
-            t0 = time.perf_counter()
-            for i in range(a.block):
-                step(batches[(r + i) % 2])
-            step.finish()  # the block ends when its parameter gathers have landed
-            t = (time.perf_counter() - t0) / a.block
-            o = (step.opt_s - o0) / a.block
-            t, o, rest = _slowest(t), _slowest(o), _slowest(t - o)
-            if r >= a.warmup:
-                times[name].append(t)
-                opt_times[name].append(o)
-                rest_times[name].append(rest)
-    out["times"], out["opt_times"], out["rest_times"] = times, opt_times, rest_times
+    out = timed_rounds(a, steps, batches)
     out["persistent"] = {k: s.persistent() for k, s in steps.items()}
     out["params"] = sum(p.numel() for p in GPTChunk(m, ops=TORCH_OPS).parameters())
     ran = 1 + (a.warmup + a.rounds) * a.block
@@ -314,8 +289,40 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None):
-    a = parser().parse_args(argv)
+def timed_rounds(a, steps: dict, batches) -> dict:
+    """The same first step of every method ("check": their losses), then --rounds rounds after
+    --warmup of --block steps of each, the order rotating: per method the slower rank's seconds
+    per step ("times"), of them in clip + optimizer ("opt_times", where a step counts `opt_s`)
+    and the rest ("rest_times": forward, backward, DP communication)."""
+    out = {"check": {}}
+    for name, step in steps.items():  # the same first step everywhere: the same loss
+        out["check"][name] = step.loss(step(batches[0]))
+        step.finish()
+    times, opt_times, rest_times = ({k: [] for k in steps} for _ in range(3))
+    order = list(steps)
+    for r in range(a.warmup + a.rounds):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            step = steps[name]
+            dist.barrier()
+            o0 = getattr(step, "opt_s", 0.0)
+            t0 = time.perf_counter()
+            for i in range(a.block):
+                step(batches[(r + i) % 2])
+            step.finish()  # the block ends when its parameter gathers have landed
+            t = (time.perf_counter() - t0) / a.block
+            o = (getattr(step, "opt_s", 0.0) - o0) / a.block
+            t, o, rest = _slowest(t), _slowest(o), _slowest(t - o)
+            if r >= a.warmup:
+                times[name].append(t)
+                opt_times[name].append(o)
+                rest_times[name].append(rest)
+    out["times"], out["opt_times"], out["rest_times"] = times, opt_times, rest_times
+    return out
+
+
+def describe(a):
+    """Refuse a batch two ranks cannot split; print the machine and the model."""
     if a.gbs % (2 * a.mbs):
         raise SystemExit(f"--gbs {a.gbs} must be a multiple of 2 x --mbs {a.mbs}")
     m = model_config(a)
@@ -325,13 +332,23 @@ def main(argv=None):
           f"ffn={m.ffn} V={m.vocab_size} s={m.seq_length}, fp32; dp=2 (2 gloo processes x 1 "
           f"thread), gbs {a.gbs} = 2 ranks x {micro} micro-batches x {a.mbs}; buckets "
           f"{a.bucket_mb} MB", flush=True)  # fmt: skip
-    res = spawn(run, 2, a, timeout=3600)
-    r0 = res[0]
+
+
+def check_losses(check: dict):
+    """Print the methods' first-step losses; stop unless they agree."""
     print("check (first step, same batch, rank 0 loss):",
-          ", ".join(f"{k} {v:.6f}" for k, v in r0["check"].items()))  # fmt: skip
-    losses = list(r0["check"].values())
+          ", ".join(f"{k} {v:.6f}" for k, v in check.items()))  # fmt: skip
+    losses = list(check.values())
     if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
         raise SystemExit("the methods do not compute the same loss; the comparison is void")
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    describe(a)
+    res = spawn(run, 2, a, timeout=3600)
+    r0 = res[0]
+    check_losses(r0["check"])
     n = r0["params"]
     med = {k: statistics.median(v) for k, v in r0["times"].items()}
     tokens = a.gbs * a.seq
