@@ -150,6 +150,15 @@ class Batches:
         return x, y
 
 
+@torch.no_grad()
+def evaluate(model, batches) -> float:
+    """The mean loss of `model` (called as model(x, y)) over `batches`, in eval mode."""
+    model.eval()
+    out = statistics.mean(model(x, y).item() for x, y in batches)
+    model.train()
+    return out
+
+
 class Peer:
     name = "nanogpt"
 
@@ -177,13 +186,6 @@ class Peer:
         self.it += 1
         if self.it % self.log_interval == 0:
             loss.item()
-
-    @torch.no_grad()
-    def evaluate(self, batches) -> float:
-        self.model.eval()
-        out = statistics.mean(self.model(x, y).item() for x, y in batches)
-        self.model.train()
-        return out
 
 
 # ---- megalite's one-process trainer path ------------------------------------------------------
@@ -220,13 +222,6 @@ class Megalite:
     def iteration(self):
         tr = self.trainer
         tr.step([self.batches()], log=(tr.iteration + 1) % self.log_interval == 0)
-
-    @torch.no_grad()
-    def evaluate(self, batches) -> float:
-        self.model.eval()
-        out = statistics.mean(self.model(x, y).item() for x, y in batches)
-        self.model.train()
-        return out
 
 
 # ---- measurement ------------------------------------------------------------------------------
@@ -329,7 +324,7 @@ def main():
             ratios.append(got["nanogpt"][0] / got["megalite"][0])
             # one thread per side: the CPU time is the steadier measure on a loaded machine
             cpu_ratios.append(got["nanogpt"][1] / got["megalite"][1])
-    losses = {s.name: s.evaluate(val) for s in sides}
+    losses = {s.name: evaluate(s.model, val) for s in sides}
     ms = {k: 1e3 * statistics.median(v[1:] or v) for k, v in times.items()}
     ratio = statistics.median(ratios) if ratios else ms["nanogpt"] / ms["megalite"]
     cpu = statistics.median(cpu_ratios) if cpu_ratios else ratio
