@@ -182,6 +182,20 @@ def tiny_config(hidden: int = 32, vocab: int = 100) -> Config:
     return cfg
 
 
+def resume_config(save=None, **parallel) -> Config:
+    """`tiny_config` as the checkpoint-resume tests run it: MLP width 64, 2 samples per
+    micro-batch, torch ops, 4 iterations at lr 3e-3, saved to `save`, `parallel`'s flags set."""
+    cfg = tiny_config()
+    m, t = cfg.model, cfg.training
+    m.ffn_hidden_size = 64
+    t.micro_batch_size, t.kernels, t.train_iters = 2, "torch", 4
+    cfg.optimizer.lr = 3e-3
+    cfg.checkpoint.save = save
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
 def tiny_trainer(cfg: Config, samples: int = 256, world: int | None = None, log=None):
     """The Trainer of `cfg` on `samples` random token rows, at `world` ranks (default: this
     spawned world's size; 1: one process, no process group needed). `log`, a list, collects

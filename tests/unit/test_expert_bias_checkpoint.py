@@ -12,24 +12,17 @@ import torch
 from megalite.checkpoint import format as fmt
 from megalite.config import Config
 from megalite.model.moe import expert_biases, moe_layers
-from megalite.testing import tiny_trainer
+from megalite.testing import resume_config, tiny_trainer
 
 
 def _config(save=None, mtp=0, **parallel) -> Config:
-    cfg = Config()
-    m, t = cfg.model, cfg.training
-    m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = "llama", 2, 32, 4
-    m.seq_length, m.vocab_size, m.ffn_hidden_size = 16, 100, 64
+    cfg = resume_config(save, **parallel)
+    m = cfg.model
+    m.flavour = "llama"
     m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 16
     m.moe_router_score_function, m.moe_router_enable_expert_bias = "sigmoid", True
     m.moe_router_bias_update_rate = 1e-2
     m.mtp_num_layers = mtp
-    t.micro_batch_size, t.global_batch_size, t.kernels, t.train_iters = 2, 4, "torch", 4
-    cfg.optimizer.lr = 3e-3
-    cfg.logging.wandb_mode = "disabled"
-    cfg.checkpoint.save = save
-    for k, v in parallel.items():
-        setattr(cfg.parallel, k, v)
     return cfg
 
 

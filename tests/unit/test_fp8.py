@@ -10,7 +10,7 @@ import torch.nn as nn
 from megalite.kernels.fp8 import E4M3, E5M2, make_recipe
 from megalite.kernels.fp8_linear import Fp8Linear, end_step
 
-from megalite.testing import tiny_trainer
+from megalite.testing import resume_config, tiny_trainer
 
 
 def _torchao_linear(linear: nn.Linear, recipe: str, pow2: bool):
@@ -238,19 +238,9 @@ def test_delayed_scaling_ignores_evaluation_forwards():
 
 
 def _fp8_config(save=None, recipe="delayed", **parallel):
-    from megalite.config import Config
-
-    cfg = Config()
-    m, t = cfg.model, cfg.training
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 64
-    m.seq_length, m.vocab_size = 16, 100
-    t.micro_batch_size, t.global_batch_size, t.kernels, t.train_iters = 2, 4, "torch", 4
+    cfg = resume_config(save, **parallel)
+    t = cfg.training
     t.fp8_format, t.fp8_recipe, t.fp8_amax_history_len = recipe and "hybrid", recipe, 3
-    cfg.optimizer.lr = 3e-3
-    cfg.logging.wandb_mode = "disabled"
-    cfg.checkpoint.save = save
-    for k, v in parallel.items():
-        setattr(cfg.parallel, k, v)
     return cfg
 
 
