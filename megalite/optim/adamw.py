@@ -1,52 +1,42 @@
-"""AdamW over flat shards as a few foreach ops: torch.optim.AdamW's update (its multi-tensor
-path: the single-tensor one's arithmetic, element for element), whatever the number of buckets.
-
-The shards are cut into groups of at most `ADAM_GROUP` elements: each group is a handful of
-kernel launches, and the one temporary (the denominator) stays bounded."""
+"""AdamW over flat shards through torch's fused kernel (`torch._fused_adamw_`, what
+`torch.optim.AdamW(fused=True)` calls, on CPU and CUDA): one pass over each shard's weights,
+gradients and moments per step, where the multi-tensor path makes seven and keeps a temporary
+the size of the state. The weight-decayed and the other pieces of the shards are two calls."""
 
 import torch
 
 from megalite.config import OptimizerConfig
 
-# 256 MiB of fp32 state for the temporary of one group
-ADAM_GROUP = 2**26
-
 
 @torch.no_grad()
-def adamw(weights, grads, exp_avg, exp_avg_sq, decayed, lr: float, step: int, o: OptimizerConfig):
+def adamw(weights, grads, exp_avg, exp_avg_sq, decay, lr: float, step: int, o: OptimizerConfig):
     """One AdamW step (step counts from 1) of `weights` in place, with their gradients and
-    moments (lists of 1-D tensors of the same sizes); `decayed`: the views of `weights` that
-    weight decay applies to."""
-    beta1, beta2 = o.adam_beta1, o.adam_beta2
-    step_size = lr / (1 - beta1**step)
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    if o.weight_decay and decayed:
-        torch._foreach_mul_(decayed, 1 - lr * o.weight_decay)
-    for group in pieces([w.numel() for w in weights], ADAM_GROUP):
-        w, g, m, v = ([t[i][lo:hi] for i, lo, hi in group]
-                      for t in (weights, grads, exp_avg, exp_avg_sq))  # fmt: skip
-        torch._foreach_lerp_(m, g, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, o.adam_eps)
-        torch._foreach_addcdiv_(w, m, denom, value=-step_size)
-        del denom
+    moments (lists of 1-D tensors of the same sizes); `decay[i]`: the (lo, hi) pieces of
+    `weights[i]` that weight decay applies to (sorted, not overlapping)."""
+    if not weights:
+        return
+    parts = {True: ([], [], [], []), False: ([], [], [], [])}  # decayed?: w, g, m, v pieces
+    for i, w in enumerate(weights):
+        decayed = decay[i] if o.weight_decay else []
+        pieces = [(s, True) for s in decayed] + [(s, False) for s in complement(decayed, w.numel())]
+        for (lo, hi), d in pieces:
+            for out, t in zip(parts[d], (w, grads[i], exp_avg[i], exp_avg_sq[i])):
+                out.append(t[lo:hi])
+    step_t = torch.full((), float(step), dtype=torch.float32, device=weights[0].device)
+    for decayed, (w, g, m, v) in parts.items():
+        if w:
+            torch._fused_adamw_(
+                w, g, m, v, [], [step_t] * len(w), lr=lr, beta1=o.adam_beta1,
+                beta2=o.adam_beta2, weight_decay=o.weight_decay if decayed else 0.0,
+                eps=o.adam_eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
 
 
-def pieces(sizes: list[int], cap: int) -> list[list[tuple[int, int, int]]]:
-    """Tensors of `sizes` cut into groups of pieces (tensor index, lo, hi), at most `cap`
-    elements a group, in order."""
-    out, group, held = [], [], 0
-    for i, n in enumerate(sizes):
-        lo = 0
-        while lo < n:
-            hi = min(n, lo + cap - held)
-            group.append((i, lo, hi))
-            held += hi - lo
-            lo = hi
-            if held == cap:
-                out.append(group)
-                group, held = [], 0
-    return out + ([group] if group else [])
+def complement(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The pieces of [0, n) outside the sorted, disjoint `segments`."""
+    out, at = [], 0
+    for lo, hi in segments:
+        if lo > at:
+            out.append((at, lo))
+        at = hi
+    return out + ([(at, n)] if at < n else [])

@@ -17,8 +17,8 @@ per parameter. A step:
      default overlapped with the next forward (each bucket waited for where it is first read);
      stage 3 keeps the shards, gathered unit by unit where they are used (parallel/zero3.py)
 
-The AdamW arithmetic is torch.optim.AdamW's single-tensor path, element for element, issued as
-foreach ops over groups of shards (a step is a few kernel launches, not a few per bucket).
+The AdamW arithmetic is torch.optim.AdamW(fused=True)'s kernel, element for element, over the
+shards (optim/adamw.py: two calls a step, whatever the number of buckets).
 """
 
 import math
@@ -30,7 +30,7 @@ from torch import nn
 
 from megalite.config import Config
 from megalite.model.moe import update_expert_bias
-from megalite.optim.adamw import adamw
+from megalite.optim.adamw import adamw, complement
 from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
 from megalite.optim.muon import muon_state
@@ -73,15 +73,6 @@ def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([lo, hi])
     return [tuple(s) for s in out]
-
-
-def _complement(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    out, at = [], 0
-    for lo, hi in segments:
-        if lo > at:
-            out.append((at, lo))
-        at = hi
-    return out + ([(at, n)] if at < n else [])
 
 
 class DistributedOptimizer:
@@ -140,7 +131,7 @@ class DistributedOptimizer:
         self._norm = [_merge(s) for s in self._norm]
         # What the norm does not read is still checked for inf/nan, each element once.
         self._rest = [
-            _complement(segs, b.shard_end - b.shard_start)
+            complement(segs, b.shard_end - b.shard_start)
             for segs, b in zip(self._norm, buf.buckets)
         ]
         # Gradients each rank holds only part of, by the group that sums them.
@@ -205,8 +196,9 @@ class DistributedOptimizer:
         if self.muon:
             self.muon.step(weights, grads, lr, self.step_count)
         else:
-            decayed = [w[lo:hi] for w, segs in zip(weights, self._decay) for lo, hi in segs]
-            adamw(weights, grads, self.exp_avg, self.exp_avg_sq, decayed, lr, self.step_count, o)
+            adamw(
+                weights, grads, self.exp_avg, self.exp_avg_sq, self._decay, lr, self.step_count, o
+            )
         if self.masters:
             torch._foreach_copy_(shards, self.masters)
 

@@ -189,8 +189,7 @@ class MuonState:
             g.append(grads[i][lo:hi])
             m.append(self.exp_avg[i][lo:hi])
             v.append(self.exp_avg_sq[i][at : at + hi - lo])
-            if decay:
-                decayed.append(w[-1])
+            decayed.append([(0, hi - lo)] if decay else [])
         adamw(w, g, m, v, decayed, lr, step, o)
 
         # Bucket by bucket (in the same order on every member of its group, one bucket's
