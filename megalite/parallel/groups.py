@@ -10,7 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.comm import CommLedger, Group
+from megalite.parallel.comm import Group
+from megalite.parallel.ledger import CommLedger
 from megalite.parallel.topology import Topology, world_from_env
 
 

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import comm
 from megalite.parallel.comm import Group
+from megalite.parallel.ledger import clock_start
 
 _ready: set[int] = set()  # process groups that have run a collective
 
@@ -43,12 +43,12 @@ class Batch:
     def wait(self, op: int | None = None) -> float:
         """Block until operation `op` of the batch (default: every one) completed; returns the
         host seconds blocked (on NCCL ~0: the wait only orders the streams; the ledger times it
-        on the device, comm.CommLedger). Where the backend fused the batch into one work
+        on the device, ledger.CommLedger). Where the backend fused the batch into one work
         (NCCL), that is the whole batch anyway."""
         if self.done:
             return 0.0
         t0 = time.perf_counter()
-        start = comm.clock_start(self.ops[0][1] if self.ops else None)
+        start = clock_start(self.ops[0][1] if self.ops else None)
         whole = op is None or len(self.works) != len(self.ops)
         for i in range(len(self.works)) if whole else [op]:
             if i not in self.waited:

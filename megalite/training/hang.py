@@ -13,7 +13,7 @@ goes away, every rank that notices (on NCCL: once its watchdog aborts the commun
    "error": "...", "time": 1700000000.0}
 
 `action` is the last one the executor started (its `observe` hook); `entered` is the ledger's
-count of collectives entered per group kind and the last one's name (comm.CommLedger.enter),
+count of collectives entered per group kind and the last one's name (ledger.CommLedger.enter),
 which the members of a group can compare. A rank that is stopped or dead writes nothing.
 
 `diagnose(DIR)` (tools/diagnose_hang.py, megalite-diagnose-hang) merges the reports and replays

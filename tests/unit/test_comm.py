@@ -3,7 +3,7 @@
 
 import pytest
 
-from megalite.parallel.comm import CommLedger
+from megalite.parallel.ledger import CommLedger
 
 
 class Timeline:  # what the ledger needs of training/timeline.py's Timeline

@@ -5,8 +5,9 @@ a fake event class, the collective itself a stub."""
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megalite.parallel import comm, p2p
-from megalite.parallel.comm import CommLedger, Group
+from megalite.parallel import comm, ledger, p2p
+from megalite.parallel.comm import Group
+from megalite.parallel.ledger import CommLedger
 
 
 class _Event:
@@ -35,7 +36,7 @@ class _Event:
 
 def _fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(comm, "_device_event", _Event)
+    monkeypatch.setattr(ledger, "_device_event", _Event)
     _Event.made.clear()
 
 
@@ -54,7 +55,7 @@ def test_collectives_on_cuda_are_timed_by_events(monkeypatch):
 
 
 def test_cpu_collectives_keep_the_host_clock(monkeypatch):
-    monkeypatch.setattr(comm, "_device_event", _Event)
+    monkeypatch.setattr(ledger, "_device_event", _Event)
     _Event.made.clear()
     monkeypatch.setattr(comm.dist, "all_reduce", lambda *a, **k: None)
     g = Group("tp", [0, 1], 0, pg=object(), ledger=CommLedger())
