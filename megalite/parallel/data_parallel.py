@@ -108,14 +108,12 @@ class GradBuffer:
                 b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
         self._range_of = {r.param: r for r in self.ranges}
         self._grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
-        # With nothing to reduce and `.grad` a view of the buffer, autograd's own accumulation
-        # is the whole job: no hook (one Python call per parameter per backward saved); the
-        # buffer is "reduced" (left as it is) in finish().
+        # nothing to reduce and `.grad` a view of the buffer: autograd's accumulation is all
         hooked = dp.size > 1 or not self._grad_is_view
         for r in self.ranges:
             if self.grad_buffer is not None:
                 r.param.main_grad = self._grad_view(r)
-            if hooked:
+            if hooked:  # (else finish() "reduces" the buffer, leaving it as it is)
                 r.param.register_post_accumulate_grad_hook(self._on_grad)
         self._in_flight: deque = deque()
         self.staged_bytes = self.peak_staged_bytes = 0  # gradient buckets staged (no buffer)
