@@ -7,6 +7,9 @@ rotary dimensions, an activation other than SiLU, quantisation) is refused in on
 dropped. Export writes the config of the architecture the flavour's `hf_model_type` names, and
 refuses a model that architecture cannot express. The weights are megalite/checkpoint/hf.py's.
 
+GPT2LMHeadModel: the gpt2 flavour (activation gelu_new or gelu_pytorch_tanh), or with the exact
+GELU (activation gelu) the bias-free nanogpt flavour, written with zero biases (checkpoint/hf.py).
+
 Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj ...):
 - LlamaForCausalLM (Llama 2/3.x): optional rope scaling (llama3, linear, yarn), tied embeddings;
 - Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q, k, v only;
