@@ -1,8 +1,8 @@
 """One process against nanoGPT's CPU recipe: ms per iteration and the validation loss reached.
 
     .venv/bin/python bench/bench_nanogpt.py [--iters 300] [--block 25] [--threads 1]
-        [--log-interval 1] [--peer-adamw single|foreach] [--peer-bias] [--peer-gelu none|tanh]
-        [--megalite-compile] [--profile N] [--summary PATH]
+        [--log-interval 1] [--peer-adamw single|foreach] [--megalite-flavour nanogpt|gpt2]
+        [--peer-bias] [--peer-gelu none|tanh] [--megalite-compile] [--profile N] [--summary PATH]
 
 nanoGPT (github.com/karpathy/nanoGPT) documents a CPU run in its README: "4 layers, 4 heads,
 128 embedding size", context 64, batch 12, 2000 iterations with the learning rate decayed over
@@ -19,10 +19,11 @@ forward, next batch, backward, clip, step, zero_grad(set_to_none)); nanoGPT's co
 copied. megalite runs the same recipe through its one-process trainer path, `Trainer.step`
 (the pipeline executor at pp=1, `DistributedOptimizer` over flat buffers, its LR schedule:
 warm-up lr (it + 1) / 100 where nanoGPT's is (it + 1) / 101, the same cosine after), on
-megalite's GPT-2 flavour, which is not quite nanoGPT's model: it has biases and GPT-2's tanh
-GELU (on CPU 2-4x the cost of the exact GELU nanoGPT uses). `--peer-bias --peer-gelu tanh`
-gives the peer megalite's architecture (nanoGPT's bias=True is its GPT-2 layout), so the
-framework alone is compared.
+megalite's nanogpt flavour: nanoGPT's model (no bias in the linears or the LayerNorms, the
+exact GELU, tied embeddings, learned positions), so both sides train the same model (the
+parameter counts are checked equal). `--megalite-flavour gpt2 --peer-bias --peer-gelu tanh`
+compares GPT-2's layout instead (biases, tanh GELU: on CPU 2-4x the cost of the exact one;
+nanoGPT's bias=True is that layout).
 
 Both train in this process, one thread each, on the same random windows of the built-in corpus
 (the standard library's source, megalite's 2048-piece sentencepiece tokenizer: 90% of the token
@@ -191,10 +192,11 @@ class Peer:
 # ---- megalite's one-process trainer path ------------------------------------------------------
 
 
-def megalite_config(iters: int, cache: str, compile_layers: bool = False) -> Config:
+def megalite_config(iters: int, cache: str, compile_layers: bool = False,
+                    flavour: str = "nanogpt") -> Config:  # fmt: skip
     cfg = Config()
     m = cfg.model
-    m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = "gpt2", LAYERS, WIDTH, HEADS
+    m.flavour, m.num_layers, m.hidden_size, m.num_attention_heads = flavour, LAYERS, WIDTH, HEADS
     m.seq_length, m.hidden_dropout, m.attention_dropout = CONTEXT, 0.0, 0.0
     t = cfg.training
     t.micro_batch_size = t.global_batch_size = BATCH
@@ -212,8 +214,10 @@ def megalite_config(iters: int, cache: str, compile_layers: bool = False) -> Con
 class Megalite:
     name = "megalite"
 
-    def __init__(self, train, iters, log_interval, groups, cache, compile_layers=False, seed=1337):
-        cfg = megalite_config(iters, cache, compile_layers)
+    def __init__(self, train, iters, log_interval, groups, cache, compile_layers=False,
+                 flavour="nanogpt", seed=1337):  # fmt: skip
+        cfg = megalite_config(iters, cache, compile_layers, flavour)
+        self.doc = cfg.model.features.doc
         torch.manual_seed(seed)
         self.trainer = Trainer(cfg, validate(cfg, 1), groups)
         (self.model,) = self.trainer.chunks
@@ -258,15 +262,22 @@ def main():
     ap.add_argument("--peer-adamw", default="single", choices=("single", "foreach"),
                     help="nanoGPT's AdamW on CPU: torch's default single-tensor loop")  # fmt: skip
     ap.add_argument(
+        "--megalite-flavour",
+        default="nanogpt",
+        choices=("nanogpt", "gpt2"),
+        help="megalite's model: nanoGPT's (default), or GPT-2's layout (with --peer-bias "
+        "--peer-gelu tanh)",
+    )
+    ap.add_argument(
         "--peer-bias",
         action="store_true",
-        help="nanoGPT with bias=True (GPT-2's layout, megalite's); default its False",
+        help="nanoGPT with bias=True (GPT-2's layout, megalite's gpt2); default its False",
     )
     ap.add_argument(
         "--peer-gelu",
         default="none",
         choices=("none", "tanh"),
-        help="the peer's GELU: nanoGPT's exact one, or GPT-2's tanh (megalite's)",
+        help="the peer's GELU: nanoGPT's exact one, or GPT-2's tanh (megalite's gpt2)",
     )
     ap.add_argument(
         "--megalite-compile",
@@ -287,16 +298,22 @@ def main():
     train, valid = splits(a.cache)
     vb = Batches(valid, 1)
     val = [vb() for _ in range(EVAL_BATCHES)]
-    sides = [Megalite(train, a.iters, a.log_interval, groups, a.cache, a.megalite_compile),
+    sides = [Megalite(train, a.iters, a.log_interval, groups, a.cache, a.megalite_compile,
+                      a.megalite_flavour),
              Peer(train, a.iters, a.log_interval, a)]  # fmt: skip
     n_ml = sum(p.numel() for p in sides[0].model.parameters())
     n_peer = sum(p.numel() for p in sides[1].model.parameters())
+    if n_ml != n_peer:  # not the same model: the ratio would compare architectures
+        sys.exit(f"megalite's {a.megalite_flavour} has {n_ml:,} parameters, the peer {n_peer:,} "
+                 f"(bias {a.peer_bias}): pass --megalite-flavour gpt2 with --peer-bias "
+                 "--peer-gelu tanh, or neither")  # fmt: skip
     if a.megalite_compile:
         print("megalite with --compile (its first block, compiling, is not counted)")
     print(f"{LAYERS} layers x {WIDTH}, {HEADS} heads, context {CONTEXT}, batch {BATCH}, vocabulary "
-          f"{VOCAB}; parameters megalite {n_ml:,} (biases, tanh GELU), nanoGPT-style {n_peer:,} "
-          f"(bias {a.peer_bias}, GELU {a.peer_gelu}, AdamW {a.peer_adamw}); "
-          f"{a.iters} iterations, blocks of {a.block}, {len(train):,} train tokens")  # fmt: skip
+          f"{VOCAB}; parameters {n_ml:,} each: megalite {a.megalite_flavour} "
+          f"({sides[0].doc}), nanoGPT-style (bias {a.peer_bias}, GELU {a.peer_gelu}, AdamW "
+          f"{a.peer_adamw}); {a.iters} iterations, blocks of {a.block}, {len(train):,} train "
+          "tokens")  # fmt: skip
     if a.profile:
         from bench.profile_tp import BUCKETS
 

@@ -1,4 +1,4 @@
-"""MLP activations: SwiGLU (llama) and tanh-approximated GELU (gpt2).
+"""MLP activations: SwiGLU (llama) and GELU, tanh-approximated (gpt2) or exact (erf; nanogpt).
 
 Elementwise kernels over (rows, n) views with a runtime row stride, so gate/up halves of a fused
 projection are read in place; a program takes ROWS rows (1 on a GPU, more under the interpreter).
@@ -21,6 +21,8 @@ from megalite.kernels._triton import (
 # A constexpr: compiled kernels may read no other global (the interpreter does not check);
 # written right of the tensor it scales, as the interpreter wraps constexpr * tensor wrongly.
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+SQRT_1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2): erf's argument
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi): the normal density's factor
 
 
 @triton.jit
@@ -63,21 +65,32 @@ def _swiglu_bwd(
     tl.store(DU + row * sdu + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
+# EXACT (a constexpr: two compiled variants, no branch per element): GELU x Phi(x) with
+# Phi(x) = (1 + erf(x / sqrt 2)) / 2, else GPT-2's 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 @triton.jit
-def _gelu_fwd(X, Y, sx, sy, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _gelu_fwd(X, Y, sx, sy, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+              EXACT: tl.constexpr):  # fmt: skip
     row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
+    if EXACT:
+        t = tl.math.erf(x * SQRT_1_2)
+    else:
+        t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
     tl.store(Y + row * sy + cols, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gelu_bwd(X, DY, DX, sx, sdy, sdx, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _gelu_bwd(X, DY, DX, sx, sdy, sdx, n_rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+              EXACT: tl.constexpr):  # fmt: skip
     row, cols, mask = _tile(n_rows, n, BLOCK, ROWS)
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
-    dt = (1.0 + 3.0 * 0.044715 * x * x) * SQRT_2_OVER_PI * (1.0 - t * t)
+    if EXACT:  # d/dx x Phi(x) = Phi(x) + x phi(x), phi the normal density
+        t = tl.math.erf(x * SQRT_1_2)
+        dt = 2.0 * tl.exp(-0.5 * x * x) * INV_SQRT_2PI  # 2 phi(x): 0.5 x dt = x phi(x)
+    else:
+        t = _tanh((x + 0.044715 * x * x * x) * SQRT_2_OVER_PI)
+        dt = (1.0 + 3.0 * 0.044715 * x * x) * SQRT_2_OVER_PI * (1.0 - t * t)
     tl.store(
         DX + row * sdx + cols, (dy * 0.5 * (1.0 + t + x * dt)).to(DX.dtype.element_ty), mask=mask
     )
@@ -120,13 +133,14 @@ class _SwiGLU(torch.autograd.Function):
 
 class _GELU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, exact: bool):
         x2 = rows(x)  # (rows, n)
         y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         grid, block, per = _grid(x2)
-        _gelu_fwd[grid](x2, y, x2.stride(0), y.stride(0), *x2.shape, BLOCK=block, ROWS=per)
+        _gelu_fwd[grid](x2, y, x2.stride(0), y.stride(0), *x2.shape, BLOCK=block, ROWS=per,
+                        EXACT=exact)  # fmt: skip
         ctx.save_for_backward(x2)
-        ctx.shape = x.shape
+        ctx.shape, ctx.exact = x.shape, exact
         return y.view(x.shape)
 
     @staticmethod
@@ -137,9 +151,9 @@ class _GELU(torch.autograd.Function):
         grid, block, per = _grid(x2)
         _gelu_bwd[grid](
             x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), *x2.shape, BLOCK=block,
-            ROWS=per,
+            ROWS=per, EXACT=ctx.exact,
         )  # fmt: skip
-        return dx.view(ctx.shape)
+        return dx.view(ctx.shape), None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -153,18 +167,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation, (...) -> (...)."""
+def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GELU, (...) -> (...): `approximate` as F.gelu's, "tanh" (GPT-2's, the default) or "none"
+    (the exact erf form)."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"gelu: approximate={approximate!r} is neither 'tanh' nor 'none'")
     reason = unsupported(x)
     if reason:
         warn_once("gelu", reason)
-        return gelu_ref(x)
-    return _GELU.apply(x)
+        return gelu_ref(x, approximate)
+    return _GELU.apply(x, approximate == "none")
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gelu_ref(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+def gelu_ref(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    return F.gelu(x, approximate=approximate)

@@ -71,7 +71,8 @@ def _activations(dtype, rows, n):
     fused = _t(rows, 2 * n, dtype=dtype)  # gate/up halves of one projection: strided views
     gate, up = fused.narrow(1, 0, n), fused.narrow(1, n, n)
     forward_backward(act._SwiGLU, gate, up)
-    forward_backward(act._GELU, _t(rows, n, dtype=dtype))
+    for exact in (False, True):  # GPT-2's tanh GELU and the exact (erf) one
+        forward_backward(act._GELU, _t(rows, n, dtype=dtype), exact)
 
 
 def _rotary(dtype, heads, d):

@@ -35,6 +35,8 @@ class ModelFeatures:
     # gate and up clamped at --swiglu-limit
     hf_moe_model_type: str | None = None  # transformers' model_type of this layout with experts
     attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
+    norm_bias: bool = True  # LayerNorm with a bias (nanoGPT's bias=False drops it; RMSNorm: none)
+    gelu: str = "tanh"  # the MLP's GELU: "tanh" (GPT-2's approximation) or "exact" (erf)
 
     @property
     def rms_norm(self) -> bool:
@@ -48,6 +50,18 @@ class ModelFeatures:
     def learned_positions(self) -> bool:
         return self.position == "learned"
 
+    @property
+    def layer_norm_bias(self) -> bool:
+        """The norms hold a bias: a LayerNorm with `norm_bias`."""
+        return not self.rms_norm and self.norm_bias
+
+    @property
+    def gelu_kwargs(self) -> dict:
+        """What the model hands `ops.gelu` beside x: nothing for GPT-2's tanh GELU (the op's
+        default, so an op written for it alone keeps working), F.gelu's approximate="none" for
+        the exact one."""
+        return {"tanh": {}, "exact": {"approximate": "none"}}[self.gelu]
+
     def default_ffn(self, h: int) -> int:
         """MLP width without --ffn-hidden-size: 4h, or 8h/3 rounded up to 64 when gated (the
         same weights as 4h split over gate and up, as Llama sizes it)."""
@@ -58,6 +72,11 @@ FLAVOURS = {
     "gpt2": ModelFeatures(
         "layernorm", "learned", gated_mlp=False, qkv_bias=True, linear_bias=True, tied=True,
         hf_model_type="gpt2", doc="LayerNorm, GELU, learned positions, biases, tied embeddings",
+    ),
+    "nanogpt": ModelFeatures(
+        "layernorm", "learned", gated_mlp=False, qkv_bias=False, linear_bias=False, tied=True,
+        hf_model_type="gpt2", norm_bias=False, gelu="exact",
+        doc="nanoGPT's (bias=False): gpt2 without any bias, LayerNorms included, exact GELU",
     ),
     "llama": ModelFeatures(
         "rmsnorm", "rotary", gated_mlp=True, qkv_bias=False, linear_bias=False, tied=False,

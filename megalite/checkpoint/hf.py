@@ -4,7 +4,9 @@ Works on whole logical tensors (one process's view of the model, tp=1): `to_hf` 
 map a state dict one way or the other. megalite pads the vocabulary (to a multiple of
 `make_vocab_size_divisible_by`); padding rows are added on import and stripped on export.
 GPT-2 stores linear weights as Conv1D (in, out) and fuses q, k, v into `c_attn`; megalite keeps
-`nn.Linear` (out, in) and separate q, k, v. `export_tokenizer` writes the run's tokenizer so that
+`nn.Linear` (out, in) and separate q, k, v. GPT2LMHeadModel always has biases: a bias-free model
+(the nanogpt flavour) is written with zero biases, and read back only if they are all zero.
+`export_tokenizer` writes the run's tokenizer so that
 `AutoTokenizer.from_pretrained` encodes text to the ids megalite trained on. The layout follows
 the model's features (`cfg.features.hf_model_type`, its biases, Qwen3's q_norm and k_norm);
 config.json is read and written by megalite/checkpoint/hf_config.py (features matched to a row
@@ -66,23 +68,41 @@ def _gpt2_layout(cfg: ModelConfig) -> bool:
 
 
 def _gpt2_names(cfg: ModelConfig):
-    """(megalite name, hf name, transposed) for every tensor except c_attn (split in three)."""
+    """(megalite name, hf name, transposed) for every tensor except c_attn (split in three);
+    the megalite name is None for a bias the model lacks (zero in GPT-2's layout), and comes
+    after its weight."""
+    norm_bias, linear_bias = cfg.features.layer_norm_bias, cfg.features.linear_bias
     yield WORD_EMBEDDING, "transformer.wte.weight", False
     yield "embedding.position.weight", "transformer.wpe.weight", False
     for i in range(cfg.num_layers):
         m, h = f"layers.{i}.", f"transformer.h.{i}."
         for a, b in (("input_norm", "ln_1"), ("post_attention_norm", "ln_2")):
             yield m + a + ".weight", h + b + ".weight", False
-            yield m + a + ".bias", h + b + ".bias", False
+            yield m + a + ".bias" if norm_bias else None, h + b + ".bias", False
         for a, b in (
             ("attention.out", "attn.c_proj"),
             ("mlp.up", "mlp.c_fc"),
             ("mlp.down", "mlp.c_proj"),
         ):
             yield m + a + ".weight", h + b + ".weight", True
-            yield m + a + ".bias", h + b + ".bias", False
+            yield m + a + ".bias" if linear_bias else None, h + b + ".bias", False
     yield "final_norm.weight", "transformer.ln_f.weight", False
-    yield "final_norm.bias", "transformer.ln_f.bias", False
+    yield "final_norm.bias" if norm_bias else None, "transformer.ln_f.bias", False
+
+
+def _zero_bias(weight: torch.Tensor) -> torch.Tensor:
+    """GPT-2's bias for a tensor the model has none of: zeros over the weight's outputs (the
+    last dim of a Conv1D (in, out) weight or of a norm's (h,))."""
+    return weight.new_zeros(weight.shape[-1])
+
+
+def _absent_bias(hf_bias: torch.Tensor, name: str, cfg: ModelConfig) -> None:
+    """A GPT-2 bias the model lacks must be zero: refused otherwise, never dropped."""
+    if hf_bias.any():
+        raise MegaliteError(
+            f"Hugging Face tensor {name} is not zero, but the {cfg.flavour} flavour has no such "
+            "bias; convert this GPT-2 model as the gpt2 flavour (activation gelu_new)"
+        )
 
 
 def _llama_names(cfg: ModelConfig):
@@ -134,16 +154,19 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
             out.update(hf_deepseek.experts_to_hf(state, cfg))
     elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
+            if m is None:  # a bias-free model: zeros (the weight came just before)
+                out[h] = _zero_bias(out[h.removesuffix(".bias") + ".weight"])
+                continue
             w = state[m][:V] if m in unpad else state[m]
             out[h] = w.t().contiguous() if t else w.clone()
         for i in range(cfg.num_layers):
-            a = f"layers.{i}.attention."
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = (
+            a, c = f"layers.{i}.attention.", f"transformer.h.{i}.attn.c_attn."
+            out[c + "weight"] = (
                 torch.cat([state[a + x + ".weight"] for x in "qkv"]).t().contiguous()
             )
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat(
-                [state[a + x + ".bias"] for x in "qkv"]
-            )
+            qkv_bias = cfg.features.qkv_bias
+            out[c + "bias"] = (torch.cat([state[a + x + ".bias"] for x in "qkv"]) if qkv_bias
+                               else _zero_bias(out[c + "weight"]))  # fmt: skip
         out["lm_head.weight"] = out["transformer.wte.weight"]
     else:
         for m, h in _llama_names(cfg):
@@ -174,14 +197,20 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
             out.update(hf_deepseek.experts_from_hf(hf_state, cfg, get))
     elif _gpt2_layout(cfg):
         for m, h, t in _gpt2_names(cfg):
+            if m is None:
+                _absent_bias(get(h), h, cfg)
+                continue
             out[m] = get(h).t().contiguous() if t else get(h).clone()
         h_ = cfg.hidden_size
         for i in range(cfg.num_layers):
             w = get(f"transformer.h.{i}.attn.c_attn.weight").t()  # (3h, h)
             b = get(f"transformer.h.{i}.attn.c_attn.bias")
+            if not cfg.features.qkv_bias:
+                _absent_bias(b, f"transformer.h.{i}.attn.c_attn.bias", cfg)
             for j, x in enumerate("qkv"):
                 out[f"layers.{i}.attention.{x}.weight"] = w[j * h_ : (j + 1) * h_].contiguous()
-                out[f"layers.{i}.attention.{x}.bias"] = b[j * h_ : (j + 1) * h_].clone()
+                if cfg.features.qkv_bias:
+                    out[f"layers.{i}.attention.{x}.bias"] = b[j * h_ : (j + 1) * h_].clone()
     else:
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         fused = bool(moe) and f"model.layers.{moe[0]}.{FUSED}" in hf_state

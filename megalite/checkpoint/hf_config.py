@@ -7,6 +7,9 @@ rotary dimensions, an activation other than SiLU, quantisation) is refused in on
 dropped. Export writes the config of the architecture the flavour's `hf_model_type` names, and
 refuses a model that architecture cannot express. The weights are megalite/checkpoint/hf.py's.
 
+GPT2LMHeadModel: the gpt2 flavour (activation gelu_new or gelu_pytorch_tanh), or with the exact
+GELU (activation gelu) the bias-free nanogpt flavour, written with zero biases (checkpoint/hf.py).
+
 Llama-layout architectures (names as Llama's, model.layers.{i}.self_attn.q_proj ...):
 - LlamaForCausalLM (Llama 2/3.x): optional rope scaling (llama3, linear, yarn), tied embeddings;
 - Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q, k, v only;
@@ -59,6 +62,8 @@ ROPE_FIELDS = {
 RUNTIME = {"none": "default"}  # ModelConfig.rope_scaling -> rope_type where the names differ
 # transformers' values for yarn keys left out: not written (nor None), as transformers writes them
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+# ModelFeatures.gelu -> GPT-2's activation_function values for it (the first one is written)
+GPT2_ACTIVATIONS = {"tanh": ("gelu_new", "gelu_pytorch_tanh"), "exact": ("gelu",)}
 
 
 # ---- export ---------------------------------------------------------------------------------
@@ -74,7 +79,7 @@ def _gpt2_config(cfg: ModelConfig) -> dict:
         "n_layer": cfg.num_layers,
         "n_head": cfg.num_attention_heads,
         "n_inner": cfg.ffn,
-        "activation_function": "gelu_new",
+        "activation_function": GPT2_ACTIVATIONS[cfg.features.gelu][0],
         "layer_norm_epsilon": cfg.norm_epsilon,
         "initializer_range": cfg.init_method_std,
         "resid_pdrop": cfg.hidden_dropout,
@@ -219,13 +224,18 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def _gpt2_from_hf(hf: dict) -> ModelConfig:
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise MegaliteError(
-            f"GPT-2 activation {hf['activation_function']!r} is not supported; megalite uses gelu_new"
-        )
-    # what GPT2LMHeadModel always is: its config.json has no switch for these
-    gpt2 = ModelFeatures("layernorm", "learned", gated_mlp=False, qkv_bias=True,
-                         linear_bias=True, tied=True, hf_model_type="gpt2")  # fmt: skip
+    act = hf.get("activation_function", "gelu_new")
+    gelu = next((k for k, names in GPT2_ACTIVATIONS.items() if act in names), None)
+    if gelu is None:
+        known = ", ".join(n for names in GPT2_ACTIVATIONS.values() for n in names)
+        raise MegaliteError(f"GPT-2 activation {act!r} is not supported; megalite reads {known}")
+    # what GPT2LMHeadModel always is: its config.json has no switch for these. The exact GELU
+    # is the nanogpt flavour's, which has no biases: checkpoint/hf.py's from_hf refuses weights
+    # whose biases are not all zero (a GPT-2 with exact GELU and real biases has no flavour)
+    bias = gelu == "tanh"
+    gpt2 = ModelFeatures("layernorm", "learned", gated_mlp=False, qkv_bias=bias,
+                         linear_bias=bias, tied=True, hf_model_type="gpt2", norm_bias=bias,
+                         gelu=gelu)  # fmt: skip
     return ModelConfig(
         flavour=_flavour(gpt2, "GPT-2"),
         num_layers=hf["n_layer"],

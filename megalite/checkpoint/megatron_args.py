@@ -98,7 +98,8 @@ def _features(args: dict) -> ModelFeatures:
 
 def _flavour(features: ModelFeatures) -> str:
     """The megalite flavour with these features (tying and the HF layout aside)."""
-    keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias")
+    # Megatron's LayerNorm always has a bias, its GELU is tanh here (exact is refused above)
+    keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias", "norm_bias", "gelu")
     mine = {k: getattr(features, k) for k in keys}
     for name, row in FLAVOURS.items():
         if mine == {k: getattr(row, k) for k in keys}:
@@ -185,7 +186,9 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
     refused = {"--moe-expert-capacity-factor (megalite's drop order is its own)":
                cfg.moe_expert_capacity_factor is not None and cfg.num_experts,
                "--moe-router-enable-expert-bias (the converter does not map the bias)":
-               cfg.moe_router_enable_expert_bias and cfg.num_experts}  # fmt: skip
+               cfg.moe_router_enable_expert_bias and cfg.num_experts,
+               "LayerNorms without a bias (Megatron's LayerNorm always has one)":
+               not (cfg.features.rms_norm or cfg.features.norm_bias)}  # fmt: skip
     if any(refused.values()):
         raise MegaliteError(
             f"this model uses {', '.join(k for k, v in refused.items() if v)}, which a Megatron "
@@ -204,7 +207,7 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
         "kv_channels": cfg.head_dim,
         "normalization": "RMSNorm" if f.rms_norm else "LayerNorm",
         "swiglu": f.gated_mlp,
-        "openai_gelu": not f.gated_mlp,  # megalite's GELU is the tanh approximation
+        "openai_gelu": not f.gated_mlp and f.gelu == "tanh",  # GPT-2's tanh approximation
         "position_embedding_type": "rope" if f.rotary else "learned_absolute",
         "rotary_base": int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
         else cfg.rotary_base,

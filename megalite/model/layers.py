@@ -40,8 +40,9 @@ from megalite.parallel.tensor_parallel import (
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm (`features.norm`). Replicated over TP; with sequence parallelism each
-    rank sees only its rows, so the weight gradient is summed over TP."""
+    """LayerNorm (with a bias unless `features.norm_bias` is off) or RMSNorm (`features.norm`).
+    Replicated over TP; with sequence parallelism each rank sees only its rows, so the weight
+    gradient is summed over TP."""
 
     def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel: bool, dtype=None,
                  device=None):  # fmt: skip
@@ -51,7 +52,7 @@ class Norm(nn.Module):
         spec = shard_spec(tp, None, sequence_parallel, no_weight_decay=True)
         self.weight = mark(nn.Parameter(torch.ones(cfg.hidden_size, **kw)), **spec)
         self.bias = None
-        if not self.rms:
+        if cfg.features.layer_norm_bias:
             self.bias = mark(nn.Parameter(torch.zeros(cfg.hidden_size, **kw)), **spec)
 
     def forward(self, x):
@@ -223,6 +224,7 @@ class MLP(nn.Module):
         super().__init__()
         self.tp, self.sp, self.ops = tp, sequence_parallel, ops
         self.gated = cfg.features.gated_mlp
+        self.gelu_kw = cfg.features.gelu_kwargs  # {} (tanh) or approximate="none" (exact)
         h, f = cfg.hidden_size, cfg.ffn
         kw = {
             "group": tp,
@@ -254,7 +256,7 @@ class MLP(nn.Module):
             gate_up = fused_column_linear(x, gate_up) if fused else [f(x) for f in gate_up]
             y = self.ops.swiglu(*gate_up)  # (b, s, f/t)
         else:
-            y = self.ops.gelu(self.up(x))
+            y = self.ops.gelu(self.up(x), **self.gelu_kw)
         return self.down(y)
 
 

@@ -124,6 +124,7 @@ class MoELayer(nn.Module):
         self.bias_rate = cfg.moe_router_bias_update_rate
         self.routing = Routing.of(cfg)
         self.clamp = cfg.swiglu_limit if cfg.features.clamped_swiglu else None
+        self.gelu_kw = cfg.features.gelu_kwargs
         biased = cfg.features.moe_bias
         kw = {"dtype": dtype, "device": device}
         self.router = nn.Module()
@@ -264,7 +265,7 @@ class MoELayer(nn.Module):
             else:
                 y = clamped_swiglu(gate, up, self.clamp)
         else:
-            y = self.ops.gelu(mm(x, self.experts.up))  # (n, f)
+            y = self.ops.gelu(mm(x, self.experts.up), **self.gelu_kw)  # (n, f)
         return mm(y, self.experts.down)
 
     def _account(self, out, logits, probs, top, counts, t: int):

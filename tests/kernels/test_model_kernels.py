@@ -10,7 +10,7 @@ from megalite.config import ModelConfig
 from megalite.model.gpt import GPTChunk
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "nanogpt", "llama"])  # nanogpt: the exact GELU
 def test_triton_model_matches_torch(flavour):
     cfg = ModelConfig(
         flavour=flavour,

@@ -1,5 +1,8 @@
+from functools import partial
+
 import pytest
 import torch
+import torch.nn.functional as F
 from megalite.kernels.activations import gelu, gelu_ref, swiglu, swiglu_ref
 from megalite.kernels.rotary import rotary, rotary_ref
 
@@ -32,10 +35,14 @@ def test_swiglu(dtype, noncontig):
     check_op(swiglu, swiglu_ref, (gate, up))
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "none"])  # GPT-2's tanh GELU; the exact one
 @pytest.mark.parametrize("noncontig", [False, True])
-def test_gelu(dtype, noncontig):
+def test_gelu(dtype, noncontig, approximate):
     torch.manual_seed(2)
-    check_op(gelu, gelu_ref, (make((3, 37, 129), dtype, noncontig=noncontig, scale=3.0),))
+    x = make((3, 37, 129), dtype, noncontig=noncontig, scale=3.0)
+    check_op(lambda t: gelu(t, approximate), lambda t: gelu_ref(t, approximate), (x,))
+    if approximate == "none":  # the reference is torch's own exact GELU
+        assert torch.equal(gelu_ref(x, "none"), F.gelu(x))
 
 
 @pytest.mark.gpu
@@ -47,4 +54,7 @@ def test_rotary_activations_gpu(dtype):
     check_op(rotary, rotary_ref, (make((b, s, h, d), dtype, "cuda"), cos, sin))
     gate, up = make((b, s, 11008), dtype, "cuda", scale=3.0), make((b, s, 11008), dtype, "cuda")
     check_op(swiglu, swiglu_ref, (gate, up))
-    check_op(gelu, gelu_ref, (make((b, s, 4 * 3072), dtype, "cuda", scale=3.0),))
+    for approximate in ("tanh", "none"):
+        x = make((b, s, 4 * 3072), dtype, "cuda", scale=3.0)
+        check_op(partial(gelu, approximate=approximate), partial(gelu_ref, approximate=approximate),
+                 (x,))  # fmt: skip

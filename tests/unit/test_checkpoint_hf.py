@@ -1,7 +1,8 @@
 """Conversion between Hugging Face transformers and megalite checkpoints, in one process.
 
-Random tiny GPT2LMHeadModel / LlamaForCausalLM models (vocabulary 500, so megalite pads it)
-go through tools/convert_checkpoint.py; megalite must give the same logits and the same greedy
+Random tiny GPT2LMHeadModel / LlamaForCausalLM models (vocabulary 500, so megalite pads it;
+"nanogpt": a GPT-2 with the exact GELU and zero biases, which imports as the nanogpt flavour) go
+through tools/convert_checkpoint.py; megalite must give the same logits and the same greedy
 tokens. The sharded (tp=2 pp=2) load of the same checkpoints is in
 tests/distributed/test_checkpoint.py.
 """
@@ -37,11 +38,19 @@ convert, generate = _tool("convert_checkpoint"), _tool("generate")
 
 def hf_model(kind: str, seed: int = 0):
     torch.manual_seed(seed)
-    if kind == "gpt2":
+    if kind in ("gpt2", "nanogpt"):
+        act = "gelu" if kind == "nanogpt" else "gelu_new"
         c = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4
-        )
-        m = transformers.GPT2LMHeadModel(c)
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+            activation_function=act,
+        )  # fmt: skip
+        m = perturbed(transformers.GPT2LMHeadModel(c), 0.02)
+        if kind == "nanogpt":  # nanoGPT's bias=False, in GPT-2's layout
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if name.endswith(".bias"):
+                        p.zero_()
+        return m
     else:
         c = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -67,13 +76,14 @@ def hf_greedy(m, ids, n):
     return out[0, len(ids) :].tolist()
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "nanogpt", "llama"])
 def converted(request, tmp_path_factory):
     """(HF model, HF dir, megalite dir converted at tp=2 pp=2)."""
     d = tmp_path_factory.mktemp(request.param)
     m = hf_model(request.param)
     m.save_pretrained(d / "hf", safe_serialization=True)
     convert.main([str(d / "hf"), str(d / "ml"), "--to", "megalite", "--tp", "2", "--pp", "2"])
+    assert fmt.Checkpoint(d / "ml").model_config["flavour"] == request.param
     return m, d / "hf", d / "ml"
 
 
@@ -172,6 +182,17 @@ def test_an_import_is_read_as_features_and_matched_to_a_flavour():
                        ("mlp_bias", "linear_bias=True")):  # fmt: skip
         with pytest.raises(MegaliteError, match=f"Llama models with {what} are not supported"):
             model_config_from_hf({**llama, bias: True})
+
+
+def test_a_gpt2_with_exact_gelu_and_real_biases_is_refused(tmp_path):
+    """The exact GELU reads as the bias-free nanogpt flavour: a bias that is not zero is
+    refused in one line, never dropped."""
+    hf_model("gpt2").save_pretrained(tmp_path / "hf", safe_serialization=True)
+    c = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**c, "activation_function": "gelu"}))
+    with pytest.raises(MegaliteError, match=r"ln_1.bias is not zero, but the nanogpt flavour"):
+        convert.main([str(tmp_path / "hf"), str(tmp_path / "ml"), "--to", "megalite"])
+    assert not (tmp_path / "ml").exists()
 
 
 def test_pickle_weights_are_refused(tmp_path):

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megalite.checkpoint.hf import from_hf, hf_config, to_hf
 from megalite.config import ModelConfig
@@ -25,12 +26,12 @@ def small(flavour, **kw):
 
 def hf_model(cfg):
     conf = hf_config(cfg)
-    if cfg.flavour == "gpt2":
+    if cfg.features.hf_model_type == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(**conf)).eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**conf)).eval()
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "nanogpt", "llama"])
 def test_logits_equal_transformers(flavour):
     torch.manual_seed(0)
     cfg = small(flavour)
@@ -62,6 +63,46 @@ def test_logits_equal_transformers(flavour):
         ours_loss = ours(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
         hf_loss = theirs(ids, labels=ids).loss
     assert abs(ours_loss.item() - hf_loss.item()) <= 1e-5
+
+
+def _nanogpt_loss(w: dict, ids, labels, cfg):
+    """nanoGPT's model (bias=False) in plain torch over megalite's tensors `w`: learned
+    positions, pre-norm LayerNorms without bias, causal attention, exact GELU, tied output."""
+    h, heads, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.norm_epsilon
+    b, s = ids.shape
+    x = w["embedding.word.weight"][ids] + w["embedding.position.weight"][:s]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        y = F.layer_norm(x, (h,), w[p + "input_norm.weight"], None, eps)
+        q, k, v = (F.linear(y, w[p + f"attention.{n}.weight"]).view(b, s, heads, -1).transpose(1, 2)
+                   for n in "qkv")  # fmt: skip
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        x = x + F.linear(o.reshape(b, s, h), w[p + "attention.out.weight"])
+        y = F.layer_norm(x, (h,), w[p + "post_attention_norm.weight"], None, eps)
+        y = F.gelu(F.linear(y, w[p + "mlp.up.weight"]))  # nn.GELU(): erf
+        x = x + F.linear(y, w[p + "mlp.down.weight"])
+    x = F.layer_norm(x, (h,), w["final_norm.weight"], None, eps)
+    logits = F.linear(x, w["embedding.word.weight"])  # tied
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_nanogpt_flavour_is_nanogpts_model():
+    """fp64, one process: loss and every gradient equal nanoGPT's model given the same weights;
+    its parameters are GPT-2's without a single bias."""
+    cfg = small("nanogpt", vocab_size=256)  # a multiple of 64: no padded rows
+    ours = GPTChunk(cfg, seed=4, dtype=torch.float64)
+    h, f, L, V, s = cfg.hidden_size, cfg.ffn, cfg.num_layers, cfg.vocab_size, cfg.seq_length
+    assert not [n for n, _ in ours.named_parameters() if n.endswith("bias")]
+    per_layer = 4 * h * h + 2 * h * f + 2 * h  # q, k, v, out; up, down; two norm weights
+    assert sum(p.numel() for p in ours.parameters()) == V * h + s * h + L * per_layer + h
+    w = {n: p.detach().clone().requires_grad_() for n, p in ours.named_parameters()}
+    ids = torch.randint(0, V, (3, s + 1), generator=torch.Generator().manual_seed(2))
+    loss, expected = ours(ids[:, :-1], ids[:, 1:]), _nanogpt_loss(w, ids[:, :-1], ids[:, 1:], cfg)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+    loss.backward()
+    expected.backward()
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, w[n].grad, rtol=0, atol=1e-12, msg=n)
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])

@@ -16,7 +16,7 @@ from megalite.plan.layouts import layout
 from tests.unit.plan_configs import tiny
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "nanogpt", "llama"])
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
 def test_parameters_are_gpt_chunks(flavour, tp, sp):
     """Names, sizes and the TP gradient sum in registration order, the first and the last
