@@ -111,8 +111,10 @@ class GradBuffer:
         # nothing to reduce and `.grad` a view of the buffer: autograd's accumulation is all
         hooked = dp.size > 1 or not self._grad_is_view
         for r in self.ranges:
-            if self.grad_buffer is not None:
-                r.param.main_grad = self._grad_view(r)
+            # stages 0/1 keep the bucket buffer for good: each parameter's view of it, once
+            r.view = self._grad_view(r) if self.grad_buffer is not None else None
+            if r.view is not None:
+                r.param.main_grad = r.view
             if hooked:  # (else finish() "reduces" the buffer, leaving it as it is)
                 r.param.register_post_accumulate_grad_hook(self._on_grad)
         self._in_flight: deque = deque()
@@ -151,8 +153,6 @@ class GradBuffer:
                 b.grad, b.staged = None, None
             b.pending, b.passes, b.launched, b.reduced = len(b.params), 0, False, False
         for r in self.ranges:
-            # stages 0/1 keep the bucket buffer all step: cache each parameter's view of it once
-            r.view = self._grad_view(r) if self.grad_buffer is not None else None
             r.param.grad = r.view if self._grad_is_view else None
 
     @torch.no_grad()

@@ -157,7 +157,8 @@ class Trainer:
         """The schedule over this rank's chunks, then the optimizer step (with its one read)."""
         it = self.iteration + 1
         for c in self.chunks:
-            c.train()
+            if not c.training:  # (train() walks every module: skipped when nothing changed)
+                c.train()
         self.opt.zero_grad(len(batch))
         tl = self.timeline.at(it) if self.timeline else None
         self.hang.at(it, "schedule")
