@@ -221,6 +221,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
     unit = buf.units[1]  # layers.0
     before = groups.ledger.bytes["dp_gather"]
     with torch.no_grad():
+        buf._free(unit)  # (the first layer is kept gathered for the next step's forward)
         buf._gather(unit)
         buf._free(unit)
     moved = groups.ledger.bytes["dp_gather"] - before
