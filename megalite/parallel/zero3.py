@@ -24,6 +24,12 @@ A step, per micro-batch (`reshard` below says what is kept):
   backward  once every parameter of a bucket has its gradient, the bucket is reduce-scattered
             into this rank's shard gradient (stage 2's path, gradients staged only while they
             are reduced), and once all buckets of the unit are, the unit is freed
+  step      the optimizer step starts gathering the units the next forward reads first
+
+Frees whose gather would follow at once, with nothing to overlap it, are skipped
+(`carried_units`, one chunk and a policy that frees within the step): the outer unit's after
+its forward (the loss is its last op, FSDP2 keeps its root so), and the outer unit's and the
+first layer's after a backward that another micro-batch follows.
 
 Gradient accumulation: each micro-batch is reduce-scattered as it comes (m reduce-scatters of
 every unit per step, no whole-model gradient ever exists), as FSDP2 without no_sync.
