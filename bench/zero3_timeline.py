@@ -32,6 +32,7 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench import bench_dp  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
+from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.data_parallel import GradBuffer  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
@@ -122,14 +123,17 @@ def contention(rank, world, a):
         layer(x).sum().backward()
 
     def gather(async_op):
-        return dist.all_gather_into_tensor(full, shard, group=groups.dp.pg, async_op=async_op)
+        return comm.all_gather(full, shard, groups.dp, async_op=async_op)  # (as a unit's)
 
     def beside():
         w = gather(True)
         compute()
         w.wait()
 
-    runs = {"layer alone": compute, "gather alone": lambda: gather(False), "layer beside": beside}
+    def alone():
+        gather(False)
+
+    runs = {"layer alone": compute, "gather alone": alone, "layer beside": beside}
     times = {k: [] for k in runs}
     for it in range(a.contention_iters + 1):
         for k, fn in runs.items():
