@@ -8,7 +8,6 @@ import dataclasses
 from megalite.config import Config
 from megalite.optim import muon_owners
 from megalite.optim.muon import muon_on, muon_parts
-from megalite.parallel.zero import GATHERS
 from megalite.parallel.zero3 import carried_units, unit_gathers, unit_of
 from megalite.pipeline.actions import SEND_B, SEND_F
 from megalite.pipeline.partition import rank_chunks
@@ -33,9 +32,16 @@ def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -
     d, e = replicas(shape), BYTES[cfg.training.precision]
     g_size = 4 if cfg.training.precision in ("bf16", "fp16") else e
     units, ours = zero3_units(cfg, shape, pp_rank), reshard_policy(cfg, shape)
+    keys = [unit_of(ranges[0][0]) for _, _, ranges in buckets(cfg, shape, pp_rank)]
+    chunks = len(rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement))
     out = []
     for policy, (peak, _, gathers) in units.items():
-        traffic = GATHERS[policy](microbatches) * sum(_gather_bytes(d, *x) for x in gathers)
+        fp8 = {}  # {unit: holds FP8 weights}, its buckets in the order of zero3_units'
+        for key, (_, amaxes) in zip(keys, gathers):
+            fp8[key] = fp8.get(key, False) or amaxes > 0
+        carried = carried_units(list(fp8.items()), chunks, policy)
+        traffic = sum(unit_gathers(policy, microbatches, key, carried) * _gather_bytes(d, *x)
+                      for key, x in zip(keys, gathers))  # fmt: skip
         mark = " (this run)" if policy == ours else ""
         out.append(f"zero3 reshard={policy}{mark}: {peak / 2**20:.2f} MiB gathered at most, "
                    f"{traffic / 1e6:.2f} MB of parameter gathers per step")  # fmt: skip

@@ -38,6 +38,8 @@ def test_zero3_plan_shards_parameters_and_shows_both_policies():
     assert piped.memory["gathered_params"] == memory.zero3_units(cfg, piped.layout, 0)["step"][0]
     text = report.format_plan(z3)
     assert "reshard=forward (this run)" in text and "reshard=step" in text
+    for plan in (z3, keep):  # the notes' gather bytes of each policy are the plan's
+        assert f"{plan.comm['dp_gather'] / 1e6:.2f} MB of parameter gathers" in text
     assert "reduce-scatter every micro-batch (this run)" in text and "gathered params" in text
 
 
