@@ -24,12 +24,18 @@ A step, per micro-batch (`reshard` below says what is kept):
   backward  once every parameter of a bucket has its gradient, the bucket is reduce-scattered
             into this rank's shard gradient (stage 2's path, gradients staged only while they
             are reduced), and once all buckets of the unit are, the unit is freed
+  step      the optimizer step starts gathering the units the next forward reads first
+
+Frees whose gather would follow at once, with nothing to overlap it, are skipped
+(`carried_units`, one chunk and a policy that frees within the step): the outer unit's after
+its forward (the loss is its last op, FSDP2 keeps its root so), and the outer unit's and the
+first layer's after a backward that another micro-batch follows.
 
 Gradient accumulation: each micro-batch is reduce-scattered as it comes (m reduce-scatters of
 every unit per step, no whole-model gradient ever exists), as FSDP2 without no_sync.
 
 Keeping parameters (`reshard`): "forward" frees after forward and after backward (the default,
-2 gathers per unit per micro-batch); "backward" (--zero3-keep-params) keeps them from forward
+2 gathers per layer per micro-batch; the carried units fewer, `unit_gathers`); "backward" (--zero3-keep-params) keeps them from forward
 to the end of the unit's backward (1 gather); "step" (the default under pp, as torchtitan:
 1F1B interleaves forwards and backwards of different micro-batches) keeps them gathered until
 the step's gradients are reduced (1 gather per step).
@@ -51,7 +57,7 @@ from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dt
 from megalite.parallel.comm import Group
 from megalite.parallel.data_parallel import GradBuffer
 from megalite.parallel.fp8_gather import fp8_buckets, weight_groups
-from megalite.parallel.zero import ZERO
+from megalite.parallel.zero import GATHERS, ZERO
 
 RESHARD = ("forward", "backward", "step")
 
@@ -89,6 +95,31 @@ def unit_layout(chunks: list[list[tuple]], pad: int) -> list[tuple]:
     return pack.out
 
 
+def carried_units(units: list[tuple[str, bool]], chunks: int, policy: str) -> list[str]:
+    """Of a rank's first chunk's units [(key, holds FP8 weights)] in forward order (key as
+    unit_of: "" the outer unit), those kept gathered from one micro-batch's backward, where
+    they run last, to the next one's forward, where they run first, and gathered after the
+    optimizer step for the next step: the outer unit and the first layer. Only with one chunk
+    and a policy that frees within the step, where a forward and its backward follow each
+    other directly, so they are held only while the outer unit and two layers may be anyway
+    (the planner's peak). Units holding FP8 weights are left out: their gather records the FP8
+    recipe's amax."""
+    if chunks != 1 or policy == "step":
+        return []
+    plain = [key for key, fp8 in units[:2] if not fp8]
+    return [k for k in plain if k == ""] + [k for k in plain if k != ""][:1]
+
+
+def unit_gathers(policy: str, microbatches: int, key: str, carried: list[str]) -> int:
+    """How often a unit is gathered per step under `policy` (zero.GATHERS), `carried` being
+    carried_units: the outer unit once a step when carried (then also kept from its forward to
+    its backward, as FSDP2 keeps its root: the loss is its last op, its gradient the backward's
+    first), the first layer once per backward and once after the step under "forward"."""
+    if key not in carried:
+        return GATHERS[policy](microbatches)
+    return microbatches + 1 if policy == "forward" and key else 1
+
+
 @dataclass(eq=False)
 class Unit:
     """Parameters gathered and freed together: a layer, or a chunk's outer parameters."""
@@ -100,6 +131,11 @@ class Unit:
     gathered: bool = False  # storage allocated (the gather may still be in flight)
     works: list = field(default_factory=list)  # gathers in flight
     reduced: int = 0  # buckets reduce-scattered in this backward pass
+
+    @property
+    def key(self) -> str:
+        """Its unit_of key: "" for the outer unit."""
+        return "" if self.name == "outer" else self.name
 
 
 class Zero3Buffer(GradBuffer):
@@ -165,7 +201,10 @@ class Zero3Buffer(GradBuffer):
         self._in_flight = deque()
         self.staged_bytes = self.peak_staged_bytes = self.staged_buckets = 0
         self.gathered_bytes = self._held()
-        self.free_all()  # built whole: from now on each rank holds its shards only
+        self._plan_keeps(len(chunks))
+        for u in self.units:  # built whole: from now on each rank holds its shards only,
+            if u not in self._prefetched:  # and the units the first forward reads first
+                self._free(u)
         self._hook(chunks)
         for r in self.ranges:
             r.param.register_post_accumulate_grad_hook(self._on_grad)
@@ -217,12 +256,25 @@ class Zero3Buffer(GradBuffer):
         for u in self.units:
             self._free(u)
 
+    def _plan_keeps(self, n_chunks: int):
+        """The units carried over from one micro-batch (and step) to the next (carried_units),
+        and the outer unit kept from its forward to its backward when it is carried."""
+        first = [u for u in self.units if u.chunk == 0]
+        keys = [(u.key, any(b in self._fp8 for b in u.buckets)) for u in first]
+        carried = carried_units(keys, n_chunks, self.reshard)
+        self._carry = [u for u in first if u.key in carried]
+        self._keep_forward = {u for u in self._carry if u.name == "outer"}
+        self._prefetched = list(self._carry)  # (built whole: these stay gathered)
+
     def _hook(self, chunks):
         per_chunk = [[u for u in self.units if u.chunk == c] for c in range(len(chunks))]
         for order in per_chunk:
             for i, u in enumerate(order):
                 nxt = order[i + 1] if i + 1 < len(order) else None
+                # backward runs the units in reverse; the outer unit's (the loss, the head) first
                 prev = order[i - 1] if i > 0 else None
+                if u.name == "outer" and len(order) > 1:
+                    prev = order[-1]
                 u.module.register_forward_pre_hook(self._pre_forward(u, nxt))
                 u.module.register_forward_hook(self._post_forward(u, prev))
 
@@ -242,7 +294,7 @@ class Zero3Buffer(GradBuffer):
                 for t in outs:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward(u, prev))
-            if not training or self.reshard == "forward":
+            if not training or (self.reshard == "forward" and u not in self._keep_forward):
                 self._free(u)
 
         return hook
@@ -261,7 +313,8 @@ class Zero3Buffer(GradBuffer):
         u.reduced += 1
         if u.reduced == len(u.buckets):  # the unit's backward is over for this micro-batch
             u.reduced = 0
-            if self.reshard != "step":
+            more = b.passes < self.microbatches  # the next micro-batch's forward reads it first
+            if self.reshard != "step" and not (more and u in self._carry):
                 self._free(u)
 
     # ---- the step and the optimizer's interface -------------------------------------------
@@ -270,21 +323,32 @@ class Zero3Buffer(GradBuffer):
         super().zero_grad(microbatches)
         for u in self.units:
             u.reduced = 0
-        self.free_all()  # kept from an evaluation or a checkpoint: gathered afresh when used
+            if u not in self._prefetched:  # (those hold the shards of the last update)
+                self._free(u)  # kept from an evaluation or a checkpoint: gathered afresh
         self.peak_gathered_bytes = self.gathered_bytes
 
     def finish(self):
         super().finish()
         self.free_all()  # the step changes the shards: every unit is gathered afresh
+        self._prefetched = []
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
         return b.param_shard
 
     def all_gather_params(self, overlap: bool = False):
-        """Nothing to do: each unit is gathered where it is used."""
+        """After the optimizer step: start gathering the units the next forward reads first
+        (`_carry`), so the step's first forward finds them landed. Every other unit is gathered
+        where it is used."""
+        for u in self._carry:
+            self._gather(u, wait=False)
+        self._prefetched = list(self._carry)
 
     def wait_params(self):
-        """Nothing in flight outside a forward or backward."""
+        """Wait for the step's prefetch and free it: whoever calls this reads or writes the
+        shards (checkpoints), and the next forward gathers afresh."""
+        for u in self._prefetched:
+            self._free(u)
+        self._prefetched = []
 
     @contextmanager
     def gathered(self, write_back: bool = False):

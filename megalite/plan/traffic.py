@@ -8,7 +8,7 @@ import dataclasses
 from megalite.config import Config
 from megalite.optim import muon_owners
 from megalite.optim.muon import muon_on, muon_parts
-from megalite.parallel.zero import GATHERS
+from megalite.parallel.zero3 import carried_units, unit_gathers, unit_of
 from megalite.pipeline.actions import SEND_B, SEND_F
 from megalite.pipeline.partition import rank_chunks
 from megalite.plan.activations import attention_core_heads, schedule_actions
@@ -32,9 +32,16 @@ def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -
     d, e = replicas(shape), BYTES[cfg.training.precision]
     g_size = 4 if cfg.training.precision in ("bf16", "fp16") else e
     units, ours = zero3_units(cfg, shape, pp_rank), reshard_policy(cfg, shape)
+    keys = [unit_of(ranges[0][0]) for _, _, ranges in buckets(cfg, shape, pp_rank)]
+    chunks = len(rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement))
     out = []
     for policy, (peak, _, gathers) in units.items():
-        traffic = GATHERS[policy](microbatches) * sum(_gather_bytes(d, *x) for x in gathers)
+        fp8 = {}  # {unit: holds FP8 weights}, its buckets in the order of zero3_units'
+        for key, (_, amaxes) in zip(keys, gathers):
+            fp8[key] = fp8.get(key, False) or amaxes > 0
+        carried = carried_units(list(fp8.items()), chunks, policy)
+        traffic = sum(unit_gathers(policy, microbatches, key, carried) * _gather_bytes(d, *x)
+                      for key, x in zip(keys, gathers))  # fmt: skip
         mark = " (this run)" if policy == ours else ""
         out.append(f"zero3 reshard={policy}{mark}: {peak / 2**20:.2f} MiB gathered at most, "
                    f"{traffic / 1e6:.2f} MB of parameter gathers per step")  # fmt: skip
@@ -158,13 +165,19 @@ def comm_bytes(
         layers = [i for kw in kws for i in kw["layers"]]
         fp8 = fp8_weights(cfg, shape, layers, any(kw["has_head"] for kw in kws))
     dp_bytes = 0
+    policy, units = reshard_policy(cfg, shape), {}  # ZeRO-3: {unit: holds FP8 weights}
+    for _, _, ranges in bs:
+        key = unit_of(ranges[0][0])
+        units[key] = units.get(key, False) or any(r[0] in fp8 for r in ranges)
+    carried = carried_units(list(units.items()), len(kws), policy) if policy else []
     for start, end, ranges in bs:
         n = end - start
         dp_bytes += _dp_bytes(calls, d, n * g_size, n * e)
         if calls.get("param_gather"):
             amaxes = len({fp8[r[0]] for r in ranges if r[0] in fp8})
             each = _gather_bytes(d, n * (1 if amaxes else e), amaxes)
-            out["dp_gather"] = out.get("dp_gather", 0) + calls["param_gather"] * each
+            gathers = unit_gathers(policy, microbatches, unit_of(ranges[0][0]), carried)
+            out["dp_gather"] = out.get("dp_gather", 0) + gathers * each
     out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
     if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
         kind = _replicas_kind(shape)

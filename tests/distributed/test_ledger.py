@@ -146,9 +146,13 @@ def dp_case(zero: int, rank: int):
     loss_mean = 2 * (d - 1) / d * 8
     if zero == 0:  # all-reduce 2(d-1)/d of each fp32 gradient bucket
         expected = sum(2 * (d - 1) / d * n * 4 for n in sizes)
-    elif zero == 3:  # a reduce-scatter per micro-batch; each unit gathered before its forward
-        expected = sum(M * (d - 1) / d * n * 4 for n in sizes)  # and again before its backward
-        gathers = sum(2 * M * (d - 1) / d * n * 4 for n in sizes)
+    elif zero == 3:  # a reduce-scatter per micro-batch; each layer gathered before its forward
+        expected = sum(M * (d - 1) / d * n * 4 for n in sizes)  # and again before its backward,
+        # the outer unit once a step (kept), the first layer in each backward and after the step
+        outer, first, *rest = opt.buffer.units
+        times = {id(outer): 1, id(first): M + 1}
+        gathers = sum(times.get(id(u), 2 * M) * (d - 1) / d * b.numel * 4
+                      for u in opt.buffer.units for b in u.buckets)  # fmt: skip
         assert got["dp_gather"] == gathers, (got, gathers)
         assert (
             got["dp_gather"]

@@ -89,7 +89,7 @@ def _live_param_bytes(chunks, opt) -> int:
 def _measure(groups, stage: int, rank: int, n_layers=6, m=2):
     """One step at `stage`: (peak live parameter bytes, whether the weights autograd saved had
     no storage between forward and backward, padded model bytes, one gathered layer's bytes,
-    the optimizer's memory_bytes)."""
+    the optimizer's memory_bytes, which ZeRO-3 units are gathered after the step)."""
     chunks = [Chunk(dict(enumerate(blocks(n_layers, groups.tp, torch.float64))))]
     opt = DistributedOptimizer(chunks, groups, config(stage, mbs=2, gbs=8))
     # one layer gathered: its parameters, padded to a multiple of dp * 64 elements
@@ -122,7 +122,8 @@ def _measure(groups, stage: int, rank: int, n_layers=6, m=2):
         loss.backward()
         saved.clear()
     opt.step(LR)
-    return peak, freed, opt.buffer.numel * 8, layer, opt.memory_bytes()
+    held = [u.gathered for u in getattr(opt.buffer, "units", [])]  # (ZeRO-3: after the step)
+    return peak, freed, opt.buffer.numel * 8, layer, opt.memory_bytes(), held
 
 
 def _memory(rank, world):
@@ -130,11 +131,12 @@ def _memory(rank, world):
     tensor autograd saves or reads back) stays within the shards plus two gathered layers, and
     the weights autograd saved are really freed between forward and backward."""
     groups = build_groups(Topology(dp=2), torch.device("cpu"))
-    peak, freed, padded, layer, mem = _measure(groups, 3, rank)
+    peak, freed, padded, layer, mem, held = _measure(groups, 3, rank)
     assert freed and mem["param_bytes"] == padded // 2
+    assert held == [True] + [False] * 5  # the step gathers the first layer for the next forward
     assert padded // 2 + layer <= peak <= padded // 2 + 2 * layer, (peak, padded, layer)
     assert mem["param_gathered_peak_bytes"] <= 2 * layer
-    peak2, freed2, padded2, _, _ = _measure(groups, 2, rank)
+    peak2, freed2, padded2, _, _, _ = _measure(groups, 2, rank)
     assert not freed2 and peak2 >= padded2 > padded // 2 + 2 * layer  # stage 2 keeps it all
     return peak, padded, layer
 
@@ -221,6 +223,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
     unit = buf.units[1]  # layers.0
     before = groups.ledger.bytes["dp_gather"]
     with torch.no_grad():
+        buf._free(unit)  # (the first layer is kept gathered for the next step's forward)
         buf._gather(unit)
         buf._free(unit)
     moved = groups.ledger.bytes["dp_gather"] - before

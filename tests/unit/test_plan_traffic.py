@@ -4,6 +4,7 @@ tests/distributed/test_ledger.py."""
 
 import pytest
 
+from megalite.parallel.zero3 import unit_of
 from megalite.plan import layouts, memory, report, traffic
 from megalite.plan.layouts import layout
 from tests.unit.plan_configs import big
@@ -19,16 +20,26 @@ def test_zero3_plan_shards_parameters_and_shows_both_policies():
     layer = max(units["forward"][1])  # the largest unit (padded elements)
     assert 2 * layer * 2 <= z3.memory["gathered_params"] == units["forward"][0] < 4 * layer * 2
     assert units["forward"][0] < units["backward"][0] == units["step"][0]  # one chunk at pp=1
-    one = traffic.comm_bytes(cfg, layout(cfg, dp=8, zero=3), 0, 1)["dp_gather"]  # one micro-batch
-    assert z3.comm["dp_gather"] == z3.microbatches * one  # each unit twice per micro-batch
+    # each bucket's gather bytes (bf16, 7/8 of them over 8 ranks, as the ledger truncates) by unit
+    unit = {}
+    for s, e, ranges in memory.buckets(cfg, layout(cfg, dp=8, zero=3), 0):
+        key = unit_of(ranges[0][0])
+        unit[key] = unit.get(key, 0) + int(7 / 8 * (e - s) * 2)
+    outer, first, *rest = unit.values()  # forward order: the outer unit, layers.0, ...
+    m = z3.microbatches
+    # per step: the outer unit once (kept from forward to backward and between micro-batches),
+    # the first layer in each backward and after the step, every other layer twice a micro-batch
+    assert z3.comm["dp_gather"] == outer + (m + 1) * first + 2 * m * sum(rest)
     cfg.optimizer.zero3_keep_params = True
     keep = layouts.plan(cfg, layout(cfg, dp=8, zero=3))
-    assert 2 * keep.comm["dp_gather"] == z3.comm["dp_gather"]
+    assert keep.comm["dp_gather"] == outer + first + m * sum(rest)
     assert keep.memory["gathered_params"] == units["backward"][0]
     piped = layouts.plan(cfg, layout(cfg, dp=4, pp=2, zero=3))  # pp: gathered once per step
     assert piped.memory["gathered_params"] == memory.zero3_units(cfg, piped.layout, 0)["step"][0]
     text = report.format_plan(z3)
     assert "reshard=forward (this run)" in text and "reshard=step" in text
+    for plan in (z3, keep):  # the notes' gather bytes of each policy are the plan's
+        assert f"{plan.comm['dp_gather'] / 1e6:.2f} MB of parameter gathers" in text
     assert "reduce-scatter every micro-batch (this run)" in text and "gathered params" in text
 
 
