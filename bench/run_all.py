@@ -82,6 +82,11 @@ QUICK = {
         ],
         "full shape: 8 layers, h 256, s 256, gbs 32",
     ),  # fmt: skip
+    "zero3_timeline.py": (
+        "--layers 2 --hidden 128 --seq 64 --vocab 1024 --gbs 16 --mbs 2 --bucket-mb 0.25 "
+        "--steps 1 --contention-iters 2".split(),
+        "full shape: 8 layers, h 256, s 256, gbs 32",
+    ),
     "bench_deepspeed.py": (
         [
             "--layers",
