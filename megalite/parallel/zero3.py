@@ -35,10 +35,11 @@ Gradient accumulation: each micro-batch is reduce-scattered as it comes (m reduc
 every unit per step, no whole-model gradient ever exists), as FSDP2 without no_sync.
 
 Keeping parameters (`reshard`): "forward" frees after forward and after backward (the default,
-2 gathers per layer per micro-batch; the carried units fewer, `unit_gathers`); "backward" (--zero3-keep-params) keeps them from forward
-to the end of the unit's backward (1 gather); "step" (the default under pp, as torchtitan:
-1F1B interleaves forwards and backwards of different micro-batches) keeps them gathered until
-the step's gradients are reduced (1 gather per step).
+2 gathers per layer per micro-batch; the carried units fewer, `unit_gathers`); "backward"
+(--zero3-keep-params) keeps them from forward to the end of the unit's backward (1 gather);
+"step" (the default under pp, as torchtitan: 1F1B interleaves forwards and backwards of
+different micro-batches) keeps them gathered until the step's gradients are reduced (1 gather
+per step).
 
 Parameter gathers are recorded in the ledger as "<kind>_gather" (e.g. dp_gather), the gradient
 reduce-scatters under the group's own kind, so a step's traffic of each is visible.
