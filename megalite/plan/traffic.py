@@ -36,12 +36,10 @@ def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -
     chunks = len(rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement))
     out = []
     for policy, (peak, _, gathers) in units.items():
-        fp8 = {}  # {unit: holds FP8 weights}, its buckets in the order of zero3_units'
-        for key, (_, amaxes) in zip(keys, gathers):
-            fp8[key] = fp8.get(key, False) or amaxes > 0
-        carried = carried_units(list(fp8.items()), chunks, policy)
-        traffic = sum(unit_gathers(policy, microbatches, key, carried) * _gather_bytes(d, *x)
-                      for key, x in zip(keys, gathers))  # fmt: skip
+        # (zero3_units' buckets are in the order of buckets')
+        per_unit = _gathers_per_unit([(k, amaxes > 0) for k, (_, amaxes) in zip(keys, gathers)],
+                                     chunks, policy, microbatches)  # fmt: skip
+        traffic = sum(per_unit[key] * _gather_bytes(d, *x) for key, x in zip(keys, gathers))
         mark = " (this run)" if policy == ours else ""
         out.append(f"zero3 reshard={policy}{mark}: {peak / 2**20:.2f} MiB gathered at most, "
                    f"{traffic / 1e6:.2f} MB of parameter gathers per step")  # fmt: skip
@@ -85,6 +83,16 @@ def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
         q = b * m.num_attention_heads // t * s * d
         return (2 * q + 2 * kv) * e, (2 * q + 2 * kv) * e
     return (cp - 1) * 2 * kv * e, (cp - 1) * 2 * kv * e + cp * 2 * kv * max(e, 4)
+
+
+def _gathers_per_unit(pieces: list, chunks: int, policy: str, microbatches: int) -> dict:
+    """{unit key: its gathers per step} under ZeRO-3's `policy`, from (unit key, holds FP8
+    weights) per bucket in layout order (the run's Zero3Buffer: zero3.carried_units)."""
+    units = {}
+    for key, fp8 in pieces:
+        units[key] = units.get(key, False) or fp8
+    carried = carried_units(list(units.items()), chunks, policy)
+    return {key: unit_gathers(policy, microbatches, key, carried) for key in units}
 
 
 def comm_bytes(
@@ -159,25 +167,25 @@ def comm_bytes(
 
     # DP, per bucket: the collectives of the ZeRO stage (ZeroStage.collectives), ZeRO-3's
     # parameter gathers counted apart as dp_gather. Plus the loss mean (a logging step's).
-    calls = zero.collectives(microbatches, reshard_policy(cfg, shape))
+    policy = reshard_policy(cfg, shape)
+    calls = zero.collectives(microbatches, policy)
     fp8 = {}  # --fp8-param-gather: FP8 weights' buckets gathered at 1 byte, after their amaxes
     if tr.fp8_param_gather:
         layers = [i for kw in kws for i in kw["layers"]]
         fp8 = fp8_weights(cfg, shape, layers, any(kw["has_head"] for kw in kws))
     dp_bytes = 0
-    policy, units = reshard_policy(cfg, shape), {}  # ZeRO-3: {unit: holds FP8 weights}
-    for _, _, ranges in bs:
-        key = unit_of(ranges[0][0])
-        units[key] = units.get(key, False) or any(r[0] in fp8 for r in ranges)
-    carried = carried_units(list(units.items()), len(kws), policy) if policy else []
+    if calls.get("param_gather"):  # ZeRO-3
+        per_unit = _gathers_per_unit(
+            [(unit_of(r[0][0]), any(x[0] in fp8 for x in r)) for _, _, r in bs], len(kws),
+            policy, microbatches,
+        )  # fmt: skip
     for start, end, ranges in bs:
         n = end - start
         dp_bytes += _dp_bytes(calls, d, n * g_size, n * e)
         if calls.get("param_gather"):
             amaxes = len({fp8[r[0]] for r in ranges if r[0] in fp8})
             each = _gather_bytes(d, n * (1 if amaxes else e), amaxes)
-            gathers = unit_gathers(policy, microbatches, unit_of(ranges[0][0]), carried)
-            out["dp_gather"] = out.get("dp_gather", 0) + gathers * each
+            out["dp_gather"] = out.get("dp_gather", 0) + per_unit[unit_of(ranges[0][0])] * each
     out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
     if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
         kind = _replicas_kind(shape)
