@@ -129,6 +129,35 @@ def _restart_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     return dist.PrefixStore(f"megalite/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
+def rank_groups(
+    topo: Topology, rank: int, products: tuple[str, ...] = (), embed_stages=None
+) -> dict[str, list[int]]:
+    """{kind: ranks} of the groups `rank` is in, in the order build_groups creates them: each
+    axis, the products (those named, the replicas', the data's), the experts' ep and edp, and
+    "embed" where the rank holds one of `embed_stages` (default: the first and the last)."""
+    out = {a: topo.group(a, rank) for a in topo.axes}
+    wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
+    for expr in [*products, *wanted]:
+        key = _key(topo, expr)
+        if key not in out:
+            out[key] = topo.group(key, rank)
+    if topo.expert is not None:  # experts: a second decomposition of the same ranks
+        for a in ("ep", "edp"):
+            out[a] = topo.expert.group(a, rank)
+    stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
+    pipeline = topo.group("pp", rank)  # this rank's pipeline: topo.stage_groups' group of it
+    held = sorted({pipeline[s] for s in stages})
+    if rank in held:
+        out["embed"] = held
+    return out
+
+
+def communicators(topo: Topology, rank: int, **kw) -> int:
+    """How many process groups build_groups creates on `rank`: its distinct groups of two
+    ranks or more (the world is init_process_group's)."""
+    return len({tuple(r) for r in rank_groups(topo, rank, **kw).values() if len(r) > 1})
+
+
 def build_groups(
     topo: Topology, device: torch.device, timeout_minutes: float = 10.0,
     products: tuple[str, ...] = (), embed_stages: list[int] | None = None,
@@ -164,21 +193,12 @@ def build_groups(
             )
         return Group(kind, ranks, ranks.index(rank), made[key], ledger, device)
 
-    groups = {a: make(a, topo.group(a, rank)) for a in topo.axes}
-    wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
-    for expr in [*products, *wanted]:
-        key = _key(topo, expr)
-        if key not in groups:
-            groups[key] = make(key, topo.group(key, rank))
-    if topo.expert is not None:  # experts: a second decomposition of the same ranks
-        for a in ("ep", "edp"):
-            groups[a] = make(a, topo.expert.group(a, rank))
+    mine = rank_groups(topo, rank, products, embed_stages)  # the embedding group last
+    groups = {kind: make(kind, r) for kind, r in mine.items()}
+    embed = groups.pop("embed", None)
+    if topo.expert is not None:
         # The model's expert group when none is passed (GPTChunk(..., ep=None)).
         groups["tp"].ep = groups["ep"]
-    stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
-    pipeline = topo.group("pp", rank)  # this rank's pipeline: topo.stage_groups' group of it
-    held = sorted({pipeline[s] for s in stages})
-    embed = make("embed", held) if rank in held else None
     world = Group("world", list(range(topo.world_size)), rank,
                   dist.group.WORLD if topo.world_size > 1 else None, ledger, device)  # fmt: skip
     return ProcessGroups(topo, rank, device, groups, embed, world, ledger)
