@@ -81,3 +81,32 @@ def seconds(links: dict, intra_gbps: float, inter_gbps: float) -> float:
 def totals(per_kind: dict) -> dict:
     """{link: bytes} summed over the group kinds."""
     return {link: sum(v[link] for v in per_kind.values()) for link in LINKS}
+
+
+def recorded(calls: dict, gpus_per_node: int) -> dict:
+    """{link: bytes} of collectives a rank recorded ({group ranks: [(op, shape, dtype)]}, the
+    fake world's Recorder) through the same factors: all-reduce 2(n-1)/n S, all-gather (n-1)
+    times the shard sent, reduce-scatter (n-1)/n of the input, broadcast S. All-to-alls (their
+    rows depend on the routing) and object collectives are left out."""
+    import torch
+
+    out = {link: 0.0 for link in LINKS}
+    for ranks, ops in calls.items():
+        n = len(ranks)
+        for op, shape, dtype in ops:
+            if dtype == "object" or "*" in shape or op == "all_to_all_single":
+                continue
+            size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            s = size * _numel(shape)
+            bus = {"all_reduce": 2 * (n - 1) / n * s, "all_gather_single": (n - 1) * s,
+                   "reduce_scatter_single": (n - 1) / n * s, "broadcast": s}.get(op, 0.0)  # fmt: skip
+            for link, b in split(bus, list(ranks), gpus_per_node, RING).items():
+                out[link] += b
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -336,6 +336,13 @@ def print_fake_world(cfg, shape, parallel: int = 2) -> bool:
               f"{r.peak_bytes / 2**20:8.1f}  {r.planned_bytes / 2**20:11.1f}  "
               f"{r.peak_bytes / max(r.planned_bytes, 1) - 1:+5.0%}"
               f"  {f'{g.created}/{g.member_of}':>14}  {g.world_ops:>9}")  # fmt: skip
+    from megalite.plan.links import recorded
+
+    for r in reports[:1]:  # what rank 0 recorded, through the planner's per-link factors
+        b = recorded(r.calls, min(8, shape.world_size))
+        print(f"  rank {r.rank}'s recorded collectives (no p2p, no all-to-all): "
+              f"{b['nvlink'] / 1e6:.2f} MB over NVLink, {b['network'] / 1e6:.2f} MB over the "
+              "network (8 GPUs per node)")  # fmt: skip
     phases = {p: max(r.phases.get(p, 0.0) for r in reports) for p in reports[0].phases}
     print("  launch phases, slowest witness: "
           + ", ".join(f"{p} {s:.2f} s" for p, s in phases.items()))  # fmt: skip

@@ -31,3 +31,17 @@ def test_a_layouts_kinds_land_on_their_links():
     assert links.totals(per) == {"nvlink": 1e9, "network": 3e9}
     # the slower link sets a group's pace
     assert links.seconds({"nvlink": 300e9, "network": 25e9}, 300, 25) == pytest.approx(1.0)
+
+
+def test_recorded_collectives_go_through_the_same_factors():
+    calls = {
+        tuple(range(8)): [("all_reduce", (4, 8), "float32")],  # 128 B over one node
+        (0, 8): [
+            ("all_gather_single", (16,), "bfloat16"),
+            ("all_to_all_single", ("*", 4), "float32"),
+        ],
+        (0,): [("broadcast", (), "object")],
+    }
+    out = links.recorded(calls, 8)
+    assert out["nvlink"] == pytest.approx(2 * 7 / 8 * 128)
+    assert out["network"] == pytest.approx(32)  # the other rank's shard; the a2a left out
