@@ -110,8 +110,10 @@ def init_distributed(
             kw["store"] = dist.HashStore()  # a world of one needs no rendezvous
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             kw["store"] = _restart_store(rank, world_size, kw["timeout"])
-        if backend == "nccl":
-            kw["device_id"] = device
+        # No device_id: bound to a device, NCCL initialises the world's communicator now and
+        # makes every later group by splitting it, a collective of the whole world (ranks
+        # outside the group split with "no colour"). Unbound, each group's communicator is
+        # made by its members alone, at its first collective (build_groups).
         dist.init_process_group(backend, **kw)
     return device
 
@@ -127,44 +129,76 @@ def _restart_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     return dist.PrefixStore(f"megalite/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
+def rank_groups(
+    topo: Topology, rank: int, products: tuple[str, ...] = (), embed_stages=None
+) -> dict[str, list[int]]:
+    """{kind: ranks} of the groups `rank` is in, in the order build_groups creates them: each
+    axis, the products (those named, the replicas', the data's), the experts' ep and edp, and
+    "embed" where the rank holds one of `embed_stages` (default: the first and the last)."""
+    out = {a: topo.group(a, rank) for a in topo.axes}
+    wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
+    for expr in [*products, *wanted]:
+        key = _key(topo, expr)
+        if key not in out:
+            out[key] = topo.group(key, rank)
+    if topo.expert is not None:  # experts: a second decomposition of the same ranks
+        for a in ("ep", "edp"):
+            out[a] = topo.expert.group(a, rank)
+    stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
+    pipeline = topo.group("pp", rank)  # this rank's pipeline: topo.stage_groups' group of it
+    held = sorted({pipeline[s] for s in stages})
+    if rank in held:
+        out["embed"] = held
+    return out
+
+
+def communicators(topo: Topology, rank: int, **kw) -> int:
+    """How many process groups build_groups creates on `rank`: its distinct groups of two
+    ranks or more (the world is init_process_group's)."""
+    return len({tuple(r) for r in rank_groups(topo, rank, **kw).values() if len(r) > 1})
+
+
 def build_groups(
     topo: Topology, device: torch.device, timeout_minutes: float = 10.0,
     products: tuple[str, ...] = (), embed_stages: list[int] | None = None,
 ) -> ProcessGroups:  # fmt: skip
-    """Create every group of the topology (all ranks take part in creating each, in the same
-    order) and keep ours: each axis, the products named in `products` plus those the run needs
-    (replicas, data), and the embedding groups of the pipeline stages in `embed_stages`
-    (default: the first and the last)."""
+    """Create the groups this rank is in, and no other: each axis, the products named in
+    `products` plus those the run needs (replicas, data), the experts' ep and edp, and the
+    embedding group of the pipeline stages in `embed_stages` (default: the first and the last)
+    where this rank holds one of them.
+
+    One `new_group(..., use_local_synchronization=True)` per group a rank is in: only its
+    members call it (torch names the group by a hash of its ranks, not by a world-wide
+    counter), and its communicator is made by them alone (see init_distributed). So a rank
+    makes O(its groups) calls whatever the world size, where creating every group on every
+    rank made O(world) world-wide calls (pytorch #71134). `split_group` would make one
+    world-wide split per axis but exists only for NCCL; `new_subgroups_by_enumeration` calls
+    new_group for every group on every rank. Members must create shared groups in one order:
+    every rank goes through the kinds in the same order and is in one group of each, so
+    every group's members get to it (by induction over the kinds)."""
     rank = dist.get_rank()
     if dist.get_world_size() != topo.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} does not match the layout {topo}")
     ledger = CommLedger()
     timeout = timedelta(minutes=timeout_minutes)
-    made = {}  # rank list -> process group: a product equal to an axis reuses its groups
+    made = {}  # rank tuple -> process group: a product equal to an axis reuses its group
 
-    def make(kind: str, all_groups: list[list[int]]) -> Group | None:
-        mine = None
-        for ranks in all_groups:
-            key = tuple(ranks)
-            if key not in made:
-                made[key] = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-            if rank in ranks:
-                mine = Group(kind, ranks, ranks.index(rank), made[key], ledger, device)
-        return mine
+    def make(kind: str, ranks: list[int]) -> Group:
+        key = tuple(ranks)
+        if key not in made:
+            made[key] = (
+                dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+                if len(ranks) > 1
+                else None
+            )
+        return Group(kind, ranks, ranks.index(rank), made[key], ledger, device)
 
-    groups = {a: make(a, topo.groups(a)) for a in topo.axes}
-    wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
-    for expr in [*products, *wanted]:
-        key = _key(topo, expr)
-        if key not in groups:
-            groups[key] = make(key, topo.groups(key))
-    if topo.expert is not None:  # experts: a second decomposition of the same ranks
-        for a in ("ep", "edp"):
-            groups[a] = make(a, topo.expert.groups(a))
+    mine = rank_groups(topo, rank, products, embed_stages)  # the embedding group last
+    groups = {kind: make(kind, r) for kind, r in mine.items()}
+    embed = groups.pop("embed", None)
+    if topo.expert is not None:
         # The model's expert group when none is passed (GPTChunk(..., ep=None)).
         groups["tp"].ep = groups["ep"]
-    stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
-    embed = make("embed", topo.stage_groups(stages))
     world = Group("world", list(range(topo.world_size)), rank,
                   dist.group.WORLD if topo.world_size > 1 else None, ledger, device)  # fmt: skip
     return ProcessGroups(topo, rank, device, groups, embed, world, ledger)

@@ -11,6 +11,7 @@ from megalite.errors import MegaliteError
 from megalite.parallel.zero import ZERO
 from megalite.pipeline.schedules import bubble_theory, check_shape
 from megalite.plan.activations import peak_activations
+from megalite.plan.links import link_bytes
 from megalite.plan.memory import buckets, state_memory
 from megalite.plan.ranking import Cluster, GiB, step_time
 from megalite.plan.traffic import comm_bytes, zero3_notes
@@ -29,6 +30,7 @@ class Plan:
     fits: bool = True
     step_time: float | None = None  # estimated seconds per step (ranking.step_time)
     notes: list = field(default_factory=list)
+    links: dict = field(default_factory=dict)  # kind -> {link: bytes per step} (links.py)
 
 
 def check_model(cfg: Config) -> None:
@@ -90,6 +92,7 @@ def plan(cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stage
         p.notes += zero3_notes(cfg, shape, ranks[worst], mb)
     if cluster is not None:
         p.fits = p.memory["total"] <= cluster.usable * cluster.gpu_memory_gib * GiB
+        p.links = link_bytes(shape, p.comm, cluster.gpus_per_node, cfg.parallel.cp_comm_type)
     return p
 
 

@@ -3,7 +3,10 @@ FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communicatio
 behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
 
 - the pipeline moves at its slowest stage's pace: the last, which also runs the output layer;
-- TP traffic is on the critical path (exposed whole; TP stays inside a node);
+- every group's bytes go over NVLink inside a node and the network across nodes as links.py
+  splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
+- TP traffic is on the critical path (exposed whole; TP stays inside a node), and so are the
+  experts' all-to-alls (ep) and context parallelism's attention (cp);
 - pipeline p2p is hidden in the steady state, exposed on the 2(p-1) hops of warm-up and
   cool-down;
 - each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
@@ -12,7 +15,7 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   (--overlap-param-gather); ZeRO-3's gathers behind the whole compute. What outlasts its window
   is exposed, and at least a tenth (the last bucket, the first).
 
-A crude model (no GEMM efficiency by shape, one bandwidth per link kind), but one that orders
+A crude model (no GEMM efficiency by shape, no latency, one bandwidth per link kind), but one that orders
 layouts by what they cost rather than by memory alone; docs/planner.md checks it against the
 layouts of Narayanan et al. 2021, Table 1.
 """
@@ -20,6 +23,7 @@ layouts of Narayanan et al. 2021, Table 1.
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.plan import links
 
 GiB = 2**30
 
@@ -47,19 +51,21 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     flops = flops_per_token * tokens / cluster.gpus
     compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
     node = cluster.gpus_per_node
+    bw = cluster.intra_node_gbps, cluster.inter_node_gbps
+    lay_links = p.links or links.link_bytes(lay, p.comm, node, cfg.parallel.cp_comm_type)
 
-    def seconds(nbytes: float, span: int) -> float:  # span: ranks from a group's first to last
-        gbps = cluster.intra_node_gbps if span <= node else cluster.inter_node_gbps
-        return nbytes / (gbps * 1e9)
+    def seconds(*kinds: str) -> float:  # the group kinds' bytes per step over their links
+        return sum(links.seconds(lay_links[k], *bw) for k in kinds if k in lay_links)
 
     e = 2 if t.precision in ("bf16", "fp16") else 4
     sp = lay.sequence_parallel
     message = t.micro_batch_size * m.seq_length * m.hidden_size * e / (lay.tp if sp else 1)
-    tp = seconds(p.comm.get("tp", 0), lay.tp)
-    pp = seconds(2 * (lay.pp - 1) * message, cluster.gpus)
-    cp = lay.cp
-    replicas = lay.tp * lay.dp * cp
-    dp = seconds(p.comm.get("dp", 0) + p.comm.get("cp+dp", 0), replicas)
+    tp = seconds("tp")
+    hop = links.split(2 * (lay.pp - 1) * message, links.group_ranks(lay, "pp"), node, links.P2P)
+    pp = links.seconds(hop, *bw)
+    # experts: the dispatch's all-to-alls are on the critical path (exposed whole)
+    ep = seconds("ep", "ep_sizes")
+    dp = seconds("dp", "cp+dp", "edp")
     # the ZeRO stage's gradient reductions (each behind the backward of one micro-batch: the
     # last one's, or every one's where each micro-batch is reduced) and parameter all-gather
     # (behind the next step's first forward)
@@ -73,10 +79,10 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     window = per_mb / 3 if cfg.optimizer.overlap_param_gather else 0.0
     exposed += _exposed(dp * params / (grads + params), window)
     # ZeRO-3's parameter gathers run behind every micro-batch's compute
-    exposed += _exposed(seconds(p.comm.get("dp_gather", 0), replicas), compute)
-    embed = seconds(p.comm.get("embed", 0), cluster.gpus)
+    exposed += _exposed(seconds("dp_gather"), compute)
+    embed = seconds("embed", "world")
     # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
-    cp = seconds(p.comm.get("cp", 0), lay.tp * cp)
+    cp = seconds("cp")
     # the last stage also runs the output layer and the MTP modules (their logits and layers):
     # the pipeline moves at its pace (their share of the FLOPs as training/flops.py counts it,
     # recomputed under full; an MTP module's layer at an average layer's share of the rest)
@@ -84,7 +90,7 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     head = (8 if t.recompute == "full" else 6) * (1 + d) * vocab * m.hidden_size / flops_per_token
     head += d * (1 - head) / (m.num_layers + d)
     slowest = 1 + head * (lay.pp - 1)
-    return compute * slowest * (1 + p.bubble) + tp + pp + cp + embed + exposed
+    return compute * slowest * (1 + p.bubble) + tp + pp + cp + ep + embed + exposed
 
 
 def _exposed(seconds: float, behind: float) -> float:

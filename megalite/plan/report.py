@@ -1,6 +1,7 @@
 """Plans as text: one layout's memory, traffic and bubble (`format_plan`), and the ranking of
 the layouts that fit (`format_ranking`), as `--dry-run` and tools/plan.py print them."""
 
+from megalite.parallel.groups import communicators
 from megalite.plan.layouts import Plan
 from megalite.plan.ranking import Cluster, GiB
 
@@ -43,9 +44,23 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
         "NCCL's buffers (docs/planner.md)"
     )
     lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
+    if p.links:  # links.py: where each group's bytes travel
+        for link, name in (("nvlink", "NVLink in a node"), ("network", "network across nodes")):
+            kinds = [f"{k} {_bytes(v[link])}" for k, v in p.links.items() if v[link] >= 1]
+            total = sum(v[link] for v in p.links.values())
+            lines.append(f"  bytes per step over {name}: {_bytes(total)}"
+                         + (f" ({', '.join(kinds)})" if kinds else ""))  # fmt: skip
     lines += [f"  {note}" for note in p.notes]
     if step_time is not None:
         lines.append(f"  estimated step time {step_time:.3f} s (assumptions below)")
+        topo = p.layout.topology()
+        n = communicators(topo, topo.world_size - 1)  # the last stage's rank: the embedding too
+        lines.append(
+            f"  to the first step: each rank creates {n} communicators, made by their members "
+            f"alone (no world-wide operation); first step about {step_time:.3f} s; rendezvous, "
+            "data index and model build are measured by the run (the metrics file's first "
+            "line) or by --dry-run --fake-world"
+        )
     if cluster is not None:
         usable = cluster.usable * cluster.gpu_memory_gib
         verdict = "fits" if p.fits else "does NOT fit"

@@ -20,6 +20,7 @@ it is compared; the world's and the products' groups too.
 is global per process); `match(reports)` compares; `--dry-run --fake-world` prints it all.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -51,6 +52,8 @@ class RoleReport:
     peak_bytes: int = 0  # at any moment (fake_memory.StorageTrace)
     planned_bytes: int = 0  # the planner's total for this rank's stage
     seconds: float = 0.0
+    phases: dict = field(default_factory=dict)  # launch phase -> seconds (launch_phases.py)
+    group_count: object = None  # fake_groups.GroupCount: how its groups were made
 
 
 class Recorder:
@@ -164,13 +167,17 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     from megalite.plan.layouts import plan
     from megalite.shape import validate
     from megalite.training.fake_cuda import fake_cuda
+    from megalite.training.fake_groups import GroupCounter, member_groups
     from megalite.training.fake_memory import StorageTrace
+    from megalite.training.launch_phases import LaunchPhases
     from megalite.training.trainer import Trainer
 
     t0 = time.perf_counter()
     os.environ.setdefault("LOCAL_RANK", "1")  # no layout warnings from every role
     shape = validate(cfg, world_size)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    launch = LaunchPhases()  # the phases a real launch times (launch.py), on this rank
+    with launch.phase("rendezvous"):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     topo = shape.topology()
     m = cfg.model
     rows = np.random.default_rng(0).integers(0, m.vocab_size, (64, m.seq_length + 1))
@@ -180,22 +187,26 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
         _fake_kernels(),
     ):
         mem = StorageTrace()
-        groups = build_groups(topo, torch.device(DEVICE))
+        with launch.phase("groups"), GroupCounter(rank) as counted:
+            groups = build_groups(topo, torch.device(DEVICE))
+        counted.count.member_of = member_groups(groups)
         with mem:
             trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
-                                                                  tokenizer=None))  # fmt: skip
+                                                                  tokenizer=None), launch)  # fmt: skip
             rec.calls.clear()  # group creation is not a step's
             mem.reset_peak()  # the host's whole initial tensors are gone (fake_memory.py)
-            for _ in range(steps):
+            for i in range(steps):
                 fake.reset()
-                trainer.train_step(log=False)
+                with launch.phase("first step") if i == 0 else contextlib.nullcontext():
+                    trainer.train_step(log=False)
     members = {g.kind: tuple(g.ranks) for g in [*groups.groups.values(), groups.embed,
                                                 groups.world] if g is not None}  # fmt: skip
     # the plan of what ran: the torch ops (Triton does not run on fake tensors)
     ran = replace(cfg, training=replace(cfg.training, kernels="torch"))
     planned = plan(ran, shape).stages[topo.coords(rank)["pp"]]["total"]
     return RoleReport(rank, topo.coords(rank), dict(rec.calls), members, fake.syncs,
-                      [w for w, _ in fake.where], mem.peak, planned, time.perf_counter() - t0)  # fmt: skip
+                      [w for w, _ in fake.where], mem.peak, planned, time.perf_counter() - t0,
+                      dict(launch.seconds), counted.count)  # fmt: skip
 
 
 def _entry(cfg, world_size, rank, path):
@@ -316,10 +327,23 @@ def print_fake_world(cfg, shape, parallel: int = 2) -> bool:
         )
     for kind, ranks_, a, b, i, first, other in m.mismatches[:10]:
         print(f"    {kind} {ranks_[:4]}...: rank {a} issues {first} at #{i}, rank {b} {other}")
-    print("  rank   coords                     s  syncs  peak MiB  planned MiB    off")
+    print("  rank   coords                     s  syncs  peak MiB  planned MiB    off"
+          "  groups made/in  world ops")  # fmt: skip
     for r in reports:
         coords = " ".join(f"{k}{v}" for k, v in r.coords.items() if shape.size(k) > 1)
+        g = r.group_count
         print(f"  {r.rank:>5}  {coords:<24} {r.seconds:5.1f}  {r.syncs:>5}  "
               f"{r.peak_bytes / 2**20:8.1f}  {r.planned_bytes / 2**20:11.1f}  "
-              f"{r.peak_bytes / max(r.planned_bytes, 1) - 1:+5.0%}")  # fmt: skip
+              f"{r.peak_bytes / max(r.planned_bytes, 1) - 1:+5.0%}"
+              f"  {f'{g.created}/{g.member_of}':>14}  {g.world_ops:>9}")  # fmt: skip
+    from megalite.plan.links import recorded
+
+    for r in reports[:1]:  # what rank 0 recorded, through the planner's per-link factors
+        b = recorded(r.calls, min(8, shape.world_size))
+        print(f"  rank {r.rank}'s recorded collectives (no p2p, no all-to-all): "
+              f"{b['nvlink'] / 1e6:.2f} MB over NVLink, {b['network'] / 1e6:.2f} MB over the "
+              "network (8 GPUs per node)")  # fmt: skip
+    phases = {p: max(r.phases.get(p, 0.0) for r in reports) for p in reports[0].phases}
+    print("  launch phases, slowest witness: "
+          + ", ".join(f"{p} {s:.2f} s" for p, s in phases.items()))  # fmt: skip
     return m.ok and all(r.syncs == expected_syncs(cfg, shape, r.coords["pp"]) for r in reports)

@@ -16,6 +16,7 @@ above the mean of the last --spike-window accepted steps is skipped, like a non-
 deviation is floored at 0.1% of the mean, so a flat loss curve does not turn noise into spikes.
 """
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -25,20 +26,22 @@ class StragglerMonitor:
     def __init__(self, topo, threshold: float, window: int):
         self.threshold, self.window = threshold, max(1, window)
         stage_axes = "+".join(a for a in topo.axes if a != "pp")
-        # ranks doing the same work; none when a stage is one rank (stage costs differ anyway)
-        self.peers = [
-            [q for q in topo.group(stage_axes, r) if q != r] for r in range(topo.world_size)
-        ]
+        # ranks doing the same work: the others of a rank's stage; none when a stage is one
+        # rank (stage costs differ anyway). Kept per stage, not per rank: a list of peers per
+        # rank is world x stage entries (16M at 16,384 ranks, minutes to build).
+        self.stages = topo.groups(stage_axes)
         self.slow = deque(maxlen=self.window)  # per logging step: {rank: ratio}
 
     def update(self, times: list[float]) -> tuple[dict, str | None]:
         """Metrics for one logging step from every rank's compute seconds per step, and a
         warning line when a rank has been slow at each of the last `window` logging steps."""
         ratios, base = {}, {}
-        for r, t in enumerate(times):
-            others = [times[q] for q in self.peers[r]]
-            base[r] = statistics.median(others) if others else t
-            ratios[r] = t / base[r] if base[r] > 0 else 1.0
+        for stage in self.stages:
+            ordered = sorted(times[r] for r in stage)
+            for r in stage:
+                t = times[r]
+                base[r] = _median_without(ordered, t) if len(stage) > 1 else t
+                ratios[r] = t / base[r] if base[r] > 0 else 1.0
         slowest = max(range(len(times)), key=lambda r: (ratios[r], times[r]))
         metrics = {
             "compute_s_min": min(times),
@@ -65,6 +68,17 @@ class StragglerMonitor:
             f"--straggler-threshold {self.threshold}); check that rank's device, host and "
             "neighbours"
         )
+
+
+def _median_without(ordered: list[float], x: float) -> float:
+    """The median of sorted `ordered` with one occurrence of `x` taken out, in O(log n)."""
+    k = bisect.bisect_left(ordered, x)
+
+    def at(i):  # the i-th value of what is left
+        return ordered[i if i < k else i + 1]
+
+    n = len(ordered) - 1
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 class SpikeGuard:

@@ -14,14 +14,19 @@ from megalite.parallel.topology import world_from_env
 from megalite.shape import RunShape, validate
 
 
-def setup(shape: RunShape, timeout_minutes: float = 10.0):
-    """torch.distributed and the ProcessGroups of the run's layout."""
+def setup(shape: RunShape, timeout_minutes: float = 10.0, launch=None):
+    """torch.distributed and the ProcessGroups of the run's layout; `launch`
+    (launch_phases.LaunchPhases) times the rendezvous and the groups."""
     from megalite.parallel import groups as pg
     from megalite.pipeline.partition import end_stages
+    from megalite.training.launch_phases import LaunchPhases
 
-    device = pg.init_distributed(timeout_minutes)
+    launch = launch or LaunchPhases()
+    with launch.phase("rendezvous"):
+        device = pg.init_distributed(timeout_minutes)
     stages = end_stages(shape.pp, shape.vpp, shape.placement)
-    return pg.build_groups(shape.topology(), device, timeout_minutes, embed_stages=stages)
+    with launch.phase("groups"):
+        return pg.build_groups(shape.topology(), device, timeout_minutes, embed_stages=stages)
 
 
 def planned_world(cfg) -> int:
@@ -63,18 +68,21 @@ def main(argv):
         return
     from megalite.parallel import groups as pg
     from megalite.training.hang import prepare_nccl
+    from megalite.training.launch_phases import LaunchPhases
     from megalite.training.trainer import Trainer
 
     prepare_nccl(cfg)  # NCCL only: before the process group exists
-    groups = setup(shape, cfg.parallel.distributed_timeout_minutes)
+    launch = LaunchPhases(echo=rank == 0)  # time to the first step, printed phase by phase
+    groups = setup(shape, cfg.parallel.distributed_timeout_minutes, launch)
     # However the run ends, its groups' threads are joined before the interpreter finalizes
     # (pg.destroy); on an error only after the message is out (a join can wait on a stuck peer).
     atexit.register(pg.destroy, groups)
     try:
         if groups.rank == 0:
             print(groups.topo.describe(), flush=True)
-        trainer = Trainer(cfg, shape, groups)
-        trainer.resume()  # --load, or the latest checkpoint in --save
+        trainer = Trainer(cfg, shape, groups, launch=launch)
+        with launch.phase("resume"):
+            trainer.resume()  # --load, or the latest checkpoint in --save
         if cfg.training.eval_only:
             trainer.eval_only()
         else:

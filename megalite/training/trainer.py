@@ -34,21 +34,26 @@ from megalite.training.flops import (
 )
 from megalite.training.hang import HangRecorder
 from megalite.training.health import SpikeGuard, StragglerMonitor
+from megalite.training.launch_phases import LaunchPhases, format_summary
 from megalite.training.logger import Logger
 from megalite.training.preemption import Preemption
 from megalite.training.timeline import Timeline
 
 
 class Trainer:
-    def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None):
+    def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None,
+                 launch: LaunchPhases | None = None):  # fmt: skip
         t = cfg.training
         self.cfg, self.groups = cfg, groups
-        self.data = data or build_datasets(cfg)
+        self.launch = launch or LaunchPhases()  # time to the first step (launch_phases.py)
+        with self.launch.phase("data index"):
+            self.data = data or build_datasets(cfg)
         tok = getattr(self.data, "tokenizer", None)
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
         seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
-        self.parts = parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule
+        with self.launch.phase("model build"):
+            self.parts = parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule
         self.chunks, self.opt, self.actions = parts.chunks, parts.opt, parts.actions
         self.microbatches, self.hidden_shape = parts.microbatches, parts.hidden_shape
         self.dtype = parts.dtype
@@ -329,7 +334,11 @@ class Trainer:
         it = self.iteration + 1
         evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters)
         log = evaluate or it % t.log_interval == 0 or it == t.train_iters
-        metrics = self.train_step(log)
+        first = "first step" not in self.launch.seconds
+        t0 = time.perf_counter()
+        metrics = self.train_step(log)  # (returns after the step's read of the device)
+        if first:
+            self.launch.add("first step", time.perf_counter() - t0)
         if evaluate:
             self.hang.at(it, "evaluation")
             eval_loss = self.evaluate()
@@ -337,6 +346,9 @@ class Trainer:
                 metrics["eval_loss"] = eval_loss
                 metrics["eval_ppl"] = math.exp(min(eval_loss, 50))
         if log:
+            if not self.launch.reported:  # the metrics file's first line: every rank reduces
+                metrics["launch"] = self.launch.summary(self.groups.world)
+                self.logger.print(format_summary(metrics["launch"]))
             self.logger.step(metrics, t.train_iters)
         if self.timeline:
             self.timeline.step_done(it, self.groups, self._timeline_meta(), self.logger.wandb)

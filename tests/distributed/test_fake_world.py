@@ -167,3 +167,22 @@ def test_deepseek_v3_last_stage_peaks_as_planned(capsys):
         assert f"{kind}" in out.split("bytes per step:")[1].splitlines()[0], out
     stage0, stage1 = (line.split() for line in out.splitlines() if "  stage " in line)
     assert float(stage1[2]) > float(stage0[2]) and "fits in" in out, out  # params (KiB)
+
+
+def test_16384_ranks_time_their_launch_and_make_only_their_groups():
+    """Issue 47: Llama 3 405B's layout (tp8 pp16 dp128) on a 16-layer toy model, the first and
+    the last stage: each role times the launch's phases, creates its own groups (and no
+    world-wide operation), matches, reads the host once and peaks as planned."""
+    cfg = _cfg(layers=16, tp=8, pp=16)
+    cfg.training.global_batch_size = 128  # one micro-batch per replica: the cheapest step
+    topo = validate(cfg, 16384).topology()
+    reports = run_roles(cfg, 16384, [0, topo.rank(pp=15)])
+    m = match(reports)
+    assert m.ok and {"pp", "embed", "world"} <= set(m.compared), (m.compared, m.mismatches[:3])
+    for r in reports:
+        assert list(r.phases) == ["rendezvous", "groups", "data index", "model build",
+                                  "first step"], r.phases  # fmt: skip
+        g = r.group_count
+        assert (g.created, g.world_ops, g.foreign) == (g.member_of, 0, 0) and g.member_of == 4, g
+        assert r.syncs == 1, r.where
+    _memory_as_planned(reports)

@@ -61,3 +61,31 @@ def test_destroy_joins_the_gloo_threads_before_interpreter_exit():
     # interpreter and abort the process (see pg.destroy); none may be left.
     for before, after in spawn(_collectives_then_destroy, 4):
         assert before > 0 and after == 0, (before, after)
+
+
+def _layouts():
+    """Three worlds, with the groups a run builds: 8 ranks (tp2 pp2 dp2), 1,024 (tp8 pp4 dp32,
+    experts over ep8, a product), 16,384 (Llama 3 405B's tp8 pp16 dp128)."""
+    moe = Topology(tp=8, pp=4, dp=32)
+    moe.expert = moe.experts(8)
+    return {
+        8: (Topology(tp=2, pp=2, dp=2), ("tp+pp",)),
+        1024: (moe, ("tp+dp",)),
+        16384: (Topology(tp=8, pp=16, dp=128), ()),
+    }
+
+
+@pytest.mark.parametrize("world", [8, 1024, 16384])
+def test_a_rank_creates_only_the_groups_it_is_in(world):
+    from megalite.training.fake_groups import count_groups
+    from megalite.training.fake_world import witnesses
+
+    topo, products = _layouts()[world]
+    ranks = sorted({*witnesses(topo, full=False), topo.world_size - 1})
+    counts = count_groups(topo, ranks, products=products)
+    for c in counts:
+        # its groups (the world is init_process_group's), none for others, nothing world-wide
+        assert (c.created, c.world_ops, c.foreign) == (c.member_of, 0, 0), c
+    # distinct groups at an end stage: 8: tp, pp (= embed at pp2), dp, tp+pp; 1,024: tp (= ep),
+    # pp, dp (= edp), tp+dp, embed; 16,384: tp, pp, dp, embed
+    assert max(c.member_of for c in counts) == {8: 4, 1024: 5, 16384: 4}[world]
