@@ -18,6 +18,7 @@ from megalite.kernels import TORCH_OPS
 from megalite.kernels.fp8_linear import layer_ops
 from megalite.model.layers import Norm, TransformerLayer
 from megalite.model.mtp import MTPModule, mtp_loss
+from megalite.model.rope import RotaryTables
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -84,11 +85,14 @@ class GPTChunk(nn.Module):
                 # with sequence parallelism each rank adds positions to its own rows only
                 mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
         ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
+        # one cos/sin table for every layer (per head dim), sized to the training sequence
+        # and grown by generation to the positions its cache holds
+        self.rotary = RotaryTables(cfg.seq_length, device)
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg.layer_config(i), tp, layer_ops(ops, i, cfg.num_layers),
                                       self.seq_parallel, rng, recompute, **kw,
                                       ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
-                                      cp_comm_type=cp_comm_type)
+                                      cp_comm_type=cp_comm_type, rope=self.rotary)
              for i in layers}
         )  # fmt: skip
         if has_head:
@@ -117,7 +121,7 @@ class GPTChunk(nn.Module):
         self.mtp = nn.ModuleDict(
             {str(k): MTPModule(cfg, self.tp, ops, self.seq_parallel, rng, recompute, **kw,
                                ep=ep if cfg.is_moe_layer(L + k) else None, cp=cp,
-                               cp_comm_type=cp_comm_type)
+                               cp_comm_type=cp_comm_type, rope=self.rotary)
              for k in range(cfg.mtp_num_layers)}
         )  # fmt: skip
         if self.has_embedding:
