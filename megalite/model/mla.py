@@ -107,8 +107,8 @@ class LatentAttention(nn.Module):
                                      device=device, ops=ops)  # fmt: skip
         # RoPE over the dr dims only: the tables of a model whose head dim is dr
         rope_cfg = dataclasses.replace(cfg, kv_channels=self.dr)
-        self.rope = RotaryTable(rope_cfg, cfg.seq_length, device) if rope is None else rope.get(
-            rope_cfg
+        self.rope = (
+            RotaryTable(rope_cfg, cfg.seq_length, device) if rope is None else rope.get(rope_cfg)
         )  # the chunk's (RotaryTables), shared by its layers
 
     def _rotate(self, x, positions, rows: int):
