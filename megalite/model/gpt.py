@@ -57,8 +57,11 @@ class GPTChunk(nn.Module):
         ep: Group | None = None,
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
+        meta: bool = False,
     ):
-        """`ep`: the expert-parallel group of an MoE model (default: the one build_groups
+        """`meta`: parameters and buffers on the meta device (shapes, names and specs, no
+        memory, nothing initialised), for a model about to be loaded: model/materialize.py
+        then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model (default: the one build_groups
         attaches to the TP group, else experts on this rank alone). `cp`: the context-parallel
         group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
         its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all). `ops`: the kernels every
@@ -73,7 +76,7 @@ class GPTChunk(nn.Module):
         # dropout of sharded activations: a stream per TP rank, and per cp rank (other tokens)
         shard = tp.rank + tp.size * (cp.rank if cp is not None else 0)
         self.rng = rng = ShardedRNG(seed, shard, torch.device(device or "cpu"))
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": "meta" if meta else device}
         if has_embedding:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(
@@ -87,7 +90,7 @@ class GPTChunk(nn.Module):
         ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
         # one cos/sin table for every layer (per head dim), sized to the training sequence
         # and grown by generation to the positions its cache holds
-        self.rotary = RotaryTables(cfg.seq_length, device)
+        self.rotary = RotaryTables(cfg.seq_length, kw["device"])
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg.layer_config(i), tp, layer_ops(ops, i, cfg.num_layers),
                                       self.seq_parallel, rng, recompute, **kw,
@@ -111,7 +114,7 @@ class GPTChunk(nn.Module):
         twin = cfg.tied or cfg.mtp_num_layers  # the head's stage holds a copy of the embedding
         if twin and has_embedding and not has_head:  # its twin is on the head's stage
             update(self.embedding.word.weight, grad_sum=("embed",))
-        if torch.device(device or "cpu").type != "meta":  # the planner builds shapes only
+        if torch.device(kw["device"] or "cpu").type != "meta":  # the planner: shapes only
             self.init_parameters(seed)
 
     def _build_mtp(self, cfg, ops, rng, recompute, kw, ep, cp, cp_comm_type):
