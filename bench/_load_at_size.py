@@ -90,11 +90,14 @@ def write_models(root: Path) -> tuple[Path, Path]:
     cfg = model_config_from_hf(LLAMA_3B)
     chunk = GPTChunk(cfg, dtype=torch.bfloat16, meta=True)
     specs = [spec_of(p) for p in chunk.parameters()]
-    files = {"model.safetensors": _write_random(ml / "model.safetensors",
-                                                [(s.name, list(s.shape)) for s in specs])}  # fmt: skip
-    tensors = {s.name: {"shape": list(s.shape), "dtype": "bfloat16",
-                        "shards": [{"file": "model.safetensors",
-                                    "slice": [[0, n] for n in s.shape]}]} for s in specs}  # fmt: skip
+    shapes = [(s.name, list(s.shape)) for s in specs]
+    files = {"model.safetensors": _write_random(ml / "model.safetensors", shapes)}
+    whole = {"file": "model.safetensors"}
+    tensors = {
+        name: {"shape": shape, "dtype": "bfloat16",
+               "shards": [{**whole, "slice": [[0, n] for n in shape]}]}
+        for name, shape in shapes
+    }  # fmt: skip
     index = {"format": fmt.FORMAT, "iteration": 0, "tensors": tensors, "files": files,
              "config": {"model": dataclasses.asdict(cfg)}}  # fmt: skip
     (ml / fmt.INDEX).write_text(json.dumps(index))

@@ -83,8 +83,12 @@ def main():
 
         return run
 
-    variants = {"megalite": trainer_save(real), "megalite before": trainer_save(fmt.write_shard),
-                "torch.save": torch_save(False), "torch.save + fsync": torch_save(True)}  # fmt: skip
+    variants = {
+        "megalite": trainer_save(real),
+        "megalite before": trainer_save(fmt.write_shard),
+        "torch.save": torch_save(False),
+        "torch.save + fsync": torch_save(True),
+    }
     times = {k: [] for k in variants}
     try:
         for r in range(a.rounds):

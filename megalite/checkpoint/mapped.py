@@ -120,7 +120,8 @@ def load_mapped(chunks, tp, ckpt: Checkpoint, device, rope_rows: int | None = 0)
         elif list(ckpt.shape(name)) != list(bias.shape):
             raise MegaliteError(
                 f"tensor {name} has shape {list(ckpt.shape(name))} in checkpoint {ckpt.dir} but "
-                f"{list(bias.shape)} in this model; use the model flags the checkpoint was trained with"
+                f"{list(bias.shape)} in this model; use the model flags the checkpoint was "
+                "trained with"
             )
         else:
             bias.copy_(ckpt.read(name))

@@ -61,8 +61,9 @@ class GPTChunk(nn.Module):
     ):
         """`meta`: parameters and buffers on the meta device (shapes, names and specs, no
         memory, nothing initialised), for a model about to be loaded: model/materialize.py
-        then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model (default: the one build_groups
-        attaches to the TP group, else experts on this rank alone). `cp`: the context-parallel
+        then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model
+        (default: the one build_groups attaches to the TP group, else experts on this rank
+        alone). `cp`: the context-parallel
         group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
         its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all). `ops`: the kernels every
         layer calls (megalite.kernels; `override` swaps one, the linear or attention, say)."""
