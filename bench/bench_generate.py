@@ -20,6 +20,11 @@ megalite's speed-up: the median of the per-round ratios variant time / megalite 
 megalite is faster). The tokens of the three are compared (fp32: a near-tie could differ; the
 tests compare in fp64).
 
+Real size (--real-size, bench/_load_at_size.py): a random Llama-3.2-3B-shaped bf16 model
+written to safetensors (HF and megalite, under --scratch, deleted after); time to the first
+token and peak RSS of `load_chunks` + one token against transformers' `from_pretrained` + one
+`generate` step, each a fresh process, alternated over --real-rounds rounds (medians).
+
 Parallel (4 gloo processes, megalite/testing.py, one thread each): tp2*pp2 of the same weights;
 time per new token = (t(1 + n) - t(1)) / n at each context in --contexts (prefill excluded),
 with the cache and with the no-cache path (`use_cache=False`, the whole context every token).
@@ -31,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -176,6 +182,45 @@ def parallel(a, cfg, state) -> list:
     return figures
 
 
+def real_size(a) -> list:
+    """Time to first token and peak RSS at the Llama-3.2-3B shape (bench/_load_at_size.py)."""
+    import shutil
+    import tempfile
+
+    from bench import _load_at_size as big
+
+    root = Path(tempfile.mkdtemp(prefix="bench_generate_", dir=a.scratch))
+    try:
+        hf, ml = big.write_models(root)
+        kinds = {"hf": hf, "megalite": ml, "megalite-nosha": ml}
+        runs = {k: [] for k in kinds}
+        big.measure("hf", hf)  # warm-up: the files into the page cache
+        big.measure("megalite", ml)
+        for r in range(a.real_rounds):
+            for k in list(kinds)[r % 3 :] + list(kinds)[: r % 3]:  # the order rotates
+                runs[k].append(big.measure(k, kinds[k]))
+                print(f"  round {r} {k}: {runs[k][-1]}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: {f: statistics.median(x[f] for x in v) for f in ("ttft_s", "peak_rss", "peak_anon")}
+           for k, v in runs.items()}  # fmt: skip
+    for k, m in med.items():
+        print(
+            f"# {k:15s} time to first token {m['ttft_s']:6.1f} s, peak RSS "
+            f"{m['peak_rss'] / 2**30:5.2f} GiB (anonymous {m['peak_anon'] / 2**30:5.2f} GiB)"
+        )
+    ml, hf = med["megalite"], med["hf"]
+    return [
+        figure("Llama-3.2-3B bf16: time to first token, megalite / transformers",
+               round(ml["ttft_s"] / hf["ttft_s"], 2), "x", "<= 1.5", ml["ttft_s"] <= 1.5 * hf["ttft_s"]),
+        figure("Llama-3.2-3B bf16: peak RSS, megalite / transformers",
+               round(ml["peak_rss"] / hf["peak_rss"], 2), "x", "<= 1.2",
+               ml["peak_rss"] <= 1.2 * hf["peak_rss"]),
+        figure("Llama-3.2-3B bf16: time to first token without the sha256, megalite / "
+               "transformers", round(med["megalite-nosha"]["ttft_s"] / hf["ttft_s"], 2)),
+    ]  # fmt: skip
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--flavour", choices=("gpt2", "llama"), default="llama")
@@ -194,6 +239,13 @@ def main():
     p.add_argument("--steps", type=int, default=16, help="new tokens timed per parallel run")
     p.add_argument("--skip-parallel", action="store_true")
     p.add_argument("--summary", help="write the headline figures as JSON here")
+    p.add_argument(
+        "--real-size",
+        action="store_true",
+        help="also time the first token of a Llama-3.2-3B-shaped model (13 GB disk)",
+    )
+    p.add_argument("--real-rounds", type=int, default=2)
+    p.add_argument("--scratch", help="directory for the real-size files (default: the temp dir)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     m = hf_model(a)
@@ -206,6 +258,8 @@ def main():
     figures = one_process(a, m, cfg, state)
     if not a.skip_parallel:
         figures += parallel(a, cfg, state)
+    if a.real_size:
+        figures += real_size(a)
     write_summary(a.summary, "bench_generate", figures, " ".join(sys.argv))
 
 

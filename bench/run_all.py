@@ -131,6 +131,7 @@ QUICK = {
         ["--layers", "2", "--hidden", "384"],
         "full size: GPT-2-124M (12 layers, h 768)",
     ),
+    "bench_save.py": (["--layers", "2", "--rounds", "3"], "full size: 6 layers, 4 rounds (1.7 GB)"),
     "bench_generate.py": (
         [
             "--layers",
@@ -156,8 +157,11 @@ QUICK = {
             "256",
             "--steps",
             "8",
+            "--real-size",
+            "--real-rounds",
+            "1",
         ],
-        "full shape: 4 layers, h 256, contexts 64 and 512",
+        "full shape: 4 layers, h 256, contexts 64 and 512; --real-rounds 2",
     ),  # fmt: skip
     "bench_muon.py": (
         ["--layers", "1", "--hidden", "128", "--ffn", "512", "--steps", "2", "--repeats", "1"],
@@ -298,11 +302,11 @@ QUICK = {
 # 20 minutes cold on 2 busy cores; its ptxas reports are cached after)
 TIMEOUTS = {"../tools/check_kernels.py": 3600}
 # scripts of bench/ that are not benchmarks
-HELPERS = {"run_all.py", "_common.py", "_tp_torch.py"}
+HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "_load_at_size.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
-           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py"}  # fmt: skip
+           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py", "bench_save.py"}  # fmt: skip
 
 
 def check_coverage() -> list[str]:

@@ -39,7 +39,8 @@ from megalite.parallel.sampling import GREEDY, Sampling, gathered, sample
 class KVCache:
     """The keys and values of the tokens one model chunk has seen, for a left-padded batch.
 
-    `pad` (b,): padding slots at the start of each row; `capacity`: slots per row. The chunk
+    `pad` (b,): padding slots at the start of each row; `capacity`: slots per row (`span`:
+    a bound on the positions, the rows the model's RoPE table grows to). The chunk
     calls `extend(s)` before a forward of s new tokens, then each attention layer appends to
     `layer(name)`: buffers (b, kv heads, capacity, hd), allocated at the first write (latent
     attention caches its compressed latent and RoPE key there instead).
@@ -50,6 +51,7 @@ class KVCache:
     def __init__(self, pad: torch.Tensor, capacity: int, padded: bool = True):
         self.pad, self.capacity, self.padded = pad, capacity, padded  # padded: any pad > 0
         self.length = 0  # slots written (a host int: known without asking the device)
+        self.span = capacity  # positions stay below it: the rows the RoPE table needs
         self.layers: dict[str, LayerKV] = {}
 
     def extend(self, s: int):
@@ -110,6 +112,7 @@ class CPKVCache(KVCache):
         n = width // cp.size
         super().__init__(pad, n + -(-max(steps - 1, 0) // cp.size), True)
         self.cp, self.width, self.total = cp, width, 0  # total: slots written on every rank
+        self.span = width + steps  # every rank's slots together
         dev = pad.device
         self.index = torch.stack([chunk_positions(width, cp.size, r, dev) for r in range(cp.size)])
         self.docs = -(self.index[:, None] < pad[None, :, None]).long()  # (cp, b, n): -1 padding

@@ -5,7 +5,7 @@ gathered over DP) are copied into host buffers reused from save to save (pinned 
 copies are queued on the stream and the step does not wait for them), the RNG states
 are gathered in the foreground (an all_gather_object over the world), and the step goes on.
 A background thread writes the safetensors file exactly as a synchronous save does
-(`format.write_shard`: same bytes, same sha256), which releases the GIL while it writes and
+(`shard_io.write_shard`: same bytes, same sha256), which releases the GIL while it writes and
 hashes.
 
 The thread never calls a collective: the training groups belong to the training thread. The
@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import shard_io
 
 POLL_S = 0.05
 
@@ -38,7 +39,7 @@ POLL_S = 0.05
 class Part(NamedTuple):
     """What one rank contributes to a checkpoint's index (a rank that writes nothing: empty)."""
 
-    entries: dict = {}  # index entries of the tensors in its file (format.write_shard)
+    entries: dict = {}  # index entries of the tensors in its file (shard_io.write_shard)
     files: dict = {}  # {its file: {"sha256", "bytes"}}
     rng: dict | None = None  # its RNG states, encoded (regions.encode_rng)
     error: str | None = None  # why its write failed
@@ -69,11 +70,11 @@ def _sidecar(tmp: Path, rank: int) -> Path:
 
 
 def write_part(tmp: Path, fname: str, tensors: dict, rank: int, report: bool) -> Part:
-    """Write this rank's shard (`format.write_shard`); returns its Part (no RNG states) and,
+    """Write this rank's shard (`shard_io.write_shard`); returns its Part (no RNG states) and,
     when `report` (a rank other than 0), leaves it in the rank's sidecar file for rank 0."""
     entries, files, error = {}, {}, None
     try:
-        entries, files = fmt.write_shard(tmp, fname, tensors)
+        entries, files = shard_io.write_shard(tmp, fname, tensors)
     except OSError as e:
         error = f"could not write checkpoint file {tmp / fname} ({e})"
     if report:

@@ -2,8 +2,9 @@
 
 Save (every rank takes part): each rank writes one file into a temporary directory, with its
 own ZeRO shard of the weights and the optimizer state (DP rank 0 all of them at ZeRO-0, TP
-rank 0 the TP replicas), so nothing is gathered over DP. Rank 0 gathers the index entries
-and RNG states, writes the index, renames the directory into place, updates `latest`
+rank 0 the TP replicas), so nothing is gathered over DP, hashed beside the write and handed to
+the disk as it goes (shard_io.py: a save runs at disk speed, steadily). Rank 0 gathers the
+index entries and RNG states, writes the index, renames the directory into place, updates `latest`
 (atomically, last) and only then removes checkpoints beyond --keep-checkpoints. A save that fails leaves the previous
 checkpoints as they were. With --async-save the step copies what it writes to host memory and
 a background thread writes the same files (async_save.py); the next save, a signal and the
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import shard_io
 from megalite.checkpoint.async_save import (
     BackgroundSave,
     Part,
@@ -183,7 +185,7 @@ class Checkpointer:
     # ---- saving -----------------------------------------------------------------------------
 
     def _local_tensors(self) -> dict:
-        """{key: (tensor, region, global shape)} of what this rank writes (format.write_shard):
+        """{key: (tensor, region, global shape)} of what this rank writes (shard_io.write_shard):
         its own part of the weights and the optimizer state (optimizer.state_pieces: nothing is
         gathered), as blocks of the global tensors. TP replicas are written by TP rank 0, the
         expert biases (buffers, equal on every rank of a stage) by each stage's first rank."""
@@ -261,7 +263,7 @@ class Checkpointer:
         entries, files, error, tensors = {}, {}, None, self._local_tensors()
         if tensors:
             try:
-                entries, files = fmt.write_shard(tmp, self._fname, tensors)
+                entries, files = shard_io.write_shard(tmp, self._fname, tensors)
             except OSError as e:
                 error = f"could not write checkpoint file {tmp / self._fname} ({e})"
         rng = {"rank": g.rank, **encode_rng(state.rng or {})}

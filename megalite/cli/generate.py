@@ -2,7 +2,7 @@
 
     python tools/generate.py --load DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
         [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--stop STRING]
-        [--tokenizer-model M] [--dtype fp32|bf16|fp64] [--json]
+        [--tokenizer-model M] [--dtype auto|fp32|bf16|fp16|fp64] [--json]
     torchrun --nproc_per_node N tools/generate.py --load DIR --tp T --pp P [--ep E] [--cp C] ...
 
 DIR is a megalite checkpoint (a --save directory or one iter_* folder, or the output of
@@ -15,6 +15,10 @@ all-to-all dispatch) in prefill and in each one-token step; a rank reads only it
 cache (megalite/generation.py); each stops after N tokens, at EOS, at a --stop string (cut
 before it) or when the context is full. --cp C splits long prompts and the KV cache over C
 ranks (megalite.generation.CPKVCache). Rank 0 prints.
+
+The model is built on the meta device and materialised from the checkpoint's mapped files
+(megalite/checkpoint/mapped.py): no weight is initialised, on the CPU a weight stored whole in
+its dtype is the file's own bytes, and --dtype auto (the default) keeps the checkpoint's dtype.
 """
 
 import argparse
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint.checkpointer import agreed_errors, check_model, load_model
+from megalite.checkpoint.checkpointer import agreed_errors, check_model
+from megalite.checkpoint.mapped import load_mapped
 from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
@@ -36,7 +41,24 @@ from megalite.parallel import groups as pg
 from megalite.parallel.sampling import Sampling
 from megalite.parallel.topology import world_from_env
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}  # fmt: skip
+
+
+def model_dtype(ckpt, dtype: str = "auto") -> torch.dtype:
+    """The dtype to run in: `dtype` (a DTYPES name), or with "auto" the checkpoint's own (that
+    of most of its weights' elements)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    count = {}
+    for name in ckpt.names():
+        e = ckpt.tensors[name]
+        n = 1
+        for d in e["shape"]:
+            n *= d
+        count[e["dtype"]] = count.get(e["dtype"], 0) + n
+    stored = getattr(torch, max(count, key=count.get), None) if count else None
+    return stored if stored in DTYPES.values() else torch.float32
 
 
 def open_checkpoint(path, tokenizer_model=None):
@@ -60,12 +82,12 @@ def open_checkpoint(path, tokenizer_model=None):
     return ckpt, cfg, tok
 
 
-def load(path, tokenizer_model=None) -> tuple[GPTChunk, Tokenizer]:
+def load(path, tokenizer_model=None, dtype="auto") -> tuple[GPTChunk, Tokenizer]:
     """The whole model in one process (one chunk, eval mode) and its tokenizer."""
     ckpt, cfg, tok = open_checkpoint(path, tokenizer_model)
     ckpt.verify()
-    chunk = GPTChunk(cfg)
-    load_model([chunk], LOCAL, ckpt)
+    chunk = GPTChunk(cfg, dtype=model_dtype(ckpt, dtype), meta=True)
+    load_mapped([chunk], LOCAL, ckpt, "cpu")
     return chunk.eval(), tok
 
 
@@ -97,13 +119,17 @@ def layout(ckpt, world: int, tp=1, pp=1, ep=1, cp=1):
     return validate(run, world)
 
 
-def load_chunks(ckpt, cfg, shape, groups, dtype="fp32") -> list[GPTChunk]:
+def load_chunks(ckpt, cfg, shape, groups, dtype="auto") -> list[GPTChunk]:
     """This rank's chunks (eval mode) of `layout`'s shape, each holding only its experts (those
-    of its ep rank), loaded with only this rank's slices read. Every rank agrees on an error."""
+    of its ep rank), built on the meta device and materialised from this rank's slices only
+    (`load_mapped`), in the checkpoint's dtype unless `dtype` names another. Every rank agrees
+    on an error."""
     from megalite.pipeline.partition import rank_chunks
 
     chunks = [
-        GPTChunk(cfg, groups.tp, **kw, dtype=DTYPES[dtype], device=groups.device).eval()
+        GPTChunk(
+            cfg, groups.tp, **kw, dtype=model_dtype(ckpt, dtype), device=groups.device, meta=True
+        ).eval()
         for kw in rank_chunks(cfg.num_layers, shape.pp, 1, groups.pp.rank, shape.placement)
     ]  # the expert group: the one build_groups attaches to groups.tp
     with agreed_errors(groups.world):
@@ -111,11 +137,11 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="fp32") -> list[GPTChunk]:
         ckpt.verify(files[groups.rank :: groups.world.size])  # each file hashed by one rank
         check_model(chunks, groups.tp, ckpt)
     with agreed_errors(groups.world):
-        load_model(chunks, groups.tp, ckpt)
+        load_mapped(chunks, groups.tp, ckpt, groups.device)
     return chunks
 
 
-def load_at_layout(opened, tp=1, pp=1, dtype="fp32", ep=1, cp=1) -> Model:
+def load_at_layout(opened, tp=1, pp=1, dtype="auto", ep=1, cp=1) -> Model:
     """This rank's chunks at tp x pp (experts over ep) from `open_checkpoint`'s result. Bad
     input fails before torch.distributed starts (identically on every rank), or every rank
     agrees on the error."""
@@ -175,7 +201,8 @@ def main(argv):
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (long prompts)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="compute dtype (auto: the checkpoint's)")  # fmt: skip
     p.add_argument("--tokenizer-model", help="sentencepiece model (default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print prompt and new token ids as JSON")
     p.add_argument("--debug", action="store_true", help="full tracebacks")

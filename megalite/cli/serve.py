@@ -251,7 +251,8 @@ def main(argv):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
-    p.add_argument("--dtype", choices=sorted(gen.DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=["auto", *sorted(gen.DTYPES)], default="auto",
+                   help="compute dtype (auto: the checkpoint's)")  # fmt: skip
     p.add_argument("--tokenizer-model", help="sentencepiece model (default: the checkpoint's)")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     a = p.parse_args(argv)

@@ -18,6 +18,7 @@ from megalite.kernels import TORCH_OPS
 from megalite.kernels.fp8_linear import layer_ops
 from megalite.model.layers import Norm, TransformerLayer
 from megalite.model.mtp import MTPModule, mtp_loss
+from megalite.model.rope import RotaryTables
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -56,9 +57,13 @@ class GPTChunk(nn.Module):
         ep: Group | None = None,
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
+        meta: bool = False,
     ):
-        """`ep`: the expert-parallel group of an MoE model (default: the one build_groups
-        attaches to the TP group, else experts on this rank alone). `cp`: the context-parallel
+        """`meta`: parameters and buffers on the meta device (shapes, names and specs, no
+        memory, nothing initialised), for a model about to be loaded: model/materialize.py
+        then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model
+        (default: the one build_groups attaches to the TP group, else experts on this rank
+        alone). `cp`: the context-parallel
         group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
         its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all). `ops`: the kernels every
         layer calls (megalite.kernels; `override` swaps one, the linear or attention, say)."""
@@ -72,7 +77,7 @@ class GPTChunk(nn.Module):
         # dropout of sharded activations: a stream per TP rank, and per cp rank (other tokens)
         shard = tp.rank + tp.size * (cp.rank if cp is not None else 0)
         self.rng = rng = ShardedRNG(seed, shard, torch.device(device or "cpu"))
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": "meta" if meta else device}
         if has_embedding:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(
@@ -84,11 +89,14 @@ class GPTChunk(nn.Module):
                 # with sequence parallelism each rank adds positions to its own rows only
                 mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
         ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
+        # one cos/sin table for every layer (per head dim), sized to the training sequence
+        # and grown by generation to the positions its cache holds
+        self.rotary = RotaryTables(cfg.seq_length, kw["device"])
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(cfg.layer_config(i), tp, layer_ops(ops, i, cfg.num_layers),
                                       self.seq_parallel, rng, recompute, **kw,
                                       ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
-                                      cp_comm_type=cp_comm_type)
+                                      cp_comm_type=cp_comm_type, rope=self.rotary)
              for i in layers}
         )  # fmt: skip
         if has_head:
@@ -107,7 +115,7 @@ class GPTChunk(nn.Module):
         twin = cfg.tied or cfg.mtp_num_layers  # the head's stage holds a copy of the embedding
         if twin and has_embedding and not has_head:  # its twin is on the head's stage
             update(self.embedding.word.weight, grad_sum=("embed",))
-        if torch.device(device or "cpu").type != "meta":  # the planner builds shapes only
+        if torch.device(kw["device"] or "cpu").type != "meta":  # the planner: shapes only
             self.init_parameters(seed)
 
     def _build_mtp(self, cfg, ops, rng, recompute, kw, ep, cp, cp_comm_type):
@@ -117,7 +125,7 @@ class GPTChunk(nn.Module):
         self.mtp = nn.ModuleDict(
             {str(k): MTPModule(cfg, self.tp, ops, self.seq_parallel, rng, recompute, **kw,
                                ep=ep if cfg.is_moe_layer(L + k) else None, cp=cp,
-                               cp_comm_type=cp_comm_type)
+                               cp_comm_type=cp_comm_type, rope=self.rotary)
              for k in range(cfg.mtp_num_layers)}
         )  # fmt: skip
         if self.has_embedding:

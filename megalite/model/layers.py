@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import ModelConfig
 from megalite.model.mla import LatentAttention
 from megalite.model.moe import MoELayer
-from megalite.model.rope import rotary_tables
+from megalite.model.rope import RotaryTable
 from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
@@ -91,9 +91,11 @@ class Attention(nn.Module):
         device=None,
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
+        rope=None,
     ):
         """`cp`: the context-parallel group (this rank holds s/cp tokens of each sequence;
-        attention spans all of them), by `cp_comm_type` p2p (ring) or a2a."""
+        attention spans all of them), by `cp_comm_type` p2p (ring) or a2a. `rope`: the
+        chunk's `RotaryTables` (default: a table of this layer's own)."""
         super().__init__()
         self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng
         self.cp, self.cp_comm_type = cp or Group("cp", [0], 0, device=tp.device), cp_comm_type
@@ -136,10 +138,8 @@ class Attention(nn.Module):
             spec = shard_spec(tp, 0, no_weight_decay=True)
             self.sinks = mark(nn.Parameter(torch.zeros(self.heads, dtype=dtype, device=device)),
                               **spec)  # fmt: skip
-        if self.rotary:
-            cos, sin = rotary_tables(cfg, device)
-            self.register_buffer("cos", cos, persistent=False)
-            self.register_buffer("sin", sin, persistent=False)
+        if self.rotary:  # shared by the chunk's layers
+            self.rope = RotaryTable(cfg, cfg.seq_length, device) if rope is None else rope.get(cfg)
 
     def _core(self, q, k, v, shard=None):
         """q (b, nh/t, s, hd), k and v (b, kv heads, s, hd) -> (b, nh/t, s, hd): `ops.attention`,
@@ -165,13 +165,15 @@ class Attention(nn.Module):
         return checkpoint(self._core, q, k, v, shard, use_reentrant=False,
                           context_fn=self.rng.recompute_contexts)  # fmt: skip
 
-    def _rotate_at(self, q, k, positions):
+    def _rotate_at(self, q, k, positions, rows: int):
         """RoPE of q and k (b, s, heads, hd) at per-row positions (b, s), in one call: the rows
-        as one long sequence, so the op's (s, d/2) tables are the rows of each position."""
+        as one long sequence, so the op's (s, d/2) tables are the rows of each position.
+        `rows`: a host bound on the positions (the table grows to it; no device read)."""
         b, s = positions.shape
         pos = positions.reshape(-1)
+        cos, sin = self.rope.tables(rows)
         qk = torch.cat([q, k], 2).reshape(1, b * s, -1, q.shape[3])  # (1, b*s, heads, hd)
-        qk = self.ops.rotary(qk, self.cos[pos], self.sin[pos]).view(b, s, -1, q.shape[3])
+        qk = self.ops.rotary(qk, cos[pos], sin[pos]).view(b, s, -1, q.shape[3])
         return qk.split([q.shape[2], k.shape[2]], 2)
 
     def forward(self, x, kv=None, shard=None):
@@ -190,12 +192,13 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):  # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and kv is not None:
-            q, k = self._rotate_at(q, k, kv.positions)
+            q, k = self._rotate_at(q, k, kv.positions, kv.span)
         elif self.rotary and shard is not None:  # true (or in-document) positions
-            q, k = self._rotate_at(q, k, shard.positions)
+            q, k = self._rotate_at(q, k, shard.positions, self.cfg.seq_length)
         elif self.rotary:
-            q = self.ops.rotary(q, self.cos[:s], self.sin[:s])
-            k = self.ops.rotary(k, self.cos[:s], self.sin[:s])
+            cos, sin = self.rope.tables(s)
+            q = self.ops.rotary(q, cos[:s], sin[:s])
+            k = self.ops.rotary(k, cos[:s], sin[:s])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
         if kv is not None and kv.cp is not None:  # the cache is split over cp (CPKVCache)
             o = kv.attend(q, k, v, self.ops, getattr(self, "sinks", None), **self.window)
@@ -274,9 +277,11 @@ class TransformerLayer(nn.Module):
         ep: Group | None = None,
         cp: Group | None = None,
         cp_comm_type: str = "p2p",
+        rope=None,
     ):
         """`ep`: the expert-parallel group; given, the layer holds experts instead of an MLP.
-        `cp`, `cp_comm_type`: context parallelism (Attention)."""
+        `cp`, `cp_comm_type`: context parallelism (Attention); `rope`: the chunk's
+        RotaryTables."""
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.sp, self.rng, self.dropout, self.recompute = (
@@ -289,7 +294,7 @@ class TransformerLayer(nn.Module):
         attention = LatentAttention if cfg.features.latent_attention else Attention
         self.attention = attention(
             cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw, cp=cp,
-            cp_comm_type=cp_comm_type,
+            cp_comm_type=cp_comm_type, rope=rope,
         )  # fmt: skip
         self.post_attention_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
         if ep is None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
-from megalite.model.rope import rotary_tables
+from megalite.model.rope import RotaryTable
 from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
@@ -76,7 +76,7 @@ class LatentAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, sharded_rng,
                  recompute_core, dtype=None, device=None, cp: Group | None = None,
-                 cp_comm_type: str = "p2p"):  # fmt: skip
+                 cp_comm_type: str = "p2p", rope=None):  # fmt: skip
         super().__init__()
         self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng
         self.cp, self.cp_comm_type = cp or Group("cp", [0], 0, device=tp.device), cp_comm_type
@@ -106,18 +106,21 @@ class LatentAttention(nn.Module):
                                      sequence_parallel=sequence_parallel, dtype=dtype,
                                      device=device, ops=ops)  # fmt: skip
         # RoPE over the dr dims only: the tables of a model whose head dim is dr
-        cos, sin = rotary_tables(dataclasses.replace(cfg, kv_channels=self.dr), device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        rope_cfg = dataclasses.replace(cfg, kv_channels=self.dr)
+        self.rope = (
+            RotaryTable(rope_cfg, cfg.seq_length, device) if rope is None else rope.get(rope_cfg)
+        )  # the chunk's (RotaryTables), shared by its layers
 
-    def _rotate(self, x, positions):
-        """RoPE of x (b, s, heads, dr) at positions (b, s), or 0..s-1 when None."""
+    def _rotate(self, x, positions, rows: int):
+        """RoPE of x (b, s, heads, dr) at positions (b, s), or 0..s-1 when None; `rows`: a
+        host bound on the positions."""
+        cos, sin = self.rope.tables(rows)
         if positions is None:
             s = x.shape[1]
-            return self.ops.rotary(x, self.cos[:s], self.sin[:s])
+            return self.ops.rotary(x, cos[:s], sin[:s])
         b, s = positions.shape
         pos = positions.reshape(-1)
-        y = self.ops.rotary(x.reshape(1, b * s, -1, self.dr), self.cos[pos], self.sin[pos])
+        y = self.ops.rotary(x.reshape(1, b * s, -1, self.dr), cos[pos], sin[pos])
         return y.view(b, s, -1, self.dr)
 
     def _expand(self, latent, k_rope):
@@ -174,8 +177,9 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a(x).split([self.r, self.dr], -1)  # (b, s, r), (b, s, dr)
         latent = self.kv_a_norm(latent)
         positions = kv.positions if kv is not None else getattr(shard, "positions", None)
-        q_rope = self._rotate(q_rope, positions)  # (b, s, nh/t, dr)
-        k_rope = self._rotate(k_rope[:, :, None], positions)  # (b, s, 1, dr)
+        rows = kv.span if kv is not None else s if positions is None else self.cfg.seq_length
+        q_rope = self._rotate(q_rope, positions, rows)  # (b, s, nh/t, dr)
+        k_rope = self._rotate(k_rope[:, :, None], positions, rows)  # (b, s, 1, dr)
         q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # (b, nh/t, s, dn + dr)
         if kv is not None:
             o = self._cached(q, latent, k_rope, kv)

@@ -31,9 +31,9 @@ from megalite.parallel.tensor_parallel import shard_spec
 class MTPModule(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, sharded_rng,
                  recompute, dtype=None, device=None, ep: Group | None = None,
-                 cp: Group | None = None, cp_comm_type: str = "p2p"):  # fmt: skip
+                 cp: Group | None = None, cp_comm_type: str = "p2p", rope=None):  # fmt: skip
         """`ep`: given, the module's layer holds experts (DeepSeek-V3's MTP layer is an MoE
-        layer when the model's last layers are)."""
+        layer when the model's last layers are); `rope`: the chunk's RotaryTables."""
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.ops = ops
@@ -44,7 +44,8 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Module()
         self.eh_proj.weight = mark(nn.Parameter(w), **shard_spec(tp, None, sequence_parallel))
         self.layer = TransformerLayer(cfg, tp, ops, sequence_parallel, sharded_rng, recompute,
-                                      **kw, ep=ep, cp=cp, cp_comm_type=cp_comm_type)  # fmt: skip
+                                      **kw, ep=ep, cp=cp, cp_comm_type=cp_comm_type,
+                                      rope=rope)  # fmt: skip
         self.final_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
 
     def forward(self, emb, hidden, shard=None):

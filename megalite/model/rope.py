@@ -1,6 +1,7 @@
 """RoPE tables and the scalings that stretch them to longer contexts.
 
-`rotary_tables(cfg)` gives the cos and sin tables every attention layer rotates q and k by.
+`rotary_tables(cfg)` gives the cos and sin tables every attention layer rotates q and k by;
+`RotaryTables` holds them once per model chunk, shared by its layers.
 `--rope-scaling` picks one of `SCALINGS`, each a function (cfg, base frequencies) ->
 (frequencies, attention factor) written after the formulas Hugging Face transformers uses for
 its `rope_type` of the same name, in the same fp32 operations, so that converted models give
@@ -10,6 +11,7 @@ the same logits. The attention factor multiplies cos and sin (yarn's mscale; 1 e
 import math
 
 import torch
+import torch.nn as nn
 
 from megalite.config import ModelConfig
 
@@ -84,8 +86,54 @@ def _yarn(cfg: ModelConfig, inv_freq: torch.Tensor):
 SCALINGS = {"none": _none, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
 
 
-def rotary_tables(cfg: ModelConfig, device=None):
-    """cos, sin (seq_length, head_dim/2) in fp32, as Hugging Face computes them."""
+def rotary_tables(cfg: ModelConfig, device=None, length: int | None = None):
+    """cos, sin (length, head_dim/2) in fp32, as Hugging Face computes them (default length:
+    seq_length)."""
+    length = cfg.seq_length if length is None else length
     inv_freq, factor = SCALINGS[cfg.rope_scaling](cfg, 1.0 / _powers(cfg))
-    freqs = torch.outer(torch.arange(cfg.seq_length, dtype=torch.int64).float(), inv_freq)
+    freqs = torch.outer(torch.arange(length, dtype=torch.int64).float(), inv_freq)
     return (freqs.cos() * factor).to(device), (freqs.sin() * factor).to(device)
+
+
+class RotaryTable(nn.Module):
+    """The cos and sin tables of one model's frequencies (buffers: they follow the chunk's
+    `.to()`), shared by all its attention layers: one table per model, not one per layer.
+    Built at `length` rows (training: the sequence length) and grown when a longer position is
+    asked for (generation: the KV cache's slots), never sized by `max_position_embeddings`.
+    A row's values do not depend on the table's length (elementwise fp32), so a grown table
+    agrees bit for bit with one built at that length."""
+
+    def __init__(self, cfg: ModelConfig, length: int, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.build(length, device)
+
+    def build(self, length: int, device=None):
+        if torch.device(device or "cpu").type == "meta":  # shapes only: nothing computed
+            cos = sin = torch.empty(length, self.cfg.head_dim // 2, device="meta")
+        else:
+            cos, sin = rotary_tables(self.cfg, device, length)
+        self.register_buffer("cos", cos, persistent=False)  # (length, head_dim/2) fp32
+        self.register_buffer("sin", sin, persistent=False)
+
+    def tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin with at least n rows (a host int: nothing is read from the device)."""
+        if n > self.cos.shape[0]:
+            self.build(max(n, 2 * self.cos.shape[0]), self.cos.device)
+        return self.cos, self.sin
+
+
+class RotaryTables(nn.Module):
+    """A model chunk's rotary tables, one per head dim (latent attention rotates only its
+    qk_rope_head_dim dims): layers ask `get(cfg)` for theirs."""
+
+    def __init__(self, length: int, device=None):
+        super().__init__()
+        self.length, self.device = length, device
+        self.by_dim = nn.ModuleDict()
+
+    def get(self, cfg: ModelConfig) -> RotaryTable:
+        key = f"d{cfg.head_dim}"
+        if key not in self.by_dim:
+            self.by_dim[key] = RotaryTable(cfg, self.length, self.device)
+        return self.by_dim[key]

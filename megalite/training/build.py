@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from megalite import kernels
+from megalite.checkpoint.checkpointer import resume_path
 from megalite.config import Config
 from megalite.kernels import fp8, fp8_linear
 from megalite.model.gpt import GPTChunk
+from megalite.model.materialize import materialize
 from megalite.model.moe import aux_loss_scale
 from megalite.optim.distributed_optimizer import DistributedOptimizer, build_optimizer
 from megalite.parallel import comm
@@ -72,7 +74,11 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
     """This rank's model chunks: one per virtual stage it holds, with the layers the schedule's
     placement gives it, on the groups' device, each layer compiled with `--compile`
     (training/compile.py). `ops`: the kernels every layer calls (default
-    `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them)."""
+    `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them).
+    A run that starts from a checkpoint (--load, --finetune, --eval-only, a restart resuming
+    its --save: `resume_path`) builds them on the meta device and gives them uninitialised
+    memory (model/materialize.py): the checkpointer's load fills every weight, so none is drawn
+    at random first. A run from scratch initialises them as always."""
     t = cfg.training
     ops = ops or kernels.select(t.kernels, groups.device)
     if t.fp8_format is not None:  # the attention and MLP linears build FP8 ones (docs/fp8.md)
@@ -88,13 +94,17 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
             ops, fp8_linear=fp8_linear.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16,
                                          getattr(ops, "fp8_casts", fp8.TORCH_CASTS))
         )  # fmt: skip
+    loading = resume_path(cfg) is not None
     chunks = [
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
-                 device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type)
+                 device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type,
+                 meta=loading)
         for kw in rank_chunks(shape.model.num_layers, shape.pp, shape.vpp, groups.pp.rank,
                               shape.placement)
     ]  # fmt: skip
+    for chunk in chunks if loading else ():
+        materialize(chunk, groups.device)
     if t.compile:  # each layer's math compiled; names, hooks and recompute stay as they are
         compile_chunks(chunks)
     return chunks

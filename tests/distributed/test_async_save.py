@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import shard_io
 from megalite.errors import MegaliteError
 from megalite.testing import CONTEXT, spawn, tiny_config, tiny_trainer
 
@@ -44,15 +45,15 @@ def _same_files_and_errors(rank, world, root):
         (root / "run" / "iter_0000002").rename(root / "sync")
         (root / "run" / "latest").unlink()
     dist.barrier()
-    real, go = fmt.write_shard, threading.Event()
-    fmt.write_shard = lambda *a: (go.wait(), real(*a))[1]  # written only after the next step
+    real, go = shard_io.write_shard, threading.Event()
+    shard_io.write_shard = lambda *a: (go.wait(), real(*a))[1]  # written only after the next step
     tr.groups.ledger.reset()
     ck._save_async(state)
     traffic = dict(tr.groups.ledger.bytes)  # the foreground's collectives
     tr.train_step(log=False)  # the parameters and moments change before the files are written
     go.set()
     ck.wait()
-    fmt.write_shard = real
+    shard_io.write_shard = real
     same = None
     if rank == 0:
         same = _files(root / "sync") == _files(root / "run" / "iter_0000002")
@@ -62,14 +63,14 @@ def _same_files_and_errors(rank, world, root):
         real(d, name, tensors)
         raise OSError(28, "No space left on device")
 
-    fmt.write_shard = full if rank == 1 else real
+    shard_io.write_shard = full if rank == 1 else real
     ck._save_async(tr.state())  # iteration 3
     error = None
     try:
         ck.save(tr.state())  # the next save first waits for the one in flight
     except MegaliteError as e:
         error = str(e)
-    fmt.write_shard = real
+    shard_io.write_shard = real
     return same, error, traffic
 
 
@@ -102,7 +103,7 @@ def _killed(save, rendezvous, marker):
     disk) and the parent kills the process there."""
     torch.set_num_threads(1)  # as megalite/testing.py: the same arithmetic as the reference run
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    real = fmt.write_shard
+    real = shard_io.write_shard
 
     def slow(d, name, tensors):
         if d.name == ".iter_0000004.tmp":
@@ -111,7 +112,7 @@ def _killed(save, rendezvous, marker):
             time.sleep(600)
         return real(d, name, tensors)
 
-    fmt.write_shard = slow
+    shard_io.write_shard = slow
     _trainer(save).train()
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import shard_io
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config import Config
 from megalite.config_read import from_dict
@@ -115,19 +116,19 @@ def _failing_saves(rank, world, root):
     tr.train()  # two steps, then the final save
     assert (Path(root) / fmt.LATEST).read_text() == "iter_0000002"
     errors = []
-    real = fmt.write_shard
+    real = shard_io.write_shard
 
     def broken(d, name, tensors):  # one rank's disk fills up half way
         real(d, name, tensors)
         raise OSError(28, "No space left on device")
 
     tr.iteration = 3
-    fmt.write_shard = broken if rank == 1 else real
+    shard_io.write_shard = broken if rank == 1 else real
     try:
         tr.save()
     except MegaliteError as e:
         errors.append(str(e))
-    fmt.write_shard = real
+    shard_io.write_shard = real
     dist.barrier()
     for kw in ({"hidden": 64}, {"vocab": 120}):
         try:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import mapped
 from megalite.checkpoint.checkpointer import load_model
 from megalite.cli import generate as gen_tool
 from megalite.config import ModelConfig
@@ -144,15 +145,21 @@ def _generate(rank, world, paths, over_replicas=()):
 
 
 def _track_expert_reads(ckpt, num_experts) -> set:
-    """The ranges of experts (dim 0) that `ckpt.read` is asked for, filled as it reads."""
-    rows, read = set(), ckpt.read
+    """The ranges of experts (dim 0) that `ckpt.read` or the mapped loader
+    (checkpoint/mapped.py `_slice`) is asked for, filled as they read."""
+    rows, read, mapped_slice = set(), ckpt.read, mapped._slice
 
     def tracked(name, region=None):
         if ".experts." in name:
             rows.add(tuple(region[0]) if region else (0, num_experts))
         return read(name, region)
 
-    ckpt.read = tracked
+    def tracked_slice(files, c, name, region):
+        if c is ckpt and ".experts." in name:
+            rows.add(tuple(region[0]))
+        return mapped_slice(files, c, name, region)
+
+    ckpt.read, mapped._slice = tracked, tracked_slice
     return rows
 
 

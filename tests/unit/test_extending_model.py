@@ -131,7 +131,7 @@ def test_a_new_flavour_is_a_row_of_features(monkeypatch):
     assert "embedding.position.weight" not in names and "output.weight" in names
     assert not any(n.endswith("norm.bias") for n in names)
     lay = GPTChunk(cfg, seed=1).layers["0"].attention
-    assert lay.cos.shape == (cfg.seq_length, cfg.head_dim // 2)
+    assert lay.rope.cos.shape == (cfg.seq_length, cfg.head_dim // 2)
     gpt2_like = dataclasses.replace(qwen, norm="layernorm", position="learned", gated_mlp=False)
     monkeypatch.setitem(FLAVOURS, "qwen-style", gpt2_like)
     names = {n for n, _ in GPTChunk(small("qwen-style"), seed=1).named_parameters()}

@@ -1,0 +1,89 @@
+"""Loading a model as real sizes need it (issue 42 item 4): built on the meta device and given
+the checkpoint's own bytes in the checkpoint's dtype, no weight initialised first; one rotary
+table per model, as long as the positions used."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megalite.checkpoint import format as fmt
+from megalite.cli import generate as gen_tool
+from megalite.config_read import from_dict
+from megalite.generation import generate
+from megalite.model.gpt import GPTChunk
+from megalite.model_config import ModelConfig
+from megalite.parallel.groups import single_process_groups
+from megalite.parallel.specs import spec_of
+from megalite.shape import validate
+from megalite.testing import tiny_config
+from megalite.training.build import build_chunks
+
+GROUPS = single_process_groups()
+
+
+def small(**kw):
+    base = dict(flavour="llama", num_layers=3, hidden_size=32, num_attention_heads=4,
+                num_query_groups=2, seq_length=4096, vocab_size=80,
+                make_vocab_size_divisible_by=16)  # fmt: skip
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """(reference bf16 model, its checkpoint directory, the model config it holds)."""
+    cfg = small()
+    ref = GPTChunk(cfg, seed=3, dtype=torch.bfloat16).eval()
+    state = {spec_of(p).name: p.detach() for p in ref.parameters()}  # no vocabulary padding
+    meta = {"config": {"model": dataclasses.asdict(cfg)}}
+    fmt.write_full_checkpoint(tmp_path / "ml", state, meta)
+    return ref, tmp_path / "ml", from_dict({"model": meta["config"]["model"]}).model
+
+
+def _never_initialised(monkeypatch):
+    def refuse(self, seed):
+        raise AssertionError("a model about to be loaded was initialised")
+
+    monkeypatch.setattr(GPTChunk, "init_parameters", refuse)
+
+
+def _cos_tables(chunk):
+    return {id(b): b for n, b in chunk.named_buffers(remove_duplicate=False) if n.endswith("cos")}
+
+
+def test_generation_loads_the_checkpoint_bytes_in_its_dtype_uninitialised(saved, monkeypatch):
+    ref, path, cfg = saved
+    _never_initialised(monkeypatch)
+    ckpt = fmt.Checkpoint(path)
+    (chunk,) = gen_tool.load_chunks(ckpt, cfg, gen_tool.layout(ckpt, 1), GROUPS)  # dtype auto
+    assert {p.dtype for p in chunk.parameters()} == {torch.bfloat16}
+    for (name, p), q in zip(chunk.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    # the weights are views of the mapped file (copy-on-write), not an anonymous copy
+    size = (path / "model.safetensors").stat().st_size
+    assert chunk.layers["1"].mlp.up.weight.untyped_storage().nbytes() == size
+    prompt = [[5, 9, 2, 7]]
+    assert generate([chunk], GROUPS, prompt, 3) == generate([ref], GROUPS, prompt, 3)
+    # one table for every layer, grown to the cache's positions (4 + 3 - 1), not seq_length
+    (table,) = _cos_tables(chunk).values()
+    assert table.shape == (6, cfg.head_dim // 2)
+
+
+def test_one_rotary_table_per_model():
+    chunk = GPTChunk(small(num_layers=4), seed=1)
+    (table,) = _cos_tables(chunk).values()  # not one per layer
+    assert table.shape == (4096, 4)
+
+
+def test_a_run_that_loads_a_checkpoint_builds_without_initialising(saved, monkeypatch):
+    _, path, _ = saved
+    cfg = tiny_config()
+    cfg.model = small()
+    cfg.checkpoint.load = str(path)
+    _never_initialised(monkeypatch)
+    (chunk,) = build_chunks(cfg, validate(cfg, 1), GROUPS)
+    assert not any(p.is_meta for p in chunk.parameters())
+    assert not any(b.is_meta for b in chunk.buffers())
+    cfg.checkpoint.load = None  # from scratch: initialised as always
+    with pytest.raises(AssertionError, match="was initialised"):
+        build_chunks(cfg, validate(cfg, 1), GROUPS)
