@@ -78,7 +78,7 @@ def sample_index_dtype(lengths: np.ndarray, doc_index: np.ndarray) -> np.dtype:
 
 
 def sample_index_blocks(
-    lengths: np.ndarray, doc_index: np.ndarray, seq_length: int, num_samples: int, block=BLOCK
+    lengths: np.ndarray, doc_index: np.ndarray, seq_length: int, num_samples: int, block=None
 ):
     """The sample index (see `sample_index`) as consecutive blocks of at most `block` rows, built
     from `block` documents at a time: memory stays a few blocks whatever the sizes, so a caller
@@ -88,6 +88,7 @@ def sample_index_blocks(
     c[p] = ceil(ends[p] / seq) counts the boundaries before document p's end, so document p holds
     boundaries [c[p-1], c[p]) (none when it is empty): positions are a `repeat` of the document
     ids by those counts, offsets k*seq minus the document's start."""
+    block = block or BLOCK
     dtype = sample_index_dtype(lengths, doc_index)
     want = num_samples + 1  # boundaries 0..num_samples
     done, before = 0, 0  # boundaries given so far; stream tokens before document `a`
