@@ -89,3 +89,11 @@ def test_long_builds_print_progress(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert any("gpt-train sample index 100% (" in line for line in err), err
     assert "megalite: built the gpt-train sample order" in err[-1]
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 5000])
+def test_skip_shuffle_leaves_the_generator_where_shuffle_does(n):
+    shuffled, skipped = np.random.RandomState(n), np.random.RandomState(n)
+    shuffled.shuffle(np.arange(n))
+    order.skip_shuffle(skipped, n, block=7)  # blocks cut anywhere
+    assert shuffled.randint(0, 2**31, 8).tolist() == skipped.randint(0, 2**31, 8).tolist()
