@@ -17,6 +17,7 @@ it only megalite's side runs. The directory is removed afterwards unless --keep.
 
 import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -84,11 +85,17 @@ def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int)
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset VmHWM to the current RSS: the peak from here on is the build's
     base = _memory()["VmRSS"]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     ds = build()
-    seconds = time.perf_counter() - start
-    return {"side": side, "seconds": seconds, "peak": _memory()["VmHWM"] - base, "base": base,
-            "samples": len(ds)}  # fmt: skip
+    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
+    return {"side": side, "seconds": seconds, "cpu": cpu, "peak": _memory()["VmHWM"] - base,
+            "base": base, "samples": len(ds)}  # fmt: skip
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far, all threads, user and system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def arrays(side: str, cache: Path) -> dict[str, Path]:
@@ -147,7 +154,7 @@ def main():
                     sys.exit(f"{side}'s build failed:\n{out.stderr[-3000:]}")
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 results[side].append(res)
-                print(f"round {r} {side:9s} {res['seconds']:7.1f} s  peak "
+                print(f"round {r} {side:9s} {res['seconds']:7.1f} s ({res['cpu']:.1f} CPU-s)  peak "
                       f"{res['peak'] / 2**30:6.2f} GiB above {res['base'] / 2**20:.0f} MiB "
                       f"({res['samples']:,} samples)")  # fmt: skip
         figures = [figure("megalite build time", _mean(results["megalite"], "seconds"), "s")]
@@ -155,8 +162,11 @@ def main():
             same = all(equal(x, y) for x, y in zip(*(arrays(s, work / f"cache-{s}").values()
                                                       for s in sides)))  # fmt: skip
             t = _mean(results["megalite"], "seconds") / _mean(results["megatron"], "seconds")
+            per_round = sorted(a["seconds"] / b["seconds"] for a, b in zip(*results.values()))
+            cpu = _mean(results["megalite"], "cpu") / _mean(results["megatron"], "cpu")
             m = _mean(results["megalite"], "peak") / _mean(results["megatron"], "peak")
-            print(f"megalite / megatron-core: time {t:.2f}x, peak RSS {m:.2f}x; "
+            print(f"megalite / megatron-core: time {t:.2f}x (per round "
+                  f"{', '.join(f'{x:.2f}' for x in per_round)}; CPU time {cpu:.2f}x), peak RSS {m:.2f}x; "
                   f"arrays {'equal' if same else 'DIFFER'}")  # fmt: skip
             figures = [
                 figure("index build time vs megatron-core", round(t, 2), "x", "<= 1.0", t <= 1.0),
