@@ -115,7 +115,7 @@ def sample_index_blocks(
         ends = np.cumsum(sizes)
         ends += before
         c = np.minimum((ends + (seq_length - 1)) // seq_length, want)  # (n,)
-        stop = int(c[-1])
+        starts, stop = ends - sizes, int(c[-1])
         for k0 in range(done, stop, block):
             k1 = min(k0 + block, stop)
             p0 = int(np.searchsorted(c, k0, side="right"))  # the document holding boundary k0
@@ -124,7 +124,7 @@ def sample_index_blocks(
             pos = np.repeat(np.arange(p0, p1 + 1), counts)  # (k1 - k0,) within the block
             out = np.empty((k1 - k0, 2), dtype)
             out[:, 0] = pos + a
-            out[:, 1] = np.arange(k0, k1, dtype=np.int64) * seq_length - (ends - sizes)[pos]
+            out[:, 1] = np.arange(k0, k1, dtype=np.int64) * seq_length - starts[pos]
             yield out
         done, before = stop, int(ends[-1])
     if done != want:
