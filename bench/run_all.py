@@ -172,6 +172,10 @@ QUICK = {
         "the shape 4 x 256, s 256, 8 rounds",
     ),  # fmt: skip
     "bench_data.py": (["--repeats", "1"], "5 interleaved rounds"),
+    "bench_index.py": (
+        ["--samples", "2000000", "--docs", "100000", "--rounds", "1"],
+        "10^8 samples over 2M documents, 2 rounds (docs/benchmarks.md)",
+    ),
     "bench_async_save.py": (
         [
             "--layers",
@@ -306,7 +310,8 @@ HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "_load_at_size.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
-           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py", "bench_save.py"}  # fmt: skip
+           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py", "bench_save.py",
+           "bench_index.py"}  # fmt: skip
 
 
 def check_coverage() -> list[str]:

@@ -152,10 +152,14 @@ class DataConfig:
         2048, "vocabulary of the tokenizer trained for the built-in corpus"
     )
     data_cache_dir: str = opt(
-        "data_cache", "where the built-in corpus and its tokenizer are cached"
+        "data_cache",
+        "where the built-in corpus and its tokenizer are cached (and the sample-order indices "
+        "when the data's directory cannot be written)",
     )
     data_cache_path: str | None = opt(
-        None, "where the built sample-order indices are cached as .npy (default: not cached)"
+        None,
+        "where the built sample-order indices are cached as .npy (default: megalite_indices/ "
+        "beside the data, else under --data-cache-dir)",
     )
     train_data_path: list[str] = opt(
         list, "the training split's own prefixes, optionally weighted (instead of --data-path)"

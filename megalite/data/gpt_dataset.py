@@ -24,6 +24,7 @@ Without weights (`--data-path a b`) each part is one epoch and weighs its size.
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
@@ -37,6 +38,9 @@ from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.splits import SPLIT_NAMES, Blend, split_blends, split_sequences, split_sizes
 from megalite.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError
+
+PROGRESS_S = 10.0  # seconds between progress lines of a long index build
+INDEX_CACHE = "megalite_indices"  # the default cache's directory, beside the data
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,16 @@ class GPTDataset:
             "seed": seed,
         }
 
-        def build():
-            d, s, p = order.build_gpt_indices(seqs.lengths, indices, num_samples, seq_length, seed)
-            return {"document_index": d, "sample_index": s, "shuffle_index": p}
+        def build(directory):
+            start = time.monotonic()
+            built = order.gpt_indices(seqs.lengths, indices, num_samples, seq_length, seed)
+            for array, shape, dtype, blocks in built:
+                if array == "sample_index":
+                    blocks = _progress(blocks, shape[0] - 1, name, start)
+                index_cache.save_blocks(directory, array, shape, dtype, blocks)
+            if time.monotonic() - start > PROGRESS_S:
+                print(f"megalite: built the {name} sample order in {directory.parent} in "
+                      f"{time.monotonic() - start:.0f} s", file=sys.stderr)  # fmt: skip
 
         arrays = index_cache.cached(cache_dir, name, key, build)
         self.document_index = arrays["document_index"]
@@ -101,6 +112,20 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)  # (seq_length + 1,)
 
 
+def _progress(blocks, samples: int, name: str, start: float):
+    """`blocks` passed through, with a line on stderr every PROGRESS_S seconds (a log file sees
+    a long build move: 10^9 samples take minutes)."""
+    done, last = 0, start
+    for b in blocks:
+        yield b
+        done += len(b)
+        if time.monotonic() - last > PROGRESS_S:
+            last = time.monotonic()
+            print(f"megalite: {name} sample index {min(done, samples) / samples:.0%} "
+                  f"({min(done, samples):,} of {samples:,} samples, {last - start:.0f} s)",
+                  file=sys.stderr)  # fmt: skip
+
+
 class BlendedDataset:
     """`size` samples of `datasets` mixed by (normalised) weights: Megatron's blending indices."""
 
@@ -109,9 +134,10 @@ class BlendedDataset:
         self.weights = order.normalise(weights)
         key = {"kind": "blend", "weights": self.weights, "size": size}  # all the arrays depend on
 
-        def build():
+        def build(directory):
             ds, local = order.blending_indices(self.weights, size)
-            return {"dataset_index": ds, "dataset_sample_index": local}
+            index_cache.save(directory, "dataset_index", ds)
+            index_cache.save(directory, "dataset_sample_index", local)
 
         arrays = index_cache.cached(cache_dir, name or "blend", key, build)
         self.dataset_index = arrays["dataset_index"]
@@ -146,9 +172,10 @@ def build_datasets(cfg) -> Datasets:
     """Train/valid(/test) datasets and the tokenizer for a `megalite.config.Config`.
 
     With no data path, the built-in corpus is prepared once under `cfg.data.data_cache_dir`
-    (safe when every rank calls this at the same time). The sample-order arrays are cached
-    under --data-cache-path when given. cfg is not changed: the model's vocabulary is the
-    tokenizer's unless --vocab-size says more (`RunShape.with_vocab`).
+    (safe when every rank calls this at the same time). The sample-order arrays are built once
+    into --data-cache-path, else `default_cache`, and memory-mapped from there. cfg is not
+    changed: the model's vocabulary is the tokenizer's unless --vocab-size says more
+    (`RunShape.with_vocab`).
     """
     d, m, t = cfg.data, cfg.model, cfg.training
     blends, fractions = split_blends(d, t.eval_only)
@@ -171,6 +198,8 @@ def build_datasets(cfg) -> Datasets:
         blends = [b and Blend([prefix], None) for b in blends]
         tokenizer = load_tokenizer(model)
 
+    cache = d.data_cache_path or default_cache(next(b for b in blends if b).prefixes[0],
+                                               d.data_cache_dir)  # fmt: skip
     opened = {}
 
     def sequences(prefix) -> Sequences:
@@ -192,7 +221,7 @@ def build_datasets(cfg) -> Datasets:
                 f"{m.seq_length + 1} tokens; give it {fix}more data or a shorter --seq-length"
             )
         return GPTDataset(seqs, start, stop, m.seq_length, t.seed, num_samples,
-                          d.data_cache_path, f"gpt-{SPLIT_NAMES[s]}")  # fmt: skip
+                          cache, f"gpt-{SPLIT_NAMES[s]}")  # fmt: skip
 
     def build(s: int, blend: Blend, size: int):
         """Megatron's builder: one prefix alone, weighted parts built with a surplus, or
@@ -204,14 +233,24 @@ def build_datasets(cfg) -> Datasets:
             weights = order.normalise(blend.weights)
             target, built = order.blend_sizes(weights, size)
             parts = [part(s, p, blend.whole, n) for p, n in zip(blend.prefixes, built)]
-            return BlendedDataset(parts, weights, sum(target), d.data_cache_path, name)
+            return BlendedDataset(parts, weights, sum(target), cache, name)
         parts = [part(s, p, blend.whole, None) for p in blend.prefixes]
         lengths = [len(p) for p in parts]
-        return BlendedDataset(parts, lengths, min(size, sum(lengths)), d.data_cache_path, name)
+        return BlendedDataset(parts, lengths, min(size, sum(lengths)), cache, name)
 
     sizes = split_sizes(t)
     train, valid, test = (b and build(s, b, sizes[s]) for s, b in enumerate(blends))
     return Datasets(train=train, valid=valid, tokenizer=tokenizer, test=test)
+
+
+def default_cache(prefix: str, run_cache: str) -> str:
+    """Where the indices are cached without --data-cache-path: beside the data (as Megatron
+    does), or under --data-cache-dir (the run's directory by default) when that cannot be
+    written. Every rank of a node finds the same place, so one builds and the others wait for
+    it and memory-map its files (index_cache.build_once)."""
+    beside = Path(prefix).parent / INDEX_CACHE
+    probe = beside if beside.is_dir() else beside.parent
+    return str(beside if os.access(probe, os.W_OK) else Path(run_cache) / INDEX_CACHE)
 
 
 def _check_vocab(tokenizer_vocab: int, model_cfg, what: str, also: str = "") -> None:

@@ -1,5 +1,6 @@
-"""--data-cache-path: the built sample-order arrays kept as .npy files, keyed by what they
-depend on, so a restart (or every other rank) loads them instead of building them again.
+"""The sample-order cache (--data-cache-path, else beside the data): the built arrays kept as
+.npy files, keyed by what they depend on, so a restart (or every other rank) memory-maps them
+instead of building them again.
 
 An entry is a directory named `<kind>-<split>-<hash of the key>` holding one .npy per array and
 key.json (what the hash covers, for a reader wondering what an entry is). It is written to a
@@ -32,23 +33,46 @@ def cached(
     cache_dir: str | os.PathLike | None,
     name: str,
     key: dict,
-    build: Callable[[], dict[str, np.ndarray]],
+    build: Callable[[Path], None],
 ) -> dict[str, np.ndarray]:
-    """`build()`'s arrays, from `cache_dir` when an entry for `key` is there (memory-mapped),
-    else built and saved there first. Without a cache_dir, just `build()`."""
+    """The arrays `build(directory)` writes there as .npy files (with `save`, `save_blocks`),
+    memory-mapped from `cache_dir`: loaded when an entry for `key` is there, else built there
+    first, straight to its files (a builder never needs the arrays in memory at once). Without
+    a cache_dir, built in a temporary directory and read back into memory."""
     if cache_dir is None:
-        return build()
+        with tempfile.TemporaryDirectory(prefix="megalite-index-") as tmp:
+            build(Path(tmp))
+            return {k: np.array(a) for k, a in _load(Path(tmp)).items()}
     text = json.dumps({"format": FORMAT, **key}, sort_keys=True)
     final = Path(cache_dir) / f"{name}-{sha256(text.encode()).hexdigest()[:20]}"
-    arrays = {}
 
     def fill(tmp: Path):
-        arrays.update(build())
-        for k, a in arrays.items():
-            np.save(tmp / f"{k}.npy", a, allow_pickle=False)
+        build(tmp)
         (tmp / "key.json").write_text(text + "\n")
 
-    return arrays if build_once(final, fill, "--data-cache-path") else _load(final)
+    build_once(final, fill, "--data-cache-path")
+    return _load(final)
+
+
+def save(directory: Path, name: str, array: np.ndarray) -> None:
+    np.save(directory / f"{name}.npy", array, allow_pickle=False)
+
+
+def save_blocks(directory: Path, name: str, shape: tuple, dtype, blocks) -> None:
+    """Write `name`.npy of `shape` and `dtype` from `blocks`, consecutive pieces of it along the
+    first axis, one at a time: the file is the only place the whole array ever is."""
+    dtype, rows = np.dtype(dtype), 0
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": tuple(shape)}  # fmt: skip
+    with open(directory / f"{name}.npy", "wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, header)
+        for b in blocks:
+            if b.dtype != dtype or b.shape[1:] != tuple(shape[1:]):
+                raise ValueError(f"{name}: a block of {b.dtype}{b.shape} in {dtype}{shape}")
+            np.ascontiguousarray(b).tofile(fh)
+            rows += len(b)
+    if rows != shape[0]:
+        raise ValueError(f"{name}: {rows} rows written of {shape[0]}")
 
 
 def build_once(final: Path, fill: Callable[[Path], None], flag: str) -> bool:

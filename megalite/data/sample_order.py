@@ -22,11 +22,14 @@ run moved from Megatron sees the same tokens at every step. Written from the alg
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
 LAST_EPOCH_SHARE = 0.80  # below this share of an epoch, the last epoch is shuffled apart
 BLEND_SURPLUS = 0.005  # Megatron's mid_level_dataset_surplus: the parts of a blend build 0.5% more
+BLOCK = 1 << 18  # rows per sample-index block: 2 MB int64 temporaries, cache-sized
 
 
 def samples_in(num_tokens: int, seq_length: int) -> int:
@@ -56,59 +59,154 @@ def separate_last_epoch(
 def document_index(
     indices: np.ndarray, epochs: int, separate_last: bool, rs: np.random.RandomState
 ) -> np.ndarray:
-    """The sequence ids of `epochs` epochs of `indices`, shuffled (int32)."""
-    if separate_last and epochs > 1:
-        first = document_index(indices, epochs - 1, False, rs)
-        return np.concatenate([first, document_index(indices, 1, False, rs)])
-    out = np.tile(np.asarray(indices, dtype=np.int32), epochs)
-    rs.shuffle(out)
+    """The sequence ids of `epochs` epochs of `indices`, shuffled (int32). Filled and shuffled in
+    place (a separate last epoch is a view shuffled after the others): the result is the only
+    allocation, where tiling and concatenating would hold it two or three times."""
+    n = len(indices)
+    out = np.empty(epochs * n, dtype=np.int32)
+    out.reshape(epochs, n)[:] = indices
+    start = 0
+    for size in document_shuffles(n, epochs, separate_last):
+        rs.shuffle(out[start : start + size])  # a view's shuffle draws what the copy's would
+        start += size
     return out
+
+
+def document_shuffles(n: int, epochs: int, separate_last: bool) -> list[int]:
+    """The sizes of the document index's shuffles, in order: all epochs, or all but the last
+    and then the last on its own."""
+    return [(epochs - 1) * n, n] if separate_last and epochs > 1 else [epochs * n]
+
+
+def skip_shuffle(rs: np.random.RandomState, n: int, block: int = 1 << 20) -> None:
+    """Advance `rs` past the draws `rs.shuffle` of n elements makes, without the shuffle's
+    random memory traffic (about 6x cheaper): its Fisher-Yates draws j in [0, i] for i = n-1
+    down to 1 with the legacy masked rejection, which `randint` with those bounds repeats draw
+    for draw (tests/unit/test_data_index_build.py checks the states agree)."""
+    for top in range(n - 1, 0, -block):
+        rs.randint(0, np.arange(top + 1, max(top - block, 0) + 1, -1, dtype=np.int64))
+
+
+def sample_index_dtype(lengths: np.ndarray, doc_index: np.ndarray) -> np.dtype:
+    """int32 when every position and offset fits (Megatron's rule), else int64."""
+    small = max(len(doc_index), int(lengths.max())) <= np.iinfo(np.int32).max
+    return np.dtype(np.int32 if small else np.int64)
+
+
+def sample_index_blocks(
+    lengths: np.ndarray, doc_index: np.ndarray, seq_length: int, num_samples: int, block=None
+):
+    """The sample index (see `sample_index`) as consecutive blocks of at most `block` rows, built
+    from `block` documents at a time: memory stays a few blocks whatever the sizes, so a caller
+    can write each block out and never hold the whole index.
+
+    Boundary k is stream token k*seq. With `ends` the stream end of each document of the block,
+    c[p] = ceil(ends[p] / seq) counts the boundaries before document p's end, so document p holds
+    boundaries [c[p-1], c[p]) (none when it is empty): positions are a `repeat` of the document
+    ids by those counts, offsets k*seq minus the document's start."""
+    block = block or BLOCK
+    dtype = sample_index_dtype(lengths, doc_index)
+    want = num_samples + 1  # boundaries 0..num_samples
+    done, before = 0, 0  # boundaries given so far; stream tokens before document `a`
+    for a in range(0, len(doc_index), block):
+        if done == want:
+            break
+        sizes = lengths[doc_index[a : a + block]].astype(np.int64)  # (n,)
+        ends = np.cumsum(sizes)
+        ends += before
+        c = np.minimum((ends + (seq_length - 1)) // seq_length, want)  # (n,)
+        starts, stop = ends - sizes, int(c[-1])
+        for k0 in range(done, stop, block):
+            k1 = min(k0 + block, stop)
+            p0 = int(np.searchsorted(c, k0, side="right"))  # the document holding boundary k0
+            p1 = int(np.searchsorted(c, k1 - 1, side="right"))
+            counts = np.diff(np.clip(c[p0 : p1 + 1], k0, k1), prepend=k0)
+            pos = np.repeat(np.arange(p0, p1 + 1), counts)  # (k1 - k0,) within the block
+            out = np.empty((k1 - k0, 2), dtype)
+            out[:, 0] = pos + a
+            out[:, 1] = np.arange(k0, k1, dtype=np.int64) * seq_length - starts[pos]
+            yield out
+        done, before = stop, int(ends[-1])
+    if done != want:
+        raise ValueError(f"the documents hold {done - 1} samples, not {num_samples}")
 
 
 def sample_index(
     lengths: np.ndarray, doc_index: np.ndarray, seq_length: int, num_samples: int
 ) -> np.ndarray:
-    """(num_samples + 1, 2) int32 (int64 when needed): sample boundary k is stream token k*seq as (position in
-    doc_index, offset in that document). A boundary at a document's first token is written as
-    that document at offset 0; empty documents never hold one."""
-    ends = np.cumsum(lengths[doc_index], dtype=np.int64)  # stream end of each document
-    bounds = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    pos = np.searchsorted(ends, bounds, side="right")  # the document holding token `bound`
-    starts = ends[pos] - lengths[doc_index[pos]]
-    out = np.stack([pos, bounds - starts], axis=1)
-    small = max(len(doc_index), int(lengths.max())) <= np.iinfo(np.int32).max
-    return out.astype(np.int32) if small else out  # half the memory when the values fit
+    """(num_samples + 1, 2) int32 (int64 when needed): sample boundary k is stream token k*seq
+    as (position in doc_index, offset in that document). A boundary at a document's first token
+    is written as that document at offset 0; empty documents never hold one."""
+    return np.concatenate(list(sample_index_blocks(lengths, doc_index, seq_length, num_samples)))
 
 
 def shuffle_index(num_first: int, total: int, rs: np.random.RandomState) -> np.ndarray:
-    """[0, num_first) shuffled, then [num_first, total) shuffled on its own."""
+    """[0, num_first) shuffled, then [num_first, total) shuffled on its own (in place: views of
+    one array, no concatenation)."""
     dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
-    first = np.arange(num_first, dtype=dtype)
-    rs.shuffle(first)
-    if num_first == total:
-        return first
-    last = np.arange(num_first, total, dtype=dtype)
-    rs.shuffle(last)
-    return np.concatenate([first, last])
+    out = np.arange(total, dtype=dtype)
+    rs.shuffle(out[:num_first])
+    if num_first < total:
+        rs.shuffle(out[num_first:])
+    return out
 
 
-def build_gpt_indices(
-    lengths: np.ndarray, indices: np.ndarray, num_samples: int | None, seq_length: int, seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document index, sample index, shuffle index) of a split exposing sequences `indices`
-    (`lengths`: every sequence's length in tokens) asked for num_samples samples (None: one
-    epoch). The dataset holds len(sample index) - 1 >= num_samples samples: whole epochs."""
-    tokens_per_epoch = int(np.sum(lengths[indices], dtype=np.int64))
+class Plan(NamedTuple):
+    """How a split's indices are sized: epochs, whether the last is shuffled apart, the samples
+    of all epochs (`total`) and of those shuffled together (`first`)."""
+
+    epochs: int
+    separate_last: bool
+    total: int
+    first: int
+
+
+def plan(tokens_per_epoch: int, num_samples: int | None, seq_length: int) -> Plan:
+    """The Plan of a split of `tokens_per_epoch` tokens asked for num_samples samples (None: one
+    epoch). The dataset holds `total` >= num_samples samples: whole epochs."""
     if tokens_per_epoch <= seq_length:
         raise ValueError(f"{tokens_per_epoch} tokens hold no sample of {seq_length + 1}")
     epochs = num_epochs(tokens_per_epoch, num_samples, seq_length)
     separate = separate_last_epoch(tokens_per_epoch, epochs, num_samples, seq_length)
-    rs = np.random.RandomState(seed)
-    doc_index = document_index(indices, epochs, separate, rs)
     total = samples_in(epochs * tokens_per_epoch, seq_length)
-    samples = sample_index(lengths, doc_index, seq_length, total)
     first = samples_in((epochs - 1) * tokens_per_epoch, seq_length) if separate else total
-    return doc_index, samples, shuffle_index(first, total, rs)
+    return Plan(epochs, separate, total, first)
+
+
+def gpt_indices(
+    lengths: np.ndarray, indices: np.ndarray, num_samples: int | None, seq_length: int, seed: int
+):
+    """The document, sample and shuffle indices of a split exposing sequences `indices`
+    (`lengths`: every sequence's length in tokens) asked for num_samples samples (None: one
+    epoch), one after another as (name, shape, dtype, blocks): `blocks` are consecutive pieces of
+    the array, to be consumed before the next item is asked for. A consumer that writes each
+    block out holds the document and shuffle indices and a few sample-index blocks.
+
+    Megatron draws both shuffles from one RandomState(seed), the document index's first. Here
+    the shuffle index is built in a second thread at once (numpy's shuffle releases the GIL, and
+    both shuffles are bound by memory latency): its generator starts where the document
+    index's draws end, found by `skip_shuffle`, so the values are Megatron's."""
+    p = plan(int(np.sum(lengths[indices], dtype=np.int64)), num_samples, seq_length)
+    rs = np.random.RandomState(seed)
+    later = np.random.RandomState()
+    later.set_state(rs.get_state())
+
+    def shuffle():
+        for size in document_shuffles(len(indices), p.epochs, p.separate_last):
+            skip_shuffle(later, size)
+        return shuffle_index(p.first, p.total, later)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shuffle-index") as pool:
+        shuffled = pool.submit(shuffle)
+        doc_index = document_index(indices, p.epochs, p.separate_last, rs)
+        yield "document_index", doc_index.shape, doc_index.dtype, [doc_index]
+        dtype = sample_index_dtype(lengths, doc_index)
+        blocks = sample_index_blocks(lengths, doc_index, seq_length, p.total)
+        del doc_index  # the blocks keep it until they are read
+        yield "sample_index", (p.total + 1, 2), dtype, blocks
+        del blocks
+        out = shuffled.result()
+    yield "shuffle_index", out.shape, out.dtype, [out]
 
 
 def sample_pieces(

@@ -17,34 +17,37 @@ from tests.unit.test_data_megatron_order import data, megalite_datasets, trainin
 def test_built_once_then_loaded(tmp_path):
     calls = []
 
-    def build():
+    def build(directory):
         calls.append(1)
-        return {"x": np.arange(5), "y": np.ones((2, 2), np.int32)}
+        index_cache.save(directory, "x", np.arange(5))
+        index_cache.save_blocks(directory, "y", (4, 2), np.int32, [np.ones((2, 2), np.int32)] * 2)
 
     first = index_cache.cached(tmp_path, "gpt-train", {"seed": 1}, build)
     again = index_cache.cached(tmp_path, "gpt-train", {"seed": 1}, build)
     assert len(calls) == 1 and isinstance(again["x"], np.memmap)
     assert all(np.array_equal(first[k], again[k]) for k in ("x", "y"))
+    assert again["y"].shape == (4, 2) and again["y"].dtype == np.int32 and again["y"].all()
     index_cache.cached(tmp_path, "gpt-train", {"seed": 2}, build)  # another key: built anew
     assert len(calls) == 2
     entries = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
     assert len(entries) == 2 and all(e.startswith("gpt-train-") for e in entries)
-    index_cache.cached(None, "gpt-train", {"seed": 1}, build)  # no cache: always built
-    assert len(calls) == 3
+    plain = index_cache.cached(None, "gpt-train", {"seed": 1}, build)  # no cache: always built
+    assert len(calls) == 3 and not isinstance(plain["x"], np.memmap)
+    assert np.array_equal(plain["x"], first["x"])
 
 
 def test_unwritable_cache_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(MegaliteError, match="--data-cache-path"):
-        index_cache.cached(tmp_path / "file" / "sub", "x", {}, lambda: {})
+        index_cache.cached(tmp_path / "file" / "sub", "x", {}, lambda d: None)
 
 
 def test_racing_ranks_build_once(tmp_path):
     code = (
-        "import sys, time, numpy as np; from megalite.data.index_cache import cached\n"
-        "def build():\n"
+        "import sys, time, numpy as np; from megalite.data.index_cache import cached, save\n"
+        "def build(d):\n"
         "    print('building', file=sys.stderr); time.sleep(0.5)\n"
-        "    return {'a': np.arange(1000) * 3}\n"
+        "    save(d, 'a', np.arange(1000) * 3)\n"
         f"print(int(cached({str(tmp_path)!r}, 'gpt-train', {{'k': 1}}, build)['a'].sum()))"
     )
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=PIPE, stderr=PIPE, text=True)
@@ -67,7 +70,7 @@ def test_build_datasets_from_the_cache(data, monkeypatch, tmp_path):  # noqa: F8
     def no_rebuild(*a, **k):
         raise AssertionError("rebuilt a cached index")
 
-    monkeypatch.setattr(order, "build_gpt_indices", no_rebuild)
+    monkeypatch.setattr(order, "gpt_indices", no_rebuild)
     monkeypatch.setattr(order, "blending_indices", no_rebuild)
     loaded = megalite_datasets(data, monkeypatch, training(20), cache=str(tmp_path), **spec)
     for split in splits:

@@ -1,0 +1,200 @@
+"""The sample-order index build (document, sample and shuffle indices) beside megatron-core's.
+
+    python bench/bench_index.py --dir DIR \\
+        [--samples 100000000] [--seq 2048] [--docs 2000000] [--rounds 2]
+
+One dataset in Megatron's format (`--docs` documents of 1..2*`--mean` tokens, lengths from a
+fixed seed; the .bin is a sparse file, the build reads only the lengths) is indexed for
+`--samples` training samples by megatron-core's GPTDataset (its C++ helper for the sample index,
+numpy for the shuffles, np.save) and by megalite's GPTDataset, each in its own process, into a
+fresh cache directory, the two sides alternating which goes first each round. Per side: the
+build's wall time (the dataset's construction, files written) and its peak RSS (VmHWM, reset
+once the data is open, so imports are not counted: megatron-core brings torch). The arrays of
+the last round are compared element for element, so the samples are equal. Targets (issue 44):
+megalite's time and peak <= 1.0x megatron-core's. Needs megatron-core (a dev dependency); without
+it only megalite's side runs. The directory is removed afterwards unless --keep.
+"""
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import figure, machine, write_summary  # noqa: E402
+
+NAMES = ("document_index", "sample_index", "shuffle_index")
+
+
+def make_dataset(prefix: Path, docs: int, mean: int) -> int:
+    """Megatron's .idx for `docs` documents (one sequence each) and a sparse .bin; tokens."""
+    from megalite.data.megatron_index import write_index
+
+    lengths = np.random.default_rng(0).integers(1, 2 * mean, docs).astype(np.int32)
+    with open(f"{prefix}.idx", "wb") as fh:
+        write_index(fh, np.dtype(np.uint16), lengths, np.arange(docs + 1))
+    tokens = int(lengths.sum(dtype=np.int64))
+    with open(f"{prefix}.bin", "wb") as fh:
+        fh.truncate(2 * tokens)  # uint16 tokens; never read by an index build
+    return tokens
+
+
+def _memory() -> dict[str, int]:
+    with open("/proc/self/status") as fh:
+        fields = dict(line.split(":", 1) for line in fh)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+
+
+def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int) -> dict:
+    """Build one side's indices into `cache`; its time and memory as a dict."""
+    if side == "megatron":
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        from megatron.core.datasets.utils import Split
+
+        class Tok:  # what the builder asks of a tokenizer; no text is read
+            vocab_size, eod, unique_identifiers = 50257, 0, {"kind": "bench"}
+
+        indexed = IndexedDataset(prefix)
+        cfg = GPTDatasetConfig(random_seed=seed, sequence_length=seq, tokenizer=Tok(),
+                               reset_position_ids=False, reset_attention_mask=False,
+                               eod_mask_loss=False, path_to_cache=cache, split="100,0,0",
+                               blend=([prefix], None))  # fmt: skip
+        docs = np.arange(len(indexed.document_indices) - 1, dtype=np.int32)
+
+        def build():
+            return GPTDataset(indexed, prefix, docs, samples, Split.train, cfg)
+    else:
+        from megalite.data.gpt_dataset import GPTDataset, Sequences
+        from megalite.data.indexed_dataset import IndexedDataset
+
+        seqs = Sequences.of(IndexedDataset(prefix))
+
+        def build():
+            return GPTDataset(seqs, 0, len(seqs.lengths), seq, seed, samples, cache, "gpt-train")
+
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset VmHWM to the current RSS: the peak from here on is the build's
+    base = _memory()["VmRSS"]
+    start, cpu = time.perf_counter(), _cpu()
+    ds = build()
+    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
+    return {"side": side, "seconds": seconds, "cpu": cpu, "peak": _memory()["VmHWM"] - base,
+            "base": base, "samples": len(ds)}  # fmt: skip
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far, all threads, user and system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def arrays(side: str, cache: Path) -> dict[str, Path]:
+    if side == "megatron":
+        return {n: next(cache.glob(f"*-GPTDataset-train-{n}.npy")) for n in NAMES}
+    return {n: next(cache.glob(f"gpt-train-*/{n}.npy")) for n in NAMES}
+
+
+def equal(a: Path, b: Path, rows: int = 1 << 24) -> bool:
+    """The two .npy files hold the same values (memory-mapped, compared a block at a time)."""
+    x, y = np.load(a, mmap_mode="r"), np.load(b, mmap_mode="r")
+    if x.shape != y.shape:
+        return False
+    return all(np.array_equal(x[i : i + rows], y[i : i + rows]) for i in range(0, len(x), rows))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--samples", type=int, default=100_000_000)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--docs", type=int, default=2_000_000, help="documents in the dataset")
+    p.add_argument("--mean", type=int, default=2000, help="mean document length in tokens")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    p.add_argument("--summary", default=None)
+    p.add_argument("--child", nargs=2, metavar=("SIDE", "CACHE"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        side, cache = a.child
+        print(json.dumps(child(side, a.dir, cache, a.samples, a.seq, a.seed)))
+        return
+
+    sides, peer = ["megalite", "megatron"], _megatron_version()
+    if peer is None:
+        sides = ["megalite"]
+        print("megatron-core is not installed: megalite's side only")
+    work = Path(a.dir or tempfile.mkdtemp(prefix="bench-index-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prefix = work / "data_text_document"
+    results = {s: [] for s in sides}
+    try:
+        tokens = make_dataset(prefix, a.docs, a.mean)
+        print(f"{machine()}\nmegatron-core {peer}; {a.docs:,} documents, {tokens:,} tokens, "
+              f"{a.samples:,} samples at seq {a.seq}")  # fmt: skip
+        for r in range(a.rounds):
+            order = sides if r % 2 == 0 else sides[::-1]
+            for side in order:
+                cache = work / f"cache-{side}"
+                shutil.rmtree(cache, ignore_errors=True)
+                cmd = [sys.executable, __file__, "--dir", str(prefix), "--samples", str(a.samples),
+                       "--seq", str(a.seq), "--seed", str(a.seed), "--child", side, str(cache)]  # fmt: skip
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                if out.returncode:
+                    sys.exit(f"{side}'s build failed:\n{out.stderr[-3000:]}")
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                results[side].append(res)
+                print(f"round {r} {side:9s} {res['seconds']:7.1f} s ({res['cpu']:.1f} CPU-s)  peak "
+                      f"{res['peak'] / 2**30:6.2f} GiB above {res['base'] / 2**20:.0f} MiB "
+                      f"({res['samples']:,} samples)")  # fmt: skip
+        figures = [figure("megalite build time", _mean(results["megalite"], "seconds"), "s")]
+        if peer:
+            same = all(equal(x, y) for x, y in zip(*(arrays(s, work / f"cache-{s}").values()
+                                                      for s in sides)))  # fmt: skip
+            t = _mean(results["megalite"], "seconds") / _mean(results["megatron"], "seconds")
+            per_round = sorted(a["seconds"] / b["seconds"] for a, b in zip(*results.values()))
+            cpu = _mean(results["megalite"], "cpu") / _mean(results["megatron"], "cpu")
+            m = _mean(results["megalite"], "peak") / _mean(results["megatron"], "peak")
+            print(f"megalite / megatron-core: time {t:.2f}x (per round "
+                  f"{', '.join(f'{x:.2f}' for x in per_round)}; CPU time {cpu:.2f}x), peak RSS {m:.2f}x; "
+                  f"arrays {'equal' if same else 'DIFFER'}")  # fmt: skip
+            figures = [
+                figure("index build time vs megatron-core", round(t, 2), "x", "<= 1.0", t <= 1.0),
+                figure(
+                    "index build peak RSS vs megatron-core", round(m, 2), "x", "<= 1.0", m <= 1.0
+                ),  # fmt: skip
+                figure("indices equal megatron-core's", same, "", "True", same),
+            ]
+            if not same:
+                sys.exit("the indices differ from megatron-core's")
+        write_summary(a.summary, "bench_index", figures, " ".join(sys.argv))
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _mean(results: list[dict], key: str) -> float:
+    return sum(r[key] for r in results) / len(results)
+
+
+def _megatron_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
