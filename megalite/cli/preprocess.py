@@ -31,7 +31,7 @@ import sys
 
 from megalite.data.corpus import iter_documents, iter_records, text_bytes
 from megalite.data.encode_docs import build_datasets_of_fields, build_indexed_dataset
-from megalite.data.tokenizer import KINDS, SENTENCEPIECE, Tokenizer, load_tokenizer
+from megalite.data.tokenizer import GPT2BPE, KINDS, SENTENCEPIECE, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 
 
@@ -81,8 +81,8 @@ def parse_args(argv):
     p.add_argument(
         "--legacy-tokenizer",
         action="store_true",
-        help="Megatron's flag for its offline GPT2BPETokenizer; accepted, changes nothing: "
-        "megalite's GPT-2 ids are that tokenizer's",
+        help="Megatron's flag for its offline GPT2BPETokenizer (whose ids megalite's are); "
+        "refused with the other types",
     )
     p.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
     p.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
@@ -146,6 +146,14 @@ def parse_args(argv):
         )
     if args.workers < 1:
         raise MegaliteError(f"--workers {args.workers} must be at least 1")
+    gpt2 = files or (args.tokenizer_type and KINDS[args.tokenizer_type] == GPT2BPE)
+    if args.legacy_tokenizer and not gpt2:
+        # Megatron's legacy wrappers of the other types add ids of their own (sentencepiece's
+        # <CLS>, <SEP>, <EOD>... past the vocabulary; BOS from a Hugging Face tokenizer)
+        raise MegaliteError(
+            "--legacy-tokenizer is taken with GPT2BPETokenizer only (whose ids are the legacy "
+            "tokenizer's); other types get the ids of Megatron's current tokenizers: drop it"
+        )
     if args.log_interval < 1 or args.log_seconds < 0:
         raise MegaliteError(
             f"--log-interval {args.log_interval} must be at least 1 and --log-seconds "

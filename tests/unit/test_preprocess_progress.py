@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from megalite.cli.preprocess import parse_args
 from megalite.data import corpus
+from megalite.errors import MegaliteError
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("regex")
@@ -68,4 +70,13 @@ def test_quiet_writes_no_progress(inputs):
 def test_bad_log_interval_is_one_line(inputs):
     d, _ = inputs
     rc, log = _run(d, "--log-interval", "0")
-    assert rc != 0 and log.strip().splitlines() == [log.strip()] and "--log-interval" in log
+    assert rc != 0 and log.strip().splitlines() == [log.strip()], log
+    assert "--log-interval 0 must be at least 1" in log
+
+
+def test_legacy_tokenizer_only_with_gpt2():
+    # Megatron's legacy wrappers of the other types add ids megalite does not write
+    argv = ["--input", "x.jsonl", "--output-prefix", "o", "--append-eod", "--legacy-tokenizer"]
+    for kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+        with pytest.raises(MegaliteError, match="--legacy-tokenizer is taken with GPT2BPE"):
+            parse_args([*argv, "--tokenizer-type", kind, "--tokenizer-model", "t.model"])
