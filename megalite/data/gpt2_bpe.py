@@ -141,7 +141,7 @@ class WordEncoder:
         pieces = [self._split(t) for t in texts]
         new = list({p for ps in pieces for p in ps if p not in ids})
         if new:
-            for p, enc in zip(new, self._bpe.encode_batch(new, add_special_tokens=False)):
+            for p, enc in zip(new, self._bpe.encode_batch_fast(new, add_special_tokens=False)):
                 ids[p] = enc.ids
         get = ids.__getitem__
         return [list(chain.from_iterable(map(get, ps))) for ps in pieces]
