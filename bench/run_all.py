@@ -167,7 +167,10 @@ QUICK = {
         ["--layers", "2", "--hidden", "128", "--seq", "128", "--rounds", "3", "--warmup", "1"],
         "the shape 4 x 256, s 256, 8 rounds",
     ),  # fmt: skip
-    "bench_data.py": (["--repeats", "1"], "5 interleaved rounds"),
+    "bench_data.py": (
+        ["--repeats", "1", "--corpus-mb", "16"],
+        "5 interleaved rounds; a 1 GB corpus beside Megatron-LM's tool (--megatron-lm PATH)",
+    ),
     "bench_async_save.py": (
         [
             "--layers",
@@ -298,7 +301,7 @@ QUICK = {
 # 20 minutes cold on 2 busy cores; its ptxas reports are cached after)
 TIMEOUTS = {"../tools/check_kernels.py": 3600}
 # scripts of bench/ that are not benchmarks
-HELPERS = {"run_all.py", "_common.py", "_tp_torch.py"}
+HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "text_corpus.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
