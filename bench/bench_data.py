@@ -1,21 +1,36 @@
 """Data pipeline throughput: tools/preprocess_data.py against a plain tokenizer loop, with a
 sentencepiece model and a Hugging Face byte-level BPE (tokenizer.json) of the same vocabulary
-side by side, and the cost of fetching a training sample.
+side by side, and the cost of fetching a training sample; then GPT-2's BPE on a large generated
+corpus beside Megatron-LM's own tools/preprocess_data.py.
 
     python bench/bench_data.py [--repeats 5] [--json out.json] [--summary PATH]
+        [--corpus-mb 1024] [--scratch DIR] [--megatron-lm PATH/TO/Megatron-LM]
 
-Everything runs on the built-in corpus, prepared in a temporary directory. Each figure is the
+The first part runs on the built-in corpus, prepared in a temporary directory. Each figure is the
 best of --repeats runs (the machine may be shared; the best run is the least disturbed one).
 The Hugging Face rows need the tokenizers package (megalite[hf]); without it they are skipped.
+
+The second part (skipped with --corpus-mb 0) writes a corpus of --corpus-mb MiB whose words
+recur as in real text (bench/text_corpus.py) and a GPT-2-style vocab.json + merges.txt trained on
+more of it, under --scratch (kept for the next run), and preprocesses it with Megatron's
+offline command line (--tokenizer-type GPT2BPETokenizer --legacy-tokenizer --append-eod) at 1
+and 2 workers. With --megatron-lm (a checkout of Megatron-LM, never a dependency: it is run, with
+its megatron/ first on PYTHONPATH) its tool runs the same command, the two alternating; the
+outputs must be byte-identical. Reported: tokens per CPU-second (user + system of the whole
+process tree, start-up included), wall time, and peak RSS (the sum over the process tree,
+sampled every 0.2 s).
 """
 
 import argparse
+import filecmp
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +38,7 @@ import numpy as np
 import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # text_corpus
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.data import corpus
@@ -106,13 +122,155 @@ def batch_us(dataset, mbs=8, n=2_000):
     return (time.perf_counter() - t) / n * 1e6
 
 
+def _tree_rss(root: int) -> int:
+    """Resident bytes of `root` and all its descendants, from /proc."""
+    children, rss = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(d))
+            rss[int(d)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+def measured_run(cmd, env=None) -> dict:
+    """Run `cmd`; its wall seconds, CPU seconds (the process tree's, reaped children included)
+    and peak resident bytes (the tree's sum, sampled)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    err = proc.stderr.read().decode(errors="replace")
+    proc.wait()
+    wall = time.perf_counter() - t
+    done.set()
+    sampler.join()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{err[-3000:]}")
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss": peak[0]}
+
+
+def preprocess_vs_megatron(args) -> tuple[dict, list]:
+    """GPT-2's BPE on the generated corpus: megalite's tool and (with --megatron-lm) Megatron's,
+    alternating, at each of --workers; returns (figures, summary figures)."""
+    import text_corpus
+
+    scratch = Path(args.scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    jsonl = scratch / f"corpus_{args.corpus_mb}mb.jsonl"
+    if not jsonl.is_file():
+        print(f"writing {jsonl} ...", file=sys.stderr)
+        text_corpus.write_corpus(jsonl, args.corpus_mb)
+    files = scratch / "gpt2"
+    if not (files / "merges.txt").is_file():
+        print(f"training a 50,257-entry byte-level BPE in {files} ...", file=sys.stderr)
+        text_corpus.train_gpt2_files(files)
+    common = ["--input", str(jsonl), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+              str(files / "vocab.json"), "--merge-file", str(files / "merges.txt"),
+              "--append-eod", "--legacy-tokenizer"]  # fmt: skip
+    tools = {"megalite": ([sys.executable, str(REPO / "tools" / "preprocess_data.py")], None)}
+    if args.megatron_lm:
+        meg = Path(args.megatron_lm).resolve()
+        path = os.pathsep.join([str(meg), os.environ.get("PYTHONPATH", "")])
+        tools["megatron"] = ([sys.executable, str(meg / "tools" / "preprocess_data.py")],
+                             {**os.environ, "PYTHONPATH": path})  # fmt: skip
+    runs = {}
+    for r in range(args.rounds):
+        for w in args.workers:
+            for name, (cmd, env) in tools.items():
+                prefix = scratch / f"out_{name}_{w}w"
+                full = cmd + common + ["--output-prefix", str(prefix), "--workers", str(w)]
+                m = measured_run(full, env)
+                out = Path(f"{prefix}_text_document")
+                m["tokens"] = out.with_suffix(".bin").stat().st_size // 2  # uint16 ids
+                runs.setdefault((name, w), []).append(m)
+                print(f"round {r} {name} {w} worker(s): {m}", file=sys.stderr)
+            if "megatron" in tools:
+                a, b = (scratch / f"out_{n}_{w}w_text_document" for n in ("megalite", "megatron"))
+                for ext in (".bin", ".idx"):
+                    if not filecmp.cmp(f"{a}{ext}", f"{b}{ext}", shallow=False):
+                        raise SystemExit(f"{a}{ext} and {b}{ext} differ")
+                runs[("same", w)] = True
+    out = {"corpus_mb": jsonl.stat().st_size / 2**20, "rounds": args.rounds}
+    if args.megatron_lm:
+        info = (Path(args.megatron_lm) / "megatron" / "core" / "package_info.py").read_text()
+        out["megatron_core"] = ".".join(re.findall(r"^(?:MAJOR|MINOR|PATCH) = (\d+)", info, re.M))
+        print(f"peer: Megatron-LM tools/preprocess_data.py, megatron-core {out['megatron_core']}")
+    print(f"machine: {machine()}")
+    figures = []
+    print(f"\nGPT-2 BPE, {out['corpus_mb']:.0f} MiB generated JSONL, {args.rounds} round(s)")
+    print("tool       workers  tokens    tokens/CPU-s   CPU s   wall s   peak RSS MB  ratio")
+    for w in args.workers:
+        for name in tools:  # the least disturbed round of each
+            out[f"{name}_{w}w"] = {
+                "tok_per_cpu_s": max(m["tokens"] / m["cpu_s"] for m in runs[(name, w)]),
+                "runs": runs[(name, w)],
+            }
+        ratio = None
+        if "megatron" in tools:
+            ratio = out[f"megalite_{w}w"]["tok_per_cpu_s"] / out[f"megatron_{w}w"]["tok_per_cpu_s"]
+            out[f"ratio_{w}w"] = ratio
+        for name in tools:
+            ms, rate = runs[(name, w)], out[f"{name}_{w}w"]["tok_per_cpu_s"]
+            m = min(ms, key=lambda m: m["cpu_s"])
+            print(f"{name:10s} {w:5d} {m['tokens']:11,d} {rate:12,.0f} {m['cpu_s']:8.1f} "
+                  f"{m['wall_s']:8.1f} {max(x['peak_rss'] for x in ms) / 2**20:10.0f}"
+                  + (f"  {ratio:.2f}x" if name == "megalite" and ratio else ""))  # fmt: skip
+        if "megatron" in tools:
+            out[f"identical_{w}w"] = runs[("same", w)]
+            figures.append(figure(
+                f"GPT-2 BPE preprocessing tokens per CPU-second vs Megatron-LM's tool, {w} "
+                f"worker(s), {out['corpus_mb']:.0f} MiB", round(out[f"ratio_{w}w"], 2),
+                how=f"bench_data.py --corpus-mb {args.corpus_mb}, best of {args.rounds}",
+            ))  # fmt: skip
+    return out, figures
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--corpus-mb", type=int, default=1024, help="0 skips the large corpus")
+    ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "megalite_bench"))
+    ap.add_argument("--megatron-lm", help="a Megatron-LM checkout whose tool runs alongside")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds on the corpus")
+    ap.add_argument("--skip-small", action="store_true", help="only the large corpus")
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--summary", help="write the headline figures as JSON here (run_all.py)")
     args = ap.parse_args()
+    out = {"cpu_count": os.cpu_count()}
+    figures = []
+    if not args.skip_small:
+        out, figures = small_corpus(args)
+    if args.corpus_mb:
+        out["large"], more = preprocess_vs_megatron(args)
+        figures += more
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_summary(args.summary, "bench_data", figures, " ".join(sys.argv))
+
+
+def small_corpus(args) -> tuple[dict, list]:
     out = {"cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -196,8 +354,6 @@ def main():
         )
     for k in ("fetch_us_seq128", "fetch_us_seq1024", "get_batch_us_mbs8_seq128"):
         print(f"{k:28s} {out[k]:8.2f} us")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
     how = f"bench_data.py, best of {args.repeats} interleaved rounds"
     figures = [
         figure(
@@ -207,7 +363,7 @@ def main():
         )
         for w in (1, 2)
     ] + [figure("sample fetch, seq 1024", round(out["fetch_us_seq1024"], 1), unit="us", how=how)]
-    write_summary(args.summary, "bench_data", figures, " ".join(sys.argv))
+    return out, figures
 
 
 if __name__ == "__main__":

@@ -171,7 +171,10 @@ QUICK = {
         ["--layers", "2", "--hidden", "128", "--seq", "128", "--rounds", "3", "--warmup", "1"],
         "the shape 4 x 256, s 256, 8 rounds",
     ),  # fmt: skip
-    "bench_data.py": (["--repeats", "1"], "5 interleaved rounds"),
+    "bench_data.py": (
+        ["--repeats", "1", "--corpus-mb", "16"],
+        "5 interleaved rounds; a 1 GB corpus beside Megatron-LM's tool (--megatron-lm PATH)",
+    ),
     "bench_index.py": (
         ["--samples", "2000000", "--docs", "100000", "--rounds", "1"],
         "10^8 samples over 2M documents, 2 rounds (docs/benchmarks.md)",
@@ -306,7 +309,7 @@ QUICK = {
 # 20 minutes cold on 2 busy cores; its ptxas reports are cached after)
 TIMEOUTS = {"../tools/check_kernels.py": 3600}
 # scripts of bench/ that are not benchmarks
-HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "_load_at_size.py"}
+HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "_load_at_size.py", "text_corpus.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",

@@ -29,9 +29,9 @@ import argparse
 import os
 import sys
 
-from megalite.data.corpus import iter_documents, iter_records
+from megalite.data.corpus import iter_documents, iter_records, text_bytes
 from megalite.data.encode_docs import build_datasets_of_fields, build_indexed_dataset
-from megalite.data.tokenizer import KINDS, SENTENCEPIECE, Tokenizer, load_tokenizer
+from megalite.data.tokenizer import GPT2BPE, KINDS, SENTENCEPIECE, Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 
 
@@ -78,6 +78,12 @@ def parse_args(argv):
         help="sentencepiece or huggingface (default: from --tokenizer-model's path); Megatron's "
         "names too",
     )
+    p.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="Megatron's flag for its offline GPT2BPETokenizer (whose ids megalite's are); "
+        "refused with the other types",
+    )
     p.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
     p.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
     p.add_argument("--vocab-size", type=int, help="pieces of the trained tokenizer")
@@ -88,7 +94,19 @@ def parse_args(argv):
         action="store_true",
         help="Megatron's nltk splitting: refused; give a field's sentences as a JSON list",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar (none off a terminal)")
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        help="off a terminal, a progress line every N documents [1000]",
+    )
+    p.add_argument(
+        "--log-seconds",
+        type=float,
+        default=30.0,
+        help="... or every S seconds, whichever comes first [30]",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     args = p.parse_args(argv)
     args.megatron = args.json_keys is not None or args.append_eod
@@ -128,7 +146,29 @@ def parse_args(argv):
         )
     if args.workers < 1:
         raise MegaliteError(f"--workers {args.workers} must be at least 1")
+    gpt2 = files or (args.tokenizer_type and KINDS[args.tokenizer_type] == GPT2BPE)
+    if args.legacy_tokenizer and not gpt2:
+        # Megatron's legacy wrappers of the other types add ids of their own (sentencepiece's
+        # <CLS>, <SEP>, <EOD>... past the vocabulary; BOS from a Hugging Face tokenizer)
+        raise MegaliteError(
+            "--legacy-tokenizer is taken with GPT2BPETokenizer only (whose ids are the legacy "
+            "tokenizer's); other types get the ids of Megatron's current tokenizers: drop it"
+        )
+    if args.log_interval < 1 or args.log_seconds < 0:
+        raise MegaliteError(
+            f"--log-interval {args.log_interval} must be at least 1 and --log-seconds "
+            f"{args.log_seconds} at least 0"
+        )
     return args
+
+
+def _log(args) -> dict:
+    """How often to write progress lines off a terminal (encode_docs.Progress)."""
+    return {
+        "every_docs": args.log_interval,
+        "every_s": args.log_seconds,
+        "total_bytes": text_bytes(args.input),
+    }
 
 
 def main(argv):
@@ -151,6 +191,7 @@ def main(argv):
             workers=args.workers,
             progress=not args.quiet,
             tokenizer_type=tokenizer.kind,
+            log=_log(args),
         )
         out = f"{args.output_prefix}.bin/.idx"
     print(
@@ -177,6 +218,7 @@ def _megatron(args, tokenizer) -> tuple[dict, str]:
         args.append_eod,
         workers=args.workers,
         progress=not args.quiet,
+        log=_log(args),
     )
     return stats, ", ".join(f"{p}.bin/.idx" for p in prefixes)
 

@@ -100,6 +100,15 @@ def input_files(paths: list[str]) -> list[Path]:
     return files
 
 
+def text_bytes(paths: list[str]) -> int | None:
+    """The inputs' size as text (progress's estimate of the time left), or None when some are
+    compressed or Parquet, whose file sizes do not say how much text they hold."""
+    files = input_files(paths)
+    if any(f.suffix == ".gz" or _kind(f) == "parquet" for f in files):
+        return None
+    return sum(f.stat().st_size for f in files)
+
+
 def _kind(path: Path) -> str:
     """'jsonl', 'parquet' or 'text', from the name (a trailing .gz is looked through)."""
     name = path.name.removesuffix(".gz")

@@ -4,6 +4,7 @@ and written through `IndexedDatasetWriter` (the same records Megatron's preproce
 
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 
@@ -48,17 +49,71 @@ def _encode_batch(records: list[tuple[list[str], ...]]) -> list[list[tuple[np.nd
     return out
 
 
-def _batches(records: Iterable[tuple], max_chars: int = 1 << 18) -> Iterator[list[tuple]]:
-    """Groups of records of about `max_chars`: big enough to amortise the inter-process hop."""
+def _batches(
+    records: Iterable[tuple], sizes: list, max_chars: int = 1 << 18
+) -> Iterator[list[tuple]]:
+    """Groups of records of about `max_chars`: big enough to amortise the inter-process hop.
+    Each group's characters are appended to `sizes` (progress reads them in order)."""
     batch, size = [], 0
     for rec in records:
         batch.append(rec)
         size += sum(len(s) for field in rec for s in field)
         if size >= max_chars:
+            sizes.append(size)
             yield batch
             batch, size = [], 0
     if batch:
+        sizes.append(size)
         yield batch
+
+
+class Progress:
+    """How far a run is: tqdm's bar on a terminal; off one (a SLURM log, a file), a line every
+    `every_docs` documents or `every_s` seconds, whichever comes first, with the rates and, when
+    the input's size is known (`total_bytes`), an estimate of the time left."""
+
+    def __init__(self, every_docs=1000, every_s=30.0, total_bytes=None, enabled=True, out=None):
+        self.out = out or sys.stderr
+        self.every_docs, self.every_s, self.total = every_docs, every_s, total_bytes
+        self.start = self.last_t = time.perf_counter()
+        self.docs = self.tokens = self.chars = self.last_docs = 0
+        tty = enabled and self.out.isatty()
+        self.lines = enabled and not tty
+        # the total is unknown (documents stream in): the bar counts tokens and shows the rate
+        self.bar = tqdm(unit="tok", unit_scale=True, disable=not tty, leave=False, file=self.out)
+
+    def update(self, docs: int, tokens: int, chars: int) -> None:
+        self.docs, self.tokens, self.chars = (
+            self.docs + docs,
+            self.tokens + tokens,
+            chars + self.chars,
+        )
+        self.bar.update(tokens)
+        self.bar.set_postfix_str(f"{self.docs} documents", refresh=False)
+        now = time.perf_counter()
+        due = self.docs - self.last_docs >= self.every_docs or now - self.last_t >= self.every_s
+        if self.lines and due:
+            self.last_t, self.last_docs = now, self.docs
+            print(self.line(now), file=self.out, flush=True)
+
+    def line(self, now: float) -> str:
+        s = max(now - self.start, 1e-9)
+        mb = self.chars / 2**20
+        eta = ""
+        if self.total and 0 < self.chars < self.total:  # characters as bytes: about right
+            eta = f", ETA {_hms(s * (self.total / self.chars - 1))}"
+        return (
+            f"processed {self.docs:,} documents, {self.tokens:,} tokens, {mb:,.1f} MB in "
+            f"{_hms(s)}: {self.tokens / s:,.0f} tokens/s, {mb / s:.2f} MB/s{eta}"
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
 
 
 def build_indexed_dataset(
@@ -69,6 +124,7 @@ def build_indexed_dataset(
     progress: bool = True,
     threads: int = 1,
     tokenizer_type: str | None = None,
+    log: dict | None = None,
 ) -> dict:
     """Tokenize `documents` (EOS after each) into PREFIX.bin/.idx; returns a summary dict.
 
@@ -77,7 +133,8 @@ def build_indexed_dataset(
     re-imports the caller's `__main__`: use them from a script file. `threads` is for
     `workers == 1`: the tokenizer's own encoding threads in this process (-1: all cores), the
     way to go parallel inside a library caller (no processes, nothing re-imported).
-    `progress` shows a bar on a terminal; it stays quiet when stderr is not one (a log file).
+    `progress` shows a bar on a terminal and writes lines off one (a log file); `log` holds
+    `Progress`'s every_docs, every_s and total_bytes.
     """
     from megalite.data.tokenizer import load_tokenizer
 
@@ -88,7 +145,9 @@ def build_indexed_dataset(
             "document with one: use a tokenizer that has one (e.g. </s> or <|endoftext|>)"
         )
     records = (([doc],) for doc in documents)
-    return build_datasets_of_fields(records, tok, [output_prefix], True, workers, progress, threads)
+    return build_datasets_of_fields(
+        records, tok, [output_prefix], True, workers, progress, threads, log
+    )
 
 
 def build_datasets_of_fields(
@@ -99,33 +158,34 @@ def build_datasets_of_fields(
     workers: int = 1,
     progress: bool = True,
     threads: int = 1,
+    log: dict | None = None,
 ) -> dict:
     """Tokenize records of k text fields (each a list of sentences) with the loaded tokenizer
     `tok` into k datasets, field j to `prefixes[j]` (Megatron's preprocessing with k
-    --json-keys); see `build_indexed_dataset` for `workers`, `threads` and `progress`."""
+    --json-keys); see `build_indexed_dataset` for `workers`, `threads`, `progress` and `log`."""
     start = time.perf_counter()
     ndocs = ntokens = 0
-    # the total is unknown (documents stream in): the bar counts tokens and shows the rate
-    bar = tqdm(unit="tok", unit_scale=True, disable=None if progress else True, leave=False)
+    bar = Progress(enabled=progress, **(log or {}))
+    chars = []  # of each batch, counted as it is read; pool.imap keeps the order
     pool = None
     init = (tok.model_path, 1, tok.kind, append_eod)  # the file a directory holds, and its kind
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=init)
-        encoded = pool.imap(_encode_batch, _batches(records))
+        encoded = pool.imap(_encode_batch, _batches(records, chars))
     else:
         _init_worker(tok.model_path, threads, tok.kind, append_eod)
-        encoded = map(_encode_batch, _batches(records))
+        encoded = map(_encode_batch, _batches(records, chars))
     writers = [IndexedDatasetWriter(p, tok.vocab_size, tok.fingerprint) for p in prefixes]
     try:
-        for batch in encoded:
+        for k, batch in enumerate(encoded):
+            before = ntokens
             for fields in batch:
                 for writer, (ids, lengths) in zip(writers, fields):
                     writer.add_document(ids, lengths)
                     ntokens += ids.size
                 ndocs += 1
-            bar.update(sum(ids.size for fields in batch for ids, _ in fields))
-            bar.set_postfix_str(f"{ndocs} documents", refresh=False)
+            bar.update(len(batch), ntokens - before, chars[k])
         for writer in writers:
             writer.finalize()
     except BaseException:

@@ -223,6 +223,8 @@ class HFTokenizer:
                 "by tokenizers' save() or save_pretrained"
             ) from None
         self.tok.encode_special_tokens = True  # see the class docstring
+        # GPT-2's BPE from vocab.json + merges.txt (or a checkpoint's copy of it): GPT-2's split
+        self._words = gpt2_bpe.WordEncoder(self.tok) if gpt2_bpe.is_gpt2_bpe(self.tok) else None
         vocab = self.tok.get_vocab(with_added_tokens=True)
         # ids may leave gaps (added tokens past the model's vocabulary): size by the largest
         self._vocab_size = max(vocab.values(), default=-1) + 1
@@ -273,11 +275,16 @@ class HFTokenizer:
         return fingerprint(self)
 
     def encode(self, text: str) -> list[int]:
+        if self._words is not None:
+            return self._words.encode_batch([text])[0]
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
         """`encode` of each text. num_threads=1 encodes in this thread (worker processes);
-        otherwise tokenizers' own thread pool (all cores, or RAYON_NUM_THREADS) does."""
+        otherwise tokenizers' own thread pool (all cores, or RAYON_NUM_THREADS) does. GPT-2's
+        BPE always encodes in this thread (its split is Python's `regex`): use worker processes."""
+        if self._words is not None:
+            return self._words.encode_batch(texts)
         if num_threads == 1:
             return [self.encode(t) for t in texts]
         return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
