@@ -34,10 +34,9 @@ def _gelu_is_tanh(args: dict) -> bool:
 _UNSUPPORTED = (
     ("rotary_percent", lambda a: _get(a, "rotary_percent", 1.0) != 1.0, "partial rotary"),
     ("rotary_interleaved", lambda a: _get(a, "rotary_interleaved", False), "interleaved RoPE"),
-    ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False), "RoPE scaling"),
-    ("rotary_seq_len_interpolation_factor",
-     lambda a: _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
-     "RoPE interpolation"),
+    ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False)
+     and _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
+     "both llama3 RoPE scaling and RoPE interpolation"),
     ("apply_layernorm_1p", lambda a: _get(a, "apply_layernorm_1p", False), "zero-centred gamma"),
     ("layernorm_zero_centered_gamma",
      lambda a: _get(a, "layernorm_zero_centered_gamma", False), "zero-centred gamma"),
@@ -151,6 +150,7 @@ def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
         }
     seq = _get(a, "seq_length", _get(a, "max_position_embeddings", 2048))
     return ModelConfig(
+        **_rope_from_args(a),
         flavour=_flavour(features),
         num_layers=a["num_layers"],
         hidden_size=h,
@@ -172,6 +172,46 @@ def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
         ),
         **experts,
     )  # fmt: skip
+
+
+# megatron-core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling): only the factor is an
+# argument (--rope-scaling-factor); the other three are fixed there
+MEGATRON_LLAMA3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                   "rope_original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def _rope_from_args(a: dict) -> dict:
+    """ModelConfig's RoPE scaling fields from --use-rope-scaling (llama3) or
+    --rotary-seq-len-interpolation-factor (linear: positions / factor)."""
+    if _get(a, "use_rope_scaling", False):
+        factor = float(_get(a, "rope_scaling_factor", 8.0))
+        return {"rope_scaling": "llama3", "rope_scaling_factor": factor, **MEGATRON_LLAMA3}
+    linear = _get(a, "rotary_seq_len_interpolation_factor", 1)
+    if linear not in (1, 1.0):
+        return {"rope_scaling": "linear", "rope_scaling_factor": float(linear)}
+    return {}
+
+
+def rope_args(cfg: ModelConfig) -> dict:
+    """The Megatron args of this model's RoPE scaling, or one line saying Megatron cannot
+    express it (yarn; llama3 with other than megatron-core's fixed low/high/original)."""
+    kind = cfg.rope_scaling if cfg.features.rotary else "none"
+    off = {"use_rope_scaling": False, "rope_scaling_factor": 8.0,
+           "rotary_seq_len_interpolation_factor": None}  # fmt: skip
+    if kind == "none":
+        return off
+    if kind == "linear":
+        return {**off, "rotary_seq_len_interpolation_factor": cfg.rope_scaling_factor}
+    fixed = {k: getattr(cfg, k) for k in MEGATRON_LLAMA3}
+    if kind == "llama3" and fixed == MEGATRON_LLAMA3:
+        return {**off, "use_rope_scaling": True, "rope_scaling_factor": cfg.rope_scaling_factor}
+    what = (f"llama3 RoPE scaling with {', '.join(f'{k}={v}' for k, v in fixed.items())}"
+            if kind == "llama3" else f"{kind} RoPE scaling")  # fmt: skip
+    raise MegaliteError(
+        f"this model uses {what}, which Megatron-LM cannot express (it has --use-rope-scaling "
+        "for llama3 with low_freq_factor 1, high_freq_factor 4, original context 8192, and "
+        "--rotary-seq-len-interpolation-factor for linear); it cannot be exported"
+    )
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
@@ -212,6 +252,7 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
         "rotary_base": int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
         else cfg.rotary_base,
         "rotary_percent": 1.0,
+        **rope_args(cfg),
         "untie_embeddings_and_output_weights": not cfg.tied,
         "add_bias_linear": f.linear_bias,
         "add_qkv_bias": f.qkv_bias,
