@@ -107,39 +107,44 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _safetensors(data: dict, metadata: dict | None = None) -> tuple[bytes, list]:
-    """A safetensors file of `data` ({key: contiguous CPU tensor}, stored in this order): its
-    header (8-byte little-endian length, JSON, spaces to a multiple of 8) and the tensors' bytes
-    as arrays over their memory (no copy)."""
-    header, views, at = ({"__metadata__": metadata} if metadata else {}), [], 0
-    for key, t in data.items():
-        raw = t.reshape(-1).view(torch.uint8).numpy()
-        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [at, at + raw.nbytes]}  # fmt: skip
-        views.append(raw)
-        at += raw.nbytes
+def _safetensors_header(specs: dict, metadata: dict | None = None) -> bytes:
+    """The header of a safetensors file of {key: (dtype, shape)}, stored in this order: 8-byte
+    little-endian length, JSON, spaces to a multiple of 8."""
+    header, at = ({"__metadata__": metadata} if metadata else {}), 0
+    for key, (dtype, shape) in specs.items():
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [at, at + n]}  # fmt: skip
+        at += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, views
+    return struct.pack("<Q", len(text)) + text
 
 
-def write_safetensors(path: Path, data: dict, metadata: dict | None = None) -> dict:
-    """Write {key: tensor} as one safetensors file straight from the tensors' memory (a tensor
-    that views a mapped input file is read from there: no copy is made), hashing the bytes as
-    they go out; returns {sha256, bytes}."""
-    data = {k: t.detach().to("cpu").contiguous() for k, t in data.items()}
-    head, views = _safetensors(data, metadata)
-    # Written and hashed in one pass: hashing and writing release the GIL, and neither a
-    # serialised copy nor a second read of the file is made.
-    digest = hashlib.sha256(head)
+def write_safetensors(path: Path, data: dict, metadata: dict | None = None, make=None) -> dict:
+    """Write a safetensors file and return its {sha256, bytes}. `data`: {key: tensor}, or with
+    `make`, {key: (dtype, shape)} and `make(key)` gives each tensor when its turn comes (so only
+    one is held: the header is written first). Each tensor is written from its own memory (one
+    that views a mapped input file is read from there: no copy) and hashed as it goes out, in
+    one pass: hashing and writing release the GIL, and no second read of the file is made."""
+    specs = data if make is not None else {k: (t.dtype, tuple(t.shape)) for k, t in data.items()}
+    head = _safetensors_header(specs, metadata)
+    digest, nbytes = hashlib.sha256(head), len(head)
     with open(path, "wb") as fh:
         fh.write(head)
-        for v in views:
-            digest.update(v)
-            fh.write(v)
+        for key, (dtype, shape) in specs.items():
+            t = (make(key) if make is not None else data[key]).detach().to("cpu").contiguous()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{key}: made {t.dtype} {tuple(t.shape)}, not {dtype} {shape}")
+            if t.numel():
+                raw = t.reshape(-1).view(torch.uint8).numpy()
+                digest.update(raw)
+                fh.write(raw)
+                nbytes += raw.nbytes
+            del t
         fh.flush()
         os.fsync(fh.fileno())
-    return {"sha256": digest.hexdigest(), "bytes": len(head) + sum(v.nbytes for v in views)}
+    return {"sha256": digest.hexdigest(), "bytes": nbytes}
 
 
 def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]:
@@ -317,7 +322,10 @@ class MappedSafetensors:
         if at % elem:  # an unaligned tensor (after an odd-sized one): read as bytes, copied
             raw = torch.frombuffer(self.map, dtype=torch.uint8, count=hi - lo, offset=at)
             return raw.clone().view(dtype).reshape(shape)
-        return torch.frombuffer(self.map, dtype=dtype, count=count, offset=at).reshape(shape)
+        # a storage of exactly this tensor's bytes (not the whole file): torch.save and DCP
+        # write a tensor's whole storage, or copy it to avoid that
+        view = memoryview(self.map)[at : at + hi - lo]
+        return torch.frombuffer(view, dtype=dtype).reshape(shape)
 
 
 def resolve(path) -> Path:

@@ -180,7 +180,7 @@ def hf_to_megalite(src: Path, dst: Path, args):
         "layout": None,
         "config": saved_config(cfg.model),
         "rng": None,
-        "source": f"huggingface:{hf_config.get('architectures', ['?'])[0]}",
+        "source": f"huggingface:{(hf_config.get('architectures') or ['?'])[0]}",
         "huggingface": hub,
     }
     fmt.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors(), meta, tokenizer,
