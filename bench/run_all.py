@@ -131,6 +131,23 @@ QUICK = {
         ["--layers", "2", "--hidden", "384"],
         "full size: GPT-2-124M (12 layers, h 768)",
     ),
+    "bench_convert.py": (
+        [
+            "--layers",
+            "2",
+            "--hidden",
+            "256",
+            "--ffn",
+            "512",
+            "--heads",
+            "4",
+            "--groups",
+            "2",
+            "--vocab",
+            "2048",
+        ],
+        "full size: Llama-3.2-3B's shape (6.4 GB; docs/benchmarks.md)",
+    ),  # fmt: skip
     "bench_generate.py": (
         [
             "--layers",
@@ -301,7 +318,7 @@ TIMEOUTS = {"../tools/check_kernels.py": 3600}
 HELPERS = {"run_all.py", "_common.py", "_tp_torch.py"}
 # scripts that take --summary PATH (their headline figures for the table)
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
-           "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
+           "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_convert.py", "bench_data.py",
            "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py"}  # fmt: skip
 
 
