@@ -14,6 +14,7 @@ through an unpickler that admits only DCP's metadata classes and torch's value t
 """
 
 import argparse
+import io
 import pickle
 import re
 from functools import partial
@@ -103,7 +104,7 @@ def read_torch_dist(d: Path) -> tuple[dict, dict, dict]:
     if not parts:
         raise MegaliteError(f"{d} holds no model tensors (embedding.*, decoder.*)")
     parts = _join_swiglu_halves(parts)
-    thunks = {n: partial(_read, d, p) for n, p in parts.items()}
+    thunks = {n: partial(_read, d, meta, p) for n, p in parts.items()}
     shapes = {n: (sum(s[0] for _, _, s, _ in p), *p[0][2][1:]) if len(p) > 1 else p[0][2]
               for n, p in parts.items()}  # fmt: skip
     facts = {"iteration": common.get("iteration", 0), "format": "torch_dist",
@@ -130,16 +131,70 @@ class _ChunkPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the box itself (read items address it from 0)
 
 
-def _read(d: Path, parts: list) -> torch.Tensor:
+def _read(d: Path, meta, parts: list) -> torch.Tensor:
     """The tensor the parts (DCP key, leading indices, shape) make, concatenated on dim 0."""
     out = []
     for key, idx, shape, dtype in parts:
-        dest = torch.empty((1,) * len(idx) + tuple(shape), dtype=dtype)
-        box = (tuple(idx) + (0,) * len(shape), tuple(dest.shape))
-        dcp.load({key: dest}, storage_reader=_SafeReader(str(d)),
-                 planner=_ChunkPlanner({key: box}), no_dist=True)  # fmt: skip
-        out.append(dest.reshape(shape))
+        box = (tuple(idx) + (0,) * len(shape), (1,) * len(idx) + tuple(shape))
+        t = _read_stored(d, meta, key, *box)
+        if t is None:  # a box inside a stored chunk, or a transformed file: DCP reads it
+            t = torch.empty(box[1], dtype=dtype)
+            dcp.load({key: t}, storage_reader=_SafeReader(str(d)),
+                     planner=_ChunkPlanner({key: box}), no_dist=True)  # fmt: skip
+        out.append(t.reshape(shape))
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _read_stored(d: Path, meta, key: str, offsets: tuple, sizes: tuple):
+    """The stored chunk that is exactly this box, loaded straight into its tensor (DCP's own
+    read would load it and then copy it into the destination: twice the memory); None when no
+    stored chunk is the box."""
+    chunk = next((c for c in meta.state_dict_metadata[key].chunks
+                  if tuple(c.offsets) == offsets and tuple(c.sizes) == sizes), None)  # fmt: skip
+    info = meta.storage_data.get(MetadataIndex(key, torch.Size(offsets))) if chunk else None
+    if info is None or getattr(info, "transform_descriptors", None):
+        return None
+    name = str(info.relative_path)
+    if Path(name).name != name:
+        raise MegaliteError(f"{d / '.metadata'} names the file {name!r} outside the checkpoint")
+    try:
+        with open(d / name, "rb") as fh:
+            t = torch.load(_Slice(fh, info.offset, info.length), map_location="cpu",
+                           weights_only=True)  # fmt: skip
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        raise MegaliteError(f"{d / name} is not a readable DCP file ({e})") from None
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != sizes:
+        raise MegaliteError(f"{d / name}: {key} at {offsets} is not a tensor of shape {sizes}")
+    return t
+
+
+class _Slice(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open file, as a file of their own."""
+
+    def __init__(self, fh, offset: int, length: int):
+        super().__init__()
+        self.fh, self.offset, self.length, self.pos = fh, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, buf):
+        n = min(len(buf), self.length - self.pos)
+        self.fh.seek(self.offset + self.pos)
+        got = self.fh.readinto(memoryview(buf)[:n])
+        self.pos += got
+        return got
 
 
 def _unstack(k: str, idx: tuple, size: tuple, args: dict) -> dict:
