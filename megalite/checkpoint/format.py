@@ -32,6 +32,7 @@ import os
 import shutil
 import struct
 import threading
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -328,6 +329,28 @@ class MappedSafetensors:
         return torch.frombuffer(view, dtype=dtype).reshape(shape)
 
 
+class LazyTensors(dict):
+    """Tensors read or computed when asked: {name: a function that returns the tensor}, with
+    each one's `shapes` where they are known before any is read. `lazy[name]` calls it, and
+    `items()`/`values()` do too, one at a time (a conversion holds one, never the model)."""
+
+    def __init__(self, thunks: dict, shapes: dict | None = None):
+        super().__init__(thunks)
+        self.shapes = shapes
+
+    def __getitem__(self, name):
+        return super().__getitem__(name)()
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def items(self):
+        return ((k, self[k]) for k in self)
+
+    def values(self):
+        return (self[k] for k in self)
+
+
 def resolve(path) -> Path:
     """The checkpoint directory for `path`: an iter dir (with index.json) or a run dir whose
     `latest` file names one."""
@@ -402,6 +425,11 @@ class Checkpoint:
     @property
     def model_config(self) -> dict:
         return self.index["config"]["model"]
+
+    def lazy(self) -> LazyTensors:
+        """Every tensor of the checkpoint, read (`read`) when asked."""
+        shapes = {n: tuple(self.shape(n)) for n in self.names()}
+        return LazyTensors({n: partial(self.read, n) for n in self.names()}, shapes)
 
     def verify_while_reading(self, files=None) -> "Verification":
         """Check the named files (default: all) in a thread while the caller reads them: the

@@ -45,6 +45,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from megalite.checkpoint import format as fmt
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
@@ -222,22 +223,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, 1).reshape(-1, *rest).contiguous()
 
 
-class State(dict):
-    """A Megatron (or megalite) state read lazily: {name: a function that returns the global
-    tensor}, with each one's `shapes` known before any is read. `state[name]` reads it."""
-
-    def __init__(self, thunks: dict, shapes: dict | None = None):
-        super().__init__(thunks)
-        self.shapes = shapes
-
-    def __getitem__(self, name):
-        return super().__getitem__(name)()
-
-    def items(self):
-        return ((k, self[k]) for k in self)
-
-    def values(self):
-        return (self[k] for k in self)
+State = fmt.LazyTensors  # a Megatron state read lazily: {name: a function}, `.shapes`
 
 
 def _whole(state, name):

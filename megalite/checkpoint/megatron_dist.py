@@ -268,12 +268,11 @@ def write_torch_dist(dst: Path, state: dict, args: dict, iteration: int = 0,
     L, E = args["num_layers"], args.get("num_experts") or 0
     freq = args.get("moe_layer_freq") or 1
     stacked = not (E and freq > 1)  # megatron keeps heterogeneous layers apart
-    dtype = args.get("params_dtype") or torch.float32
     groups: dict = {}
     for name, source in renamed.items():
         key, layer, expert = _stack_key(name, stacked)
         groups.setdefault(key, {})[(layer, expert)] = source
-    out = {key: _Stacked(state, parts, L, E, dtype) for key, parts in groups.items()}
+    out = {key: _Stacked(state, parts, L, E) for key, parts in groups.items()}
     # every linear's _extra_state, as megatron-core's sharded state dict expects it
     for key in list(out):
         if re.search(r"linear_\w+\.weight$", key) or key == mg.OUTPUT_LAYER:
@@ -301,9 +300,10 @@ class _Stacked:
     """A DCP tensor whose per-(layer, expert) parts are computed when DCP writes them: one
     write item per layer of a stacked key (the experts of a layer stacked inside it)."""
 
-    def __init__(self, state, parts: dict, L: int, E: int, dtype):
-        self.state, self.parts, self.dtype = state, parts, dtype
+    def __init__(self, state, parts: dict, L: int, E: int):
+        self.state, self.parts = state, parts
         (layer, expert), first = next(iter(parts.items()))
+        self.dtype = state[first].dtype  # DCP's plan needs it before any chunk is written
         shape = tuple(state.shapes[first])
         self.layers, self.experts = layer is not None, expert is not None
         lead = ((L,) if self.layers else ()) + ((E,) if self.experts else ())
@@ -334,7 +334,6 @@ class _Stacked:
             t = torch.stack([self.state[self.parts[layer, j]] for j in range(E)])
         else:
             t = self.state[self.parts[layer, None]]
-        t = t.to(self.dtype)
         return t.unsqueeze(0) if self.layers else t
 
 

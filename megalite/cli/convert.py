@@ -192,30 +192,11 @@ HUB_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 GENERATION_CONFIG = "generation_config.json"
 
 
-class Reader(dict):
-    """A megalite checkpoint's tensors by name, read when asked (views of the mapped files)."""
-
-    def __init__(self, ckpt: fmt.Checkpoint):
-        super().__init__((n, None) for n in ckpt.names())
-        self.ckpt = ckpt
-
-    def __getitem__(self, name):
-        if name not in self:
-            raise KeyError(name)
-        return self.ckpt.read(name)
-
-    def items(self):
-        return ((k, self[k]) for k in self)
-
-    def values(self):
-        return (self[k] for k in self)
-
-
 def megalite_to_hf(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     checked = ckpt.verify_while_reading()  # trusted once it is done, before DST is renamed
     cfg = from_dict({"model": ckpt.model_config}).model
-    out = hf.to_hf(Reader(ckpt), cfg)  # views of the mapped files where no arithmetic is needed
+    out = hf.to_hf(ckpt.lazy(), cfg)  # views of the mapped files where no arithmetic is needed
     if cfg.tied:  # one tensor under two names cannot be saved; transformers re-ties lm_head
         out.pop("lm_head.weight", None)
     dtype = next(iter(out.values())).dtype
@@ -313,7 +294,7 @@ def megalite_to_megatron(src: Path, dst: Path, args):
     )  # fmt: skip
     # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
     state = mg.to_megatron_lazy(
-        Reader(ckpt), cfg.model, megatron_args.padded_vocab_size(cfg.model, tp)
+        ckpt.lazy(), cfg.model, megatron_args.padded_vocab_size(cfg.model, tp)
     )
     print(WEIGHTS_ONLY, file=sys.stderr)
     if legacy:
