@@ -176,12 +176,12 @@ def main(argv=None):
         config_out = json.loads((root / "hf2" / "config.json").read_text())
         print(f"exported config: rope_scaling {config_out.get('rope_scaling')}, bos "
               f"{config_out.get('bos_token_id')}, eos {config_out.get('eos_token_id')}")  # fmt: skip
-        # the design's bound: one output file (2 GiB) plus one layer
+        # the design's bound: one output file (--max-shard-size) plus one layer
         layer = (2 * a.hidden * a.hidden + 2 * a.hidden * a.groups * (a.hidden // a.heads)
                  + 3 * a.hidden * a.ffn) * 2  # fmt: skip
         bound = fmt.SHARD_BYTES + layer
         peer = rows["transformers load + save (peer)"]
-        print(f"\n| operation | wall | peak RSS (anon) | peak / peer | anon <= 2 GiB shard + layer "
+        print(f"\n| operation | wall | peak RSS (anon) | peak / peer | anon <= shard + layer "
               f"({bound / GIB:.2f} GiB) |\n| --- | --- | --- | --- | --- |")  # fmt: skip
         figures = []
         for what, r in rows.items():

@@ -204,7 +204,7 @@ def merge_entries(parts: list[dict]) -> dict:
     return out
 
 
-SHARD_BYTES = 2 << 30  # a conversion's output file, at most (what transformers' shards are too)
+SHARD_BYTES = 1 << 30  # a conversion's output file, at most: what it may hold in anonymous memory
 
 
 class ShardWriter:

@@ -360,7 +360,7 @@ def main(argv):
         type=shard_bytes,
         default=fmt.SHARD_BYTES,
         help="the largest output file (megalite and Hugging Face targets; e.g. 2GB, 500MB): a "
-        "conversion holds at most one such file's computed tensors (default 2GiB)",
+        "conversion holds at most one such file's computed tensors (default 1GiB)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
