@@ -132,6 +132,23 @@ QUICK = {
         "full size: GPT-2-124M (12 layers, h 768)",
     ),
     "bench_save.py": (["--layers", "2", "--rounds", "3"], "full size: 6 layers, 4 rounds (1.7 GB)"),
+    "bench_convert.py": (
+        [
+            "--layers",
+            "2",
+            "--hidden",
+            "256",
+            "--ffn",
+            "512",
+            "--heads",
+            "4",
+            "--groups",
+            "2",
+            "--vocab",
+            "2048",
+        ],
+        "full size: Llama-3.2-3B's shape (6.4 GB; docs/benchmarks.md)",
+    ),  # fmt: skip
     "bench_generate.py": (
         [
             "--layers",
@@ -314,7 +331,7 @@ HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "_load_at_size.py", "text
 SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
            "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
            "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py", "bench_save.py",
-           "bench_index.py"}  # fmt: skip
+           "bench_index.py", "bench_convert.py"}  # fmt: skip
 
 
 def check_coverage() -> list[str]:

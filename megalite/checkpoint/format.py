@@ -27,13 +27,15 @@ read: no pickle. The files are valid safetensors files, written by `write_shard`
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import struct
+import threading
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from megalite.errors import MegaliteError
 
@@ -103,20 +105,47 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
 
 
-def _safetensors(data: dict) -> tuple[bytes, list]:
-    """A safetensors file of `data` ({key: contiguous CPU tensor}, stored in this order): its
-    header (8-byte little-endian length, JSON, spaces to a multiple of 8) and the tensors' bytes
-    as arrays over their memory (no copy)."""
-    header, views, at = {}, [], 0
-    for key, t in data.items():
-        raw = t.reshape(-1).view(torch.uint8).numpy()
-        header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [at, at + raw.nbytes]}  # fmt: skip
-        views.append(raw)
-        at += raw.nbytes
+DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _safetensors_header(specs: dict, metadata: dict | None = None) -> bytes:
+    """The header of a safetensors file of {key: (dtype, shape)}, stored in this order: 8-byte
+    little-endian length, JSON, spaces to a multiple of 8."""
+    header, at = ({"__metadata__": metadata} if metadata else {}), 0
+    for key, (dtype, shape) in specs.items():
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [at, at + n]}  # fmt: skip
+        at += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, views
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_safetensors(path: Path, data: dict, metadata: dict | None = None, make=None) -> dict:
+    """Write a safetensors file and return its {sha256, bytes}. `data`: {key: tensor}, or with
+    `make`, {key: (dtype, shape)} and `make(key)` gives each tensor when its turn comes (so only
+    one is held: the header is written first). Each tensor is written from its own memory (one
+    that views a mapped input file is read from there: no copy) and hashed as it goes out, in
+    one pass: hashing and writing release the GIL, and no second read of the file is made."""
+    specs = data if make is not None else {k: (t.dtype, tuple(t.shape)) for k, t in data.items()}
+    head = _safetensors_header(specs, metadata)
+    digest, nbytes = hashlib.sha256(head), len(head)
+    with open(path, "wb") as fh:
+        fh.write(head)
+        for key, (dtype, shape) in specs.items():
+            t = (make(key) if make is not None else data[key]).detach().to("cpu").contiguous()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{key}: made {t.dtype} {tuple(t.shape)}, not {dtype} {shape}")
+            if t.numel():
+                raw = t.reshape(-1).view(torch.uint8).numpy()
+                digest.update(raw)
+                fh.write(raw)
+                nbytes += raw.nbytes
+            del t
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": nbytes}
 
 
 def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]:
@@ -137,19 +166,7 @@ def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]
             name, {"shape": list(glob), "dtype": dtype_name(t.dtype), "shards": []}
         )
         e["shards"].append(shard)
-    # Written and hashed straight from the tensors' memory, in one pass: hashing and writing
-    # release the GIL, and neither a serialised copy nor a second read of the file is made.
-    path, (head, views) = directory / fname, _safetensors(data)
-    digest = hashlib.sha256(head)
-    with open(path, "wb") as fh:
-        fh.write(head)
-        for v in views:
-            digest.update(v)
-            fh.write(v)
-        fh.flush()
-        os.fsync(fh.fileno())
-    nbytes = len(head) + sum(v.nbytes for v in views)
-    return entries, {fname: {"sha256": digest.hexdigest(), "bytes": nbytes}}
+    return entries, {fname: write_safetensors(directory / fname, data)}
 
 
 def tokenizer_name(src) -> str:
@@ -187,16 +204,60 @@ def merge_entries(parts: list[dict]) -> dict:
     return out
 
 
-def write_full_checkpoint(
-    directory: Path, tensors: dict[str, torch.Tensor], meta: dict, tokenizer=None
-):
-    """A checkpoint of whole logical tensors in one file (conversion tools), written into
-    `directory` (which must not exist) through a temporary directory."""
+SHARD_BYTES = 1 << 30  # a conversion's output file, at most: what it may hold in anonymous memory
+
+
+class ShardWriter:
+    """Whole tensors written into files of about `max_bytes` as they come (`add`), each file
+    written when it fills: a conversion holds one output file's tensors, never the model.
+    `name(k)` is file k's name. `finish()` writes the last one and returns ([(file name,
+    [keys])], {file name: {sha256, bytes}}); `total` is the tensor bytes added."""
+
+    def __init__(self, directory: Path, name, max_bytes: int = SHARD_BYTES, metadata=None):
+        self.directory, self.name, self.max_bytes = directory, name, max_bytes
+        self.metadata = metadata
+        self.pending, self.held, self.total = {}, 0, 0
+        self.written, self.files = [], {}
+
+    def add(self, key: str, t: torch.Tensor):
+        if self.pending and self.held + t.nbytes > self.max_bytes:
+            self.flush()
+        self.pending[key] = t
+        self.held += t.nbytes
+        self.total += t.nbytes
+
+    def flush(self):
+        if not self.pending:
+            return
+        fname = self.name(len(self.written))
+        self.files[fname] = write_safetensors(self.directory / fname, self.pending, self.metadata)
+        self.written.append((fname, list(self.pending)))
+        self.pending, self.held = {}, 0
+
+    def finish(self) -> tuple[list, dict]:
+        self.flush()
+        return self.written, self.files
+
+
+def write_full_checkpoint(directory: Path, tensors, meta: dict, tokenizer=None,
+                          max_bytes: int = SHARD_BYTES):  # fmt: skip
+    """A checkpoint of whole logical tensors (conversion tools), written into `directory`
+    (which must not exist) through a temporary directory. `tensors`: (name, tensor) pairs,
+    consumed one at a time (a generator computes each as it is needed), written into files of
+    about `max_bytes` as they fill (model-00000.safetensors, ...)."""
     tmp = directory.with_name(f".{directory.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    full = {n: (t, [(0, s) for s in t.shape], list(t.shape)) for n, t in tensors.items()}
-    entries, files = write_shard(tmp, "model.safetensors", full)
+    out = ShardWriter(tmp, lambda k: f"model-{k:05d}.safetensors", max_bytes)
+    entries = {}
+    for name, t in tensors.items() if isinstance(tensors, dict) else tensors:
+        out.add(name, t)
+        entries[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "shards": []}
+    written, files = out.finish()
+    for fname, keys in written:
+        for k in keys:
+            whole = [[0, s] for s in entries[k]["shape"]]
+            entries[k]["shards"].append({"file": fname, "slice": whole})
     if tokenizer is not None:
         files.update(copy_tokenizer(tokenizer, tmp))
     index = {**meta, "format": FORMAT, "tensors": entries, "files": files}
@@ -205,6 +266,89 @@ def write_full_checkpoint(
 
 
 # ---- reading -------------------------------------------------------------------------------------
+
+
+class MappedSafetensors:
+    """A safetensors file mapped into memory: `get(key)` is a tensor over the file's pages (no
+    copy; the pages are the page cache's, not the process's anonymous memory). The mapping is
+    private: writing into such a tensor copies the page it touches and never alters the file.
+    A tensor keeps the mapping alive after the object is gone."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            try:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size - 8:
+                    raise ValueError(f"a header of {n} bytes in a file of {size}")
+                header = json.loads(fh.read(n))
+                self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            except (struct.error, ValueError, UnicodeDecodeError) as e:
+                raise MegaliteError(
+                    f"{self.path} is not a readable safetensors file ({e}); use another file"
+                ) from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.header, self.start, self.size = header, 8 + n, size
+        for key, e in header.items():
+            lo, hi = e.get("data_offsets", (0, -1))
+            if e.get("dtype") not in DTYPES_BY_NAME or not 0 <= lo <= hi <= size - self.start:
+                raise MegaliteError(
+                    f"{self.path}: tensor {key} has a dtype or byte range this file cannot hold "
+                    "(damaged, or a dtype megalite does not read)"
+                )
+
+    def keys(self):
+        return self.header.keys()
+
+    def meta(self, key: str) -> tuple[torch.dtype, list[int]]:
+        e = self.header[key]
+        return DTYPES_BY_NAME[e["dtype"]], e["shape"]
+
+    def get(self, key: str) -> torch.Tensor:
+        dtype, shape = self.meta(key)
+        lo, hi = self.header[key]["data_offsets"]
+        count = 1
+        for d in shape:
+            count *= d
+        elem = torch.empty((), dtype=dtype).element_size()
+        if hi - lo != count * elem:
+            raise MegaliteError(
+                f"{self.path}: tensor {key} of shape {shape} holds {hi - lo} bytes; the file is "
+                "damaged"
+            )
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        at = self.start + lo
+        if at % elem:  # an unaligned tensor (after an odd-sized one): read as bytes, copied
+            raw = torch.frombuffer(self.map, dtype=torch.uint8, count=hi - lo, offset=at)
+            return raw.clone().view(dtype).reshape(shape)
+        # a storage of exactly this tensor's bytes (not the whole file): torch.save and DCP
+        # write a tensor's whole storage, or copy it to avoid that
+        view = memoryview(self.map)[at : at + hi - lo]
+        return torch.frombuffer(view, dtype=dtype).reshape(shape)
+
+
+class LazyTensors(dict):
+    """Tensors read or computed when asked: {name: a function that returns the tensor}, with
+    each one's `shapes` where they are known before any is read. `lazy[name]` calls it, and
+    `items()`/`values()` do too, one at a time (a conversion holds one, never the model)."""
+
+    def __init__(self, thunks: dict, shapes: dict | None = None):
+        super().__init__(thunks)
+        self.shapes = shapes
+
+    def __getitem__(self, name):
+        return super().__getitem__(name)()
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def items(self):
+        return ((k, self[k]) for k in self)
+
+    def values(self):
+        return (self[k] for k in self)
 
 
 def resolve(path) -> Path:
@@ -282,6 +426,18 @@ class Checkpoint:
     def model_config(self) -> dict:
         return self.index["config"]["model"]
 
+    def lazy(self) -> LazyTensors:
+        """Every tensor of the checkpoint, read (`read`) when asked."""
+        shapes = {n: tuple(self.shape(n)) for n in self.names()}
+        return LazyTensors({n: partial(self.read, n) for n in self.names()}, shapes)
+
+    def verify_while_reading(self, files=None) -> "Verification":
+        """Check the named files (default: all) in a thread while the caller reads them: the
+        bytes come from disk once (the page cache serves the other reader) and hashing, which
+        releases the GIL, runs beside the work. Call `.result()` before trusting what was read
+        (it raises verify's one line)."""
+        return Verification(self, files)
+
     def verify(self, files=None):
         """Check size and sha256 of the named files (default: all)."""
         for fname in self.files if files is None else files:
@@ -311,24 +467,38 @@ class Checkpoint:
     def names(self, optimizer=False) -> list[str]:
         return [n for n in self.tensors if n.startswith("optimizer.") == optimizer]
 
-    def _file(self, fname):
+    def _file(self, fname) -> MappedSafetensors:
         if fname not in self._open:
-            try:
-                self._open[fname] = safe_open(str(self.dir / fname), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
+            if not (self.dir / fname).is_file():
                 raise MegaliteError(
-                    f"checkpoint file {self.dir / fname} is not a readable safetensors file "
-                    f"({e}); use another checkpoint"
-                ) from None
+                    f"checkpoint file {self.dir / fname} is missing; the checkpoint is incomplete"
+                )
+            self._open[fname] = MappedSafetensors(self.dir / fname)
         return self._open[fname]
 
+    def _part(self, s: dict, key: str, name: str) -> torch.Tensor:
+        f = self._file(s["file"])
+        if key not in f.header:
+            raise MegaliteError(
+                f"checkpoint file {f.path} lacks {key}, which the index places there; the "
+                "checkpoint is damaged"
+            )
+        return f.get(key)
+
     def read(self, name: str, region=None) -> torch.Tensor:
-        """The part `region` ((lo, hi) per dim; default: all) of a logical tensor, assembled
-        from the shards that overlap it; each file read is only the overlap."""
+        """The part `region` ((lo, hi) per dim; default: all) of a logical tensor, contiguous.
+        Where one shard holds exactly that part, the result views the mapped file (no copy;
+        writing into it copies the pages it touches, never the file); otherwise the overlaps
+        of the shards are copied into a new tensor."""
         e = self.tensors[name]
         shape = e["shape"]
         region = [(0, s) for s in shape] if region is None else [tuple(r) for r in region]
         dtype = getattr(torch, e["dtype"])
+        for s in e["shards"]:
+            if [tuple(r) for r in s["slice"]] == region:
+                part = self._part(s, s.get("key", name), name)
+                if part.dtype == dtype and list(part.shape) == [hi - lo for lo, hi in region]:
+                    return part
         out = torch.empty([hi - lo for lo, hi in region], dtype=dtype)
         covered = 0
         for s in e["shards"]:
@@ -338,9 +508,13 @@ class Checkpoint:
                 continue
             src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sl))
             dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, region))
-            key = s.get("key", name)
-            part = self._file(s["file"]).get_slice(key)[src] if shape else self._get(s, key)
-            out[dst] = part
+            part = self._part(s, s.get("key", name), name)
+            if list(part.shape) != [hi - lo for lo, hi in sl]:
+                raise MegaliteError(
+                    f"checkpoint file {self.dir / s['file']} holds {name} at shape "
+                    f"{list(part.shape)}, not the slice {sl} the index says; it is damaged"
+                )
+            out[dst] = part[src]
             covered += out[dst].numel()
         if covered != out.numel():
             raise MegaliteError(
@@ -349,8 +523,25 @@ class Checkpoint:
             )
         return out
 
-    def _get(self, s, key):  # 0-dim tensors cannot be sliced
-        return self._file(s["file"]).get_tensor(key)
-
     def close(self):
         self._open.clear()
+
+
+class Verification:
+    """`Checkpoint.verify` run in a thread (see verify_while_reading)."""
+
+    def __init__(self, ckpt: Checkpoint, files=None):
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(ckpt, files), daemon=True)
+        self.thread.start()
+
+    def _run(self, ckpt, files):
+        try:
+            ckpt.verify(files)
+        except MegaliteError as e:
+            self.error = e
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error

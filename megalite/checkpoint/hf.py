@@ -138,7 +138,9 @@ def _llama_names(cfg: ModelConfig):
 
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
-    """megalite logical tensors (padded vocabulary) -> transformers state dict."""
+    """megalite logical tensors (padded vocabulary) -> transformers state dict. A tensor that
+    needs no arithmetic is the input itself or a view of it (no copy: a conversion streams
+    views of mapped files to disk), so the result aliases `state`."""
     moe_export(cfg)  # an MoE model its architecture cannot express is refused before writing
     V = cfg.vocab_size
     out = {}
@@ -146,7 +148,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     if cfg.features.latent_attention:  # DeepSeek-V3: rotary rows back to pairs
         for m, h, rope in hf_deepseek.names(cfg):
             w = state[m][:V] if m in unpad else state[m]
-            out[h] = hf_deepseek.reorder_rope(w, rope, False) if rope else w.clone()
+            out[h] = hf_deepseek.reorder_rope(w, rope, False) if rope else w
         if cfg.tied:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         out.update(hf_deepseek.mtp_copies(cfg, out))
@@ -158,7 +160,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
                 out[h] = _zero_bias(out[h.removesuffix(".bias") + ".weight"])
                 continue
             w = state[m][:V] if m in unpad else state[m]
-            out[h] = w.t().contiguous() if t else w.clone()
+            out[h] = w.t().contiguous() if t else w
         for i in range(cfg.num_layers):
             a, c = f"layers.{i}.attention.", f"transformer.h.{i}.attn.c_attn."
             out[c + "weight"] = (
@@ -170,7 +172,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     else:
         for m, h in _llama_names(cfg):
-            out[h] = (state[m][:V] if m in unpad else state[m]).clone()
+            out[h] = state[m][:V] if m in unpad else state[m]
         if moe_export(cfg):
             out.update(_experts_to_hf(state, cfg))  # gpt-oss's own layout there too
         if cfg.tied:
@@ -179,7 +181,8 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
 
 
 def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
-    """transformers state dict -> megalite logical tensors, the vocabulary padded to tp=1's size."""
+    """transformers state dict -> megalite logical tensors, the vocabulary padded to tp=1's
+    size; like to_hf's, the result aliases the input where no arithmetic is needed."""
     pad = cfg.padded_vocab_size(1) - cfg.vocab_size
 
     def get(name):
@@ -192,7 +195,7 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
     out = {}
     if cfg.features.latent_attention:  # DeepSeek-V3: rotary rows from pairs to halves
         for m, h, rope in hf_deepseek.names(cfg):
-            out[m] = hf_deepseek.reorder_rope(get(h), rope, True) if rope else get(h).clone()
+            out[m] = hf_deepseek.reorder_rope(get(h), rope, True) if rope else get(h)
         if cfg.num_experts:
             out.update(hf_deepseek.experts_from_hf(hf_state, cfg, get))
     elif _gpt2_layout(cfg):
@@ -200,7 +203,7 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
             if m is None:
                 _absent_bias(get(h), h, cfg)
                 continue
-            out[m] = get(h).t().contiguous() if t else get(h).clone()
+            out[m] = get(h).t().contiguous() if t else get(h)
         h_ = cfg.hidden_size
         for i in range(cfg.num_layers):
             w = get(f"transformer.h.{i}.attn.c_attn.weight").t()  # (3h, h)
@@ -210,7 +213,7 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
             for j, x in enumerate("qkv"):
                 out[f"layers.{i}.attention.{x}.weight"] = w[j * h_ : (j + 1) * h_].contiguous()
                 if cfg.features.qkv_bias:
-                    out[f"layers.{i}.attention.{x}.bias"] = b[j * h_ : (j + 1) * h_].clone()
+                    out[f"layers.{i}.attention.{x}.bias"] = b[j * h_ : (j + 1) * h_]
     else:
         moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         fused = bool(moe) and f"model.layers.{moe[0]}.{FUSED}" in hf_state
@@ -218,13 +221,13 @@ def from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
         for m, h in _llama_names(cfg):
             if fused:  # recent transformers' in-memory names: the router is mlp.gate
                 h = h.replace(f".{_moe_names(cfg)[0]}.", ".mlp.gate.")
-            out[m] = get(h).clone()
+            out[m] = get(h)
         if cfg.num_experts and cfg.features.clamped_swiglu:
             out.update(_gpt_oss_experts_from_hf(cfg, get))
         elif cfg.num_experts:
             out.update(_experts_from_hf(hf_state, cfg, get, fused))
     for name in VOCAB_TENSORS:
-        if name in out:
+        if name in out and pad:
             out[name] = F.pad(out[name], (0, 0, 0, pad))
     return out
 
@@ -240,9 +243,9 @@ def _experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
         down = state[f"layers.{i}.mlp.experts.down.weight"]  # (E, h, f)
         for j in range(cfg.num_experts):
             h = f"model.layers.{i}.{prefix}.{j}."
-            out[h + f"{gate}.weight"] = gate_up[j, :f].clone()
-            out[h + f"{up}.weight"] = gate_up[j, f:].clone()
-            out[h + f"{down_name}.weight"] = down[j].clone()
+            out[h + f"{gate}.weight"] = gate_up[j, :f]
+            out[h + f"{up}.weight"] = gate_up[j, f:]
+            out[h + f"{down_name}.weight"] = down[j]
     return out
 
 
@@ -253,8 +256,8 @@ def _experts_from_hf(hf_state: dict, cfg: ModelConfig, get, fused: bool) -> dict
     for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
         m = f"layers.{i}.mlp.experts."
         if fused:
-            out[m + "gate_up.weight"] = get(f"model.layers.{i}.mlp.experts.gate_up_proj").clone()
-            out[m + "down.weight"] = get(f"model.layers.{i}.mlp.experts.down_proj").clone()
+            out[m + "gate_up.weight"] = get(f"model.layers.{i}.mlp.experts.gate_up_proj")
+            out[m + "down.weight"] = get(f"model.layers.{i}.mlp.experts.down_proj")
             continue
         h = f"model.layers.{i}.{prefix}."
         out[m + "gate_up.weight"] = torch.stack(
@@ -277,7 +280,7 @@ def _gpt_oss_experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
         out[h + "gate_up_proj"] = pairs.transpose(1, 2).contiguous()
         out[h + "gate_up_proj_bias"] = torch.stack([b[:, :f], b[:, f:]], 2).flatten(1, 2)
         out[h + "down_proj"] = state[m + "down.weight"].transpose(1, 2).contiguous()
-        out[h + "down_proj_bias"] = state[m + "down.bias"].clone()
+        out[h + "down_proj_bias"] = state[m + "down.bias"]
     return out
 
 
@@ -290,7 +293,7 @@ def _gpt_oss_experts_from_hf(cfg: ModelConfig, get) -> dict:
         out[m + "gate_up.weight"] = torch.cat([w[..., ::2], w[..., 1::2]], -1).transpose(1, 2)
         out[m + "gate_up.bias"] = torch.cat([b[:, ::2], b[:, 1::2]], -1)
         out[m + "down.weight"] = get(h + "down_proj").transpose(1, 2).contiguous()
-        out[m + "down.bias"] = get(h + "down_proj_bias").clone()
+        out[m + "down.bias"] = get(h + "down_proj_bias")
         out[m + "gate_up.weight"] = out[m + "gate_up.weight"].contiguous()
     return out
 

@@ -246,7 +246,20 @@ def _gpt2_from_hf(hf: dict) -> ModelConfig:
         max_position_embeddings=hf["n_positions"],
         vocab_size=hf["vocab_size"],
         norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        **_gpt2_dropouts(hf),
     )
+
+
+def _gpt2_dropouts(hf: dict) -> dict:
+    """GPT-2's dropouts (transformers' default 0.1): megalite has one for the residual stream
+    and the embedding (resid_pdrop, embd_pdrop) and one for attention (attn_pdrop)."""
+    resid, embd = hf.get("resid_pdrop", 0.1), hf.get("embd_pdrop", 0.1)
+    if resid != embd:
+        raise MegaliteError(
+            f"GPT-2 with resid_pdrop={resid} and embd_pdrop={embd} is not supported: megalite's "
+            "--hidden-dropout is both"
+        )
+    return {"hidden_dropout": resid, "attention_dropout": hf.get("attn_pdrop", 0.1)}
 
 
 def _rope(hf: dict, default: float, arch: str) -> dict:

@@ -80,9 +80,9 @@ def experts_to_hf(state: dict, cfg: ModelConfig) -> dict:
     for m, h in _moe_layers(cfg):
         gate_up, down = state[m + "experts.gate_up.weight"], state[m + "experts.down.weight"]
         for j in range(cfg.num_experts):
-            out[h + f"experts.{j}.gate_proj.weight"] = gate_up[j, :f].clone()
-            out[h + f"experts.{j}.up_proj.weight"] = gate_up[j, f:].clone()
-            out[h + f"experts.{j}.down_proj.weight"] = down[j].clone()
+            out[h + f"experts.{j}.gate_proj.weight"] = gate_up[j, :f]
+            out[h + f"experts.{j}.up_proj.weight"] = gate_up[j, f:]
+            out[h + f"experts.{j}.down_proj.weight"] = down[j]
         bias = state.get(m + "expert_bias")
         zeros = torch.zeros(cfg.num_experts, dtype=torch.float32)
         out[h + "gate.e_score_correction_bias"] = zeros if bias is None else bias.float().clone()
@@ -99,8 +99,8 @@ def experts_from_hf(hf_state: dict, cfg: ModelConfig, get) -> dict:
             zeros = torch.zeros(cfg.num_experts, dtype=torch.float32)
             out[m + "expert_bias"] = zeros if bias is None else bias.float().clone()
         if h + "experts.gate_up_proj" in hf_state:  # transformers' in-memory layout
-            out[m + "experts.gate_up.weight"] = get(h + "experts.gate_up_proj").clone()
-            out[m + "experts.down.weight"] = get(h + "experts.down_proj").clone()
+            out[m + "experts.gate_up.weight"] = get(h + "experts.gate_up_proj")
+            out[m + "experts.down.weight"] = get(h + "experts.down_proj")
             continue
         e = range(cfg.num_experts)
         out[m + "experts.gate_up.weight"] = torch.stack(
@@ -135,8 +135,8 @@ def mtp_copies(cfg: ModelConfig, out: dict) -> dict:
     copies = {}
     for k in range(cfg.mtp_num_layers):
         h = f"model.layers.{cfg.num_layers + k}."
-        copies[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
-        copies[h + "shared_head.head.weight"] = head.clone()
+        copies[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        copies[h + "shared_head.head.weight"] = head
     return copies
 
 

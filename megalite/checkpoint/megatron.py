@@ -30,8 +30,9 @@ Supported (everything else in the args is refused with one line, never dropped):
 - GPT-2 style: LayerNorm, GELU (the tanh approximation, which megatron gives with
   --openai-gelu or with its default bias-GELU fusion; exact-erf GELU is refused), learned
   absolute positions, biases (--add-bias-linear), tied or untied output layer;
-- Llama style: RMSNorm, SwiGLU, RoPE (rotary_percent 1, not interleaved, no scaling), grouped-
-  query attention, no biases, tied or untied;
+- Llama style: RMSNorm, SwiGLU, RoPE (rotary_percent 1, not interleaved; llama3 scaling as
+  --use-rope-scaling/--rope-scaling-factor, linear as --rotary-seq-len-interpolation-factor,
+  yarn refused), grouped-query attention, no biases, tied or untied;
 - MoE (SequentialMLP local experts, TE/grouped experts by `megatron_files`): top-k softmax
   router (renormalised over the top k, or --moe-router-pre-softmax), optional shared expert,
   dropless (a capacity factor is refused);
@@ -39,9 +40,12 @@ Supported (everything else in the args is refused with one line, never dropped):
 - weights only: optimizer and RNG state are not converted (the tool says so).
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
+from megalite.checkpoint import format as fmt
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
@@ -151,8 +155,9 @@ def _names(cfg: ModelConfig, padded_vocab: int):
 
 
 def check_shapes(state: dict, cfg: ModelConfig, where: str):
-    """Every tensor the args imply is there with the shape they imply (one line if not)."""
-    vocab = state[EMBEDDING].shape[0] if EMBEDDING in state else cfg.vocab_size
+    """Every tensor the args imply is there with the shape they imply (one line if not);
+    `state`: {megatron name: shape}."""
+    vocab = state[EMBEDDING][0] if EMBEDDING in state else cfg.vocab_size
     if vocab < cfg.vocab_size:
         raise MegaliteError(
             f"{where}: {EMBEDDING} has {vocab} rows but the args say the vocabulary is "
@@ -172,9 +177,9 @@ def check_shapes(state: dict, cfg: ModelConfig, where: str):
                 f"{where} lacks the tensor {name} that its args imply; is it a complete "
                 f"{cfg.flavour}-style model?"
             )
-        if tuple(state[name].shape) != tuple(shape):
+        if tuple(state[name]) != tuple(shape):
             raise MegaliteError(
-                f"{where}: {name} has shape {tuple(state[name].shape)} but the checkpoint's args "
+                f"{where}: {name} has shape {tuple(state[name])} but the checkpoint's args "
                 f"({_implied_by(name, cfg)}) imply {tuple(shape)}; the args contradict the tensors"
             )
 
@@ -218,24 +223,39 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, 1).reshape(-1, *rest).contiguous()
 
 
+State = fmt.LazyTensors  # a Megatron state read lazily: {name: a function}, `.shapes`
+
+
+def _whole(state, name):
+    return state[name]
+
+
 def from_megatron(state: dict, cfg: ModelConfig, where: str = "the Megatron checkpoint") -> dict:
     """A Megatron state (global tensors, local names) -> megalite's logical tensors, the
     vocabulary padding stripped (what megalite's format stores)."""
-    state = {local_names(k): v for k, v in state.items()}
-    check_shapes(state, cfg, where)
-    vocab = state[EMBEDDING].shape[0]
+    if not isinstance(state, State):
+        state = State({k: partial(_whole, state, k) for k in state},
+                      {k: tuple(v.shape) for k, v in state.items()})  # fmt: skip
+    return {k: f() for k, f in from_megatron_lazy(state, cfg, where).items()}
+
+
+def from_megatron_lazy(state: State, cfg: ModelConfig, where: str) -> dict:
+    """{megalite name: a function that computes it from `state`} (reading only the Megatron
+    tensors it needs): a conversion computes, writes and frees one tensor at a time."""
+    state = State({local_names(k): dict.__getitem__(state, k) for k in state},
+                  {local_names(k): v for k, v in state.shapes.items()})  # fmt: skip
+    check_shapes(state.shapes, cfg, where)
+    vocab = state.shapes[EMBEDDING][0]
     out = {}
     for m, g, _ in _names(cfg, vocab):
         if m is not None:
-            out[m] = state[g]
+            out[m] = partial(_whole, state, g)
     for i in range(cfg.num_layers):
         m, g = f"layers.{i}.", LAYER.format(i)
         a = g + "self_attention.linear_qkv."
-        for x, t in zip("qkv", split_qkv(state[a + "weight"], cfg)):
-            out[m + f"attention.{x}.weight"] = t
-        if cfg.features.qkv_bias:
-            for x, t in zip("qkv", split_qkv(state[a + "bias"], cfg)):
-                out[m + f"attention.{x}.bias"] = t
+        for x in ("weight", "bias") if cfg.features.qkv_bias else ("weight",):
+            for j, y in enumerate("qkv"):
+                out[m + f"attention.{y}.{x}"] = partial(_qkv_part, state, a + x, cfg, j)
         if not cfg.is_moe_layer(i):
             out.update(_fc1_from(state, cfg, m + "mlp.", g + "mlp."))
             continue
@@ -243,67 +263,100 @@ def from_megatron(state: dict, cfg: ModelConfig, where: str = "the Megatron chec
             out.update(_fc1_from(state, cfg, m + "mlp.shared.", g + "mlp.shared_experts."))
         e = g + "mlp.experts.local_experts.{}."
         first = "gate_up" if cfg.features.gated_mlp else "up"
-        out[m + f"mlp.experts.{first}.weight"] = torch.stack(
-            [state[e.format(j) + "linear_fc1.weight"] for j in range(cfg.num_experts)]
-        )
-        out[m + "mlp.experts.down.weight"] = torch.stack(
-            [state[e.format(j) + "linear_fc2.weight"] for j in range(cfg.num_experts)]
-        )
+        for fc, x in (("linear_fc1", first), ("linear_fc2", "down")):
+            names = [e.format(j) + f"{fc}.weight" for j in range(cfg.num_experts)]
+            out[m + f"mlp.experts.{x}.weight"] = partial(_stack, state, names)
     for name in VOCAB_TENSORS:
         if name in out:
-            out[name] = out[name][: cfg.vocab_size]
-    return {k: v.contiguous() for k, v in out.items()}
+            out[name] = partial(_rows, out[name], cfg.vocab_size)
+    return out
+
+
+def _rows(f, n: int) -> torch.Tensor:
+    return f()[:n]
+
+
+def _stack(state, names: list) -> torch.Tensor:
+    return torch.stack([state[n] for n in names])
+
+
+def _qkv_part(state, name: str, cfg: ModelConfig, j: int) -> torch.Tensor:
+    return split_qkv(state[name], cfg)[j]
 
 
 def _fc1_from(state, cfg, m, g):
     out = {}
     for x in ("weight", "bias") if cfg.features.linear_bias else ("weight",):
-        t = state[g + f"linear_fc1.{x}"]
         if cfg.features.gated_mlp:
-            out[m + f"gate.{x}"], out[m + f"up.{x}"] = t.chunk(2)
+            out[m + f"gate.{x}"] = partial(_half, state, g + f"linear_fc1.{x}", 0)
+            out[m + f"up.{x}"] = partial(_half, state, g + f"linear_fc1.{x}", 1)
         else:
-            out[m + f"up.{x}"] = t
+            out[m + f"up.{x}"] = partial(_whole, state, g + f"linear_fc1.{x}")
     return out
+
+
+def _half(state, name: str, j: int) -> torch.Tensor:
+    return state[name].chunk(2)[j]
 
 
 def to_megatron(logical: dict, cfg: ModelConfig, padded_vocab: int) -> dict:
     """megalite's logical tensors (any vocabulary padding) -> a Megatron state with the
     vocabulary padded to `padded_vocab` rows (zeros, as Megatron initialises nothing there)."""
+    state = to_megatron_lazy(logical, cfg, padded_vocab)
+    return {k: state[k].contiguous() for k in state}
+
+
+def to_megatron_lazy(logical, cfg: ModelConfig, padded_vocab: int) -> State:
+    """The Megatron state of `logical` (a mapping that reads a megalite tensor by name) as
+    functions, each computing one Megatron tensor when it is called; `.shapes` says them all."""
     out = {}
     for m, g, _ in _names(cfg, padded_vocab):
         if m is not None:
-            out[g] = logical[m]
+            out[g] = partial(_whole, logical, m)
     for name in (EMBEDDING, OUTPUT_LAYER):
         if name in out:
-            t = out[name][: cfg.vocab_size]
-            out[name] = F.pad(t, (0, 0, 0, padded_vocab - t.shape[0]))
+            out[name] = partial(_pad_rows, out[name], cfg.vocab_size, padded_vocab)
     for i in range(cfg.num_layers):
         m, g = f"layers.{i}.", LAYER.format(i)
         a = g + "self_attention.linear_qkv."
-        out[a + "weight"] = merge_qkv(*(logical[m + f"attention.{x}.weight"] for x in "qkv"),
-                                      cfg)  # fmt: skip
-        if cfg.features.qkv_bias:
-            out[a + "bias"] = merge_qkv(*(logical[m + f"attention.{x}.bias"] for x in "qkv"), cfg)
+        for x in ("weight", "bias") if cfg.features.qkv_bias else ("weight",):
+            names = [m + f"attention.{y}.{x}" for y in "qkv"]
+            out[a + x] = partial(_merge_qkv, logical, names, cfg)
         if not cfg.is_moe_layer(i):
             out.update(_fc1_to(logical, cfg, m + "mlp.", g + "mlp."))
             continue
         if cfg.moe_shared_expert_intermediate_size:
             out.update(_fc1_to(logical, cfg, m + "mlp.shared.", g + "mlp.shared_experts."))
         first = "gate_up" if cfg.features.gated_mlp else "up"
-        fc1, fc2 = (
-            logical[m + f"mlp.experts.{first}.weight"],
-            logical[m + "mlp.experts.down.weight"],
-        )
         for j in range(cfg.num_experts):
             e = g + f"mlp.experts.local_experts.{j}."
-            out[e + "linear_fc1.weight"], out[e + "linear_fc2.weight"] = fc1[j], fc2[j]
-    return {k: v.contiguous() for k, v in out.items()}
+            fc1, fc2 = m + f"mlp.experts.{first}.weight", m + "mlp.experts.down.weight"
+            out[e + "linear_fc1.weight"] = partial(_expert, logical, fc1, j)
+            out[e + "linear_fc2.weight"] = partial(_expert, logical, fc2, j)
+    shapes = megatron_shapes(cfg, padded_vocab)
+    return State({k: out[k] for k in shapes}, shapes)
+
+
+def _pad_rows(f, vocab: int, padded: int) -> torch.Tensor:
+    t = f()[:vocab]
+    return t if t.shape[0] == padded else F.pad(t, (0, 0, 0, padded - t.shape[0]))
+
+
+def _merge_qkv(logical, names: list, cfg: ModelConfig) -> torch.Tensor:
+    return merge_qkv(*(logical[n] for n in names), cfg)
+
+
+def _expert(logical, name: str, j: int) -> torch.Tensor:
+    return logical[name][j]
 
 
 def _fc1_to(logical, cfg, m, g):
     out = {}
     for x in ("weight", "bias") if cfg.features.linear_bias else ("weight",):
-        parts = [logical[m + f"{p}.{x}"] for p in (("gate", "up") if cfg.features.gated_mlp
-                                                   else ("up",))]  # fmt: skip
-        out[g + f"linear_fc1.{x}"] = torch.cat(parts)
+        parts = ("gate", "up") if cfg.features.gated_mlp else ("up",)
+        out[g + f"linear_fc1.{x}"] = partial(_cat, logical, [m + f"{p}.{x}" for p in parts])
     return out
+
+
+def _cat(logical, names: list) -> torch.Tensor:
+    return torch.cat([logical[n] for n in names]) if len(names) > 1 else logical[names[0]]

@@ -10,6 +10,7 @@ something megalite cannot honour (`_UNSUPPORTED`; checkpoint/megatron.py lists w
 """
 
 import argparse
+from dataclasses import fields
 
 import torch
 
@@ -34,10 +35,9 @@ def _gelu_is_tanh(args: dict) -> bool:
 _UNSUPPORTED = (
     ("rotary_percent", lambda a: _get(a, "rotary_percent", 1.0) != 1.0, "partial rotary"),
     ("rotary_interleaved", lambda a: _get(a, "rotary_interleaved", False), "interleaved RoPE"),
-    ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False), "RoPE scaling"),
-    ("rotary_seq_len_interpolation_factor",
-     lambda a: _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
-     "RoPE interpolation"),
+    ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False)
+     and _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
+     "both llama3 RoPE scaling and RoPE interpolation"),
     ("apply_layernorm_1p", lambda a: _get(a, "apply_layernorm_1p", False), "zero-centred gamma"),
     ("layernorm_zero_centered_gamma",
      lambda a: _get(a, "layernorm_zero_centered_gamma", False), "zero-centred gamma"),
@@ -101,6 +101,10 @@ def _flavour(features: ModelFeatures) -> str:
     # Megatron's LayerNorm always has a bias, its GELU is tanh here (exact is refused above)
     keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias", "norm_bias", "gelu")
     mine = {k: getattr(features, k) for k in keys}
+    # what megalite's Megatron converter never maps: a row with any of it is not this model
+    mine.update(dict.fromkeys(("qk_norm", "latent_attention", "attention_sinks",
+                               "clamped_swiglu", "moe_bias"), False))  # fmt: skip
+    keys = tuple(mine)
     for name, row in FLAVOURS.items():
         if mine == {k: getattr(row, k) for k in keys}:
             return name
@@ -151,6 +155,7 @@ def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
         }
     seq = _get(a, "seq_length", _get(a, "max_position_embeddings", 2048))
     return ModelConfig(
+        **_rope_from_args(a),
         flavour=_flavour(features),
         num_layers=a["num_layers"],
         hidden_size=h,
@@ -172,6 +177,46 @@ def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
         ),
         **experts,
     )  # fmt: skip
+
+
+# megatron-core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling): only the factor is an
+# argument (--rope-scaling-factor); the other three are fixed there
+MEGATRON_LLAMA3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                   "rope_original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def _rope_from_args(a: dict) -> dict:
+    """ModelConfig's RoPE scaling fields from --use-rope-scaling (llama3) or
+    --rotary-seq-len-interpolation-factor (linear: positions / factor)."""
+    if _get(a, "use_rope_scaling", False):
+        factor = float(_get(a, "rope_scaling_factor", 8.0))
+        return {"rope_scaling": "llama3", "rope_scaling_factor": factor, **MEGATRON_LLAMA3}
+    linear = _get(a, "rotary_seq_len_interpolation_factor", 1)
+    if linear not in (1, 1.0):
+        return {"rope_scaling": "linear", "rope_scaling_factor": float(linear)}
+    return {}
+
+
+def rope_args(cfg: ModelConfig) -> dict:
+    """The Megatron args of this model's RoPE scaling, or one line saying Megatron cannot
+    express it (yarn; llama3 with other than megatron-core's fixed low/high/original)."""
+    kind = cfg.rope_scaling if cfg.features.rotary else "none"
+    off = {"use_rope_scaling": False, "rope_scaling_factor": 8.0,
+           "rotary_seq_len_interpolation_factor": None}  # fmt: skip
+    if kind == "none":
+        return off
+    if kind == "linear":
+        return {**off, "rotary_seq_len_interpolation_factor": cfg.rope_scaling_factor}
+    fixed = {k: getattr(cfg, k) for k in MEGATRON_LLAMA3}
+    if kind == "llama3" and fixed == MEGATRON_LLAMA3:
+        return {**off, "use_rope_scaling": True, "rope_scaling_factor": cfg.rope_scaling_factor}
+    what = (f"llama3 RoPE scaling with {', '.join(f'{k}={v}' for k, v in fixed.items())}"
+            if kind == "llama3" else f"{kind} RoPE scaling")  # fmt: skip
+    raise MegaliteError(
+        f"this model uses {what}, which Megatron-LM cannot express (it has --use-rope-scaling "
+        "for llama3 with low_freq_factor 1, high_freq_factor 4, original context 8192, and "
+        "--rotary-seq-len-interpolation-factor for linear); it cannot be exported"
+    )
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
@@ -212,6 +257,7 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
         "rotary_base": int(cfg.rotary_base) if float(cfg.rotary_base).is_integer()
         else cfg.rotary_base,
         "rotary_percent": 1.0,
+        **rope_args(cfg),
         "untie_embeddings_and_output_weights": not cfg.tied,
         "add_bias_linear": f.linear_bias,
         "add_qkv_bias": f.qkv_bias,
@@ -249,6 +295,69 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
         "tokenizer_type": None,  # megalite's tokenizer is not one of Megatron's named types
         "data_parallel_random_init": False,
     }  # fmt: skip
+    _moe_args(cfg, args)
+    _refuse_what_is_lost(cfg, args)
+    return args
+
+
+# ModelConfig fields an export need not carry: the flavour's name (Megatron's args name features,
+# compared below), training-only numbers, and where a HF architecture keeps its files' names
+_NOT_CARRIED = {"flavour", "init_method_std", "hidden_dropout", "attention_dropout",
+                "moe_aux_loss_coeff", "moe_z_loss_coeff", "mtp_loss_scaling_factor"}  # fmt: skip
+_FEATURES_NOT_CARRIED = {"doc", "tied", "hf_model_type", "hf_moe_model_type"}
+
+
+def _refuse_what_is_lost(cfg: ModelConfig, args: dict):
+    """Read the args back as an import would and refuse, in one line, any model field that
+    does not come back: never a Megatron checkpoint of a different model."""
+    try:
+        back = config_from_args(args)
+    except MegaliteError as e:
+        raise MegaliteError(f"this model cannot be exported to Megatron-LM: {e}") from None
+    lost = [f.name for f in fields(cfg) if f.name not in _NOT_CARRIED | _ROPE_FIELDS
+            and resolved(cfg, f.name) != resolved(back, f.name)]  # fmt: skip
+    if cfg.features.rotary:  # the scaling's parameters, those of the scaling in use
+        lost += [k for k in _ROPE_USED[cfg.rope_scaling] if getattr(cfg, k) != getattr(back, k)]
+    lost += [f"features.{f.name}" for f in fields(cfg.features)
+             if f.name not in _FEATURES_NOT_CARRIED
+             and getattr(cfg.features, f.name) != getattr(back.features, f.name)]  # fmt: skip
+    if lost:
+        what = ", ".join(f"{k}={_field(cfg, k)!r}" for k in lost)
+        raise MegaliteError(
+            f"this {cfg.flavour} model has {what}, which a Megatron-LM checkpoint's args cannot "
+            "carry (megalite's Megatron converter maps none of it); it cannot be exported"
+        )
+
+
+# fields whose None means a default: compared as the model resolves them
+_RESOLVED = {"ffn_hidden_size": lambda c: c.ffn, "num_query_groups": lambda c: c.heads_kv,
+             "kv_channels": lambda c: c.head_dim, "moe_ffn_hidden_size": lambda c: c.moe_ffn,
+             "untie_embeddings_and_output_weights": lambda c: not c.tied,
+             "max_position_embeddings": lambda c: (c.max_position_embeddings or c.seq_length)
+             if c.features.learned_positions else None}  # fmt: skip
+_ROPE_USED = {"none": (), "linear": ("rope_scaling_factor",),
+              "llama3": ("rope_scaling_factor", *MEGATRON_LLAMA3), "yarn": ()}  # fmt: skip
+_ROPE_FIELDS = {"rope_scaling_factor", "rope_original_max_position_embeddings",
+                "rope_low_freq_factor", "rope_high_freq_factor", "yarn_beta_fast",
+                "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor",
+                "yarn_truncate"}  # fmt: skip
+
+
+def resolved(cfg: ModelConfig, name: str):
+    """A ModelConfig field as the model resolves it (a None that means a default, the default)."""
+    if name in _RESOLVED and (name != "moe_ffn_hidden_size" or cfg.num_experts):
+        return _RESOLVED[name](cfg)
+    if name == "rope_scaling" and not cfg.features.rotary:
+        return None  # learned positions: no RoPE to scale
+    return getattr(cfg, name)
+
+
+def _field(cfg: ModelConfig, name: str):
+    return getattr(cfg.features, name[len("features.") :]) if name.startswith("features.") \
+        else getattr(cfg, name)  # fmt: skip
+
+
+def _moe_args(cfg: ModelConfig, args: dict):
     if cfg.num_experts:
         args.update({
             "moe_router_topk": cfg.moe_router_topk,
@@ -260,4 +369,3 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
             "moe_router_pre_softmax": cfg.moe_router_pre_softmax,
             "moe_router_load_balancing_type": "aux_loss",
         })  # fmt: skip
-    return args

@@ -22,6 +22,7 @@ import io
 import json
 import pickle
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,14 +56,15 @@ class _Opaque:
         self.state = state
 
 
-def load_pickle(path: Path) -> dict:
-    """A Megatron .pt file, unpickled with weights_only=True (see the module docstring)."""
+def load_pickle(path: Path, mmap: bool = False) -> dict:
+    """A Megatron .pt file, unpickled with weights_only=True (see the module docstring);
+    `mmap`: its tensors over the mapped file (no copy; their pages are the page cache's)."""
     try:
         unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
         known = {"argparse.Namespace": argparse.Namespace, **SAFE_BUILTINS}
         allowed = [known[n] if n in known else (_Opaque, n) for n in unknown]
         with torch.serialization.safe_globals(allowed):
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, TypeError, ValueError) as e:
         raise MegaliteError(f"{path} is not a readable Megatron checkpoint file ({e})") from None
     if not isinstance(obj, dict):
@@ -129,6 +131,35 @@ def merge_tp(name: str, shards: list, gated: bool) -> torch.Tensor:
         halves = [s.chunk(2) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(shards, dim)
+
+
+def merged_shape(name: str, shards: list, gated: bool) -> tuple:
+    """The global shape merge_tp gives these shards, without merging them."""
+    shape, dim = list(shards[0].shape), tp_dim(name)
+    if dim is not None:
+        shape[dim] = sum(s.shape[dim] for s in shards)
+    return tuple(shape)
+
+
+def tp_shard(name: str, t: torch.Tensor, tp: int, rank: int, gated: bool) -> torch.Tensor:
+    """Tensor-parallel rank `rank`'s shard of the global tensor, as Megatron lays it out (a
+    view where it can be)."""
+    dim = tp_dim(name)
+    if dim is None or tp == 1:
+        return t
+    if t.shape[dim] % tp:
+        raise MegaliteError(f"{name} ({tuple(t.shape)}) does not split over tp={tp}")
+    if _swiglu_fc1(name, gated):
+        gate, up = t.chunk(2)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    return t.chunk(tp, dim)[rank]
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """`t` in a storage of exactly its bytes: torch.save writes a view's whole storage (a tp
+    shard would carry the whole tensor, a mapped input tensor its whole file)."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def split_tp(name: str, t: torch.Tensor, tp: int, gated: bool) -> list:
@@ -225,7 +256,7 @@ def _grouped(k: str, w: torch.Tensor, experts: range, args: dict) -> dict:
 
 def read_legacy(d: Path) -> tuple[dict, dict, dict]:
     ranks = sorted(p.name for p in d.iterdir() if MP_RANK.match(p.name))
-    first = load_pickle(d / ranks[0] / MODEL_FILE)
+    first = load_pickle(d / ranks[0] / MODEL_FILE, mmap=True)
     args = _args(first, d / ranks[0] / MODEL_FILE)
     version = first.get("checkpoint_version", 0)
     model = first.get("model", first.get("model0", {}))
@@ -251,7 +282,7 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
                         f"{d} lacks {name}/{MODEL_FILE} (its args say tp={tp} pp={pp} ep={ep}); "
                         "the checkpoint is incomplete"
                     )
-                obj = first if name == ranks[0] else load_pickle(path)
+                obj = first if name == ranks[0] else load_pickle(path, mmap=True)
                 optimizer = optimizer or "optimizer" in obj
                 for v in range(vpp):
                     chunk = obj.get("model" if vpp == 1 else f"model{v}")
@@ -264,10 +295,14 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
                         ):
                             continue  # the last stage's copy of the tied embedding
                         shards.setdefault(k, {}).setdefault(e, {})[t] = x
-    state = {}
+    # merged when read: the shards are views of the mapped files until then
+    thunks, shapes = {}, {}
     for k, by_ep in shards.items():
         ts = by_ep[min(by_ep)]  # a tensor outside the experts is the same on every ep rank
-        state[k] = merge_tp(k, [ts[t] for t in sorted(ts)], gated)
+        parts = [ts[t] for t in sorted(ts)]
+        thunks[k] = partial(merge_tp, k, parts, gated)
+        shapes[k] = merged_shape(k, parts, gated)
+    state = mg.State(thunks, shapes)
     facts = {"iteration": first.get("iteration", 0), "format": "legacy", "optimizer": optimizer,
              "layout": (tp, pp, vpp, ep)}  # fmt: skip
     return args, state, facts
@@ -284,8 +319,10 @@ def _extra_states(chunk: dict) -> dict:
 
 def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int, ep: int = 1,
                  iteration: int = 0, transformer_impl="local"):  # fmt: skip
-    """Write a Megatron state as a legacy checkpoint at this layout under dst, with the norm
-    names of Megatron's `transformer_impl` layer spec (local or transformer_engine)."""
+    """Write a Megatron state (tensors, or a `megatron.State` that computes each when read) as
+    a legacy checkpoint at this layout under dst, with the norm names of Megatron's
+    `transformer_impl` layer spec (local or transformer_engine). One rank file is built and
+    written at a time, each tensor in a storage of its own bytes."""
     vpp = vpp or 1
     num_experts = args.get("num_experts") or 0
     if num_experts % ep or (ep > 1 and not num_experts):
@@ -296,7 +333,11 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
     ranges = layer_ranges(args["num_layers"], pp, vpp, "--to megatron")
     per_rank, gated = num_experts // ep, bool(args.get("swiglu"))
     tied = not args.get("untie_embeddings_and_output_weights")
-    split = {k: split_tp(k, v, tp, gated) for k, v in state.items()}
+    for k in state:  # every split checked before anything is written
+        shape = state.shapes[k] if isinstance(state, mg.State) else tuple(state[k].shape)
+        dim = tp_dim(k)
+        if dim is not None and shape[dim] % tp:
+            raise MegaliteError(f"{k} ({tuple(shape)}) does not split over tp={tp}")
     namespace = argparse.Namespace(**args)
     it_dir = dst / f"iter_{iteration:07d}"
     for p in range(pp):
@@ -306,10 +347,13 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
                        "iteration": iteration}  # fmt: skip
                 for v in range(vpp):
                     first, last = p == 0 and v == 0, p == pp - 1 and v == vpp - 1
-                    chunk = _chunk(split, t, ranges[p, v], range(e * per_rank, (e + 1) * per_rank),
-                                   first, last)  # fmt: skip
+                    experts = range(e * per_rank, (e + 1) * per_rank)
+                    chunk = {}
+                    for k, name in _chunk_names(state, ranges[p, v], experts, first, last):
+                        chunk[name] = own(tp_shard(k, state[k], tp, t, gated))
                     if last and tied and pp > 1:  # the last stage's copy of the embedding
-                        chunk[mg.OUTPUT_LAYER] = split[mg.EMBEDDING][t]
+                        chunk[mg.OUTPUT_LAYER] = own(tp_shard(mg.EMBEDDING, state[mg.EMBEDDING],
+                                                              tp, t, gated))  # fmt: skip
                     if last:
                         chunk["output_layer._extra_state"] = None
                     chunk.update(_extra_states(chunk))
@@ -318,16 +362,17 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
                 path = it_dir / mp_rank_name(t, p, e, pp, ep) / MODEL_FILE
                 path.parent.mkdir(parents=True)
                 torch.save(obj, path)
+                del obj, chunk
     (dst / LATEST).write_text(str(iteration))
 
 
-def _chunk(split: dict, t: int, layers: range, experts: range, first: bool, last: bool) -> dict:
-    out = {}
-    for k, shards in split.items():
+def _chunk_names(state, layers: range, experts: range, first: bool, last: bool):
+    """(global name, the name in this stage's and ep rank's model dict) of what it holds."""
+    for k in state:
         m = LAYER.match(k)
         if m is None:
             if (k.startswith("embedding.") and first) or (not k.startswith("embedding.") and last):
-                out[k] = shards[t]
+                yield k, k
             continue
         i, rest = int(m[1]), m[2]
         if i not in layers:
@@ -338,8 +383,7 @@ def _chunk(split: dict, t: int, layers: range, experts: range, first: bool, last
             if j not in experts:
                 continue
             rest = rest.replace(f"local_experts.{j}.", f"local_experts.{j - experts[0]}.")
-        out[f"decoder.layers.{i - layers[0]}.{rest}"] = shards[t]
-    return out
+        yield k, f"decoder.layers.{i - layers[0]}.{rest}"
 
 
 # ---- torch_dist helpers --------------------------------------------------------------------

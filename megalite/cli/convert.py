@@ -35,14 +35,14 @@ checkpoint/megatron_files.py). Progress bars show on a terminal only.
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from safetensors import safe_open
-from safetensors.torch import save_file
+import torch
 from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
@@ -79,11 +79,34 @@ def detect(src: Path) -> str:
 
 
 def check_layout(cfg: Config, tp: int, pp: int, vpp: int):
-    """Reject a layout this model cannot take, with validate()'s sentences. The batch fields
-    are set so that only the model-vs-layout checks can fail (cfg is this tool's own)."""
+    """Reject a layout this model cannot take, with validate()'s sentences. A copy is checked,
+    with batch fields set so that only the model-vs-layout checks can fail: the conversion's
+    layout never enters the saved config."""
+    cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = tp, pp, vpp
     cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, pp
     validate(cfg, tp * pp)
+
+
+def saved_config(model) -> dict:
+    """The config a converted checkpoint carries: the model's, every other section default."""
+    cfg = Config()
+    cfg.model = model
+    return cfg.to_dict()
+
+
+def shard_bytes(text: str) -> int:
+    """--max-shard-size: bytes, or a number with KB/MB/GB (powers of 1000, as transformers)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), None)
+    try:
+        n = float(t[: -len(unit)]) * units[unit] if unit else float(t)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2GB, 500MB, 1000000)")
+    return int(n)
 
 
 # ---- Hugging Face side -----------------------------------------------------------------------
@@ -97,7 +120,8 @@ def read_hf_config(src: Path) -> dict:
 
 
 def read_hf_weights(src: Path) -> dict:
-    """The state dict of a Hugging Face model directory, from safetensors only."""
+    """The state dict of a Hugging Face model directory, from safetensors only: each tensor
+    views the mapped file (no copy: the pages are the page cache's)."""
     if (src / "model.safetensors").is_file():
         files = ["model.safetensors"]
     elif (src / "model.safetensors.index.json").is_file():
@@ -110,14 +134,20 @@ def read_hf_weights(src: Path) -> dict:
         )
     state = {}
     for f in files:
-        path = src / fmt._safe_name(f, src / "model.safetensors.index.json")
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                for k in fh.keys():
-                    state[k] = fh.get_tensor(k)
-        except Exception as e:  # safetensors' own error types for a bad file
-            raise MegaliteError(f"{path} is not a readable safetensors file ({e})") from None
+        mapped = fmt.MappedSafetensors(
+            src / fmt._safe_name(f, src / "model.safetensors.index.json")
+        )
+        state.update((k, mapped.get(k)) for k in mapped.keys())
     return state
+
+
+def read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MegaliteError(f"{path} is not valid JSON ({e})") from None
 
 
 def hf_to_megalite(src: Path, dst: Path, args):
@@ -128,43 +158,78 @@ def hf_to_megalite(src: Path, dst: Path, args):
     except KeyError as e:
         raise MegaliteError(f"{src / 'config.json'} lacks the field {e}") from None
     check_layout(cfg, args.tp, args.pp, args.vpp)
-    logical = hf.from_hf(read_hf_weights(src), cfg.model)
-    tensors = {}
-    for name, t in progress(logical.items(), "converting"):
-        if name in VOCAB_TENSORS:
-            t = t[: cfg.model.vocab_size]  # the format stores the real vocabulary
-        tensors[name] = t.contiguous()
+    logical = hf.from_hf(read_hf_weights(src), cfg.model)  # views of the mapped files
+
+    def tensors():
+        for name, t in progress(logical.items(), "converting"):
+            if name in VOCAB_TENSORS:
+                t = t[: cfg.model.vocab_size]  # the format stores the real vocabulary
+            yield name, t
+
     # a sentencepiece model where the directory has both (Llama's): what megalite always took
     tokenizer = next((src / n for n in fmt.TOKENIZERS if (src / n).is_file()), None)
+    # what config.json says beyond the model (token ids) and generation_config.json: carried
+    # to an export back to Hugging Face
+    hub = {k: hf_config.get(k) for k in HUB_FIELDS if hf_config.get(k) is not None}
+    if (gen := read_json(src / GENERATION_CONFIG)) is not None:
+        hub["generation_config"] = gen
     meta = {
         "iteration": 0,
         "consumed_samples": 0,
         "optimizer": None,  # weights only: a run that loads it starts a fresh optimizer
         "layout": None,
-        "config": cfg.to_dict(),
+        "config": saved_config(cfg.model),
         "rng": None,
-        "source": f"huggingface:{hf_config.get('architectures', ['?'])[0]}",
+        "source": f"huggingface:{(hf_config.get('architectures') or ['?'])[0]}",
+        "huggingface": hub,
     }
-    fmt.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors, meta, tokenizer)
+    fmt.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors(), meta, tokenizer,
+                              args.max_shard_size)  # fmt: skip
     fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
+
+
+HUB_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENERATION_CONFIG = "generation_config.json"
 
 
 def megalite_to_hf(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
-    ckpt.verify()
+    checked = ckpt.verify_while_reading()  # trusted once it is done, before DST is renamed
     cfg = from_dict({"model": ckpt.model_config}).model
-    state = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
-    out = hf.to_hf(state, cfg)
+    out = hf.to_hf(ckpt.lazy(), cfg)  # views of the mapped files where no arithmetic is needed
     if cfg.tied:  # one tensor under two names cannot be saved; transformers re-ties lm_head
         out.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    dtype = next(iter(out.values())).dtype
+    shards = fmt.ShardWriter(dst, lambda k: f"model-{k + 1:05d}.safetensors", args.max_shard_size,
+                             metadata={"format": "pt"})  # fmt: skip
+    for k, t in progress(out.items(), "writing"):
+        shards.add(k, t)
+    written, _ = shards.finish()
+    del out
+    if len(written) == 1:
+        os.replace(dst / written[0][0], dst / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (f, keys) in enumerate(written):
+            name = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            os.replace(dst / f, dst / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {"total_size": shards.total}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = hf.hf_config(cfg)
-    config["torch_dtype"] = fmt.dtype_name(next(iter(out.values())).dtype)
+    config["torch_dtype"] = fmt.dtype_name(dtype)
     config["bos_token_id"] = config["eos_token_id"] = None  # unknown without a tokenizer
     if name := fmt.stored_tokenizer(ckpt.files):  # the tokenizer the run trained with
         config.update(hf.export_tokenizer(ckpt.dir / name, dst))
+    hub = ckpt.index.get("huggingface") or {}  # what the model it came from said
+    config.update({k: hub[k] for k in HUB_FIELDS if k in hub})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None
+    }
+    generation.update(hub.get("generation_config") or {})
+    (dst / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
+    checked.result()
 
 
 # ---- Megatron-LM side ------------------------------------------------------------------------
@@ -186,7 +251,7 @@ def megatron_to_megalite(src: Path, dst: Path, args):
             file=sys.stderr,
         )
     check_layout(cfg, args.tp, args.pp, args.vpp)
-    tensors = mg.from_megatron(state, cfg.model, f"the Megatron checkpoint {src}")
+    lazy = mg.from_megatron_lazy(state, cfg.model, f"the Megatron checkpoint {src}")
     held = f" ({src} holds optimizer state)" if facts["optimizer"] else ""
     print(WEIGHTS_ONLY + held, file=sys.stderr)
     # --keep-position: a run that --loads the result continues Megatron's job where it stopped
@@ -203,34 +268,41 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         "consumed_samples": consumed,
         "optimizer": None,  # weights only: a run that loads it starts a fresh optimizer
         "layout": None,
-        "config": cfg.to_dict(),
+        "config": saved_config(cfg.model),
         "rng": None,
         "source": f"megatron:{facts['format']}:iteration {facts['iteration']}",
     }
-    fmt.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta)
+    # each tensor computed (tp shards merged, qkv split) when it is written, in its own bytes
+    tensors = ((n, f().contiguous()) for n, f in progress(lazy.items(), "converting"))
+    fmt.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta,
+                              max_bytes=args.max_shard_size)  # fmt: skip
     fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(iteration))
 
 
 def megalite_to_megatron(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
-    ckpt.verify()
+    checked = ckpt.verify_while_reading()
     cfg = from_dict({"model": ckpt.model_config})
     legacy = args.format == "legacy"
     check_layout(cfg, args.tp, args.pp, args.vpp)
-    logical = {n: ckpt.read(n) for n in progress(ckpt.names(), "reading")}
     tp = args.tp  # torch_dist is layout-free, but its vocabulary is padded for one tp
-    state = mg.to_megatron(logical, cfg.model, megatron_args.padded_vocab_size(cfg.model, tp))
+    dtype = getattr(torch, ckpt.tensors[ckpt.names()[0]]["dtype"])
     layout = (tp, args.pp, args.vpp, args.ep) if legacy else (tp, 1, None, 1)
     margs = megatron_args.args_from_config(
-        cfg.model, *layout, iteration=ckpt.iteration, dtype=next(iter(logical.values())).dtype,
+        cfg.model, *layout, iteration=ckpt.iteration, dtype=dtype,
         ckpt_format="torch" if legacy else "torch_dist", transformer_impl=args.transformer_impl,
     )  # fmt: skip
+    # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
+    state = mg.to_megatron_lazy(
+        ckpt.lazy(), cfg.model, megatron_args.padded_vocab_size(cfg.model, tp)
+    )
     print(WEIGHTS_ONLY, file=sys.stderr)
     if legacy:
         megatron_files.write_legacy(dst, state, margs, *layout, iteration=ckpt.iteration,
                                     transformer_impl=args.transformer_impl)  # fmt: skip
     else:
         megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration, args.transformer_impl)
+    checked.result()
 
 
 def megalite_to_megalite(src: Path, dst: Path, args):
@@ -282,6 +354,13 @@ def main(argv):
         action="store_true",
         help="--from megatron: keep the iteration and consumed samples, so --load continues the "
         "job (fresh optimizer) instead of starting at iteration 0",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=shard_bytes,
+        default=fmt.SHARD_BYTES,
+        help="the largest output file (megalite and Hugging Face targets; e.g. 2GB, 500MB): a "
+        "conversion holds at most one such file's computed tensors (default 1GiB)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--debug", action="store_true", help="full tracebacks")

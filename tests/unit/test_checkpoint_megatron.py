@@ -14,6 +14,7 @@ the multi-rank oracle is tests/distributed/test_megatron_checkpoints.py.
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -123,6 +124,8 @@ def megatron_model(args: argparse.Namespace, seed=0):
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
     )  # fmt: skip
     return perturbed(m)
 
@@ -218,6 +221,52 @@ def test_export_loads_into_megatron_with_the_same_logits(imported, form, tmp_pat
         loaded = dist_checkpointing.load(sd, str(tmp_path / "out/iter_0000000"))
         fresh.load_state_dict(loaded, strict=False)
     assert (megatron_logits(fresh, IDS) - theirs).abs().max() <= 1e-5
+
+
+def test_llama3_rope_scaling_round_trips_with_megatrons_logits(megatron, tmp_path):
+    """Llama 3.x's RoPE scaling (--use-rope-scaling --rope-scaling-factor 32, megatron-core's
+    fixed low/high factors and context 8192): imported, megalite gives megatron-core's logits;
+    exported in either format, the args carry it and megatron-core loads the same logits."""
+    args = margs("llama", use_rope_scaling=True, rope_scaling_factor=32.0)
+    m = megatron_model(args)
+    theirs = megatron_logits(m, IDS)
+    unscaled = megatron_logits(megatron_model(margs("llama")), IDS)  # the same weights
+    assert (theirs - unscaled).abs().max() > 1e-4  # the scaling changes these logits
+    save_legacy(tmp_path / "mt", m, args)
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "ml"), "--to", "megalite"])
+    model = fmt.Checkpoint(tmp_path / "ml").model_config
+    assert (model["rope_scaling"], model["rope_scaling_factor"]) == ("llama3", 32.0)
+    with torch.no_grad():
+        assert (megalite_model(tmp_path / "ml")(IDS) - theirs).abs().max() <= 1e-5
+    for form in ("legacy", "torch_dist"):
+        out = tmp_path / form
+        convert.main([str(tmp_path / "ml"), str(out), "--to", "megatron", "--format", form])
+        common = "mp_rank_00/model_optim_rng.pt" if form == "legacy" else "common.pt"
+        saved = megatron_files.load_pickle(out / "iter_0000000" / common)["args"]
+        assert saved.use_rope_scaling and saved.rope_scaling_factor == 32.0
+        fresh = megatron_model(saved, seed=1)
+        if form == "legacy":
+            fresh.load_state_dict(
+                megatron_files.load_pickle(out / "iter_0000000" / common)["model"]
+            )
+        else:
+            from megatron.core import dist_checkpointing
+
+            loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(out / "iter_0000000"))
+            fresh.load_state_dict(loaded, strict=False)
+        assert (megatron_logits(fresh, IDS) - theirs).abs().max() <= 1e-5, form
+
+
+def test_rope_scaling_megatron_cannot_express_is_refused(megatron, tmp_path):
+    """yarn, or llama3 with another original context than megatron-core's 8192: one line."""
+    for change in (
+        {"rope_scaling": "yarn"},
+        {"rope_scaling": "llama3", "rope_original_max_position_embeddings": 4096},
+    ):
+        cfg = dataclasses.replace(megatron_args.config_from_args(margs("llama")), **change)
+        with pytest.raises(MegaliteError, match="Megatron-LM cannot express") as e:
+            megatron_args.args_from_config(cfg)
+        assert "\n" not in str(e.value)
 
 
 def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_path):
