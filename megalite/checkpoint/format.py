@@ -476,7 +476,10 @@ class Checkpoint:
             self._open[fname] = MappedSafetensors(self.dir / fname)
         return self._open[fname]
 
-    def _part(self, s: dict, key: str, name: str) -> torch.Tensor:
+    def part(self, s: dict, name: str) -> torch.Tensor:
+        """The whole tensor that shard entry `s` of logical tensor `name` stores, a view of
+        its mapped file."""
+        key = s.get("key", name)
         f = self._file(s["file"])
         if key not in f.header:
             raise MegaliteError(
@@ -496,7 +499,7 @@ class Checkpoint:
         dtype = getattr(torch, e["dtype"])
         for s in e["shards"]:
             if [tuple(r) for r in s["slice"]] == region:
-                part = self._part(s, s.get("key", name), name)
+                part = self.part(s, name)
                 if part.dtype == dtype and list(part.shape) == [hi - lo for lo, hi in region]:
                     return part
         out = torch.empty([hi - lo for lo, hi in region], dtype=dtype)
@@ -508,7 +511,7 @@ class Checkpoint:
                 continue
             src = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(inter, sl))
             dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, region))
-            part = self._part(s, s.get("key", name), name)
+            part = self.part(s, name)
             if list(part.shape) != [hi - lo for lo, hi in sl]:
                 raise MegaliteError(
                     f"checkpoint file {self.dir / s['file']} holds {name} at shape "

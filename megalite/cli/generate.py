@@ -85,9 +85,10 @@ def open_checkpoint(path, tokenizer_model=None):
 def load(path, tokenizer_model=None, dtype="auto") -> tuple[GPTChunk, Tokenizer]:
     """The whole model in one process (one chunk, eval mode) and its tokenizer."""
     ckpt, cfg, tok = open_checkpoint(path, tokenizer_model)
-    ckpt.verify()
+    checked = ckpt.verify_while_reading()  # hashed beside the build; the pages stay cached
     chunk = GPTChunk(cfg, dtype=model_dtype(ckpt, dtype), meta=True)
     load_mapped([chunk], LOCAL, ckpt, "cpu")
+    checked.result()
     return chunk.eval(), tok
 
 
@@ -133,11 +134,12 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="auto") -> list[GPTChunk]:
         for kw in rank_chunks(cfg.num_layers, shape.pp, 1, groups.pp.rank, shape.placement)
     ]  # the expert group: the one build_groups attaches to groups.tp
     with agreed_errors(groups.world):
-        files = sorted(ckpt.files)
-        ckpt.verify(files[groups.rank :: groups.world.size])  # each file hashed by one rank
+        files = sorted(ckpt.files)  # each file hashed by one rank, beside the loading
+        checked = ckpt.verify_while_reading(files[groups.rank :: groups.world.size])
         check_model(chunks, groups.tp, ckpt)
     with agreed_errors(groups.world):
         load_mapped(chunks, groups.tp, ckpt, groups.device)
+        checked.result()
     return chunks
 
 

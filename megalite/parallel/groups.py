@@ -152,6 +152,15 @@ def rank_groups(
     return out
 
 
+def _every_group(topo: Topology, kind: str, stages: list[int]) -> list[list[int]]:
+    """Every group of `kind` in the world (rank_groups' kinds)."""
+    if kind == "embed":
+        return topo.stage_groups(stages)
+    if kind in ("ep", "edp") and topo.expert is not None:
+        return topo.expert.groups(kind)
+    return topo.groups(kind)
+
+
 def communicators(topo: Topology, rank: int, **kw) -> int:
     """How many process groups build_groups creates on `rank`: its distinct groups of two
     ranks or more (the world is init_process_group's)."""
@@ -182,19 +191,29 @@ def build_groups(
     ledger = CommLedger()
     timeout = timedelta(minutes=timeout_minutes)
     made = {}  # rank tuple -> process group: a product equal to an axis reuses its group
-
-    def make(kind: str, ranks: list[int]) -> Group:
-        key = tuple(ranks)
-        if key not in made:
-            made[key] = (
-                dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-                if len(ranks) > 1
-                else None
-            )
-        return Group(kind, ranks, ranks.index(rank), made[key], ledger, device)
-
     mine = rank_groups(topo, rank, products, embed_stages)  # the embedding group last
-    groups = {kind: make(kind, r) for kind, r in mine.items()}
+    # torch names a group made by its members alone after its ranks and the number of groups
+    # the creating rank holds. In a fresh world every member holds as many (they go through
+    # the same kinds); after an earlier build_groups in the same world (tests that run several
+    # layouts in one spawn) members may not (only some held an embedding group), so there
+    # every rank makes every group, named by torch's world-wide counter, as it always could.
+    if len(dist.distributed_c10d._world.pg_names) <= 1:  # the world alone
+        for r in mine.values():
+            if tuple(r) not in made:
+                made[tuple(r)] = (
+                    dist.new_group(r, timeout=timeout, use_local_synchronization=True)
+                    if len(r) > 1
+                    else None
+                )
+    else:
+        stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
+        for kind in [k for k in mine if k != "embed"] + ["embed"]:
+            for r in _every_group(topo, kind, stages):
+                if tuple(r) not in made:
+                    made[tuple(r)] = dist.new_group(r, timeout=timeout) if len(r) > 1 else None
+    groups = {
+        k: Group(k, r, r.index(rank), made[tuple(r)], ledger, device) for k, r in mine.items()
+    }
     embed = groups.pop("embed", None)
     if topo.expert is not None:
         # The model's expert group when none is passed (GPTChunk(..., ep=None)).
