@@ -231,6 +231,12 @@ class TrainingConfig:
         "with --dry-run: run chosen ranks' training step on fake tensors over a fake process "
         "group (one process each) and print matched collectives, host syncs and memory",
     )
+    fake_world_device: str = opt(
+        "cpu",
+        "the device the fake world's tensors claim: cpu (any torch) or cuda (takes the CUDA "
+        "branches; needs a CUDA build of torch and a visible GPU, docs/fake_world.md)",
+        choices=("cpu", "cuda"),
+    )
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
     debug: bool = opt(False, "show full tracebacks on errors")
     exit_duration_in_mins: float | None = opt(
