@@ -82,7 +82,8 @@ class Logger:
             os.makedirs(kw["dir"], exist_ok=True)
             self._wandb = wandb.init(**kw, config=self.cfg.to_dict())
         tb = run_settings.tensorboard_dir(log, self._saved.get("tensorboard_dir"))
-        if tb:
+        # the saved directory is followed only where tensorboard is installed (the flag checks)
+        if tb and (log.tensorboard_dir or importlib.util.find_spec("tensorboard")):
             from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
 
             # A resumed job drops the events its predecessor logged after the checkpoint.
