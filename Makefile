@@ -21,8 +21,10 @@ TORCH_CPU := torch==2.13.0
 VENV_NEW ?= .venv-new
 TORCH_NEW := torch==2.14.1
 STAMP_NEW := $(VENV_NEW)/.installed
+# (the sm_100a attention sweep, 4 minutes here, is left to make test: it adds an arch, not a version)
 COMPAT_TESTS := tests/kernels tests/unit/test_torch_version.py tests/unit/test_run_settings.py \
-  "tests/e2e/test_layouts.py::test_layout_matches_one_process[tp2-pp2]"
+  "tests/e2e/test_layouts.py::test_layout_matches_one_process[tp2-pp2]" \
+  --deselect tests/kernels/test_aot.py::test_window_and_mla_attention_compile_on_sm_100a
 
 .PHONY: install train test test-fast test-compat lint format bench clean
 
