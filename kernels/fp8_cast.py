@@ -76,7 +76,9 @@ def _mx_kernel(x_ptr, y_ptr, s_ptr, k, blocks, emax, fmax, mbits, emin, BLOCK: t
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < k
     x = tl.load(x_ptr + row * k + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 5.877471754111438e-39)  # 2^-127
+    # 2^-127 typed fp32 explicitly: as a bare literal (below fp32's normal range) triton 3.8
+    # types it fp64 and promotes the whole block to fp64 (tests/kernels/test_literals.py).
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), tl.full([], 5.877471754111438e-39, tl.float32))
     e = tl.minimum(tl.maximum(tl.floor(tl.log2(amax)) - emax, -127.0), 127.0)
     scale = tl.exp2(e)
     y = _round_fp8(tl.clamp(x / scale, -fmax, fmax), mbits, emin)

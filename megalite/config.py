@@ -235,6 +235,12 @@ class TrainingConfig:
         "with --dry-run: run chosen ranks' training step on fake tensors over a fake process "
         "group (one process each) and print matched collectives, host syncs and memory",
     )
+    fake_world_device: str = opt(
+        "cpu",
+        "the device the fake world's tensors claim: cpu (any torch) or cuda (takes the CUDA "
+        "branches; needs a CUDA build of torch and a visible GPU, docs/fake_world.md)",
+        choices=("cpu", "cuda"),
+    )
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
     debug: bool = opt(False, "show full tracebacks on errors")
     exit_duration_in_mins: float | None = opt(
@@ -293,14 +299,29 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     metrics_file: str | None = opt(None, "append one JSON object per logged step")
-    wandb_project: str = opt("megalite", "Weights & Biases project")
-    wandb_run_name: str | None = opt(None, "Weights & Biases run name")
-    wandb_mode: str = opt(
-        "offline", "offline needs no account; sync later", choices=("offline", "online", "disabled")
+    # W&B settings left unset (None) take W&B's own environment variables (WANDB_PROJECT, ...),
+    # then the defaults in training/logger.py WANDB_DEFAULTS: a flag given wins over both.
+    wandb_project: str | None = opt(
+        None, "Weights & Biases project (else $WANDB_PROJECT, megalite)"
     )
-    wandb_dir: str = opt("runs", "where W&B writes its files")
+    wandb_entity: str | None = opt(None, "Weights & Biases entity (else $WANDB_ENTITY)")
+    wandb_run_name: str | None = opt(None, "Weights & Biases run name (else $WANDB_NAME)")
+    wandb_group: str | None = opt(None, "Weights & Biases run group (else $WANDB_RUN_GROUP)")
+    wandb_run_id: str | None = opt(
+        None,
+        "continue this Weights & Biases run (else $WANDB_RUN_ID, else the id the resumed "
+        "checkpoint saved, else a new run)",
+    )
+    wandb_mode: str | None = opt(
+        None,
+        "offline needs no account; sync later (else $WANDB_MODE, offline)",
+        choices=("offline", "online", "disabled"),
+    )
+    wandb_dir: str | None = opt(None, "where W&B writes its files (else $WANDB_DIR, runs)")
     tensorboard_dir: str | None = opt(
-        None, "also write the logged scalars as TensorBoard event files here (needs tensorboard)"
+        None,
+        "also write the logged scalars as TensorBoard event files here (needs tensorboard; a "
+        "resumed run without it writes where the checkpoint's run did)",
     )
     hang_report_dir: str | None = opt(
         None,

@@ -70,6 +70,7 @@ class TrainState:
     consumed_samples: int = 0
     skipped_steps: int = 0
     rng: dict | None = None  # this rank's generator states (None: re-seed, another layout)
+    run_ids: dict | None = None  # the W&B run and TensorBoard dir a resumed job continues
 
 
 def resume_path(cfg) -> str | None:
@@ -139,7 +140,8 @@ class Checkpointer:
         keep_rng = same_layout and not finetune and (c.load_rng or own)
         rng = idx["rng"][g.rank] if idx.get("rng") and keep_rng else None
         state = TrainState(ckpt.iteration, int(idx.get("consumed_samples", 0)),
-                           int(idx.get("skipped_steps", 0)), rng and decode_rng(rng))  # fmt: skip
+                           int(idx.get("skipped_steps", 0)), rng and decode_rng(rng),
+                           idx.get("run_ids"))  # fmt: skip
         if finetune:  # weights only: a new run that starts from them
             state = TrainState()
         if c.save and Path(c.save).resolve() == ckpt.dir.parent.resolve() and not finetune:
@@ -232,6 +234,7 @@ class Checkpointer:
             "iteration": state.iteration,
             "consumed_samples": state.consumed_samples,
             "skipped_steps": state.skipped_steps,
+            "run_ids": state.run_ids or {},
             "optimizer": self.optimizer.scalar_state(),
             "layout": self.shape.layout(),
             "zero_stage": self.cfg.optimizer.zero_stage,

@@ -1,5 +1,6 @@
-"""A fake-CUDA world: chosen ranks of a large layout run their real training step, one process
-each, on fake CUDA tensors over torch's fake process group, to prove without a GPU that
+"""A fake world: chosen ranks of a large layout run their real training step, one process
+each, on fake tensors (CPU ones standing for the GPU; `--fake-world-device cuda` on a machine
+with one) over torch's fake process group, to prove without a GPU that
 
 - every group's members issue the same collectives in the same order (op, shape, dtype): a
   rank that skips or adds one hangs NCCL or corrupts the result (the schedule's p2p is proven
@@ -31,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megalite.errors import MegaliteError
 from megalite.pipeline.partition import rank_chunks
 
-DEVICE = "cpu"  # see fake_cuda.py: autograd on fake CUDA tensors needs a CUDA build
 COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast",
                "all_to_all_single", "all_gather_object", "gather_object", "barrier")  # fmt: skip
 
@@ -173,6 +174,7 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     from megalite.training.trainer import Trainer
 
     t0 = time.perf_counter()
+    device = cfg.training.fake_world_device  # cpu unless --fake-world-device cuda
     os.environ.setdefault("LOCAL_RANK", "1")  # no layout warnings from every role
     shape = validate(cfg, world_size)
     launch = LaunchPhases()  # the phases a real launch times (launch.py), on this rank
@@ -183,12 +185,12 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
     rows = np.random.default_rng(0).integers(0, m.vocab_size, (64, m.seq_length + 1))
     with (
         Recorder(world_size) as rec,
-        fake_cuda(_int_fill(cfg, shape), gpu=DEVICE) as fake,
+        fake_cuda(_int_fill(cfg, shape), gpu=device) as fake,
         _fake_kernels(),
     ):
         mem = StorageTrace()
         with launch.phase("groups"), GroupCounter(rank) as counted:
-            groups = build_groups(topo, torch.device(DEVICE))
+            groups = build_groups(topo, torch.device(device))
         counted.count.member_of = member_groups(groups)
         with mem:
             trainer = Trainer(cfg, shape, groups, SimpleNamespace(train=rows, valid=None,
@@ -313,6 +315,11 @@ def print_fake_world(cfg, shape, parallel: int = 2) -> bool:
     `expected_syncs` says (once, plus MoE dispatch sizes with ep > 1)."""
     from dataclasses import replace
 
+    if cfg.training.fake_world_device == "cuda" and not torch.cuda.is_available():
+        raise MegaliteError(
+            "--fake-world-device cuda needs a CUDA build of torch and a visible GPU (without one "
+            "backward and Triton fail: docs/fake_world.md); use --fake-world-device cpu"
+        )
     vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
     ranks = witnesses(shape.topology())

@@ -8,6 +8,7 @@ import os
 import time
 
 from megalite.errors import MegaliteError
+from megalite.training import run_settings
 
 
 def _fmt_time(seconds: float) -> str:
@@ -15,12 +16,16 @@ def _fmt_time(seconds: float) -> str:
 
 
 class Logger:
-    """Active on one rank (`enabled`); every method is a no-op elsewhere."""
+    """Active on one rank (`enabled`); every method is a no-op elsewhere. W&B and TensorBoard
+    open at the first row written, after `resume` has said which run a resumed job continues
+    (training/run_settings.py)."""
 
     def __init__(self, cfg, enabled: bool):
         self.cfg, self.enabled = cfg, enabled
         self.start = time.time()
-        self.wandb = self.tensorboard = None
+        self._wandb = self.tensorboard = None
+        self._opened = False
+        self._saved, self._resumed_at = {}, None  # the resumed checkpoint's run_ids, iteration
         log = cfg.logging
         # Checked on every rank, so all of them stop with the same error rather than rank 0
         # alone while the others wait for it.
@@ -29,25 +34,61 @@ class Logger:
                 "--tensorboard-dir needs the tensorboard package; pip install tensorboard "
                 "(or megalite[tensorboard]), or drop --tensorboard-dir"
             )
-        if not enabled:
-            return
-        if log.metrics_file:
+        self.wandb_mode = run_settings.wandb_setting(log, "mode")
+        self._run_id = None
+        if enabled and log.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(log.metrics_file)), exist_ok=True)
-        if log.wandb_mode != "disabled":
+
+    def resume(self, run_ids: dict, iteration: int):
+        """The resumed checkpoint's run ids (TrainState.run_ids): its W&B run and TensorBoard
+        directory are continued unless a flag names others."""
+        if self._opened:
+            raise RuntimeError("Logger.resume after the first row was logged")
+        self._saved, self._resumed_at = dict(run_ids or {}), iteration
+
+    def run_ids(self) -> dict:
+        """What a checkpoint saves for the job that resumes it (empty on the other ranks)."""
+        if not self.enabled:
+            return {}
+        log = self.cfg.logging
+        tb = run_settings.tensorboard_dir(log, self._saved.get("tensorboard_dir"))
+        return {"wandb_run_id": self.wandb_run_id(),
+                "tensorboard_dir": tb and os.path.abspath(tb)}  # fmt: skip
+
+    def wandb_run_id(self) -> str | None:
+        """The W&B run this job logs to (None with W&B off: the saved one is carried on)."""
+        saved = self._saved.get("wandb_run_id")
+        if self.wandb_mode == "disabled":
+            return self.cfg.logging.wandb_run_id or saved
+        if self._run_id is None:
+            self._run_id = run_settings.wandb_run_id(self.cfg.logging, saved)
+        return self._run_id
+
+    @property
+    def wandb(self):
+        """The W&B run (`wandb.init()`'s return), or None."""
+        self._open()
+        return self._wandb
+
+    def _open(self):
+        if self._opened or not self.enabled:
+            return
+        self._opened = True
+        log = self.cfg.logging
+        if self.wandb_mode != "disabled":
             import wandb  # imported only when used: it is slow to import
 
-            os.makedirs(log.wandb_dir, exist_ok=True)
-            self.wandb = wandb.init(
-                project=log.wandb_project,
-                name=log.wandb_run_name,
-                mode=log.wandb_mode,
-                dir=log.wandb_dir,
-                config=cfg.to_dict(),
-            )
-        if log.tensorboard_dir:
+            kw = run_settings.wandb_init_kwargs(log, self.wandb_run_id())
+            os.makedirs(kw["dir"], exist_ok=True)
+            self._wandb = wandb.init(**kw, config=self.cfg.to_dict())
+        tb = run_settings.tensorboard_dir(log, self._saved.get("tensorboard_dir"))
+        # the saved directory is followed only where tensorboard is installed (the flag checks)
+        if tb and (log.tensorboard_dir or importlib.util.find_spec("tensorboard")):
             from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
 
-            self.tensorboard = SummaryWriter(log.tensorboard_dir)
+            # A resumed job drops the events its predecessor logged after the checkpoint.
+            purge = None if self._resumed_at is None else self._resumed_at + 1
+            self.tensorboard = SummaryWriter(tb, purge_step=purge)
 
     def print(self, *lines):
         if self.enabled:
@@ -83,18 +124,20 @@ class Logger:
         if self.cfg.logging.metrics_file:
             with open(self.cfg.logging.metrics_file, "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
-        if self.wandb is not None or self.tensorboard is not None:
+        self._open()
+        if self._wandb is not None or self.tensorboard is not None:
             flat, step = flatten(metrics), metrics["iteration"]
-            if self.wandb is not None:
-                self.wandb.log(flat, step=step)
+            if self._wandb is not None:
+                self._wandb.log(flat, step=step)
             if self.tensorboard is not None:
                 for k, v in flat.items():
                     self.tensorboard.add_scalar(k, v, global_step=step)
                 self.tensorboard.flush()  # a run that dies later keeps what was logged
 
     def finish(self):
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None

@@ -24,6 +24,7 @@ import os
 
 from megalite.clock import Clock
 from megalite.errors import MegaliteError
+from megalite.training.run_settings import wandb_setting
 
 COMPUTE = ("forward", "backward", "backward-input", "backward-weight")
 P2P = ("send", "recv", "send+recv")
@@ -65,7 +66,7 @@ class Timeline:
         log = cfg.logging
         out_dir = os.path.dirname(os.path.abspath(log.metrics_file)) if log.metrics_file else None
         return cls(parse_steps(spec), groups.rank, groups.topo.coords(groups.rank),
-                   out_dir or log.wandb_dir, Clock(groups.device))  # fmt: skip
+                   out_dir or wandb_setting(log, "dir"), Clock(groups.device))  # fmt: skip
 
     def at(self, iteration: int) -> "Timeline | None":
         """This timeline while `iteration` (numbered from 1) is profiled, else None."""

@@ -81,7 +81,7 @@ class Trainer:
 
     def state(self) -> TrainState:
         return TrainState(self.iteration, self.sampler.consumed_samples, self.skipped_total,
-                          rng_state(self.chunks, self.groups.device))  # fmt: skip
+                          rng_state(self.chunks, self.groups.device), self.logger.run_ids())  # fmt: skip
 
     def resume(self) -> TrainState | None:
         """Load --load, or the latest checkpoint in --save, and continue from it."""
@@ -93,6 +93,7 @@ class Trainer:
             self.skipped_total = state.skipped_steps
             if state.rng is not None:
                 set_rng_state(state.rng, self.chunks, self.groups.device)
+            self.logger.resume(state.run_ids, state.iteration)  # the same W&B run, TB dir
         return state
 
     def save(self):

@@ -1,0 +1,35 @@
+"""pretrain_gpt.py honours W&B's environment (WANDB_MODE=disabled writes no run), and the
+checkpoint names the W&B run that a resumed job continues (issue 43)."""
+
+import glob
+import json
+
+import pytest
+
+from tests.e2e.conftest import TINY, pretrain
+
+NO_MODE = [a for a in TINY if a not in ("--wandb-mode", "disabled")]  # W&B's env decides
+
+
+@pytest.mark.slow
+def test_wandb_environment_and_resumed_run(tiny_data, tmp_path, monkeypatch):
+    prefix, model = tiny_data
+    ckpt, wb = tmp_path / "ckpt", tmp_path / "wb"
+    args = [*NO_MODE, "--data-path", prefix, "--tokenizer-model", model, "--save", str(ckpt),
+            "--save-interval", "2"]  # fmt: skip
+    monkeypatch.setenv("WANDB_DIR", str(wb))
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    pretrain(1, [*args, "--train-iters", "2"], tmp_path)
+    (run,) = glob.glob(str(wb / "wandb" / "offline-run-*"))
+    run_id = run.rsplit("-", 1)[1]
+
+    # Resumed at 2 with W&B off in the environment: no run written, and the checkpoint at 4
+    # still names the run, for the job that resumes it with W&B on (the Logger then opens it:
+    # tests/unit/test_run_settings.py).
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    pretrain(1, [*args, "--train-iters", "4"], tmp_path)
+    assert glob.glob(str(wb / "wandb" / "offline-run-*")) == [run]
+    for it in (2, 4):
+        index = json.loads(next(ckpt.glob(f"iter_{it:07d}/*.json")).read_text())
+        assert index["run_ids"]["wandb_run_id"] == run_id
