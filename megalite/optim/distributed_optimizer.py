@@ -1,9 +1,10 @@
 """AdamW over DP-sharded flat buffers (ZeRO 0-3), with mixed precision and global clipping.
 
-The optimizer works on the buckets of the gradient buffers it is given (parallel/buffers.py). Each bucket has this rank's shard (the whole
-bucket at stage 0); the fp32 master weights (only when parameters are bf16/fp16) and the Adam
-moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp bytes of optimizer state
-per parameter. A step:
+The optimizer steps the gradient buffers it is given (parallel/buffers.Buffers, made by
+parallel/data_parallel.build_buffers): it builds none and hooks nothing. Each bucket has this
+rank's shard (the whole bucket at stage 0); the fp32 master weights (only when parameters are
+bf16/fp16) and the Adam moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp
+bytes of optimizer state per parameter. A step:
 
   1. finalise gradients: wait for the DP reductions, then sum the gradients each rank holds only
      part of (ParamSpec.grad_sum): over TP (sequence-parallel norms, replicated k/v), over

@@ -121,8 +121,10 @@ class GradBuffer:
             r.view = grad_view(r) if self.grad_buffer is not None else None
             if r.view is not None:
                 r.param.main_grad = r.view
-        self.reducer = self.zero.reducer(self.buckets, self.ranges, dp, self.scale,
-                                         self.zero.in_flight, self.grad_buffer, grad_is_view)  # fmt: skip
+        self.reducer = self.zero.reducer(
+            self.buckets, self.ranges, dp, self.scale, self.zero.in_flight, self.grad_buffer,
+            grad_is_view,
+        )  # fmt: skip
         # nothing to reduce and `.grad` a view of the buffer: autograd's accumulation is all
         if dp.size > 1 or not grad_is_view:  # (else finish() "reduces" the buffer as it is)
             for r in self.ranges:
