@@ -84,7 +84,7 @@ def repeated_step(self, weights, grads, lr: float, step: int):
 
 def _run(rank, world, args, layout):
     from megalite.model.gpt import GPTChunk
-    from megalite.optim.distributed_optimizer import DistributedOptimizer
+    from megalite.optim.distributed_optimizer import build_optimizer
     from megalite.parallel.groups import build_groups
     from megalite.parallel.topology import Topology
 
@@ -99,7 +99,7 @@ def _run(rank, world, args, layout):
     torch.manual_seed(0)
     chunk = GPTChunk(cfg.model, groups.tp, has_embedding=True, has_head=True,
                      layers=range(args.layers))  # fmt: skip
-    opt = DistributedOptimizer([chunk], groups, cfg)
+    opt = build_optimizer([chunk], groups, cfg)
     tokens = torch.randint(512, (2, 64), generator=torch.Generator().manual_seed(rank // tp))
     opt.zero_grad(1)
     chunk(tokens, labels=tokens).mean().backward()

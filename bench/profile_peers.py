@@ -97,11 +97,11 @@ def _sides(kind, a, rank, world):
 # bind their methods when registered)
 MEGALITE_PHASES = [
     ("megalite.parallel.data_parallel:GradBuffer", "zero_grad", "zero grads"),
-    ("megalite.parallel.data_parallel:GradBuffer", "_on_grad", "grad hooks"),
-    ("megalite.parallel.data_parallel:GradBuffer", "_launch", "bucket launch"),
+    ("megalite.parallel.reducers:StepReducer", "on_grad", "grad hooks"),
+    ("megalite.parallel.reducers:StepReducer", "launch", "bucket launch"),
     ("megalite.parallel.data_parallel:GradBuffer", "all_gather_params", "param gather launch"),
     ("megalite.parallel.param_gather", "wait_gathers", "param gather waits"),
-    ("megalite.parallel.zero3:Zero3Buffer", "_launch", "bucket launch"),
+    ("megalite.parallel.reducers:ReduceScatterEachMicrobatch", "launch", "bucket launch"),
     ("megalite.parallel.zero3:Zero3Buffer", "_gather", "zero3 gathers"),
     ("megalite.parallel.zero3:Zero3Buffer", "_free", "zero3 frees"),
     ("megalite.optim.distributed_optimizer:DistributedOptimizer", "finalise_grads",

@@ -33,8 +33,8 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 from bench import bench_dp  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
-from megalite.parallel.data_parallel import GradBuffer  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
+from megalite.parallel.reducers import ReduceScatterEachMicrobatch as Reducer  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.parallel.zero3 import Zero3Buffer  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
@@ -52,7 +52,11 @@ def _record(what, t, unit="", phase="", note=""):
 
 
 def instrument():
-    gather, launch, complete = Zero3Buffer._gather, Zero3Buffer._launch, GradBuffer._complete
+    gather, launch, complete = Zero3Buffer._gather, Reducer.launch, Reducer._complete
+
+    def unit(reducer, b):  # (a Zero3Buffer's reducer reports each launch to it)
+        buf = getattr(reducer.on_launch, "__self__", None)
+        return buf._unit_of[b].name if isinstance(buf, Zero3Buffer) else ""
 
     def _gather(self, u, wait=True, whole=False):
         phase = "F" if torch.is_grad_enabled() else "B"  # (backward's hooks run without grad)
@@ -68,15 +72,14 @@ def instrument():
     def _launch(self, b):
         t = _ms()
         launch(self, b)
-        _record("rs launch", t, self._unit_of[b].name)
+        _record("rs launch", t, unit(self, b))
 
     def _complete(self, work, b, g, out):
         t, landed = _ms(), work is None or work.is_completed()
         complete(self, work, b, g, out)
-        unit = self._unit_of[b].name if isinstance(self, Zero3Buffer) else ""
-        _record("rs wait", t, unit, note="landed" if landed else "in flight")
+        _record("rs wait", t, unit(self, b), note="landed" if landed else "in flight")
 
-    Zero3Buffer._gather, Zero3Buffer._launch, GradBuffer._complete = _gather, _launch, _complete
+    Zero3Buffer._gather, Reducer.launch, Reducer._complete = _gather, _launch, _complete
 
 
 def _marked(fn, what):

@@ -1,9 +1,10 @@
 """AdamW over DP-sharded flat buffers (ZeRO 0-3), with mixed precision and global clipping.
 
-The optimizer works on the `GradBuffer`'s buckets. Each bucket has this rank's shard (the whole
-bucket at stage 0); the fp32 master weights (only when parameters are bf16/fp16) and the Adam
-moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp bytes of optimizer state
-per parameter. A step:
+The optimizer steps the gradient buffers it is given (parallel/buffers.Buffers, made by
+parallel/data_parallel.build_buffers): it builds none and hooks nothing. Each bucket has this
+rank's shard (the whole bucket at stage 0); the fp32 master weights (only when parameters are
+bf16/fp16) and the Adam moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp
+bytes of optimizer state per parameter. A step:
 
   1. finalise gradients: wait for the DP reductions, then sum the gradients each rank holds only
      part of (ParamSpec.grad_sum): over TP (sequence-parallel norms, replicated k/v), over
@@ -35,11 +36,11 @@ from megalite.optim.clip_grad import clip_coefficient, step_status
 from megalite.optim.loss_scaler import LossScaler
 from megalite.optim.muon import muon_state
 from megalite.parallel import comm
-from megalite.parallel.data_parallel import GradBuffer, GradBuffers, ParamRange
+from megalite.parallel.buckets import ParamRange
+from megalite.parallel.buffers import Buffers
+from megalite.parallel.data_parallel import build_buffers
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.specs import spec_of
-from megalite.parallel.zero import ZERO
-from megalite.parallel.zero3 import Zero3Buffer
 
 
 @dataclass(frozen=True)
@@ -76,26 +77,19 @@ def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class DistributedOptimizer:
-    def __init__(self, chunks: list[nn.Module], groups: ProcessGroups, cfg: Config):
+    def __init__(self, chunks: list[nn.Module], buffer: Buffers, groups: ProcessGroups,
+                 cfg: Config):  # fmt: skip
+        """Steps `buffer`, the gradient buffers of `chunks` (data_parallel.build_buffers);
+        `chunks` are read for MoE's expert bias alone."""
         o, t = cfg.optimizer, cfg.training
         self.groups, self.opt_cfg = groups, o
-        self.default_microbatches = max(
-            1, t.global_batch_size // (t.micro_batch_size * groups.data.size)
-        )
-
         self.chunks, self.model_cfg = chunks, cfg.model
-        self.buffer = _buffers(chunks, groups, o.zero_stage, o.bucket_size_mb, o.zero3_keep_params,
-                               t.fp8_param_gather)  # fmt: skip
-        buf = self.buffer
+        self.buffer = buf = buffer
         self._bucket_index = {b: i for i, b in enumerate(buf.buckets)}
         self.scaler = None
         if t.precision == "fp16":
-            self.scaler = LossScaler(
-                o.initial_loss_scale,
-                o.loss_scale_window,
-                o.min_loss_scale,
-                getattr(o, "hysteresis", 2),
-            )
+            # (Megatron's hysteresis of 2, LossScaler's default: no flag sets it)
+            self.scaler = LossScaler(o.initial_loss_scale, o.loss_scale_window, o.min_loss_scale)
 
         # Optimizer state for this rank's shard of each bucket.
         low = buf.param_dtype in (torch.bfloat16, torch.float16)
@@ -147,9 +141,9 @@ class DistributedOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
 
-    def zero_grad(self, microbatches: int | None = None):
-        """Start a step; `microbatches` backward passes follow (default: from the config)."""
-        self.buffer.zero_grad(microbatches or self.default_microbatches)
+    def zero_grad(self, microbatches: int):
+        """Start a step; `microbatches` backward passes follow (the run shape's count)."""
+        self.buffer.zero_grad(microbatches)
         self._finalised = False
 
     def step(self, lr: float, flags: dict | None = None, guard=None) -> StepReport:
@@ -368,34 +362,6 @@ class DistributedOptimizer:
             self.scaler.load_state_dict(d)
 
 
-def _buffers(chunks, groups: ProcessGroups, zero_stage: int, bucket_mb: float, keep_params=False,
-             fp8_gather=False):  # fmt: skip
-    """The gradient buffer: dense parameters reduced and sharded over the replicas; with MoE,
-    expert parameters in a buffer of their own over their expert-data-parallel group. Expert
-    gradients hold the tokens of the whole ep group, so they are summed over edp and divided
-    by the replicas (the mean over data-parallel ranks, as dense gradients). ZeRO-3: a
-    Zero3Buffer, its parameters kept gathered for the step under pp (1F1B interleaves
-    micro-batches), from forward to backward with `keep_params`, else freed after each use;
-    with `fp8_gather` the FP8 linears' weights are gathered in FP8 (parallel/fp8_gather.py)."""
-    # Tied halves get a bucket of their own: both stages then shard them identically, so the
-    # sum over `embed` can run on the DP shards.
-    own = lambda name, p: "embed" in spec_of(p).grad_sum  # noqa: E731
-    expert = lambda name, p: spec_of(p).expert  # noqa: E731
-    params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
-    zero = ZERO[zero_stage]
-    if zero.shard_params:
-        if any(expert(n, p) for n, p in params):
-            raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
-        reshard = zero.reshard(groups.pp.size > 1, keep_params)
-        return Zero3Buffer(chunks, groups.replicas, reshard, own, fp8_gather)
-    if not any(expert(n, p) for n, p in params):
-        return GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own)
-    dense = GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own,
-                       select=lambda n, p: not expert(n, p))  # fmt: skip
-    experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
-                         scale=1.0 / groups.replicas.size)  # fmt: skip
-    return GradBuffers([dense, experts])
-
-
 def build_optimizer(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config):
-    return DistributedOptimizer(chunks, groups, cfg)
+    """The buffers of `chunks` (parallel/data_parallel.build_buffers), then their optimizer."""
+    return DistributedOptimizer(chunks, build_buffers(chunks, groups, cfg), groups, cfg)

@@ -7,13 +7,17 @@ sums keep their bits), Megatron's `main_grad`. The layout is cut into buckets of
 `bucket_size_mb`; a bucket never spans two chunks and is padded to a multiple of the DP size,
 so each bucket splits into DP shards, the unit of the ZeRO optimizer.
 
-A post-accumulate-grad hook moves each parameter's fresh `.grad` into the buffer. Once every
-parameter of a bucket has its gradient for the last micro-batch of the step (earlier micro-batches
-only accumulate: no_sync), the bucket's reduction is launched asynchronously, so it overlaps
-the rest of backward. Gradients are divided by the DP size before they are summed (a mean).
-Where gradients live and how a bucket is reduced is the ZeRO stage's (zero.py). Without a
-gradient buffer (ZeRO-2) a micro-batch's bucket is staged only while it is reduced: it is freed
-as soon as its reduce-scatter lands (at most the stage's `in_flight` + 1 staged at once).
+A post-accumulate-grad hook hands each parameter's fresh `.grad` to the reducer the ZeRO stage
+picks (zero.py, reducers.py). Once every parameter of a bucket has its gradient for the last
+micro-batch of the step (earlier micro-batches only accumulate: no_sync), the bucket's reduction
+is launched asynchronously, so it overlaps the rest of backward. Gradients are divided by the DP
+size before they are summed (a mean). Without a gradient buffer (ZeRO-2) a micro-batch's bucket
+is staged only while it is reduced: it is freed as soon as its reduce-scatter lands (at most the
+stage's `in_flight` + 1 staged at once).
+
+`build_buffers` (at the end) is where the build step applies data parallelism: it picks the
+buffers for the stage (GradBuffer; GradBuffers with experts; zero3.Zero3Buffer) and hands them
+to the optimizer, which reads them through parallel/buffers.Buffers.
 
 With sharded optimizer state each rank updates its shard of every bucket, then the buckets are
 all-gathered back into the parameter buffer. `all_gather_params(overlap=True)` launches the
@@ -26,12 +30,12 @@ read from it), so the gathers of later layers overlap the forward of earlier one
 the product of every replicated axis).
 """
 
-from collections import deque
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from megalite.config import Config
 from megalite.parallel import comm
 from megalite.parallel.buckets import (
     ALIGN,
@@ -41,9 +45,14 @@ from megalite.parallel.buckets import (
     grad_dtype,
     trainable,
 )
+from megalite.parallel.buffers import Buffers, from_reducer, gather_shards, nbytes, saves
 from megalite.parallel.comm import Group
+from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.param_gather import wait_before_use
+from megalite.parallel.reducers import grad_view
+from megalite.parallel.specs import spec_of
 from megalite.parallel.zero import ZERO
+from megalite.parallel.zero3 import Zero3Buffer
 
 
 class GradBuffer:
@@ -106,20 +115,20 @@ class GradBuffer:
                 b.shard_grad = self.grad_buffer[b.shard_start : b.shard_end]
             else:
                 b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
-        self._range_of = {r.param: r for r in self.ranges}
-        self._grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
-        # nothing to reduce and `.grad` a view of the buffer: autograd's accumulation is all
-        hooked = dp.size > 1 or not self._grad_is_view
+        grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
         for r in self.ranges:
             # stages 0/1 keep the bucket buffer for good: each parameter's view of it, once
-            r.view = self._grad_view(r) if self.grad_buffer is not None else None
+            r.view = grad_view(r) if self.grad_buffer is not None else None
             if r.view is not None:
                 r.param.main_grad = r.view
-            if hooked:  # (else finish() "reduces" the buffer, leaving it as it is)
-                r.param.register_post_accumulate_grad_hook(self._on_grad)
-        self._in_flight: deque = deque()
-        self.staged_bytes = self.peak_staged_bytes = 0  # gradient buckets staged (no buffer)
-        self.staged_buckets = 0
+        self.reducer = self.zero.reducer(
+            self.buckets, self.ranges, dp, self.scale, self.zero.in_flight, self.grad_buffer,
+            grad_is_view,
+        )  # fmt: skip
+        # nothing to reduce and `.grad` a view of the buffer: autograd's accumulation is all
+        if dp.size > 1 or not grad_is_view:  # (else finish() "reduces" the buffer as it is)
+            for r in self.ranges:
+                r.param.register_post_accumulate_grad_hook(self.reducer.on_grad)
         if self.zero.shard_state and dp.size > 1:
             self._wait_before_forward(chunks)
         self.zero_grad(1)
@@ -134,132 +143,27 @@ class GradBuffer:
         buckets from the last laid out (layout runs backward)."""
         return sorted(self.buckets, key=lambda b: (b.chunk, -b.start))
 
-    def _grad_view(self, r: ParamRange) -> torch.Tensor:
-        o = r.offset - r.bucket.start
-        return r.bucket.grad[o : o + r.param.numel()].view_as(r.param)
+    # ---- the step's life cycle (the reducer's) -------------------------------------------
 
-    # ---- the step's life cycle ----------------------------------------------------------
+    staged_bytes = from_reducer("staged_bytes")  # gradient buckets staged now (no buffer)
+    peak_staged_bytes = from_reducer("peak_staged_bytes")  # the most staged at once so far
 
     def zero_grad(self, microbatches: int):
         """Start a step of `microbatches` backward passes per parameter."""
-        self.wait()
-        self.microbatches = microbatches
-        if self.grad_buffer is not None:
-            self.grad_buffer.zero_()
-        self.staged_bytes = self.staged_buckets = 0  # nothing in flight: what is staged goes
-        for b in self.buckets:
-            if self.grad_buffer is None:
-                b.shard_grad.zero_()
-                b.grad, b.staged = None, None
-            b.pending, b.passes, b.launched, b.reduced = len(b.params), 0, False, False
-        for r in self.ranges:
-            r.param.grad = r.view if self._grad_is_view else None
-
-    @torch.no_grad()
-    def _on_grad(self, p: nn.Parameter):
-        r = self._range_of[p]
-        b = r.bucket
-        if b.launched:
-            raise RuntimeError(
-                f"{r.name} got a gradient after its bucket was reduced: more backward passes than "
-                f"the {self.microbatches} micro-batches this step was started with"
-            )
-        if b.grad is None:  # no gradient buffer: stage this pass's bucket
-            self._stage(b, p.device)
-        view = r.view if r.view is not None else self._grad_view(r)
-        if b.staged is not None and p not in b.staged:
-            # a staged bucket starts empty: a parameter's first gradient of the pass is copied
-            # in (0 + g, without zeroing the bucket first), any later one added
-            view.copy_(p.grad)
-            b.staged.add(p)
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.add_(p.grad)
-        # With one dtype and a gradient buffer, `.grad` stays a view of the buffer, so autograd adds the
-        # next micro-batch's gradient in place (DDP's gradient_as_bucket_view; backward with
-        # create_graph, which replaces .grad, is not supported); otherwise drop autograd's
-        # copy: the buffer holds the gradient now.
-        p.grad = view if self._grad_is_view else None
-        b.pending -= 1
-        if not b.pending:
-            b.passes += 1
-            b.pending = len(b.params)
-            if self.zero.reduce_each_microbatch or b.passes == self.microbatches:
-                self._launch(b)
-
-    def _stage(self, b: Bucket, device):
-        """A bucket for one pass's gradients, left uninitialised but for its padding (the hooks
-        write every parameter's part; `_launch` zeroes those of a partial pass): at most
-        zero.in_flight + 1 staged (being filled or reduced). Two buckets can fill at once where
-        gradients arrive out of layout order, so room is made here."""
-        while self._in_flight and self.staged_buckets > self.zero.in_flight:
-            self._complete(*self._in_flight.popleft())
-        b.grad = torch.empty(b.numel, dtype=self.grad_dtype, device=device)
-        b.grad[b.used :].zero_()
-        b.staged = set()
-        self.staged_buckets += 1
-        self.staged_bytes += b.grad.numel() * b.grad.element_size()
-        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
-
-    def _launch(self, b: Bucket):
-        g = b.grad
-        if b.staged is not None:
-            if len(b.staged) < len(b.params):  # a partial pass: the missing gradients are 0
-                for r in self.ranges:
-                    if r.bucket is b and r.param not in b.staged:
-                        self._grad_view(r).zero_()
-            b.staged = None
-        if self.scale != 1.0:
-            g.mul_(self.scale)
-        out = None
-        if self.zero.shard_state:
-            if self.zero.reduce_each_microbatch and not b.reduced:
-                out = b.shard_grad  # the step's first reduction lands in the accumulator itself
-            else:
-                out = torch.empty(b.shard_end - b.shard_start, dtype=g.dtype, device=g.device)
-            b.reduced = True
-        work = self.zero.launch(g, out, self.dp)
-        self._in_flight.append((work, b, g, out))
-        if self.zero.reduce_each_microbatch:
-            b.grad = None  # the next micro-batch stages afresh
-            # free what has landed (without waiting), and wait once too much is in flight
-            while self._in_flight and (
-                len(self._in_flight) > self.zero.in_flight or _landed(self._in_flight[0][0])
-            ):
-                self._complete(*self._in_flight.popleft())
-        else:
-            b.launched = True
-
-    def _complete(self, work, b: Bucket, g: torch.Tensor, out: torch.Tensor | None):
-        if work is not None:
-            work.wait()
-        if out is None:
-            return  # reduced in place
-        if self.zero.reduce_each_microbatch:
-            if out is not b.shard_grad:
-                b.shard_grad.add_(out)
-            self.staged_bytes -= g.numel() * g.element_size()  # dropped with this tuple
-            self.staged_buckets -= 1
-        else:
-            b.shard_grad.copy_(out)
+        self.reducer.zero_grad(microbatches)
 
     def wait(self):
-        while self._in_flight:
-            self._complete(*self._in_flight.popleft())
+        self.reducer.wait()
 
     def finish(self):
         """Reduce whatever backward did not launch (unused parameters, fewer passes than
         expected, a partly staged bucket) and wait for every reduction."""
-        self.launch_rest()
-        self.wait()
+        self.reducer.launch_rest()
+        self.reducer.wait()
 
     def launch_rest(self):
         """Launch the reductions backward did not (finish() without the wait)."""
-        for b in self.buckets:
-            if self.zero.reduce_each_microbatch:
-                if b.grad is not None:
-                    self._launch(b)
-            elif not b.launched:
-                self._launch(b)
+        self.reducer.launch_rest()
 
     # ---- ZeRO helpers ---------------------------------------------------------------------
 
@@ -305,23 +209,14 @@ class GradBuffer:
         """Bytes this rank holds for parameters and gradients."""
         grads = [self.grad_buffer] if self.grad_buffer is not None else [
             b.shard_grad for b in self.buckets]  # fmt: skip
-        return {"param_bytes": _nbytes([self.param_buffer]), "grad_bytes": _nbytes(grads)}
+        return {"param_bytes": nbytes([self.param_buffer]), "grad_bytes": nbytes(grads)}
 
     def saves(self, b: Bucket) -> bool:
-        """Whether this rank writes bucket `b`'s shard to a checkpoint: every rank its own
-        when the state is sharded, DP rank 0 the whole bucket otherwise."""
-        return b.shard_end - b.shard_start < b.numel or self.group_of(b).rank == 0
+        return saves(b, self.dp)
 
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""
-        if not self.zero.shard_state:
-            return shards
-        out = []
-        for b, s in zip(self.buckets, shards):
-            full = s.new_empty(b.numel)
-            comm.all_gather(full, s, self.dp)
-            out.append(full)
-        return out
+        return gather_shards(self.buckets, shards, self.dp) if self.zero.shard_state else shards
 
 
 class GradBuffers:
@@ -396,9 +291,35 @@ class GradBuffers:
         return out
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _landed(work) -> bool:
-    return work is None or work.is_completed()
+def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -> Buffers:
+    """Data parallelism applied to this rank's `chunks` at the configured ZeRO stage: every
+    parameter becomes a view of its bucket and hooks hand its gradients to the stage's reducer;
+    the optimizer steps what this returns. Dense parameters are reduced and sharded over the
+    replicas; with MoE, expert parameters in a buffer of their own over their
+    expert-data-parallel group. Expert gradients hold the tokens of the whole ep group, so they
+    are summed over edp and divided by the replicas (the mean over data-parallel ranks, as dense
+    gradients). ZeRO-3: a Zero3Buffer, its parameters kept gathered for the step under pp (1F1B
+    interleaves micro-batches), from forward to backward with --zero3-keep-params, else freed
+    after each use; with --fp8-param-gather the FP8 linears' weights are gathered in FP8
+    (parallel/fp8_gather.py)."""
+    # Tied halves get a bucket of their own: both stages then shard them identically, so the
+    # sum over `embed` can run on the DP shards.
+    own = lambda name, p: "embed" in spec_of(p).grad_sum  # noqa: E731
+    expert = lambda name, p: spec_of(p).expert  # noqa: E731
+    params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+    o = cfg.optimizer
+    zero_stage, bucket_mb = o.zero_stage, o.bucket_size_mb
+    zero = ZERO[zero_stage]
+    if zero.shard_params:
+        if any(expert(n, p) for n, p in params):
+            raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
+        reshard = zero.reshard(groups.pp.size > 1, o.zero3_keep_params)
+        fp8_gather = cfg.training.fp8_param_gather
+        return Zero3Buffer(chunks, groups.replicas, reshard, own, fp8_gather)
+    if not any(expert(n, p) for n, p in params):
+        return GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own)
+    dense = GradBuffer(chunks, groups.replicas, zero_stage, bucket_mb, own,
+                       select=lambda n, p: not expert(n, p))  # fmt: skip
+    experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
+                         scale=1.0 / groups.replicas.size)  # fmt: skip
+    return GradBuffers([dense, experts])

@@ -19,7 +19,12 @@ adding a stage is one more entry.
 
 from dataclasses import dataclass
 
-from megalite.parallel import comm
+from megalite.parallel.reducers import (
+    AllReduce,
+    ReduceScatter,
+    ReduceScatterEachMicrobatch,
+    StepReducer,
+)
 
 # ZeRO-3's reshard policies (zero3.py) and the gathers of each unit per step under each, with m
 # micro-batches: "forward" before its forward and again before its backward, "backward"
@@ -27,13 +32,13 @@ from megalite.parallel import comm
 GATHERS = {"forward": lambda m: 2 * m, "backward": lambda m: m, "step": lambda m: 1}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ZeroStage:
     stage: int
     doc: str
-    shard_state: bool  # optimizer state for this rank's 1/dp of each bucket only
-    grad_buffer: bool  # a gradient buffer for the whole model (else per-shard accumulators)
-    reduce_each_microbatch: bool  # reduce every micro-batch's gradients as they come
+    # how the buffers reduce gradients (reducers.py): once per step or every micro-batch, in
+    # place or into this rank's shard
+    reducer: type[StepReducer]
     shard_params: bool = False  # parameters too: 1/dp each, gathered unit by unit around use
     # with reduce_each_microbatch: staged buckets reduced at once at most (a ZeRO-3 unit is a
     # whole layer: one reduced while the next fills, as FSDP)
@@ -41,16 +46,24 @@ class ZeroStage:
     experts: bool = True  # can shard a mixture-of-experts model's buffers
     searched: bool = True  # the planner's layout search tries it (ZeRO-3: planned when asked)
 
+    @property
+    def shard_state(self) -> bool:
+        """Optimizer state for this rank's 1/dp of each bucket only."""
+        return self.reducer.sharded
+
+    @property
+    def reduce_each_microbatch(self) -> bool:
+        """Every micro-batch's gradients reduced as they come."""
+        return self.reducer.each_microbatch
+
+    @property
+    def grad_buffer(self) -> bool:
+        """A gradient buffer for the whole model (else per-shard accumulators)."""
+        return not self.reducer.each_microbatch
+
     def shard(self, numel: int, dp: int) -> int:
         """Elements of a bucket of `numel` this rank updates."""
         return numel // dp if self.shard_state else numel
-
-    def launch(self, grad, out, group):
-        """Start reducing a bucket's gradient `grad` (the DP mean already applied): in place
-        over the whole bucket, or this rank's shard into `out`. Returns the async work."""
-        if not self.shard_state:
-            return comm.all_reduce(grad, group, async_op=True)
-        return comm.reduce_scatter(out, grad, group, async_op=True)
 
     def reshard(self, pipelined: bool, keep_params: bool) -> str | None:
         """The policy of GATHERS the parameters are kept gathered under (zero3.Zero3Buffer),
@@ -97,18 +110,20 @@ class ZeroStage:
 
 
 ZERO = {
-    0: ZeroStage(0, "replicated optimizer", False, True, False),
-    1: ZeroStage(1, "sharded optimizer state", True, True, False),
-    2: ZeroStage(2, "sharded optimizer state and gradients", True, False, True),
+    0: ZeroStage(stage=0, doc="replicated optimizer", reducer=AllReduce),
+    1: ZeroStage(stage=1, doc="sharded optimizer state", reducer=ReduceScatter),
+    2: ZeroStage(
+        stage=2,
+        doc="sharded optimizer state and gradients",
+        reducer=ReduceScatterEachMicrobatch,
+    ),
     3: ZeroStage(
-        3,
-        "sharded optimizer state, gradients and parameters",
-        True,
-        False,
-        True,
-        True,
+        stage=3,
+        doc="sharded optimizer state, gradients and parameters",
+        reducer=ReduceScatterEachMicrobatch,
+        shard_params=True,
         in_flight=1,
         experts=False,
         searched=False,
-    ),  # fmt: skip
+    ),
 }

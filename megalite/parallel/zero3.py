@@ -46,7 +46,6 @@ reduce-scatters under the group's own kind, so a step's traffic of each is visib
 """
 
 import dataclasses
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,8 +54,8 @@ from torch import nn
 
 from megalite.parallel import comm
 from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dtype, trainable
+from megalite.parallel.buffers import from_reducer, gather_shards, nbytes, saves
 from megalite.parallel.comm import Group
-from megalite.parallel.data_parallel import GradBuffer
 from megalite.parallel.fp8_gather import fp8_buckets, weight_groups
 from megalite.parallel.zero import GATHERS, ZERO
 
@@ -139,11 +138,14 @@ class Unit:
         return "" if self.name == "outer" else self.name
 
 
-class Zero3Buffer(GradBuffer):
-    """A GradBuffer (the optimizer's view: buckets, shards, shard gradients) whose parameters
-    live as shards, gathered per unit around their use. The weights of FP8 linears sit in a
-    bucket of their own per unit; `fp8_gather` (--fp8-param-gather) gathers them as FP8 data
-    and a scale (parallel/fp8_gather.py)."""
+class Zero3Buffer:
+    """The buffers of ZeRO-3, seen by the optimizer as a GradBuffer (parallel/buffers.py:
+    buckets, shards, shard gradients), whose parameters live as shards, gathered per unit
+    around their use. The weights of FP8 linears sit in a bucket of their own per unit;
+    `fp8_gather` (--fp8-param-gather) gathers them as FP8 data and a scale
+    (parallel/fp8_gather.py)."""
+
+    grad_buffer = None  # no whole-model gradient buffer: per-shard accumulators
 
     def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
                  own_bucket=lambda name, p: False, fp8_gather: bool = False):  # fmt: skip
@@ -195,12 +197,10 @@ class Zero3Buffer(GradBuffer):
         self.numel = layout[-1][1] if layout else 0
         offsets = {r.param: r.offset for r in self.ranges}
         self._fp8 = fp8_buckets(self.buckets, groups, offsets) if fp8_gather else {}
-        self.grad_buffer = None
         self._unit_of = {b: u for u in self.units for b in u.buckets}
-        self._range_of = {r.param: r for r in self.ranges}
-        self._grad_is_view = False
-        self._in_flight = deque()
-        self.staged_bytes = self.peak_staged_bytes = self.staged_buckets = 0
+        # gradients: stage 2's path, a unit freed once all its buckets are reduced
+        self.reducer = self.zero.reducer(self.buckets, self.ranges, dp, self.scale,
+                                         self.zero.in_flight, on_launch=self._launched)  # fmt: skip
         self.gathered_bytes = self._held()
         self._plan_keeps(len(chunks))
         for u in self.units:  # built whole: from now on each rank holds its shards only,
@@ -208,7 +208,7 @@ class Zero3Buffer(GradBuffer):
                 self._free(u)
         self._hook(chunks)
         for r in self.ranges:
-            r.param.register_post_accumulate_grad_hook(self._on_grad)
+            r.param.register_post_accumulate_grad_hook(self.reducer.on_grad)
         self.zero_grad(1)
 
     # ---- gathering and freeing ----------------------------------------------------------
@@ -308,20 +308,24 @@ class Zero3Buffer(GradBuffer):
 
         return hook
 
-    def _launch(self, b: Bucket):
-        super()._launch(b)
+    def _launched(self, b: Bucket):
+        """Bucket `b`'s reduce-scatter has started: once all the unit's have, its backward is
+        over for this micro-batch, and it is freed unless kept."""
         u = self._unit_of[b]
         u.reduced += 1
-        if u.reduced == len(u.buckets):  # the unit's backward is over for this micro-batch
+        if u.reduced == len(u.buckets):
             u.reduced = 0
-            more = b.passes < self.microbatches  # the next micro-batch's forward reads it first
+            more = b.passes < self.reducer.microbatches  # the next forward reads it first
             if self.reshard != "step" and not (more and u in self._carry):
                 self._free(u)
 
     # ---- the step and the optimizer's interface -------------------------------------------
 
+    staged_bytes = from_reducer("staged_bytes")  # gradient buckets staged now (no buffer)
+    peak_staged_bytes = from_reducer("peak_staged_bytes")  # the most staged at once so far
+
     def zero_grad(self, microbatches: int):
-        super().zero_grad(microbatches)
+        self.reducer.zero_grad(microbatches)
         for u in self.units:
             u.reduced = 0
             if u not in self._prefetched:  # (those hold the shards of the last update)
@@ -329,12 +333,23 @@ class Zero3Buffer(GradBuffer):
         self.peak_gathered_bytes = self.gathered_bytes
 
     def finish(self):
-        super().finish()
+        self.reducer.launch_rest()
+        self.reducer.wait()
         self.free_all()  # the step changes the shards: every unit is gathered afresh
         self._prefetched = []
 
+    def group_of(self, b: Bucket) -> Group:
+        return self.dp
+
     def param_shard(self, b: Bucket) -> torch.Tensor:
         return b.param_shard
+
+    def saves(self, b: Bucket) -> bool:
+        return saves(b, self.dp)
+
+    def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""
+        return gather_shards(self.buckets, shards, self.dp)
 
     def all_gather_params(self, overlap: bool = False):
         """After the optimizer step: start gathering the units the next forward reads first
@@ -372,12 +387,10 @@ class Zero3Buffer(GradBuffer):
     def memory_bytes(self) -> dict:
         """Bytes this rank holds: its parameter shards, the most parameter bytes it held
         gathered at once in the step, and its gradient shards."""
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"param_bytes": size(b.param_shard for b in self.buckets),
+        return {"param_bytes": nbytes(b.param_shard for b in self.buckets),
                 "param_gathered_peak_bytes": self.peak_gathered_bytes,
-                "grad_bytes": size(b.shard_grad for b in self.buckets)}  # fmt: skip
+                "grad_bytes": nbytes(b.shard_grad for b in self.buckets)}  # fmt: skip
 
     def live_param_bytes(self) -> int:
         """Parameter bytes this rank holds now: its shards and the units gathered."""
-        shards = sum(b.param_shard.numel() * b.param_shard.element_size() for b in self.buckets)
-        return shards + self._held()
+        return nbytes(b.param_shard for b in self.buckets) + self._held()

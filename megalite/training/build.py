@@ -19,8 +19,9 @@ from megalite.kernels import fp8, fp8_linear
 from megalite.model.gpt import GPTChunk
 from megalite.model.materialize import materialize
 from megalite.model.moe import aux_loss_scale
-from megalite.optim.distributed_optimizer import DistributedOptimizer, build_optimizer
+from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
+from megalite.parallel.data_parallel import build_buffers
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineResult, run_schedule
 from megalite.pipeline.partition import rank_chunks
@@ -117,5 +118,7 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) ->
     depends on `cfg.training.seed` only."""
     chunks = build_chunks(cfg, shape, groups, ops)
     actions = get_schedule(shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
-    return RankParts(chunks, build_optimizer(chunks, groups, cfg), actions, shape.microbatches,
+    buffers = build_buffers(chunks, groups, cfg)  # data parallelism / ZeRO
+    opt = DistributedOptimizer(chunks, buffers, groups, cfg)
+    return RankParts(chunks, opt, actions, shape.microbatches,
                      shape.hidden_shape, DTYPES[cfg.training.precision], groups, shape.placement)  # fmt: skip

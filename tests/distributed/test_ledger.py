@@ -14,7 +14,7 @@ import torch
 
 from megalite.config import Config, ModelConfig
 from megalite.model.gpt import GPTChunk
-from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel import comm
 from megalite.pipeline.partition import rank_chunks
 from megalite.plan import activations, memory, traffic
@@ -63,7 +63,7 @@ def build(cfg: Config):
         )
         for kw in rank_chunks(L, p.pp, 1, groups.pp.rank)
     ]
-    return groups, chunks, DistributedOptimizer(chunks, groups, cfg)
+    return groups, chunks, build_optimizer(chunks, groups, cfg)
 
 
 def data(k):

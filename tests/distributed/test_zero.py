@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import Config
-from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.groups import build_groups, single_process_groups
@@ -167,7 +167,7 @@ def train(chunks, opt, groups, batches, m, inject=None):
     dtype = next(chunks[0].parameters()).dtype
     for s, (x, y) in enumerate(batches):
         xs, ys = x.to(dtype).chunk(dp.size)[dp.rank].chunk(m), y.chunk(dp.size)[dp.rank].chunk(m)
-        opt.zero_grad()
+        opt.zero_grad(m)
         calls = groups.ledger.calls["dp"]
         total = 0.0
         for xk, yk in zip(xs, ys):
@@ -201,7 +201,7 @@ def test_dp1_zero0_step_equals_torch_adamw(clip):
     ref = Chunk(dict(enumerate(blocks(2, groups.tp, torch.float64))))
     ref_losses, _, ref_norms, _ = reference(ref, batches, mse, clip)
     chunks = [Chunk(dict(enumerate(blocks(2, groups.tp, torch.float64))))]
-    opt = DistributedOptimizer(chunks, groups, config(0, clip=clip, gbs=8, mbs=8))
+    opt = build_optimizer(chunks, groups, config(0, clip=clip, gbs=8, mbs=8))
     losses, _, stats = train(chunks, opt, groups, batches, 1)
     # nothing to reduce: autograd accumulates straight into the buffer, no hook per parameter
     assert all(p._post_accumulate_grad_hooks is None for p in chunks[0].parameters())
@@ -232,7 +232,7 @@ def test_tied_embedding_with_both_halves_on_one_rank():
     split = [GPTChunk(cfg.model, dtype=torch.float64, **kw) for kw in rank_chunks(4, 1, 2, 0)]
     params = []
     for chunks, name, vpp in ((whole, "1f1b", 1), (split, "interleaved", 2)):
-        opt = DistributedOptimizer(chunks, groups, cfg)
+        opt = build_optimizer(chunks, groups, cfg)
         for step in range(2):
             opt.zero_grad(m)
             run_schedule(get_schedule(name, 1, vpp, m, 0), chunks, groups, _data(m, seed=step),
@@ -266,7 +266,7 @@ def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2
         chunks = chunks_fn()
         cfg = config(stage, mbs=gbs // m // groups.dp.size, gbs=gbs)
         cfg.optimizer.zero3_keep_params = keep
-        opt = DistributedOptimizer(chunks, groups, cfg)
+        opt = build_optimizer(chunks, groups, cfg)
         losses, grads, stats = train(chunks, opt, groups, batches, m)
         params = {n: p for c in chunks for n, p in c.named_parameters()}
         where = f"stage {stage} rank {groups.rank}"
@@ -296,7 +296,7 @@ def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2
             bound = ZERO[stage].staged_peak([b.numel * size for b in opt.buffer.buckets])
             assert 0 < opt.buffer.peak_staged_bytes <= bound, (where, opt.buffer.peak_staged_bytes)
         # Checkpoint round trip into a fresh optimizer.
-        fresh = DistributedOptimizer(chunks_fn(), groups, config(stage, gbs=gbs))
+        fresh = build_optimizer(chunks_fn(), groups, config(stage, gbs=gbs))
         fresh.load_state_tensors(state)
         fresh.load_scalar_state(opt.scalar_state())
         again = fresh.state_tensors()
@@ -352,10 +352,10 @@ def check_tied(groups, m=2, gbs=8, stages=(0, 1, 2)):
             chunk = Chunk({0: b[0]}, embedding=_param(embedding(), groups.tp, 0, tied="embedding"))
         else:
             chunk = Chunk({1: b[1]}, head=_param(embedding(), groups.tp, 0, tied="copy"))
-        opt = DistributedOptimizer([chunk], groups, config(stage, gbs=gbs, tied=True))
+        opt = build_optimizer([chunk], groups, config(stage, gbs=gbs, tied=True))
         for s, (x, y) in enumerate(batches):
             xs, ys = x.chunk(dp.size)[dp.rank].chunk(m), y.chunk(dp.size)[dp.rank].chunk(m)
-            opt.zero_grad()
+            opt.zero_grad(m)
             total = torch.zeros(1, dtype=torch.float64)
             for xk, yk in zip(xs, ys):
                 if first:
@@ -417,7 +417,7 @@ def _precision(rank, world):
     chunks = model(torch.float16)
     cfg = config(1, "fp16")
     cfg.optimizer.initial_loss_scale = 2.0**8
-    opt = DistributedOptimizer(chunks, groups, cfg)
+    opt = build_optimizer(chunks, groups, cfg)
     before = [p.detach().clone() for p in chunks[0].parameters()]
     inf = lambda s, loss: loss * float("inf") if s < 2 and rank == 1 else loss  # noqa: E731
     _, _, stats = train(chunks, opt, groups, batches, 2, inject=inf)
@@ -431,7 +431,7 @@ def _precision(rank, world):
     # fp32, every stage: a nan that only rank 1 sees after the reduction still skips everywhere.
     for stage in (0, 1, 2):
         chunks = model(torch.float32)
-        opt = DistributedOptimizer(chunks, groups, config(stage))
+        opt = build_optimizer(chunks, groups, config(stage))
         train(chunks, opt, groups, batches[:1], 2)
         before = [p.detach().clone() for p in chunks[0].parameters()]
         opt.zero_grad(1)
@@ -448,7 +448,7 @@ def _precision(rank, world):
     ref_params = dict(ref.named_parameters())
     for stage in (1, 2):
         chunks = model(torch.bfloat16)
-        opt = DistributedOptimizer(chunks, groups, config(stage, "bf16"))
+        opt = build_optimizer(chunks, groups, config(stage, "bf16"))
         buf = opt.buffer
         lo, hi = buf.param_buffer.data_ptr(), buf.param_buffer.data_ptr() + 2 * buf.numel
         assert all(lo <= p.data_ptr() < hi for p in chunks[0].parameters())
@@ -487,7 +487,7 @@ def _staged_real_model(rank, world):
     chunk = GPTChunk(m, seed=0)
     cfg = config(2, mbs=2, gbs=16, bucket_mb=0.25)
     cfg.model = m
-    opt = DistributedOptimizer([chunk], groups, cfg)
+    opt = build_optimizer([chunk], groups, cfg)
     g = torch.Generator().manual_seed(rank)
     batch = [tuple(torch.randint(1024, (2, 64), generator=g) for _ in "xy") for _ in range(4)]
     opt.zero_grad(len(batch))
@@ -531,7 +531,7 @@ def test_adamw_update_is_a_few_ops_whatever_the_number_of_buckets(precision):
     for n in (2, 8):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         chunks = [Chunk(dict(enumerate(blocks(n, groups.tp, dtype))))]
-        opt = DistributedOptimizer(chunks, groups, config(0, precision, bucket_mb=1e-4))
+        opt = build_optimizer(chunks, groups, config(0, precision, bucket_mb=1e-4))
         assert len(opt.buffer.buckets) >= 2 * n
         grads = [torch.ones_like(b.shard_grad) for b in opt.buffer.buckets]
         with _OpCounter() as c:

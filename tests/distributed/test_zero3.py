@@ -12,7 +12,7 @@ from megalite.kernels import fp8, fp8_linear
 from megalite import kernels
 from megalite.config import Config, ModelConfig
 from megalite.model.gpt import GPTChunk
-from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel import comm
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
@@ -91,7 +91,7 @@ def _measure(groups, stage: int, rank: int, n_layers=6, m=2):
     no storage between forward and backward, padded model bytes, one gathered layer's bytes,
     the optimizer's memory_bytes, which ZeRO-3 units are gathered after the step)."""
     chunks = [Chunk(dict(enumerate(blocks(n_layers, groups.tp, torch.float64))))]
-    opt = DistributedOptimizer(chunks, groups, config(stage, mbs=2, gbs=8))
+    opt = build_optimizer(chunks, groups, config(stage, mbs=2, gbs=8))
     # one layer gathered: its parameters, padded to a multiple of dp * 64 elements
     layer = max(b.numel for b in opt.buffer.buckets) * 8
     assert layer < 2 * sum(p.numel() for p in chunks[0].layers["0"].parameters()) * 8
@@ -153,7 +153,7 @@ def _dp2(rank, world):
     reference(ref, batches, mse)
     ref_params = dict(ref.named_parameters())
     chunks = [Chunk(dict(enumerate(blocks(2, groups.tp, torch.bfloat16))))]
-    opt = DistributedOptimizer(chunks, groups, config(3, "bf16"))
+    opt = build_optimizer(chunks, groups, config(3, "bf16"))
     _, _, stats = train(chunks, opt, groups, batches, 2)
     assert not any(s["skipped"] for s in stats)
     assert opt.state_bytes() == 12 * opt.buffer.numel // 2
@@ -167,7 +167,7 @@ def _dp2(rank, world):
     chunks = [Chunk(dict(enumerate(blocks(2, groups.tp, torch.float16))))]
     cfg = config(3, "fp16")
     cfg.optimizer.initial_loss_scale = 2.0**8
-    opt = DistributedOptimizer(chunks, groups, cfg)
+    opt = build_optimizer(chunks, groups, cfg)
     with opt.gathered_params():
         before = [p.detach().clone() for p in chunks[0].parameters()]
     inf = lambda s, loss: loss * float("inf") if s < 2 and rank == 1 else loss  # noqa: E731
@@ -205,7 +205,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
     maker = fp8_linear.Fp8Maker(fp8.make_recipe(recipe, "hybrid", history_len=4))
     ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
     chunks = [GPTChunk(cfg.model, groups.tp, seed=5, dtype=dtype, ops=ops)]
-    opt = DistributedOptimizer(chunks, groups, cfg)
+    opt = build_optimizer(chunks, groups, cfg)
     losses, gathered = [], []
     for s in range(steps):
         before = groups.ledger.bytes["dp_gather"]

@@ -15,7 +15,7 @@ import torch
 
 from megalite.config import Config, ModelConfig
 from megalite.model.gpt import GPTChunk
-from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.parallel.specs import spec_of
 from megalite.parallel.topology import Topology
@@ -74,7 +74,7 @@ def _step(cfg, groups, name, vpp, microbatches):
     pp = groups.pp
     chunks = [GPTChunk(cfg.model, groups.tp, **kw, dtype=torch.float64)
               for kw in rank_chunks(cfg.model.num_layers, pp.size, vpp, pp.rank, placement)]  # fmt: skip
-    opt = DistributedOptimizer(chunks, groups, cfg)
+    opt = build_optimizer(chunks, groups, cfg)
     opt.zero_grad(len(microbatches))
     actions = get_schedule(name, pp.size, vpp, len(microbatches), pp.rank)
     result = run_schedule(actions, chunks, groups, microbatches, hidden_shape=(MBS, S, 16),

@@ -7,7 +7,7 @@ import torch
 from megalite.kernels import TORCH_OPS
 
 from megalite.model.gpt import GPTChunk
-from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.groups import single_process_groups
 from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
@@ -33,7 +33,7 @@ def test_build_rank_is_the_hand_wiring():
     groups = single_process_groups()
     parts = build_rank(cfg, validate(cfg, 1), groups)
     hand = GPTChunk(cfg.model, ops=TORCH_OPS, seed=cfg.training.seed)
-    opt = DistributedOptimizer([hand], groups, cfg)
+    opt = build_optimizer([hand], groups, cfg)
     actions = get_schedule("1f1b", 1, 1, 4, 0)
     assert parts.actions == actions and parts.microbatches == 4
     for step in range(2):

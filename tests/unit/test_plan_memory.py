@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite.model.gpt import GPTChunk
-from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.comm import Group
 from megalite.parallel.groups import single_process_groups
 from megalite.parallel.specs import spec_of
@@ -37,7 +37,7 @@ def test_buffers_one_process(precision):
     cfg = tiny("gpt2", layers=3)
     cfg.training.precision, cfg.optimizer.bucket_size_mb = precision, 0.05
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    opt = DistributedOptimizer([GPTChunk(cfg.model, dtype=dtype)], single_process_groups(), cfg)
+    opt = build_optimizer([GPTChunk(cfg.model, dtype=dtype)], single_process_groups(), cfg)
     mem = memory.state_memory(cfg, layout(cfg), 0)
     buf = opt.buffer
     assert len(buf.buckets) == len(memory.buckets(cfg, layout(cfg), 0)) > 2
@@ -62,7 +62,7 @@ def test_zero3_fp8_buckets_are_the_buffers(first_last):
     cfg.optimizer.zero_stage = 3
     maker = fp8_linear.Fp8Maker(fp8.make_recipe("tensorwise"), first_last_high=first_last)
     chunks = [GPTChunk(cfg.model, ops=kernels.override(kernels.TORCH_OPS, fp8_linear=maker))]
-    opt = DistributedOptimizer(chunks, single_process_groups(), cfg)
+    opt = build_optimizer(chunks, single_process_groups(), cfg)
     lay = layout(cfg, zero=3)
     assert [e - s for s, e, _ in memory.buckets(cfg, lay, 0)] == [
         b.numel for b in opt.buffer.buckets

@@ -5,8 +5,13 @@ import pytest
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
+from megalite.model.gpt import GPTChunk
+from megalite.parallel.buffers import Buffers
+from megalite.parallel.data_parallel import build_buffers
+from megalite.parallel.groups import single_process_groups
 from megalite.parallel.zero import GATHERS, ZERO
 from megalite.shape import validate
+from tests.unit.plan_configs import tiny
 
 
 def test_collectives_per_bucket_and_step():
@@ -37,3 +42,16 @@ def test_the_run_shape_carries_its_stage():
     cfg.model.num_experts, cfg.optimizer.zero_stage = 4, 3  # a stage that cannot shard experts
     with pytest.raises(MegaliteError, match="--zero-stage 3 does not shard mixture-of-experts"):
         validate(cfg, 4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_builds_buffers_behind_one_interface(stage):
+    """build_buffers gives each stage an object with every member of parallel/buffers.Buffers
+    (what the optimizer reads), its gradients handed to the reducer the stage picks."""
+    cfg = tiny("gpt2", layers=2)
+    cfg.optimizer.zero_stage = stage
+    buf = build_buffers([GPTChunk(cfg.model)], single_process_groups(), cfg)
+    assert isinstance(buf, Buffers)
+    assert type(buf.reducer) is ZERO[stage].reducer
+    assert ZERO[stage].reduce_each_microbatch == (stage >= 2) == (not ZERO[stage].grad_buffer)
+    assert ZERO[stage].shard_state == (stage >= 1)
