@@ -48,7 +48,7 @@ setup(
     # Optional, imported only when used (a clear error names the package when it is missing):
     # Hugging Face tokenizers and Parquet inputs; TensorBoard event files.
     extras_require={
-        "hf": ["tokenizers", "pyarrow"],
+        "hf": ["tokenizers", "pyarrow", "regex"],
         "tensorboard": ["tensorboard"],
         "test": [
             "pytest",
@@ -60,6 +60,7 @@ setup(
             "matplotlib",
             "tokenizers",
             "pyarrow",
+            "regex",
             "tensorboard",
         ],
         "lint": ["ruff"],
