@@ -108,7 +108,7 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _safetensors_header(specs: dict, metadata: dict | None = None) -> bytes:
+def safetensors_header(specs: dict, metadata: dict | None = None) -> bytes:
     """The header of a safetensors file of {key: (dtype, shape)}, stored in this order: 8-byte
     little-endian length, JSON, spaces to a multiple of 8."""
     header, at = ({"__metadata__": metadata} if metadata else {}), 0
@@ -129,7 +129,7 @@ def write_safetensors(path: Path, data: dict, metadata: dict | None = None, make
     that views a mapped input file is read from there: no copy) and hashed as it goes out, in
     one pass: hashing and writing release the GIL, and no second read of the file is made."""
     specs = data if make is not None else {k: (t.dtype, tuple(t.shape)) for k, t in data.items()}
-    head = _safetensors_header(specs, metadata)
+    head = safetensors_header(specs, metadata)
     digest, nbytes = hashlib.sha256(head), len(head)
     with open(path, "wb") as fh:
         fh.write(head)
@@ -153,6 +153,12 @@ def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]
     name or `<index name>#<i>` for one of several slices of a tensor; returns the index entries
     ({name: {shape, dtype, shards: [...]}}) and the file's {fname: {sha256, bytes}}. Tensors
     with an empty region (a rank's vocabulary slice that is all padding) are left out."""
+    entries, data = shard_entries(fname, tensors)
+    return entries, {fname: write_safetensors(directory / fname, data)}
+
+
+def shard_entries(fname: str, tensors: dict) -> tuple[dict, dict]:
+    """write_shard's index entries and {key: contiguous CPU tensor} of what the file holds."""
     entries, data = {}, {}
     for key, (t, region, glob) in tensors.items():
         if any(hi <= lo for lo, hi in region):
@@ -166,7 +172,7 @@ def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]
             name, {"shape": list(glob), "dtype": dtype_name(t.dtype), "shards": []}
         )
         e["shards"].append(shard)
-    return entries, {fname: write_safetensors(directory / fname, data)}
+    return entries, data
 
 
 def tokenizer_name(src) -> str:

@@ -25,6 +25,8 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
 from megalite.checkpoint import format as fmt
 
 CHUNK = 64 << 20  # bytes handed to the disk at a time
@@ -107,20 +109,9 @@ def write_views(path: Path, head: bytes, views) -> str:
 def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]:
     """`format.write_shard` (same arguments, same file, same index entries), written by
     `write_views`."""
-    entries, data = {}, {}
-    for key, (t, region, glob) in tensors.items():
-        if any(hi <= lo for lo, hi in region):
-            continue
-        data[key] = t.detach().to("cpu").contiguous()
-        name = key.split("#")[0]
-        shard = {"file": fname, "slice": [list(r) for r in region]}
-        if key != name:
-            shard["key"] = key
-        e = entries.setdefault(
-            name, {"shape": list(glob), "dtype": fmt.dtype_name(t.dtype), "shards": []}
-        )
-        e["shards"].append(shard)
-    head, views = fmt._safetensors(data)
+    entries, data = fmt.shard_entries(fname, tensors)
+    head = fmt.safetensors_header({k: (t.dtype, tuple(t.shape)) for k, t in data.items()})
+    views = [t.reshape(-1).view(torch.uint8).numpy() for t in data.values() if t.numel()]
     digest = write_views(directory / fname, head, views)
     nbytes = len(head) + sum(v.nbytes for v in views)
     return entries, {fname: {"sha256": digest, "bytes": nbytes}}
