@@ -3,9 +3,11 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from megalite.kernels import TORCH_OPS
 
+from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel.groups import single_process_groups
@@ -103,3 +105,15 @@ def test_build_rank_takes_the_ops():
     parts.run(_batch(cfg))
     # attention (fused q/k/v, out), MLP (up, down) per layer and the head, per micro-batch
     assert len(calls) == 4 * (4 * cfg.model.num_layers + 1)
+
+
+def test_run_refuses_a_batch_the_schedule_was_not_built_for():
+    """The run shape fixes the micro-batch count; a batch of another count is one clear error."""
+    cfg = tiny_config()
+    parts = build_rank(cfg, validate(cfg, 1), single_process_groups())
+    batch = _batch(cfg)
+    parts.opt.zero_grad(len(batch) - 1)
+    with pytest.raises(
+        MegaliteError, match="given 3 micro-batches but its schedule was built for 4"
+    ):
+        parts.run(batch[:-1])
