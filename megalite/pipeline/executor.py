@@ -241,10 +241,9 @@ def run_schedule(
     outputs = {}  # (chunk, mb) -> output kept as the root of backward (scaled loss on the head)
     grads = {}  # (chunk, mb) -> gradient of that output, received or handed over
     outbox = {}  # (kind, chunk, mb) -> tensor waiting to be sent
-    received = {}  # (kind of the receive, chunk, mb) -> (batch, buffer)
+    received = {}  # (kind of the receive, chunk, mb) -> (batch, its op index, buffer)
     later = {}  # (chunk, mb) -> the weight-gradient half of a split backward (W)
     batches = deque()  # posted batches not yet known to be complete, oldest first
-    posted = 0
     losses = [None] * m
     spans, wait_s = [], 0.0
     start = clock.mark()
@@ -314,7 +313,6 @@ def run_schedule(
             _record_wait(timeline, what, t0, clock.mark())
 
     def post(run):
-        nonlocal posted
         if len(batches) >= MAX_IN_FLIGHT:  # bound the activations held by sends in flight
             oldest, what = batches.popleft()
             wait(oldest, what)
@@ -332,7 +330,6 @@ def run_schedule(
             if a.kind in (RECV_F, RECV_B):
                 received[a.kind, a.chunk, a.mb] = (batch, i, buf)
         batches.append((batch, run))
-        posted += 1
 
     def take(a):  # a WAIT: the received tensor, once it arrived (its sends complete later)
         kind = WAITS[a.kind]

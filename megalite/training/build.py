@@ -112,7 +112,7 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
                  device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type,
-                 meta=loading)
+                 ep=groups.experts, meta=loading)
         for kw in rank_chunks(shape.model.num_layers, shape.pp, shape.vpp, groups.pp.rank,
                               shape.placement)
     ]  # fmt: skip
