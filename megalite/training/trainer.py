@@ -143,21 +143,13 @@ class Trainer:
         rng = rng_state(self.chunks, self.groups.device) if rerun else None
         result, stats = self._run(batch, lr)
         if stats.spike and rerun:  # the same batch from the same state: the same loss?
-            first = self.spikes.last
-            set_rng_state(rng, self.chunks, self.groups.device)
-            self._interval.pop()
-            result, stats = self._run(batch, lr)
-            again = self.spikes.last
-            if again == first:
-                what = "the same loss: a data spike, the step stays skipped"
-            else:  # the same computation gave another result: a device or host fault
-                what = "not reproducible, suspect a hardware fault; " + (
-                    "the re-run spiked too and is skipped" if stats.spike else "its step is kept"
-                )
-            self.logger.print(
-                f"megalite: warning: loss {first:.4f} at iteration {self.iteration + 1} is above "
-                f"the spike limit; a re-run gave {again:.4f}: {what}"
-            )
+
+            def restore():
+                set_rng_state(rng, self.chunks, self.groups.device)
+                self._interval.pop()
+
+            result, stats = self.spikes.rerun(self.iteration + 1, restore,
+                                              lambda: self._run(batch, lr), self.logger.print)  # fmt: skip
         self.iteration += 1
         # the flags are summed over the world: every rank stops at the same step
         self.stop = self.preemption.reason(stats.flags, self.iteration)
