@@ -117,3 +117,21 @@ def test_run_refuses_a_batch_the_schedule_was_not_built_for():
         MegaliteError, match="given 3 micro-batches but its schedule was built for 4"
     ):
         parts.run(batch[:-1])
+
+
+def test_the_reference_step_is_megalites_one_process_step():
+    """megalite.testing.reference_steps (plain torch, ~40 lines) trains as the trainer does at
+    one process: the same losses and parameters, to float rounding (flat buffers sum and
+    update in another order)."""
+    from megalite.testing import reference_steps, tiny_trainer
+
+    cfg = tiny_config()
+    cfg.training.kernels, cfg.training.train_iters, cfg.optimizer.lr = "torch", 3, 3e-3
+    tr = tiny_trainer(cfg, world=1)
+    want, params = reference_steps(cfg, tr.data.train, 3)
+    got = [tr.train_step(log=True)["loss"] for _ in range(3)]
+    assert got == pytest.approx(want, rel=1e-5)
+    ours = dict(tr.chunks[0].named_parameters())
+    assert ours.keys() == params.keys()
+    for n, p in params.items():
+        torch.testing.assert_close(ours[n], p, rtol=1e-4, atol=1e-6, msg=n)
