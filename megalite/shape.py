@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
-from megalite.parallel.axes import AXES, INFERRED
+from megalite.parallel.axes import AXES, INFERRED, split_batch
 from megalite.parallel.topology import Topology, parse_order
 from megalite.parallel.zero import ZERO, ZeroStage
 from megalite.pipeline import schedules
@@ -64,14 +64,6 @@ class RunShape:
         if self.model.num_experts:
             topo.expert = topo.experts(self.ep, self.etp)
         return topo
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that train on different samples (the product of batch-splitting axes)."""
-        n = 1
-        for a, s in self.sizes:
-            n *= s if AXES[a].splits_batch else 1
-        return n
 
     @property
     def placement(self):
@@ -186,12 +178,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     data = 1
     for a, n in sizes.items():
         data *= n if AXES[a].splits_batch else 1
-    if t.global_batch_size % (t.micro_batch_size * data):
-        raise MegaliteError(
-            f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size*dp="
-            f"{t.micro_batch_size}*{data}; make it a multiple of {t.micro_batch_size * data}"
-        )
-    microbatches = t.global_batch_size // (t.micro_batch_size * data)
+    microbatches = split_batch(t.global_batch_size, t.micro_batch_size, data)
     reason = schedules.check_shape(name, sizes["pp"], p.vpp, microbatches)
     if reason:
         raise MegaliteError(reason)

@@ -264,3 +264,50 @@ class SleepChunk(torch.nn.Module):
         # I sleeps on the path to x, W on the path to w only: a split backward runs them apart
         y = self.input_grad(x * 1.0) + 0.0 * self.weight_grad(self.w)
         return y.sum() if self.has_head else y
+
+
+# ---- the way in: one training step in one process, by hand -------------------------------------
+
+
+def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[float], dict]:
+    """What megalite's step computes at one process, written out with plain torch: the model,
+    the data order, the loss, global-norm clipping and AdamW, with nothing parallel in between.
+    A reader starts here; tests/unit/test_build.py checks the trainer matches it. `tokens`:
+    (samples, seq + 1) token rows. Returns each step's mean loss and the parameters after.
+    Differences from `Trainer.step` are only where the work happens: megalite keeps gradients
+    and optimizer state in flat (DP-sharded) buffers and runs the micro-batches through the
+    pipeline schedule (pp=1: F0 B0 F1 B1 ...)."""
+    from megalite.data.sampler import get_batch
+    from megalite.model.gpt import GPTChunk
+    from megalite.optim.lr_schedule import lr_at
+    from megalite.parallel.specs import spec_of
+
+    m, t, o = cfg.model, cfg.training, cfg.optimizer
+    model = GPTChunk(m, seed=t.seed)  # the same initialisation as the trainer's chunk
+    params = list(model.parameters())
+    decay = [p for p in params if not spec_of(p).no_weight_decay]
+    plain = [p for p in params if spec_of(p).no_weight_decay]  # norms and biases
+    adam = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0}],
+        lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+    )  # fmt: skip
+    micro = t.global_batch_size // t.micro_batch_size  # micro-batches per step (dp = 1)
+    losses = []
+    for step in range(steps):
+        # global batch `step` is the rows [step*G, (step+1)*G) in order (data/sampler.py)
+        first = step * t.global_batch_size
+        rows = [[first + k * t.micro_batch_size + j for j in range(t.micro_batch_size)]
+                for k in range(micro)]  # fmt: skip
+        adam.zero_grad(set_to_none=True)
+        total = 0.0
+        for idx in rows:
+            x, y = get_batch(tokens, idx)  # inputs, and the same shifted by one
+            loss = model(x, y)  # the mean cross-entropy over the micro-batch's tokens
+            (loss / micro).backward()  # the gradient of the step's mean loss
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        for group in adam.param_groups:
+            group["lr"] = lr_at(step, o, t.train_iters)
+        adam.step()
+        losses.append(total / micro)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}

@@ -129,10 +129,16 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="auto") -> list[GPTChunk]:
 
     chunks = [
         GPTChunk(
-            cfg, groups.tp, **kw, dtype=model_dtype(ckpt, dtype), device=groups.device, meta=True
+            cfg,
+            groups.tp,
+            **kw,
+            dtype=model_dtype(ckpt, dtype),
+            device=groups.device,
+            ep=groups.experts,
+            meta=True,
         ).eval()
         for kw in rank_chunks(cfg.num_layers, shape.pp, 1, groups.pp.rank, shape.placement)
-    ]  # the expert group: the one build_groups attaches to groups.tp
+    ]
     with agreed_errors(groups.world):
         files = sorted(ckpt.files)  # each file hashed by one rank, beside the loading
         checked = ckpt.verify_while_reading(files[groups.rank :: groups.world.size])

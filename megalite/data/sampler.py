@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from megalite.errors import MegaliteError
+from megalite.parallel.axes import split_batch
 
 
 class BatchSampler:
@@ -28,11 +29,8 @@ class BatchSampler:
             raise MegaliteError(
                 "the dataset has no samples; give more data or a shorter --seq-length"
             )
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise MegaliteError(
-                f"global_batch_size={global_batch_size} is not divisible by micro_batch_size*dp="
-                f"{micro_batch_size}*{dp_size}; make it a multiple of {micro_batch_size * dp_size}"
-            )
+        # the run shape's split (one check, one message): the trainer passes the shape's sizes
+        self.microbatches = split_batch(global_batch_size, micro_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         self.num_samples = num_samples
@@ -44,7 +42,7 @@ class BatchSampler:
         """This rank's micro-batches of the next global batch; advances `consumed_samples`."""
         mbs, step = self.micro_batch_size, self.micro_batch_size * self.dp_size
         first = self.consumed_samples + self.dp_rank * mbs
-        starts = range(first, first + self.global_batch_size, step)
+        starts = range(first, first + self.microbatches * step, step)
         self.consumed_samples += self.global_batch_size
         return [[(s + k) % self.num_samples for k in range(mbs)] for s in starts]
 

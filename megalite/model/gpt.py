@@ -62,8 +62,7 @@ class GPTChunk(nn.Module):
         """`meta`: parameters and buffers on the meta device (shapes, names and specs, no
         memory, nothing initialised), for a model about to be loaded: model/materialize.py
         then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model
-        (default: the one build_groups attaches to the TP group, else experts on this rank
-        alone). `cp`: the context-parallel
+        (`ProcessGroups.experts`; default: every expert on this rank). `cp`: the context-parallel
         group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
         its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all). `ops`: the kernels every
         layer calls (megalite.kernels; `override` swaps one, the linear or attention, say)."""
@@ -87,8 +86,8 @@ class GPTChunk(nn.Module):
                 positions = cfg.max_position_embeddings or cfg.seq_length
                 self.embedding.position = nn.Embedding(positions, cfg.hidden_size, **kw)
                 # with sequence parallelism each rank adds positions to its own rows only
-                mark(self.embedding.position.weight, **shard_spec(tp, None, self.sp))
-        ep = ep or getattr(tp, "ep", None) or Group("ep", [0], 0, device=tp.device)
+                mark(self.embedding.position.weight, **shard_spec(tp, partial_grad=self.sp))
+        ep = ep or Group("ep", [0], 0, device=tp.device)
         # one cos/sin table for every layer (per head dim), sized to the training sequence
         # and grown by generation to the positions its cache holds
         self.rotary = RotaryTables(cfg.seq_length, kw["device"])

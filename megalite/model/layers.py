@@ -176,33 +176,53 @@ class Attention(nn.Module):
         qk = self.ops.rotary(qk, cos[pos], sin[pos]).view(b, s, -1, q.shape[3])
         return qk.split([q.shape[2], k.shape[2]], 2)
 
-    def forward(self, x, kv=None, shard=None):
-        """`shard` (context_parallel.Shard): the positions and documents of this rank's tokens
-        when they are not simply 0..s-1 of one document (context parallelism, packed samples)."""
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h); s/cp tokens with cp
-        b, s, _ = x.shape
-        hd = self.cfg.head_dim
+    def _heads(self, x, fused: bool):
+        """q, k, v (b, s, heads, hd) of x (b, s, h): this rank's heads (its query group's k/v
+        when every rank keeps them all), normed with qk-norm. `fused`: one matmul and one saved
+        input for backward (training); decoding skips the weight copy."""
         qkv = (self.q, self.k, self.v)
-        # fused: one matmul and one saved input for backward; inference skips the weight copy
-        qkv = fused_column_linear(x, qkv) if kv is None else [f(x) for f in qkv]
-        q, k, v = (t.unflatten(-1, (-1, hd)) for t in qkv)
+        qkv = fused_column_linear(x, qkv) if fused else [f(x) for f in qkv]
+        q, k, v = (t.unflatten(-1, (-1, self.cfg.head_dim)) for t in qkv)
         if self.kv_group is not None:
             k = k[:, :, self.kv_group : self.kv_group + 1]
             v = v[:, :, self.kv_group : self.kv_group + 1]
         if hasattr(self, "q_norm"):  # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary and kv is not None:
-            q, k = self._rotate_at(q, k, kv.positions, kv.span)
-        elif self.rotary and shard is not None:  # true (or in-document) positions
+        return q, k, v
+
+    def forward(self, x, shard=None):
+        """Training (and evaluation) over whole sequences. `shard` (context_parallel.Shard):
+        the positions and documents of this rank's tokens when they are not simply 0..s-1 of
+        one document (context parallelism, packed samples)."""
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h); s/cp tokens with cp
+        b, s, _ = x.shape
+        q, k, v = self._heads(x, fused=True)
+        if self.rotary and shard is not None:  # true (or in-document) positions
             q, k = self._rotate_at(q, k, shard.positions, self.cfg.seq_length)
         elif self.rotary:
             cos, sin = self.rope.tables(s)
             q = self.ops.rotary(q, cos[:s], sin[:s])
             k = self.ops.rotary(k, cos[:s], sin[:s])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
-        if kv is not None and kv.cp is not None:  # the cache is split over cp (CPKVCache)
+        if self.recompute_core and self.training:
+            o = self._recomputed_core(q, k, v, shard)
+        else:
+            o = self._core(q, k, v, shard)
+        o = o.transpose(1, 2).reshape(b, s, self.heads * self.cfg.head_dim)  # (b, s, nh/t * hd)
+        return self.out(o)
+
+    def decode(self, x, kv):
+        """Generation: x's new tokens attend to themselves and to what `kv`
+        (generation.LayerKV, or CPKVCache split over cp) holds, which they join."""
+        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        b, s, _ = x.shape
+        q, k, v = self._heads(x, fused=False)
+        if self.rotary:
+            q, k = self._rotate_at(q, k, kv.positions, kv.span)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
+        if kv.cp is not None:  # the cache is split over cp (CPKVCache)
             o = kv.attend(q, k, v, self.ops, getattr(self, "sinks", None), **self.window)
-        elif kv is not None:
+        else:
             k, v = kv.append(k, v)  # (b, kv heads, every cached slot, hd)
             if hasattr(self, "sinks"):  # the same visibility as attention_masked's below
                 o = self.ops.attention_sinks(q, k, v, self.sinks, kv.q_slot, kv.k_slot, kv.q_doc,
@@ -212,11 +232,7 @@ class Attention(nn.Module):
             else:  # a query sees the slots up to its own (in its window), padding excluded
                 o = self.ops.attention_masked(q, k, v, kv.q_slot, kv.k_slot, kv.q_doc, kv.k_doc,
                                               **self.window)  # fmt: skip
-        elif self.recompute_core and self.training:
-            o = self._recomputed_core(q, k, v, shard)
-        else:
-            o = self._core(q, k, v, shard)
-        o = o.transpose(1, 2).reshape(b, s, self.heads * hd)  # (b, s, nh/t * hd)
+        o = o.transpose(1, 2).reshape(b, s, self.heads * self.cfg.head_dim)  # (b, s, nh/t * hd)
         return self.out(o)
 
 
@@ -314,7 +330,8 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, self.dropout)
 
     def _forward(self, x, kv=None, shard=None):
-        x = x + self._drop(self.attention(self.input_norm(x), kv, shard))
+        h = self.input_norm(x)
+        x = x + self._drop(self.attention(h, shard) if kv is None else self.attention.decode(h, kv))
         return x + self._drop(self.mlp(self.post_attention_norm(x), fused=kv is None))
 
     def forward(self, x, kv=None, shard=None):

@@ -72,7 +72,7 @@ class LatentNorm(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """MLA with `layers.Attention`'s interface: forward(x, kv=None, shard=None)."""
+    """MLA with `layers.Attention`'s interface: forward(x, shard=None), decode(x, kv)."""
 
     def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, sharded_rng,
                  recompute_core, dtype=None, device=None, cp: Group | None = None,
@@ -168,8 +168,12 @@ class LatentAttention(nn.Module):
                                           **self.window)  # fmt: skip
         return o[..., : self.dv]
 
-    def forward(self, x, kv=None, shard=None):
-        """As `layers.Attention.forward`; `kv` (generation.LayerKV) caches latents."""
+    def decode(self, x, kv):
+        """As `layers.Attention.decode`; `kv` (generation.LayerKV) caches latents."""
+        return self.forward(x, kv=kv)
+
+    def forward(self, x, shard=None, kv=None):
+        """As `layers.Attention.forward`; with `kv` (from `decode`) the cached path."""
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h); s/cp tokens with cp
         b, s, _ = x.shape
         q = self.q_b(self.q_a_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)

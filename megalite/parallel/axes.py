@@ -18,6 +18,8 @@ Nothing here imports torch: the run shape is validated before any process group 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megalite.errors import MegaliteError
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -39,6 +41,18 @@ def register_axis(name: str, doc: str, **meaning) -> Axis:
         raise ValueError(f"axis name {name!r} must be a short lowercase word")
     AXES[name] = Axis(name, doc, **meaning)
     return AXES[name]
+
+
+def split_batch(global_batch_size: int, micro_batch_size: int, data: int) -> int:
+    """Micro-batches per step on each of the `data` ranks that split the batch (the product of
+    the `splits_batch` axes), or MegaliteError: the one place the batch split is checked (the
+    run shape and the sampler both read it)."""
+    if global_batch_size % (micro_batch_size * data):
+        raise MegaliteError(
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size*dp="
+            f"{micro_batch_size}*{data}; make it a multiple of {micro_batch_size * data}"
+        )
+    return global_batch_size // (micro_batch_size * data)
 
 
 def _check_tp(cfg, sizes: dict) -> str | None:

@@ -36,6 +36,12 @@ class ProcessGroups:
             raise KeyError(f"no {expr} group was built (build_groups(products=...))")
         return self.groups[key]
 
+    @property
+    def experts(self) -> Group | None:
+        """The expert-parallel group to build an MoE model with (`GPTChunk(..., ep=)`), or None
+        where the topology has no expert decomposition (experts whole on each rank)."""
+        return self.groups.get("ep") if self.topo.expert is not None else None
+
     def __getattr__(self, axis: str) -> Group:
         groups = self.__dict__.get("groups", {})
         if axis in groups:
@@ -215,9 +221,6 @@ def build_groups(
         k: Group(k, r, r.index(rank), made[tuple(r)], ledger, device) for k, r in mine.items()
     }
     embed = groups.pop("embed", None)
-    if topo.expert is not None:
-        # The model's expert group when none is passed (GPTChunk(..., ep=None)).
-        groups["tp"].ep = groups["ep"]
     world = Group("world", list(range(topo.world_size)), rank,
                   dist.group.WORLD if topo.world_size > 1 else None, ledger, device)  # fmt: skip
     return ProcessGroups(topo, rank, device, groups, embed, world, ledger)

@@ -9,6 +9,17 @@ proves deadlock-free. Where the neighbouring virtual stage is on this rank (pp =
 placement that turns back) there are no send/recv actions: a chunk's output is handed to that
 chunk directly.
 
+One rank's action list, pp=2 and m=4 micro-batches of 1F1B (`get_schedule("1f1b", 2, 1, 4, r)`
+printed with `format_action`; tests/unit/test_schedules.py checks these lines are its output):
+
+    rank 0: F0 sF0>1 F1 sF1>1 rB0<1 wB0 B0 F2 sF2>1 rB1<1 wB1 B1 F3 sF3>1 rB2<1 wB2 B2 rB3<1 wB3 B3
+    rank 1: rF0<0 wF0 F0 B0 sB0>0 rF1<0 wF1 F1 B1 sB1>0 rF2<0 wF2 F2 B2 sB2>0 rF3<0 wF3 F3 B3 sB3>0
+
+`F2`: forward of micro-batch 2; `B2` its backward; `sF2>1` post the send of its activations to
+rank 1; `rB0<1` post the receive of micro-batch 0's gradient from rank 1; `wB0` wait for that
+receive (consecutive sends/receives are one posted batch). Rank 0 runs pp - 1 = 1 forward
+ahead (warmup), then alternates one forward and one backward.
+
 Per (chunk, micro-batch) the executor keeps only what backward needs: the received input
 (a leaf whose .grad becomes the gradient to send back) and the output (the root of backward).
 Once an output is posted to the next stage its storage is released (Megatron's "deallocate
@@ -241,10 +252,9 @@ def run_schedule(
     outputs = {}  # (chunk, mb) -> output kept as the root of backward (scaled loss on the head)
     grads = {}  # (chunk, mb) -> gradient of that output, received or handed over
     outbox = {}  # (kind, chunk, mb) -> tensor waiting to be sent
-    received = {}  # (kind of the receive, chunk, mb) -> (batch, buffer)
+    received = {}  # (kind of the receive, chunk, mb) -> (batch, its op index, buffer)
     later = {}  # (chunk, mb) -> the weight-gradient half of a split backward (W)
     batches = deque()  # posted batches not yet known to be complete, oldest first
-    posted = 0
     losses = [None] * m
     spans, wait_s = [], 0.0
     start = clock.mark()
@@ -314,7 +324,6 @@ def run_schedule(
             _record_wait(timeline, what, t0, clock.mark())
 
     def post(run):
-        nonlocal posted
         if len(batches) >= MAX_IN_FLIGHT:  # bound the activations held by sends in flight
             oldest, what = batches.popleft()
             wait(oldest, what)
@@ -332,7 +341,6 @@ def run_schedule(
             if a.kind in (RECV_F, RECV_B):
                 received[a.kind, a.chunk, a.mb] = (batch, i, buf)
         batches.append((batch, run))
-        posted += 1
 
     def take(a):  # a WAIT: the received tensor, once it arrived (its sends complete later)
         kind = WAITS[a.kind]

@@ -58,13 +58,18 @@ def check_shape(name: str, pp: int, vpp: int, microbatches: int) -> str | None:
     return schedule(name).check(pp, vpp, microbatches)
 
 
-def compute_order(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
-    """One rank's computes, in segments: communication happens only between segments."""
+def _check_rank(name: str, pp: int, vpp: int, microbatches: int, rank: int):
+    """MegaliteError (one clear sentence) unless rank `rank` of this shape can run `name`."""
     reason = check_shape(name, pp, vpp, microbatches)
     if reason is None and not 0 <= rank < pp:
         reason = f"rank {rank} outside pp={pp}"
     if reason:
         raise MegaliteError(reason)
+
+
+def compute_order(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
+    """One rank's computes, in segments: communication happens only between segments."""
+    _check_rank(name, pp, vpp, microbatches, rank)
     return SCHEDULES[name].build(pp, vpp, microbatches, rank)
 
 
@@ -73,7 +78,7 @@ def get_schedule(
 ) -> list[Action]:
     """The actions of pipeline rank `rank`. `forward_only` (evaluation): the schedule's
     forwards in the same order, with their communication, and no backward."""
-    compute_order(name, pp, vpp, microbatches, rank)  # checks the shape (one clear error)
+    _check_rank(name, pp, vpp, microbatches, rank)
     return list(_table(name, pp, vpp, microbatches, forward_only)[rank])
 
 

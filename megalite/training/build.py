@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megalite import kernels
 from megalite.checkpoint.checkpointer import resume_path
 from megalite.config import Config
+from megalite.errors import MegaliteError
 from megalite.kernels import fp8, fp8_linear
 from megalite.model.gpt import GPTChunk
 from megalite.model.materialize import materialize
@@ -46,10 +47,22 @@ class RankParts:
     groups: ProcessGroups
     placement: object  # the schedule's (stage, chunk) placement of the virtual stages
 
-    def run(self, batch, **kw) -> PipelineResult:
+    eval_actions: list  # the same schedule's forward-only actions (evaluation)
+
+    def run(self, batch, forward_only: bool = False, **kw) -> PipelineResult:
         """The schedule over `batch` (this rank's micro-batches), gradients accumulated into
         the optimizer's buffers; `kw` goes to `run_schedule` (timeline, observe, ...). MoE
-        auxiliary losses get the main loss's gradient, loss_scale / micro-batches."""
+        auxiliary losses get the main loss's gradient, loss_scale / micro-batches. With
+        `forward_only` (evaluation) the forward-only actions run: losses, no gradients."""
+        if len(batch) != self.microbatches:  # the actions were built for the shape's count
+            raise MegaliteError(
+                f"the step was given {len(batch)} micro-batches but its schedule was built for "
+                f"{self.microbatches} (the run shape's global / (micro-batch size * dp))"
+            )
+        if forward_only:
+            return run_schedule(self.eval_actions, self.chunks, self.groups, batch,
+                                hidden_shape=self.hidden_shape, dtype=self.dtype,
+                                forward_only=True, placement=self.placement, **kw)  # fmt: skip
         scale = self.opt.loss_scale
         with aux_loss_scale(scale / len(batch)):
             result = run_schedule(self.actions, self.chunks, self.groups, batch,
@@ -100,7 +113,7 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
                  device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type,
-                 meta=loading)
+                 ep=groups.experts, meta=loading)
         for kw in rank_chunks(shape.model.num_layers, shape.pp, shape.vpp, groups.pp.rank,
                               shape.placement)
     ]  # fmt: skip
@@ -117,8 +130,9 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) ->
     `build_chunks`). Seeding the dropout streams is the caller's: the chunks' initialisation
     depends on `cfg.training.seed` only."""
     chunks = build_chunks(cfg, shape, groups, ops)
-    actions = get_schedule(shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
+    order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
     buffers = build_buffers(chunks, groups, cfg)  # data parallelism / ZeRO
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)
-    return RankParts(chunks, opt, actions, shape.microbatches,
-                     shape.hidden_shape, DTYPES[cfg.training.precision], groups, shape.placement)  # fmt: skip
+    return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
+                     DTYPES[cfg.training.precision], groups, shape.placement,
+                     get_schedule(*order, forward_only=True))  # fmt: skip

@@ -110,3 +110,24 @@ class SpikeGuard:
         if math.isfinite(loss):
             self.losses.append(loss)
         return False
+
+    def rerun(self, iteration: int, restore, run, warn):
+        """--spike-rerun: a step whose loss spiked runs once more on the same batch from the
+        same state (`restore` puts it back, `run` is the step, returning (result, report)),
+        and `warn` says which it was: the same loss is a data spike (the step stays skipped),
+        another is a device or host fault. Returns the re-run's (result, report)."""
+        first = self.last
+        restore()
+        result, stats = run()
+        again = self.last
+        if again == first:
+            what = "the same loss: a data spike, the step stays skipped"
+        else:  # the same computation gave another result: a device or host fault
+            what = "not reproducible, suspect a hardware fault; " + (
+                "the re-run spiked too and is skipped" if stats.spike else "its step is kept"
+            )
+        warn(
+            f"megalite: warning: loss {first:.4f} at iteration {iteration} is above "
+            f"the spike limit; a re-run gave {again:.4f}: {what}"
+        )
+        return result, stats

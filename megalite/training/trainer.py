@@ -23,8 +23,8 @@ from megalite.parallel import comm
 from megalite.parallel.context_parallel import shard_batch
 from megalite.parallel.groups import ProcessGroups
 from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
-from megalite.pipeline.executor import first_stage_times, idle_ratio, idle_share, run_schedule
-from megalite.pipeline.schedules import bubble_theory, get_schedule
+from megalite.pipeline.executor import first_stage_times, idle_ratio, idle_share
+from megalite.pipeline.schedules import bubble_theory
 from megalite.shape import RunShape
 from megalite.training.build import build_rank
 from megalite.training.flops import (
@@ -53,21 +53,16 @@ class Trainer:
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
         seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
         with self.launch.phase("model build"):
-            self.parts = parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule
-        self.chunks, self.opt, self.actions = parts.chunks, parts.opt, parts.actions
-        self.microbatches, self.hidden_shape = parts.microbatches, parts.hidden_shape
-        self.dtype = parts.dtype
-        self.sampler = None  # --eval-only without a training split: nothing to sample
-        if self.data.train is not None:
-            self.sampler = BatchSampler(len(self.data.train), t.global_batch_size, t.micro_batch_size,
-                                        groups.data.rank, groups.data.size)  # fmt: skip
+            self.parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule
+        # --eval-only without a training split: nothing to sample
+        self.sampler = self._sampler(self.data.train) if self.data.train is not None else None
         self.iteration = 0
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.spikes_total = 0
         self.stop = None  # why every rank saves and stops after this step (a signal, a limit)
         self.preemption = Preemption(t, catch_signals=bool(cfg.checkpoint.save))
-        self.hang = HangRecorder(cfg, shape, groups, self.microbatches)
+        self.hang = HangRecorder(cfg, shape, groups, shape.microbatches)
         self.stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
         self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
         self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
@@ -76,6 +71,20 @@ class Trainer:
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
+
+    @property
+    def chunks(self):
+        return self.parts.chunks
+
+    @property
+    def opt(self):
+        return self.parts.opt
+
+    def _sampler(self, dataset) -> BatchSampler:
+        """This DP rank's sampler over `dataset`, split as the run shape says."""
+        s, data = self.shape, self.groups.data
+        return BatchSampler(len(dataset), s.global_batch_size, s.micro_batch_size, data.rank,
+                            data.size)  # fmt: skip
 
     # ---- checkpoints: the trainer owns what a checkpoint restores -------------------------------
 
@@ -135,21 +144,13 @@ class Trainer:
         rng = rng_state(self.chunks, self.groups.device) if rerun else None
         result, stats = self._run(batch, lr)
         if stats.spike and rerun:  # the same batch from the same state: the same loss?
-            first = self.spikes.last
-            set_rng_state(rng, self.chunks, self.groups.device)
-            self._interval.pop()
-            result, stats = self._run(batch, lr)
-            again = self.spikes.last
-            if again == first:
-                what = "the same loss: a data spike, the step stays skipped"
-            else:  # the same computation gave another result: a device or host fault
-                what = "not reproducible, suspect a hardware fault; " + (
-                    "the re-run spiked too and is skipped" if stats.spike else "its step is kept"
-                )
-            self.logger.print(
-                f"megalite: warning: loss {first:.4f} at iteration {self.iteration + 1} is above "
-                f"the spike limit; a re-run gave {again:.4f}: {what}"
-            )
+
+            def restore():
+                set_rng_state(rng, self.chunks, self.groups.device)
+                self._interval.pop()
+
+            result, stats = self.spikes.rerun(self.iteration + 1, restore,
+                                              lambda: self._run(batch, lr), self.logger.print)  # fmt: skip
         self.iteration += 1
         # the flags are summed over the world: every rank stops at the same step
         self.stop = self.preemption.reason(stats.flags, self.iteration)
@@ -201,7 +202,7 @@ class Trainer:
         pipelined = shape.pp > 1
         theory = 0.0
         if pipelined:
-            theory = bubble_theory(shape.pp, shape.vpp, self.microbatches, shape.schedule)
+            theory = bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule)
         return {
             "iteration": self.iteration,
             "loss": loss,
@@ -286,24 +287,16 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over eval_iters global batches of the valid split (the same batches each time)."""
-        t, shape = self.cfg.training, self.shape
+        t = self.cfg.training
         if self.data.valid is None or t.eval_iters == 0:
             return None
         for c in self.chunks:
             c.eval()
-        data = self.groups.data
-        sampler = BatchSampler(len(self.data.valid), t.global_batch_size, t.micro_batch_size,
-                               data.rank, data.size)  # fmt: skip
-        rank = self.groups.pp.rank
-        actions = get_schedule(shape.schedule, shape.pp, shape.vpp, self.microbatches, rank,
-                               forward_only=True)  # fmt: skip
+        sampler = self._sampler(self.data.valid)
         losses = []
         for _ in range(t.eval_iters):
             batch = self._microbatches(self.data.valid, sampler.next_batch())
-            result = run_schedule(actions, self.chunks, self.groups, batch, hidden_shape=self.hidden_shape,
-                                  dtype=self.dtype, forward_only=True,
-                                  placement=shape.placement)  # fmt: skip
-            losses.append(result.loss)
+            losses.append(self.parts.run(batch, forward_only=True).loss)
         return sum(self._mean_over_dp(losses)) / len(losses)
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -312,7 +305,7 @@ class Trainer:
         t = self.cfg.training
         self.logger.print(
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
-            f"{self.microbatches} micro-batches per step, schedule {self.shape.schedule}"
+            f"{self.shape.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
         with self.preemption.catching():
             while self.iteration < t.train_iters:
@@ -373,8 +366,8 @@ class Trainer:
         shape = self.shape
         sizes = " ".join(f"{a}={n}" for a, n in shape.sizes)
         return {
-            "title": f"{sizes} vpp={shape.vpp} {shape.schedule}, m={self.microbatches}",
-            "bubble_theory": bubble_theory(shape.pp, shape.vpp, self.microbatches, shape.schedule),
+            "title": f"{sizes} vpp={shape.vpp} {shape.schedule}, m={shape.microbatches}",
+            "bubble_theory": bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule),
         }
 
     def _collective_failure(self, e: Exception) -> str:

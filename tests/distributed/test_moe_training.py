@@ -108,7 +108,7 @@ def _resume(world, save_dir, ref_losses):
         tr.train_step(log=False)
     # grouped_mm_ref (the CPU path) reads its offsets; the Triton kernel does not
     reads = [w for w, where in counter.where if "grouped_mm_ref" not in where]
-    return tr.iteration, losses, len(reads), tr.microbatches
+    return tr.iteration, losses, len(reads), tr.shape.microbatches
 
 
 def _compare(results, name):

@@ -3,9 +3,11 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from megalite.kernels import TORCH_OPS
 
+from megalite.errors import MegaliteError
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.groups import single_process_groups
@@ -103,3 +105,33 @@ def test_build_rank_takes_the_ops():
     parts.run(_batch(cfg))
     # attention (fused q/k/v, out), MLP (up, down) per layer and the head, per micro-batch
     assert len(calls) == 4 * (4 * cfg.model.num_layers + 1)
+
+
+def test_run_refuses_a_batch_the_schedule_was_not_built_for():
+    """The run shape fixes the micro-batch count; a batch of another count is one clear error."""
+    cfg = tiny_config()
+    parts = build_rank(cfg, validate(cfg, 1), single_process_groups())
+    batch = _batch(cfg)
+    parts.opt.zero_grad(len(batch) - 1)
+    with pytest.raises(
+        MegaliteError, match="given 3 micro-batches but its schedule was built for 4"
+    ):
+        parts.run(batch[:-1])
+
+
+def test_the_reference_step_is_megalites_one_process_step():
+    """megalite.testing.reference_steps (plain torch, ~40 lines) trains as the trainer does at
+    one process: the same losses and parameters, to float rounding (flat buffers sum and
+    update in another order)."""
+    from megalite.testing import reference_steps, tiny_trainer
+
+    cfg = tiny_config()
+    cfg.training.kernels, cfg.training.train_iters, cfg.optimizer.lr = "torch", 3, 3e-3
+    tr = tiny_trainer(cfg, world=1)
+    want, params = reference_steps(cfg, tr.data.train, 3)
+    got = [tr.train_step(log=True)["loss"] for _ in range(3)]
+    assert got == pytest.approx(want, rel=1e-5)
+    ours = dict(tr.chunks[0].named_parameters())
+    assert ours.keys() == params.keys()
+    for n, p in params.items():
+        torch.testing.assert_close(ours[n], p, rtol=1e-4, atol=1e-6, msg=n)

@@ -144,3 +144,13 @@ def test_a_v_schedule_without_vpp_infers_it(capsys):
     assert derive(_cfg("zbv", vpp=2), 2).vpp == 2
     validate(_cfg("zbv", vpp=2), 2)
     assert "inferred" not in capsys.readouterr().err
+
+
+def test_the_executor_docstring_shows_the_real_schedule():
+    """executor.py's example (one rank's actions at pp=2, m=4) is the schedule builder's output."""
+    from megalite.pipeline import executor
+    from megalite.pipeline.actions import format_action
+
+    for r in range(2):
+        line = " ".join(format_action(a) for a in get_schedule("1f1b", 2, 1, 4, r))
+        assert f"    rank {r}: {line}\n" in executor.__doc__
