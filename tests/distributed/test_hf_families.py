@@ -154,10 +154,10 @@ def _track_expert_reads(ckpt, num_experts) -> set:
             rows.add(tuple(region[0]) if region else (0, num_experts))
         return read(name, region)
 
-    def tracked_slice(files, c, name, region):
+    def tracked_slice(c, name, region):
         if c is ckpt and ".experts." in name:
             rows.add(tuple(region[0]))
-        return mapped_slice(files, c, name, region)
+        return mapped_slice(c, name, region)
 
     ckpt.read, mapped._slice = tracked, tracked_slice
     return rows
