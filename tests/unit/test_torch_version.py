@@ -28,6 +28,7 @@ SINCE = {
     "all_gather_object": (1, 8),
     "gather_object": (1, 8),
     "new_group": (1, 8),
+    "distributed_c10d": (2, 1),  # _world.pg_names (groups.py: a fresh world?)
     "get_rank": (1, 8),
     "get_world_size": (1, 8),
     "get_backend": (1, 8),
