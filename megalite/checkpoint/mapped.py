@@ -19,10 +19,8 @@ caller's (`Checkpoint.verify_while_reading`: the hash runs beside the build and 
 import torch
 
 from megalite.checkpoint.format import Checkpoint
-from megalite.checkpoint.regions import check_model, rank_params
-from megalite.errors import MegaliteError
+from megalite.checkpoint.regions import check_model, load_expert_biases, rank_params
 from megalite.model.materialize import materialize
-from megalite.model.moe import expert_biases
 
 
 def _slice(ckpt: Checkpoint, name: str, region) -> torch.Tensor | None:
@@ -61,17 +59,4 @@ def load_mapped(chunks, tp, ckpt: Checkpoint, device, rope_rows: int | None = 0)
         if list(shape) != list(p.shape):  # vocabulary padding rows past the real vocabulary
             p.zero_()
         p[tuple(slice(0, n) for n in shape)].copy_(src)
-    missing = []
-    for name, bias in expert_biases(chunks):
-        if not ckpt.has(name):
-            missing.append(name)
-            bias.zero_()
-        elif list(ckpt.shape(name)) != list(bias.shape):
-            raise MegaliteError(
-                f"tensor {name} has shape {list(ckpt.shape(name))} in checkpoint {ckpt.dir} but "
-                f"{list(bias.shape)} in this model; use the model flags the checkpoint was "
-                "trained with"
-            )
-        else:
-            bias.copy_(ckpt.read(name))
-    return missing
+    return load_expert_biases(chunks, ckpt)

@@ -127,6 +127,12 @@ def load_model(chunks, tp, ckpt: Checkpoint) -> list[str]:
     check_model(chunks, tp, ckpt)
     for name, p, spec in rank_params(chunks):
         p.copy_(FlatRead(ckpt, name, spec, p.shape)[0 : p.numel()].view(p.shape))
+    return load_expert_biases(chunks, ckpt)
+
+
+def load_expert_biases(chunks, ckpt) -> list[str]:
+    """Copy the chunks' expert biases (whole on every rank) from `ckpt`; returns those it
+    lacks (a checkpoint written before they were saved), which start from zero."""
     missing = []
     for name, bias in expert_biases(chunks):
         if not ckpt.has(name):
