@@ -29,6 +29,24 @@ class ParallelConfig:
         "--num-virtual-stages-per-pipeline-rank",
         "--virtual-pipeline-model-parallel-size",
     )
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "layers on the first pipeline rank (the rest split evenly over the others)"
+    )
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "layers on the last pipeline rank (the rest split evenly over the others)"
+    )
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "count the embedding as a layer: the first virtual stage one layer short"
+    )
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "count the head and loss as a layer: the last virtual stage one layer short"
+    )
+    pipeline_model_parallel_layout: str | None = opt(
+        None,
+        'every virtual stage spelled out, Megatron\'s layout string: "Et*3|(tt|)*29,m|L" (E '
+        "embedding, t layer, m MTP, L loss, | between stages, (...)*n repeats)",
+        "--pp-layout",
+    )
     dp: int | None = opt(
         None, "data-parallel size (default: world size / (tp*cp*pp))", "--data-parallel-size"
     )

@@ -19,6 +19,7 @@ from megalite.parallel.axes import AXES, INFERRED, split_batch
 from megalite.parallel.topology import Topology, parse_order
 from megalite.parallel.zero import ZERO, ZeroStage
 from megalite.pipeline import schedules
+from megalite.pipeline.partition import Partition
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class RunShape:
     ep: int = 1  # expert-parallel size: a second decomposition of tp*dp, not an axis of its own
     etp: int = 1
     zero: ZeroStage = ZERO[0]  # the ZeRO stage (--zero-stage)
+    stage_layers: tuple = ()  # transformer layers per virtual stage, pipeline order (partition.py)
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
@@ -68,6 +70,14 @@ class RunShape:
     @property
     def placement(self):
         return schedules.schedule(self.schedule).placement
+
+    @property
+    def partition(self) -> Partition:
+        """Which layers live on which (pipeline rank, chunk): `shape.partition.rank_chunks(r)`."""
+        counts = (
+            self.stage_layers or Partition.even(self.model.num_layers, self.pp, self.vpp).counts
+        )
+        return Partition(counts, self.pp, self.vpp, self.placement)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -175,6 +185,13 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     reason = _check_experts(cfg, sizes, axes)
     if reason:
         raise MegaliteError(reason)
+    partition = Partition.from_flags(
+        m.num_layers, sizes["pp"], p.vpp, schedules.schedule(name).placement,
+        first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
+        embedding=p.account_for_embedding_in_pipeline_split,
+        loss=p.account_for_loss_in_pipeline_split, layout=p.pipeline_model_parallel_layout,
+        mtp_layers=m.mtp_num_layers or 0,
+    )  # fmt: skip
     data = 1
     for a, n in sizes.items():
         data *= n if AXES[a].splits_batch else 1
@@ -199,6 +216,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         ep=p.ep,
         etp=p.etp,
         zero=ZERO[cfg.optimizer.zero_stage],
+        stage_layers=partition.counts,
     )
 
 

@@ -78,16 +78,6 @@ def _check_tp(cfg, sizes: dict) -> str | None:
     return None
 
 
-def _check_pp(cfg, sizes: dict) -> str | None:
-    m, pp, vpp = cfg.model, sizes["pp"], cfg.parallel.vpp
-    if m.num_layers % (pp * vpp):
-        return (
-            f"num_layers={m.num_layers} is not divisible by pp*vpp={pp}*{vpp}; "
-            f"use a multiple of {pp * vpp} layers"
-        )
-    return None
-
-
 def _check_cp(cfg, sizes: dict) -> str | None:
     m, p, cp, tp = cfg.model, cfg.parallel, sizes["cp"], sizes["tp"]
     if cp == 1:
@@ -120,8 +110,10 @@ register_axis("tp", "tensor parallel: each layer's weights split over the ranks"
               size=lambda cfg: cfg.parallel.tp, check=_check_tp)  # fmt: skip
 register_axis("dp", "data parallel: replicas training on different samples",
               replicated=True, splits_batch=True)  # fmt: skip
-register_axis("pp", "pipeline parallel: the layers cut into stages",
-              size=lambda cfg: cfg.parallel.pp, check=_check_pp)  # fmt: skip
+# which layers each stage holds is checked by shape.derive (pipeline/partition.py)
+register_axis(
+    "pp", "pipeline parallel: the layers cut into stages", size=lambda cfg: cfg.parallel.pp
+)
 register_axis("cp", "context parallel: each sample's sequence split over the ranks",
               replicated=True, splits_batch=False,  # the same samples, other tokens
               size=lambda cfg: cfg.parallel.cp, check=_check_cp)  # fmt: skip

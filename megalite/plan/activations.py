@@ -9,7 +9,6 @@ from functools import lru_cache
 
 from megalite.config import Config, ModelConfig
 from megalite.pipeline.actions import B, F, I, W
-from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
 from megalite.plan.buffers import P2PBuffers, backward_working
 from megalite.plan.memory import BYTES, fp8_saved
@@ -35,7 +34,7 @@ def peak_activations(
     forward to its backward: B, or W of a split backward, where the weight gradients still need
     them). `buffers`: with what buffers.py adds at the same moment: the pipeline's send and
     receive tensors, and a backward's working memory while it runs."""
-    kws = rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement)
+    kws = shape.partition.rank_chunks(pp_rank)
     per_chunk = [chunk_activations(cfg, shape, kw) for kw in kws]
     steps = schedule_steps(shape.schedule, shape.pp, shape.vpp, microbatches, pp_rank)
     hidden = BYTES[cfg.training.precision] * math.prod(shape.hidden_shape)

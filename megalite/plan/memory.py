@@ -10,7 +10,6 @@ from megalite.config import Config, ModelConfig
 from megalite.optim.muon import muon_on, second_moments
 from megalite.parallel.buckets import ALIGN, bucket_layout
 from megalite.parallel.zero3 import unit_layout, unit_of
-from megalite.pipeline.partition import rank_chunks
 from megalite.shape import RunShape
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -157,7 +156,7 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     ep, edp = expert_parallel(shape)
     sync = {}
     chunks = []
-    for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
+    for kw in shape.partition.rank_chunks(pp_rank):
         specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep)
         specs = [x for x in specs if x[2].expert == experts]
         zero3 = shape.zero.shard_params and not experts  # one bucket per unit, as Zero3Buffer
@@ -210,7 +209,7 @@ def _unused_second_moments(cfg: Config, shape: RunShape, pp_rank: int, bs, rank:
     if not muon_on(cfg.optimizer):
         return 0
     specs = {}
-    for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank):
+    for kw in shape.partition.rank_chunks(pp_rank):
         sp = shape.sequence_parallel
         specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, sp=sp,
                                                        ep=shape.ep))  # fmt: skip
@@ -242,7 +241,7 @@ def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
     t = cfg.training
     e = BYTES[t.precision]
     per_chunk, sizes, gathers = [], [], []
-    for kw in rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
+    for kw in shape.partition.rank_chunks(pp_rank):
         specs = chunk_specs(cfg.model, shape.tp, **kw, sp=shape.sequence_parallel)
         params = zero3_params(cfg, shape, kw, specs)
         fp8 = fp8_weights(cfg, shape, kw["layers"], kw["has_head"]) if t.fp8_param_gather else {}

@@ -10,7 +10,6 @@ from megalite.optim import muon_owners
 from megalite.optim.muon import muon_on, muon_parts
 from megalite.parallel.zero3 import carried_units, unit_gathers, unit_of
 from megalite.pipeline.actions import SEND_B, SEND_F
-from megalite.pipeline.partition import rank_chunks
 from megalite.plan.activations import attention_core_heads, schedule_actions
 from megalite.plan.memory import (
     BYTES,
@@ -33,7 +32,7 @@ def zero3_notes(cfg: Config, shape: RunShape, pp_rank: int, microbatches: int) -
     g_size = 4 if cfg.training.precision in ("bf16", "fp16") else e
     units, ours = zero3_units(cfg, shape, pp_rank), reshard_policy(cfg, shape)
     keys = [unit_of(ranges[0][0]) for _, _, ranges in buckets(cfg, shape, pp_rank)]
-    chunks = len(rank_chunks(cfg.model.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement))
+    chunks = len(shape.partition.rank_chunks(pp_rank))
     out = []
     for policy, (peak, _, gathers) in units.items():
         # (zero3_units' buckets are in the order of buckets')
@@ -114,7 +113,7 @@ def comm_bytes(
     g_size = 4 if low else e
     sp = shape.sequence_parallel
     act = b * s * h * e
-    kws = rank_chunks(m.num_layers, pp, shape.vpp, pp_rank, shape.placement)
+    kws = shape.partition.rank_chunks(pp_rank)
     out = {}
 
     # TP, per micro-batch: each of the 2 blocks of a layer has 2 all-reduces (forward of the
@@ -221,7 +220,7 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
     e = 4 if prec in ("bf16", "fp16") else BYTES[prec]  # the update: in the state's dtype
     ep, edp = expert_parallel(shape)
     specs = {}
-    for kw in rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement):
+    for kw in shape.partition.rank_chunks(pp_rank):
         sp = shape.sequence_parallel
         specs.update((n, s) for n, _, s in chunk_specs(m, t, **kw, sp=sp, ep=ep))
     out = {}

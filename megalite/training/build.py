@@ -25,7 +25,6 @@ from megalite.parallel import comm
 from megalite.parallel.data_parallel import build_buffers
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineResult, run_schedule
-from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
 from megalite.shape import RunShape
 from megalite.training.compile import compile_chunks
@@ -114,8 +113,7 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
                  device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type,
                  ep=groups.experts, meta=loading)
-        for kw in rank_chunks(shape.model.num_layers, shape.pp, shape.vpp, groups.pp.rank,
-                              shape.placement)
+        for kw in shape.partition.rank_chunks(groups.pp.rank)
     ]  # fmt: skip
     for chunk in chunks if loading else ():
         materialize(chunk, groups.device)

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import MegaliteError
-from megalite.pipeline.partition import rank_chunks
 
 COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast",
                "all_to_all_single", "all_gather_object", "gather_object", "barrier")  # fmt: skip
@@ -301,7 +300,7 @@ def expected_syncs(cfg, shape, pp_rank: int) -> int:
     if shape.ep <= 1:
         return 1
     m = cfg.model
-    chunks = rank_chunks(m.num_layers, shape.pp, shape.vpp, pp_rank, shape.placement)
+    chunks = shape.partition.rank_chunks(pp_rank)
     mtp = range(m.num_layers, m.num_layers + m.mtp_num_layers)  # layer L + k (model/mtp.py)
     moe = sum(m.is_moe_layer(i) for kw in chunks
               for i in [*kw["layers"], *(mtp if kw["has_head"] else ())])  # fmt: skip

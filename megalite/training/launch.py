@@ -18,13 +18,12 @@ def setup(shape: RunShape, timeout_minutes: float = 10.0, launch=None):
     """torch.distributed and the ProcessGroups of the run's layout; `launch`
     (launch_phases.LaunchPhases) times the rendezvous and the groups."""
     from megalite.parallel import groups as pg
-    from megalite.pipeline.partition import end_stages
     from megalite.training.launch_phases import LaunchPhases
 
     launch = launch or LaunchPhases()
     with launch.phase("rendezvous"):
         device = pg.init_distributed(timeout_minutes)
-    stages = end_stages(shape.pp, shape.vpp, shape.placement)
+    stages = shape.partition.end_stages()
     with launch.phase("groups"):
         return pg.build_groups(shape.topology(), device, timeout_minutes, embed_stages=stages)
 

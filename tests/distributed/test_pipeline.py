@@ -15,7 +15,7 @@ import torch.nn.functional as Fn
 
 from megalite.parallel.comm import Group
 from megalite.pipeline.executor import run_schedule
-from megalite.pipeline.partition import chunk_layers, rank_chunks
+from megalite.pipeline.partition import Partition, rank_chunks
 from megalite.pipeline.schedules import SCHEDULES, get_schedule
 from megalite.testing import spawn
 
@@ -148,7 +148,7 @@ def test_single_process_executor():
     _check(result, chunks, microbatches)
     assert len(result.losses) == 3 and result.bubble_measured >= 0
     # two virtual chunks on one rank hand their tensors over locally
-    chunks = [ToyChunk(chunk_layers(LAYERS, 1, 2, 0, c), c == 0, c == 1) for c in range(2)]
+    chunks = [ToyChunk(Partition.even(LAYERS, 1, 2).layers(0, c), c == 0, c == 1) for c in range(2)]
     actions = get_schedule("interleaved", 1, 2, 3, 0)
     result = run_schedule(actions, chunks, groups, microbatches, hidden_shape=(B, S, H), dtype=None)
     _check(result, chunks, microbatches)

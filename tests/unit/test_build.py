@@ -134,4 +134,7 @@ def test_the_reference_step_is_megalites_one_process_step():
     ours = dict(tr.chunks[0].named_parameters())
     assert ours.keys() == params.keys()
     for n, p in params.items():
-        torch.testing.assert_close(ours[n], p, rtol=1e-4, atol=1e-6, msg=n)
+        # a key bias shifts every key alike, which softmax ignores: its gradient is rounding
+        # noise (which Adam scales up to lr-sized steps), and the noise differs by CPU
+        atol = 1e-5 if n.endswith("k.bias") else 1e-6
+        torch.testing.assert_close(ours[n], p, rtol=1e-4, atol=atol, msg=n)
