@@ -112,7 +112,11 @@ class OptimizerConfig:
         "ZeRO-3: keep each layer's gathered parameters from its forward to its backward "
         "(less traffic, more memory); with pp they are kept for the whole step",
     )
-    bucket_size_mb: float = opt(25.0, "gradient bucket size for the data-parallel reduction")
+    bucket_size_mb: float | None = opt(
+        None,
+        "gradient bucket size for the data-parallel reduction (default: 25 MB, or 2^20 elements "
+        "per data-parallel rank when larger, so collectives at large dp stay bandwidth-bound)",
+    )
     overlap_param_gather: bool = opt(
         True,
         "ZeRO >= 1: gather updated parameters while the next forward runs (each bucket waited "
@@ -201,6 +205,14 @@ class TrainingConfig:
     eval_interval: int = opt(0, "evaluate every N steps (0: never)")
     eval_iters: int = opt(2, "batches per evaluation")
     log_interval: int = opt(1, "console/metrics line every N steps")
+    manual_gc: bool = opt(
+        False,
+        "turn Python's automatic garbage collection off; collect on the same steps on every "
+        "rank (--manual-gc-interval) and after evaluations, so no rank stalls the others",
+    )
+    manual_gc_interval: int = opt(
+        0, "--manual-gc: collect every N steps (0: only after evaluations)"
+    )
     seed: int = opt(1234, "seed for initialisation, data order and dropout")
     precision: str = opt("fp32", "parameter/compute precision", choices=("fp32", "bf16", "fp16"))
     fp8_format: str | None = opt(

@@ -42,6 +42,7 @@ from megalite.parallel.buckets import (
     Bucket,
     ParamRange,
     bucket_layout,
+    bucket_numel,
     grad_dtype,
     trainable,
 )
@@ -63,7 +64,7 @@ class GradBuffer:
         chunks: list[nn.Module],
         dp: Group,
         zero_stage: int = 0,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float | None = None,
         own_bucket=lambda name, p: False,
         select=lambda name, p: True,
         scale: float | None = None,
@@ -79,12 +80,12 @@ class GradBuffer:
         self.scale = 1.0 / dp.size if scale is None else scale
         self.grad_dtype = grad_dtype(self.param_dtype)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
-        bucket_numel = max(1, int(bucket_size_mb * 2**20 / size))
+        per_bucket = bucket_numel(bucket_size_mb, dp.size, size)
         by_name = dict(params)
         chunk_of = {n: c for c, named_c in enumerate(named) for n, _ in named_c}
         layout = bucket_layout(
             [[(n, p.numel(), own_bucket(n, p)) for n, p in c] for c in named],
-            bucket_numel, dp.size * ALIGN,
+            per_bucket, dp.size * ALIGN,
         )  # fmt: skip
         self.buckets: list[Bucket] = []
         self.ranges: list[ParamRange] = []

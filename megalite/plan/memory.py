@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from megalite.config import Config, ModelConfig
 from megalite.optim.muon import muon_on, second_moments
-from megalite.parallel.buckets import ALIGN, bucket_layout
+from megalite.parallel.buckets import ALIGN, bucket_layout, bucket_numel
 from megalite.parallel.zero3 import unit_layout, unit_of
 from megalite.shape import RunShape
 
@@ -152,7 +152,6 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     m, o = cfg.model, cfg.optimizer
     prec = cfg.training.precision
     g_size = 4 if prec in ("bf16", "fp16") else BYTES[prec]  # gradients: fp32 when low
-    bucket_numel = max(1, int(o.bucket_size_mb * 2**20 / g_size))
     ep, edp = expert_parallel(shape)
     sync = {}
     chunks = []
@@ -168,8 +167,8 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     if shape.zero.shard_params and not experts:
         layout = unit_layout(chunks, replicas(shape) * ALIGN)
     else:
-        pad = (edp if experts else replicas(shape)) * ALIGN
-        layout = bucket_layout(chunks, bucket_numel, pad)
+        d = edp if experts else replicas(shape)
+        layout = bucket_layout(chunks, bucket_numel(o.bucket_size_mb, d, g_size), d * ALIGN)
     return [(s, e, [(n, o, k, sync[n]) for n, o, k in ranges]) for s, e, ranges in layout]
 
 

@@ -36,6 +36,7 @@ from megalite.training.hang import HangRecorder
 from megalite.training.health import SpikeGuard, StragglerMonitor
 from megalite.training.launch_phases import LaunchPhases, format_summary
 from megalite.training.logger import Logger
+from megalite.training.manual_gc import ManualGC
 from megalite.training.preemption import Preemption
 from megalite.training.timeline import Timeline
 
@@ -69,6 +70,7 @@ class Trainer:
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
+        self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
 
@@ -307,7 +309,7 @@ class Trainer:
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
             f"{self.shape.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
-        with self.preemption.catching():
+        with self.preemption.catching(), self.gc.running():
             while self.iteration < t.train_iters:
                 try:
                     if self._iterate():
@@ -333,9 +335,11 @@ class Trainer:
         metrics = self.train_step(log)  # (returns after the step's read of the device)
         if first:
             self.launch.add("first step", time.perf_counter() - t0)
+        self.gc.after_step(it)
         if evaluate:
             self.hang.at(it, "evaluation")
             eval_loss = self.evaluate()
+            self.gc.collect()
             if eval_loss is not None:
                 metrics["eval_loss"] = eval_loss
                 metrics["eval_ppl"] = math.exp(min(eval_loss, 50))

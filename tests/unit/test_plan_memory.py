@@ -71,3 +71,20 @@ def test_zero3_fp8_buckets_are_the_buffers(first_last):
     chunks[0](torch.randint(500, (2, 64)), torch.randint(500, (2, 64))).backward()
     peak = opt.memory_bytes()["param_gathered_peak_bytes"]
     assert peak == memory.zero3_units(cfg, lay, 0)["forward"][0]
+
+
+def test_default_buckets_grow_with_dp():
+    """The default bucket is 25 MB, or 2^20 elements per data-parallel rank when larger
+    (buckets.bucket_numel): at dp=256 a 1.3B model's gradients are cut into fewer, larger buckets,
+    each rank's piece of a bucket staying 2^20 elements; --bucket-size-mb still wins."""
+    from megalite.parallel.buckets import bucket_numel
+    from tests.unit.plan_configs import big
+
+    assert bucket_numel(None, 1, 4) == 25 * 2**18 and bucket_numel(None, 256, 4) == 2**28
+    assert bucket_numel(None, 256, 2) == 2**28 and bucket_numel(0.5, 256, 4) == 2**17
+    cfg = big("llama", 24, 2048, 16, 2048, 32000, 1, 256)
+    small, large = (memory.buckets(cfg, layout(cfg, dp=d, zero=1), 0) for d in (1, 256))
+    sizes = [e - s for s, e, _ in large]
+    assert len(large) < len(small) / 10 and max(sizes) >= 2**28
+    cfg.optimizer.bucket_size_mb = 25.0
+    assert len(memory.buckets(cfg, layout(cfg, dp=256, zero=1), 0)) >= len(small)
