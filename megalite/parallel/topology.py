@@ -195,13 +195,31 @@ class Topology:
             f"experts need the pipeline axis first or last in the rank order, not {self.order!r}"
         )
 
-    def describe(self) -> str:
+    def describe(self, limit: int = 8) -> str:
+        """The layout and each axis's groups, as launch prints them: every group while an axis
+        has at most `limit`, else the first two, the last and how many (16,384 ranks: a dozen
+        lines, not thousands)."""
         head = " ".join(f"{a}={n}" for a, n in self.sizes.items())
         lines = [f"layout: {head} order={self.order}"]
-        for a in self.axes:
-            if self.sizes[a] > 1 or a in ("tp", "pp", "dp"):
-                lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.groups(a))))
+        shown = [(a, self) for a in self.axes if self.sizes[a] > 1 or a in ("tp", "pp", "dp")]
         if self.expert is not None:
-            for a in ("ep", "edp"):
-                lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.expert.groups(a))))
+            shown += [(a, self.expert) for a in ("ep", "edp")]
+        for a, topo in shown:
+            count = topo.world_size // topo.size(a)
+            if count <= limit:
+                groups = " ".join(map(str, topo.groups(a)))
+            else:
+                first = topo.group(a, 0)
+                second = topo.group(a, min(set(range(len(first) + 1)) - set(first)))
+                last = topo.group(a, topo.world_size - 1)
+                groups = f"({count:,}) {_short(first)} {_short(second)} ... {_short(last)}"
+            lines.append(f"  {a.upper()} groups: {groups}")
         return "\n".join(lines)
+
+
+def _short(ranks: list[int]) -> str:
+    """[0, 8, 16, 24] -> '[0,8..24]' (evenly spaced), else the list."""
+    step = ranks[1] - ranks[0] if len(ranks) > 2 else 0
+    if step and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"[{ranks[0]},{ranks[1]}..{ranks[-1]}]" if step > 1 else f"[{ranks[0]}..{ranks[-1]}]"
+    return str(ranks)

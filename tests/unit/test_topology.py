@@ -93,3 +93,16 @@ def test_context_parallel_axis():
     new = Topology(tp=2, dp=2, pp=2)
     for axis in ("tp", "dp", "pp"):
         assert old.groups(axis) == new.groups(axis)
+
+
+def test_describe_lists_small_layouts_and_summarises_16384_ranks():
+    """Launch prints the layout: every group at 8 ranks; at Llama 3 405B's tp8 pp16 dp128 the
+    first two groups of each axis, the last and their count, not 3,200 groups."""
+    small = Topology(tp=2, pp=2, dp=2).describe().splitlines()
+    assert small[1] == "  TP groups: [0, 1] [2, 3] [4, 5] [6, 7]"
+    big = Topology(tp=8, pp=16, dp=128).describe().splitlines()
+    assert big[1:] == [
+        "  TP groups: (2,048) [0..7] [8..15] ... [16376..16383]",
+        "  DP groups: (128) [0,8..1016] [1,9..1017] ... [15367,15375..16383]",
+        "  PP groups: (1,024) [0,1024..15360] [1,1025..15361] ... [1023,2047..16383]",
+    ]
