@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint import megatron as mg
+from megalite.checkpoint.torch_stream import Later, save_streaming
 from megalite.errors import MegaliteError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -153,13 +154,6 @@ def tp_shard(name: str, t: torch.Tensor, tp: int, rank: int, gated: bool) -> tor
         gate, up = t.chunk(2)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
     return t.chunk(tp, dim)[rank]
-
-
-def own(t: torch.Tensor) -> torch.Tensor:
-    """`t` in a storage of exactly its bytes: torch.save writes a view's whole storage (a tp
-    shard would carry the whole tensor, a mapped input tensor its whole file)."""
-    t = t.contiguous()
-    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def split_tp(name: str, t: torch.Tensor, tp: int, gated: bool) -> list:
@@ -322,7 +316,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
     """Write a Megatron state (tensors, or a `megatron.State` that computes each when read) as
     a legacy checkpoint at this layout under dst, with the norm names of Megatron's
     `transformer_impl` layer spec (local or transformer_engine). One rank file is built and
-    written at a time, each tensor in a storage of its own bytes."""
+    written at a time, a tensor at a time (torch_stream.py), each in its own bytes."""
     vpp = vpp or 1
     num_experts = args.get("num_experts") or 0
     if num_experts % ep or (ep > 1 and not num_experts):
@@ -340,6 +334,16 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
             raise MegaliteError(f"{k} ({tuple(shape)}) does not split over tp={tp}")
     namespace = argparse.Namespace(**args)
     it_dir = dst / f"iter_{iteration:07d}"
+
+    def shard(k: str, t: int) -> Later:  # tp rank t's shard of state[k], made when written
+        lazy = isinstance(state, mg.State)
+        shape = list(state.shapes[k] if lazy else state[k].shape)
+        dim = tp_dim(k)
+        if dim is not None and tp > 1:
+            shape[dim] //= tp
+        dtype = args["params_dtype"] if lazy else state[k].dtype
+        return Later(shape, dtype, partial(lambda k, t: tp_shard(k, state[k], tp, t, gated), k, t))
+
     for p in range(pp):
         for e in range(ep):
             for t in range(tp):
@@ -350,10 +354,9 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
                     experts = range(e * per_rank, (e + 1) * per_rank)
                     chunk = {}
                     for k, name in _chunk_names(state, ranges[p, v], experts, first, last):
-                        chunk[name] = own(tp_shard(k, state[k], tp, t, gated))
+                        chunk[name] = shard(k, t)
                     if last and tied and pp > 1:  # the last stage's copy of the embedding
-                        chunk[mg.OUTPUT_LAYER] = own(tp_shard(mg.EMBEDDING, state[mg.EMBEDDING],
-                                                              tp, t, gated))  # fmt: skip
+                        chunk[mg.OUTPUT_LAYER] = shard(mg.EMBEDDING, t)
                     if last:
                         chunk["output_layer._extra_state"] = None
                     chunk.update(_extra_states(chunk))
@@ -361,7 +364,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
                     obj["model" if vpp == 1 else f"model{v}"] = chunk
                 path = it_dir / mp_rank_name(t, p, e, pp, ep) / MODEL_FILE
                 path.parent.mkdir(parents=True)
-                torch.save(obj, path)
+                save_streaming(obj, path)  # each shard made as it is written
                 del obj, chunk
     (dst / LATEST).write_text(str(iteration))
 
