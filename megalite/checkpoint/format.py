@@ -27,6 +27,7 @@ read: no pickle. The files are valid safetensors files, written by `write_shard`
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -225,19 +226,25 @@ class ShardWriter:
         self.pending, self.held, self.total = {}, 0, 0
         self.written, self.files = [], {}
 
-    def add(self, key: str, t: torch.Tensor):
-        if self.pending and self.held + t.nbytes > self.max_bytes:
+    def add(self, key: str, t: torch.Tensor, spec: tuple | None = None):
+        """Add a tensor, or with `spec` (dtype, shape) a function making it when its file is
+        written (`t` is then that function: the file holds one made tensor at a time)."""
+        dtype, shape = spec or (t.dtype, tuple(t.shape))
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.pending and self.held + nbytes > self.max_bytes:
             self.flush()
-        self.pending[key] = t
-        self.held += t.nbytes
-        self.total += t.nbytes
+        self.pending[key] = (dtype, shape, t if spec else (lambda: t))
+        self.held += nbytes
+        self.total += nbytes
 
     def flush(self):
         if not self.pending:
             return
-        fname = self.name(len(self.written))
-        self.files[fname] = write_safetensors(self.directory / fname, self.pending, self.metadata)
-        self.written.append((fname, list(self.pending)))
+        fname, pending = self.name(len(self.written)), self.pending
+        specs = {k: (dtype, shape) for k, (dtype, shape, _) in pending.items()}
+        self.files[fname] = write_safetensors(self.directory / fname, specs, self.metadata,
+                                              make=lambda k: pending[k][2]())  # fmt: skip
+        self.written.append((fname, list(pending)))
         self.pending, self.held = {}, 0
 
     def finish(self) -> tuple[list, dict]:
@@ -250,15 +257,25 @@ def write_full_checkpoint(directory: Path, tensors, meta: dict, tokenizer=None,
     """A checkpoint of whole logical tensors (conversion tools), written into `directory`
     (which must not exist) through a temporary directory. `tensors`: (name, tensor) pairs,
     consumed one at a time (a generator computes each as it is needed), written into files of
-    about `max_bytes` as they fill (model-00000.safetensors, ...)."""
+    about `max_bytes` as they fill (model-00000.safetensors, ...). A `LazyTensors` whose shapes
+    and dtypes are known is made a tensor at a time as each file is written (not a file's worth
+    at once)."""
     tmp = directory.with_name(f".{directory.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     out = ShardWriter(tmp, lambda k: f"model-{k:05d}.safetensors", max_bytes)
     entries = {}
-    for name, t in tensors.items() if isinstance(tensors, dict) else tensors:
-        out.add(name, t)
-        entries[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "shards": []}
+    if isinstance(tensors, LazyTensors) and tensors.shapes and tensors.dtypes:
+        items = ((n, f, (tensors.dtypes[n], tuple(tensors.shapes[n])))
+                 for n, f in dict.items(tensors))  # fmt: skip
+    else:
+        items = (
+            (n, t, None) for n, t in (tensors.items() if isinstance(tensors, dict) else tensors)
+        )
+    for name, t, spec in items:
+        out.add(name, t, spec)
+        dtype, shape = spec or (t.dtype, t.shape)
+        entries[name] = {"shape": list(shape), "dtype": dtype_name(dtype), "shards": []}
     written, files = out.finish()
     for fname, keys in written:
         for k in keys:
@@ -337,12 +354,13 @@ class MappedSafetensors:
 
 class LazyTensors(dict):
     """Tensors read or computed when asked: {name: a function that returns the tensor}, with
-    each one's `shapes` where they are known before any is read. `lazy[name]` calls it, and
-    `items()`/`values()` do too, one at a time (a conversion holds one, never the model)."""
+    each one's `shapes` (and `dtypes`) where they are known before any is read. `lazy[name]`
+    calls it, and `items()`/`values()` do too, one at a time (a conversion holds one, never the
+    model)."""
 
-    def __init__(self, thunks: dict, shapes: dict | None = None):
+    def __init__(self, thunks: dict, shapes: dict | None = None, dtypes: dict | None = None):
         super().__init__(thunks)
-        self.shapes = shapes
+        self.shapes, self.dtypes = shapes, dtypes
 
     def __getitem__(self, name):
         return super().__getitem__(name)()

@@ -236,15 +236,30 @@ def from_megatron(state: dict, cfg: ModelConfig, where: str = "the Megatron chec
     if not isinstance(state, State):
         state = State({k: partial(_whole, state, k) for k in state},
                       {k: tuple(v.shape) for k, v in state.items()})  # fmt: skip
-    return {k: f() for k, f in from_megatron_lazy(state, cfg, where).items()}
+    return dict(from_megatron_lazy(state, cfg, where).items())
 
 
-def from_megatron_lazy(state: State, cfg: ModelConfig, where: str) -> dict:
+def from_megatron_lazy(state: State, cfg: ModelConfig, where: str) -> State:
     """{megalite name: a function that computes it from `state`} (reading only the Megatron
-    tensors it needs): a conversion computes, writes and frees one tensor at a time."""
-    state = State({local_names(k): dict.__getitem__(state, k) for k in state},
-                  {local_names(k): v for k, v in state.shapes.items()})  # fmt: skip
+    tensors it needs): a conversion computes, writes and frees one tensor at a time. Where the
+    state knows its dtypes, the result knows every shape and dtype before a tensor is read
+    (the same functions run on meta tensors)."""
+    local = {local_names(k): k for k in state}
+    state = State({n: dict.__getitem__(state, k) for n, k in local.items()},
+                  {n: state.shapes[k] for n, k in local.items()},
+                  {n: state.dtypes[k] for n, k in local.items()} if state.dtypes else None)  # fmt: skip
     check_shapes(state.shapes, cfg, where)
+    out = _from_megatron(state, cfg)
+    if state.dtypes is None:
+        return State(out)
+    meta = State({k: partial(torch.empty, s, dtype=state.dtypes[k], device="meta")
+                  for k, s in state.shapes.items()}, state.shapes)  # fmt: skip
+    made = {k: f() for k, f in _from_megatron(meta, cfg).items()}
+    return State(out, {k: tuple(t.shape) for k, t in made.items()},
+                 {k: t.dtype for k, t in made.items()})  # fmt: skip
+
+
+def _from_megatron(state: State, cfg: ModelConfig) -> dict:
     vocab = state.shapes[EMBEDDING][0]
     out = {}
     for m, g, _ in _names(cfg, vocab):

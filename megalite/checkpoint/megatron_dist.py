@@ -107,9 +107,10 @@ def read_torch_dist(d: Path) -> tuple[dict, dict, dict]:
     thunks = {n: partial(_read, d, meta, p) for n, p in parts.items()}
     shapes = {n: (sum(s[0] for _, _, s, _ in p), *p[0][2][1:]) if len(p) > 1 else p[0][2]
               for n, p in parts.items()}  # fmt: skip
+    dtypes = {n: p[0][3] for n, p in parts.items()}
     facts = {"iteration": common.get("iteration", 0), "format": "torch_dist",
              "optimizer": optimizer, "layout": None}  # fmt: skip
-    return args, mg.State(thunks, shapes), facts
+    return args, mg.State(thunks, shapes, dtypes), facts
 
 
 class _ChunkPlanner(DefaultLoadPlanner):

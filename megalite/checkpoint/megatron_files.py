@@ -290,13 +290,13 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
                             continue  # the last stage's copy of the tied embedding
                         shards.setdefault(k, {}).setdefault(e, {})[t] = x
     # merged when read: the shards are views of the mapped files until then
-    thunks, shapes = {}, {}
+    thunks, shapes, dtypes = {}, {}, {}
     for k, by_ep in shards.items():
         ts = by_ep[min(by_ep)]  # a tensor outside the experts is the same on every ep rank
         parts = [ts[t] for t in sorted(ts)]
         thunks[k] = partial(merge_tp, k, parts, gated)
-        shapes[k] = merged_shape(k, parts, gated)
-    state = mg.State(thunks, shapes)
+        shapes[k], dtypes[k] = merged_shape(k, parts, gated), parts[0].dtype
+    state = mg.State(thunks, shapes, dtypes)
     facts = {"iteration": first.get("iteration", 0), "format": "legacy", "optimizer": optimizer,
              "layout": (tp, pp, vpp, ep)}  # fmt: skip
     return args, state, facts

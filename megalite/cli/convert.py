@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,9 +56,9 @@ from megalite.model.gpt import VOCAB_TENSORS
 from megalite.shape import validate
 
 
-def progress(items, what: str, unit: str = "tensor"):
+def progress(items, what: str, unit: str = "tensor", total=None):
     """`items` with a progress bar on stderr when it is a terminal (quiet in logs and pipes)."""
-    return tqdm(items, desc=what, unit=unit, disable=None)
+    return tqdm(items, desc=what, unit=unit, disable=None, total=total)
 
 
 def detect(src: Path) -> str:
@@ -272,8 +273,15 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         "rng": None,
         "source": f"megatron:{facts['format']}:iteration {facts['iteration']}",
     }
-    # each tensor computed (tp shards merged, qkv split) when it is written, in its own bytes
-    tensors = ((n, f().contiguous()) for n, f in progress(lazy.items(), "converting"))
+    # each tensor computed (tp shards merged, qkv split) when its file writes it, in its own bytes
+    bar = progress(None, "converting", total=len(lazy))
+
+    def made(f):
+        t = f()
+        bar.update()
+        return t
+
+    tensors = mg.State({n: partial(made, f) for n, f in dict.items(lazy)}, lazy.shapes, lazy.dtypes)
     fmt.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta,
                               max_bytes=args.max_shard_size)  # fmt: skip
     fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(iteration))
