@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
-from megalite.parallel.axes import AXES, INFERRED, split_batch
+from megalite.parallel.axes import AXES, INFERRED, cp_levels, split_batch
 from megalite.parallel.topology import Topology, parse_order
 from megalite.parallel.zero import ZERO, ZeroStage
 from megalite.pipeline import schedules
@@ -35,6 +35,7 @@ class RunShape:
     ep: int = 1  # expert-parallel size: a second decomposition of tp*dp, not an axis of its own
     etp: int = 1
     zero: ZeroStage = ZERO[0]  # the ZeRO stage (--zero-stage)
+    cp_a2a: int | None = None  # a2a+p2p: the all-to-all level A of cp = A*P (Topology.cp_a2a)
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
@@ -63,6 +64,7 @@ class RunShape:
         topo = Topology(self.order, **dict(self.sizes))
         if self.model.num_experts:
             topo.expert = topo.experts(self.ep, self.etp)
+        topo.cp_a2a = self.cp_a2a
         return topo
 
     @property
@@ -199,6 +201,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         ep=p.ep,
         etp=p.etp,
         zero=ZERO[cfg.optimizer.zero_stage],
+        cp_a2a=(cp_levels(p) or (None,))[0],
     )
 
 

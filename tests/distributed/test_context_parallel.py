@@ -12,9 +12,12 @@ import pytest
 import torch
 from megalite.kernels import attention_masked_ref
 
+from megalite.parallel import comm
 from megalite.parallel.context_parallel import (
+    Shard,
     a2a_attention,
     chunk_positions,
+    context_attention,
     ring_attention,
     shard_batch,
 )
@@ -93,6 +96,61 @@ def test_ring_attention_matches_whole_sequence(cp):
             assert backward_hops == 2 * cp - 1  # cp-1 K/V hops; cp of dK/dV, the last one home
             assert a2a[0] <= 1e-10 and a2a[1] <= 1e-10, a2a
             assert a2a[2:] == (3, 3)  # q, k+v and the output; their reverses backward
+
+
+def _hierarchical(rank, world):
+    """a2a+p2p at cp 4 = a2a 2 x p2p 2 against attention over the whole sequence, with
+    grouped queries: causal, document-masked, with a sliding window, with sinks."""
+    from megalite.kernels import attention_sinks_ref
+
+    topo = Topology(cp=world)
+    topo.cp_a2a = 2
+    groups = build_groups(topo, torch.device("cpu"))
+    levels = groups.cp_levels
+    positions = torch.stack([chunk_positions(S, world, r) for r in range(world)])  # (cp, s/cp)
+    mine = positions[rank]
+    q, k, v, dout, docs = _inputs()
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = []
+    for with_docs, window, with_sinks in [(False, None, False), (True, None, False),
+                                          (True, 5, False), (True, None, True)]:  # fmt: skip
+        full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        every = torch.arange(S)
+        ids = (every, every, *((docs, docs) if with_docs else (None, None)))
+        if with_sinks:
+            ref = attention_sinks_ref(*full, *ids, window=window)
+        else:
+            ref = attention_masked_ref(*full[:3], *ids, window=window)
+        ref.backward(dout)
+        local = [t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v)]
+        local.append(sinks.clone().requires_grad_())
+        rank_docs = torch.stack([docs[:, p] for p in positions]) if with_docs else None
+        groups.ledger.reset()
+        got = context_attention(*local[:3], groups.cp, Shard(mine[None], positions, rank_docs),
+                                levels, sinks=local[3] if with_sinks else None, window=window)  # fmt: skip
+        calls_forward = groups.ledger.calls["cp"]
+        got.backward(dout[:, :, mine])
+        calls_backward = groups.ledger.calls["cp"] - calls_forward
+        err = (got - ref[:, :, mine]).abs().max().item()
+        grads = [(a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(local, full[:3])]
+        if with_sinks:  # each rank has its heads' sink gradient of its tokens: summed over cp
+            g = local[3].grad.clone()
+            comm.all_reduce(g, groups.cp)
+            grads.append((g - full[3].grad).abs().max().item())
+        out.append((err, max(grads), calls_forward, calls_backward))
+    return [g.ranks for g in levels], out
+
+
+def test_hierarchical_attention_matches_whole_sequence():
+    """cp 4 = a2a 2 x p2p 2: each rank holds chunks r and 7-r of 8; the all-to-all over the
+    adjacent pair (0,1) or (2,3) hands each of them chunks {0,7,1,6} or {2,5,3,4} for half the
+    heads, and the ring runs over (0,2) or (1,3) on those."""
+    for rank, (levels, rank_out) in enumerate(spawn(_hierarchical, 4)):
+        assert levels == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
+        for err, grad_err, forward, backward in rank_out:
+            assert err <= 1e-10 and grad_err <= 1e-10, (err, grad_err)
+            # q, k+v, out exchanged and P-1 = 1 ring hop; their reverses, 1 K/V hop, 2 dK/dV
+            assert (forward, backward) == (4, 6), (forward, backward)
 
 
 def test_load_balanced_positions():
