@@ -137,11 +137,12 @@ def _check_cp(cfg, sizes: dict) -> str | None:
     heads = m.num_attention_heads // tp
     kv = m.heads_kv // tp if m.heads_kv % tp == 0 else 1
     if heads % n or kv % n:
-        over = f"cp={cp}" if p.cp_comm_type == "a2a" else f"A={n} (of cp={cp} = A*P)"
+        flat = p.cp_comm_type == "a2a"
+        over = f"cp={cp}" if flat else f"A={n} (of cp={cp} = A*P)"
         return (
             f"--cp-comm-type {p.cp_comm_type} splits each TP rank's {heads} query and {kv} "
             f"key/value heads over {over}, which must divide both; use --cp-comm-type p2p or a "
-            f"smaller --cp"
+            + ("smaller --cp" if flat else "smaller A")
         )
     return None
 

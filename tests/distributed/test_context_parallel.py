@@ -2,10 +2,11 @@
 
 Ring and all-to-all attention at cp 2 and 4 against attention over the whole sequence: outputs
 and the gradients of q, k and v, causal and with document masking; the ring moves cp-1 K/V
-blocks per direction and keeps only this rank's tensors for backward. The whole model at cp 2
-(and cp 2 x tp 2), both flavours, both attentions, with packed documents (reset positions,
-document-masked attention, no loss on end-of-document tokens): loss and every gradient as one
-process computes them. Document masking in one process: a packed row gives each document the
+blocks per direction and keeps only this rank's tensors for backward. a2a+p2p at cp 4 = 2 x 2
+(all-to-all over adjacent pairs, the ring across them) the same, with windows and sinks too.
+The whole model at cp 2 (and cp 2 x tp 2, and cp 4 = a2a 2 x p2p 2), both flavours, each
+attention, with packed documents (reset positions, document-masked attention, no loss on
+end-of-document tokens): loss and every gradient as one process computes them. Document masking in one process: a packed row gives each document the
 logits it has alone."""
 
 import pytest
@@ -138,14 +139,27 @@ def _hierarchical(rank, world):
             comm.all_reduce(g, groups.cp)
             grads.append((g - full[3].grad).abs().max().item())
         out.append((err, max(grads), calls_forward, calls_backward))
-    return [g.ranks for g in levels], out
+        if not with_sinks:  # (the sinks' all-reduce in the test is no attention's)
+            nbytes = dict(groups.ledger.bytes)
+    return [g.ranks for g in levels], out, nbytes
 
 
 def test_hierarchical_attention_matches_whole_sequence():
     """cp 4 = a2a 2 x p2p 2: each rank holds chunks r and 7-r of 8; the all-to-all over the
     adjacent pair (0,1) or (2,3) hands each of them chunks {0,7,1,6} or {2,5,3,4} for half the
     heads, and the ring runs over (0,2) or (1,3) on those."""
-    for rank, (levels, rank_out) in enumerate(spawn(_hierarchical, 4)):
+    from megalite.config_read import parse_args
+    from megalite.plan import traffic
+    from megalite.shape import validate
+
+    argv = ["--cp", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+            "2", "2", "--num-attention-heads", str(HQ), "--num-query-groups", str(HKV),
+            "--hidden-size", str(HQ * D), "--seq-length", str(S), "--micro-batch-size", str(B),
+            "--global-batch-size", str(B), "--precision", "fp32"]  # fmt: skip
+    cfg = parse_args(argv)
+    planned = sum(traffic.cp_layer_bytes(cfg, validate(cfg, 4)))
+    for rank, (levels, rank_out, nbytes) in enumerate(spawn(_hierarchical, 4)):
+        assert nbytes == {"cp": 2 * planned}, (nbytes, planned)  # the planner's, at fp64
         assert levels == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
         for err, grad_err, forward, backward in rank_out:
             assert err <= 1e-10 and grad_err <= 1e-10, (err, grad_err)
@@ -186,14 +200,16 @@ def _cp_model(rank, world, tp, comm_type):
     from megalite.parallel.specs import spec_of
 
     cp = world // tp
-    groups = build_groups(Topology(tp=tp, cp=cp), torch.device("cpu"))
+    topo = Topology(tp=tp, cp=cp)
+    topo.cp_a2a = 2 if comm_type == "a2a+p2p" else None  # cp = 2 x cp/2
+    groups = build_groups(topo, torch.device("cpu"))
     out = []
     for case in MODEL_CASES:
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                           vocab_size=301, make_vocab_size_divisible_by=8, **case)  # fmt: skip
         ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
         model = GPTChunk(cfg, groups.tp, seed=11, dtype=torch.float64, cp=groups.cp,
-                         cp_comm_type=comm_type)  # fmt: skip
+                         cp_comm_type=groups.cp_levels or comm_type)  # fmt: skip
         for documents in (False, True):
             flags = (documents,) * 3  # reset positions, attention within documents, EOD loss mask
             batch = [_packed(), _packed(2)]  # two micro-batches: the loss counts span both
@@ -227,9 +243,11 @@ def _cp_model(rank, world, tp, comm_type):
     return out
 
 
-@pytest.mark.parametrize("tp,world", [(1, 2), (2, 4)])
-def test_model_matches_one_process(tp, world):
-    comm_types = ["p2p", "a2a"] if tp == 1 else ["p2p"]  # a2a at tp 2: 2 heads, one kv head
+@pytest.mark.parametrize(
+    "tp,world,comm_types",  # a2a at tp 2: 2 heads, one kv head; a2a+p2p: cp 4 = 2 x 2
+    [(1, 2, ["p2p", "a2a"]), (2, 4, ["p2p"]), (1, 4, ["a2a+p2p"])],
+)
+def test_model_matches_one_process(tp, world, comm_types):
     for comm_type in comm_types:
         results = spawn(_cp_model, world, tp, comm_type)
         for rank_out in results:
