@@ -141,7 +141,21 @@ def _hierarchical(rank, world):
         out.append((err, max(grads), calls_forward, calls_backward))
         if not with_sinks:  # (the sinks' all-reduce in the test is no attention's)
             nbytes = dict(groups.ledger.bytes)
-    return [g.ranks for g in levels], out, nbytes
+    edges = []  # one level alone: cp 4 = 4 x 1 (all-to-all only), 1 x 4 (the ring only)
+    for a2a in (4, 1):
+        topo.cp_a2a = a2a  # (a second build in this world: every rank makes every group)
+        other = build_groups(topo, torch.device("cpu"))
+        local = [t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v)]
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = attention_masked_ref(*full, torch.arange(S), torch.arange(S), docs, docs)
+        ref.backward(dout)
+        rank_docs = torch.stack([docs[:, p] for p in positions])
+        got = context_attention(*local, other.cp, Shard(mine[None], positions, rank_docs),
+                                other.cp_levels)  # fmt: skip
+        got.backward(dout[:, :, mine])
+        grads = [(a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(local, full)]
+        edges.append(max((got - ref[:, :, mine]).abs().max().item(), *grads))
+    return [g.ranks for g in levels], out, nbytes, edges
 
 
 def test_hierarchical_attention_matches_whole_sequence():
@@ -158,7 +172,8 @@ def test_hierarchical_attention_matches_whole_sequence():
             "--global-batch-size", str(B), "--precision", "fp32"]  # fmt: skip
     cfg = parse_args(argv)
     planned = sum(traffic.cp_layer_bytes(cfg, validate(cfg, 4)))
-    for rank, (levels, rank_out, nbytes) in enumerate(spawn(_hierarchical, 4)):
+    for rank, (levels, rank_out, nbytes, edges) in enumerate(spawn(_hierarchical, 4)):
+        assert max(edges) <= 1e-10, edges
         assert nbytes == {"cp": 2 * planned}, (nbytes, planned)  # the planner's, at fp64
         assert levels == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
         for err, grad_err, forward, backward in rank_out:
