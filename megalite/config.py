@@ -58,8 +58,14 @@ class ParallelConfig:
     cp_comm_type: str = opt(
         "p2p",
         "context-parallel attention: p2p (ring: K/V blocks passed round the cp ranks) or a2a "
-        "(all-to-all: heads exchanged for the sequence, Ulysses)",
-        choices=("p2p", "a2a"),
+        "(all-to-all: heads exchanged for the sequence, Ulysses) or a2a+p2p (all-to-all within "
+        "groups of adjacent cp ranks, the ring across them: --hierarchical-context-parallel-sizes)",
+        choices=("p2p", "a2a", "a2a+p2p"),
+    )
+    hierarchical_context_parallel_sizes: list[int] | None = opt(
+        None,
+        "a2a+p2p's two levels A P of cp = A*P: all-to-all among A adjacent cp ranks (a node's), "
+        "the ring over the P groups of them",
     )
     order: str = opt(
         DEFAULT_ORDER,

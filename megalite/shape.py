@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
-from megalite.parallel.axes import AXES, INFERRED, split_batch
+from megalite.parallel.axes import AXES, INFERRED, cp_levels, split_batch
 from megalite.parallel.topology import Topology, parse_order
 from megalite.parallel.zero import ZERO, ZeroStage
 from megalite.pipeline import schedules
@@ -37,6 +37,7 @@ class RunShape:
     etp: int = 1
     zero: ZeroStage = ZERO[0]  # the ZeRO stage (--zero-stage)
     stage_layers: tuple = ()  # transformer layers per virtual stage, pipeline order (partition.py)
+    cp_a2a: int | None = None  # a2a+p2p: the all-to-all level A of cp = A*P (Topology.cp_a2a)
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
@@ -65,6 +66,7 @@ class RunShape:
         topo = Topology(self.order, **dict(self.sizes))
         if self.model.num_experts:
             topo.expert = topo.experts(self.ep, self.etp)
+        topo.cp_a2a = self.cp_a2a
         return topo
 
     @property
@@ -217,6 +219,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         etp=p.etp,
         zero=ZERO[cfg.optimizer.zero_stage],
         stage_layers=partition.counts,
+        cp_a2a=(cp_levels(p) or (None,))[0],
     )
 
 

@@ -64,7 +64,8 @@ class GPTChunk(nn.Module):
         then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model
         (`ProcessGroups.experts`; default: every expert on this rank). `cp`: the context-parallel
         group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
-        its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all). `ops`: the kernels every
+        its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all, or a2a+p2p: the groups
+        `ProcessGroups.cp_levels`). `ops`: the kernels every
         layer calls (megalite.kernels; `override` swaps one, the linear or attention, say)."""
         super().__init__()
         layers = range(cfg.num_layers) if layers is None else layers

@@ -90,11 +90,12 @@ class Attention(nn.Module):
         dtype=None,
         device=None,
         cp: Group | None = None,
-        cp_comm_type: str = "p2p",
+        cp_comm_type: str | tuple = "p2p",
         rope=None,
     ):
         """`cp`: the context-parallel group (this rank holds s/cp tokens of each sequence;
-        attention spans all of them), by `cp_comm_type` p2p (ring) or a2a. `rope`: the
+        attention spans all of them), by `cp_comm_type` p2p (ring), a2a, or a2a+p2p's (inner,
+        outer) groups of cp (ProcessGroups.cp_levels). `rope`: the
         chunk's `RotaryTables` (default: a table of this layer's own)."""
         super().__init__()
         self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng

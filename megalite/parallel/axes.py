@@ -78,8 +78,35 @@ def _check_tp(cfg, sizes: dict) -> str | None:
     return None
 
 
+def cp_levels(p) -> tuple[int, int] | None:
+    """a2a+p2p's level sizes (A, P) of cp = A*P (--hierarchical-context-parallel-sizes), or None
+    for a flat cp (checked by _check_cp)."""
+    levels = p.hierarchical_context_parallel_sizes
+    return (levels[0], levels[1]) if p.cp_comm_type == "a2a+p2p" else None
+
+
+def _check_levels(p, cp: int) -> str | None:
+    levels = p.hierarchical_context_parallel_sizes
+    if p.cp_comm_type != "a2a+p2p":
+        if levels:
+            return (
+                f"--hierarchical-context-parallel-sizes is read only by --cp-comm-type a2a+p2p "
+                f"(not {p.cp_comm_type}); drop it or use --cp-comm-type a2a+p2p"
+            )
+    elif not levels or len(levels) != 2 or min(levels) < 1 or levels[0] * levels[1] != cp:
+        return (
+            f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P with A*P = "
+            f"cp={cp} (all-to-all among A adjacent cp ranks, the ring over P), not "
+            f"{' '.join(map(str, levels or [])) or 'none'}"
+        )
+    return None
+
+
 def _check_cp(cfg, sizes: dict) -> str | None:
     m, p, cp, tp = cfg.model, cfg.parallel, sizes["cp"], sizes["tp"]
+    reason = _check_levels(p, cp)
+    if reason:
+        return reason
     if cp == 1:
         return None
     s = m.seq_length
@@ -95,14 +122,18 @@ def _check_cp(cfg, sizes: dict) -> str | None:
         )
     if m.attention_dropout > 0:
         return f"attention_dropout={m.attention_dropout} is not supported with cp={cp}; set --attention-dropout 0"
-    if p.cp_comm_type == "a2a":  # each rank's heads are split over cp
-        heads = m.num_attention_heads // tp
-        kv = m.heads_kv // tp if m.heads_kv % tp == 0 else 1
-        if heads % cp or kv % cp:
-            return (
-                f"--cp-comm-type a2a splits each TP rank's {heads} query and {kv} key/value heads "
-                f"over cp={cp}, which must divide both; use --cp-comm-type p2p or a smaller --cp"
-            )
+    # each rank's heads are split over the all-to-all's ranks: all of cp, or a2a+p2p's A
+    n = cp if p.cp_comm_type == "a2a" else (cp_levels(p) or (1,))[0]
+    heads = m.num_attention_heads // tp
+    kv = m.heads_kv // tp if m.heads_kv % tp == 0 else 1
+    if heads % n or kv % n:
+        flat = p.cp_comm_type == "a2a"
+        over = f"cp={cp}" if flat else f"A={n} (of cp={cp} = A*P)"
+        return (
+            f"--cp-comm-type {p.cp_comm_type} splits each TP rank's {heads} query and {kv} "
+            f"key/value heads over {over}, which must divide both; use --cp-comm-type p2p or a "
+            + ("smaller --cp" if flat else "smaller A")
+        )
     return None
 
 

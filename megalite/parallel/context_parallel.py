@@ -23,6 +23,13 @@ rank's tokens of every head for every token of 1/cp of the heads, ordinary atten
 the whole sequence (in natural order), and a second all-to-all trades back. Three exchanges
 forward (q, k+v, out), their reverses backward; it needs the heads divisible by cp.
 
+Hierarchical attention (`hierarchical_attention`, "a2a+p2p", Megatron's
+--hierarchical-context-parallel-sizes A P, cp = A·P): all-to-all among A adjacent cp ranks (a
+node's), then the ring over the P groups of them (across nodes), each ring member holding its
+A ranks' 2A chunks for 1/A of the heads; the blocks mask by true positions, so the
+load-balanced split stays the data's. The ring's hops carry A times the tokens for 1/A of the
+heads (the same bytes) but P-1 hops instead of cp-1; the heads must be divisible by A.
+
 Attention sinks (gpt-oss, kernels/attention_sinks.py): a sink is one more softmax block with
 value 0. The ring adds it once to each rank's merged result (`add_sink`), so every block's
 backward sees the final probabilities, and its gradient comes from that result (`sink_grad`);
@@ -164,19 +171,27 @@ def _exchange(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return got.reshape(cp, b, h, s // cp, d).transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
+def _scatter_heads(q, k, v, sinks, group: Group):
+    """q (b, hq, s, d), k, v (b, hkv, s, d) of this rank's tokens -> every token of the group's
+    members (in group order) for 1/size of the heads: q (b, hq/n, n*s, d), k and v (b, hkv/n,
+    n*s, d), and this member's heads' sinks (so only their gradient reaches it)."""
+    b, hkv, _, d = k.shape
+    if sinks is not None:
+        n = q.shape[1] // group.size
+        sinks = sinks[group.rank * n : (group.rank + 1) * n]
+    q = _exchange(q, group, 1)
+    # one exchange for k and v: interleaved per head, so each member gets both of its heads
+    kv = _exchange(torch.stack([k, v], 2).reshape(b, 2 * hkv, -1, d), group, 1)
+    k, v = kv.unflatten(1, (hkv // group.size, 2)).unbind(2)
+    return q, k, v, sinks
+
+
 def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, sinks=None, **window):
     """ring_attention's result by all-to-all (Ulysses): same arguments and result; the heads of
     q and of k, v must be divisible by the group's size."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
-    b, hkv, _, d = k.shape
-    if sinks is not None:  # this member's heads' sinks (so only their gradient reaches it)
-        n = q.shape[1] // group.size
-        sinks = sinks[group.rank * n : (group.rank + 1) * n]
-    q = _exchange(q, group, 1)  # (b, hq/cp, s, d), tokens in rank order
-    # one exchange for k and v: interleaved per head, so each member gets both of its heads
-    kv = _exchange(torch.stack([k, v], 2).reshape(b, 2 * hkv, -1, d), group, 1)
-    k, v = kv.unflatten(1, (hkv // group.size, 2)).unbind(2)  # (b, hkv/cp, s, d)
+    q, k, v, sinks = _scatter_heads(q, k, v, sinks, group)  # (b, h/cp, s, d), rank order
     # rank order -> natural order: the causal mask needs no positions, the plain kernel runs
     order = positions.reshape(-1).argsort()
     back = order.argsort()
@@ -195,11 +210,34 @@ def a2a_attention(q, k, v, group: Group, positions, docs=None, ops=None, sinks=N
     return _exchange(o[:, :, back], group, 2)  # (b, hq, s/cp, d)
 
 
+def hierarchical_attention(q, k, v, groups: tuple, positions, docs=None, ops=None, sinks=None,
+                           **window):  # fmt: skip
+    """ring_attention's result in two levels (Megatron's a2a+p2p): `groups` (inner, outer),
+    the cp group cut into inner groups of A adjacent cp ranks and outer groups of the P ranks at
+    one place of every inner group (cp rank a + A·p: inner rank a, outer rank p). An all-to-all
+    over the inner group gathers its A ranks' tokens for 1/A of the heads, the ring runs over
+    the outer group on those A·s/cp tokens, and a second all-to-all trades back. Each ring
+    member's tokens are its inner group's chunks, in cp rank order, with their true positions
+    (the blocks mask by positions, so any set of chunks is exact). Same arguments (positions
+    and docs over all cp ranks) and result as ring_attention; the heads of q and of k, v must
+    be divisible by A."""
+    inner, outer = groups
+    a, p = inner.size, outer.size
+    q, k, v, sinks = _scatter_heads(q, k, v, sinks, inner)  # (b, h/A, A*s/cp, d)
+    pos = positions.reshape(p, a * positions.shape[1])  # (P, A*s/cp): cp ranks A*p .. A*p+A-1
+    if docs is not None:  # (cp, b, s/cp) -> (P, b, A*s/cp), the same tokens
+        b, n = docs.shape[1:]
+        docs = docs.reshape(p, a, b, n).transpose(1, 2).reshape(p, b, a * n)
+    o = ring_attention(q, k, v, outer, pos, docs, ops, sinks, **window)
+    return _exchange(o, inner, 2)  # (b, hq, s/cp, d)
+
+
 def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", ops=None,
                       sinks=None, **window):  # fmt: skip
     """Causal attention of this rank's tokens over the whole sequence of every rank of `group`,
     document-masked when the shard has document ids: q (b, hq, s/cp, d), k, v (b, hkv, s/cp, d).
-    At cp = 1 that is masked attention over this rank's sequences. `sinks` (hq,): gpt-oss's
+    `comm_type`: "p2p" (ring), "a2a", or a2a+p2p's (inner, outer) groups of `group`
+    (ProcessGroups.cp_levels; hierarchical_attention). At cp = 1 that is masked attention over this rank's sequences. `sinks` (hq,): gpt-oss's
     sink logits, or None. `window=W`: a sliding window by sequence index."""
     if ops is None:
         from megalite.kernels import TORCH_OPS as ops
@@ -208,7 +246,10 @@ def context_attention(q, k, v, group: Group, shard: "Shard", comm_type="p2p", op
         if sinks is not None:
             return ops.attention_sinks(q, k, v, sinks, pos, pos, doc, doc, **window)
         return ops.attention_masked(q, k, v, pos, pos, doc, doc, **window)
-    attend = a2a_attention if comm_type == "a2a" else ring_attention
+    if isinstance(comm_type, tuple):  # a2a+p2p: its (inner, outer) groups
+        group, attend = comm_type, hierarchical_attention
+    else:
+        attend = a2a_attention if comm_type == "a2a" else ring_attention
     return attend(q, k, v, group, shard.index, shard.docs, ops, sinks, **window)
 
 

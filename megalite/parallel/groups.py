@@ -20,7 +20,7 @@ class ProcessGroups:
     experts `groups.ep` and `groups.edp` (Topology.experts), the
     products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
     same parameters: gradients are reduced and ZeRO-sharded over it), `data` (the ranks training
-    on different samples), `embed` (the pipeline stages holding the tied word embedding and the
+    on different samples), `cp_levels` (a2a+p2p's two levels of cp), `embed` (the pipeline stages holding the tied word embedding and the
     head; None elsewhere) and `world`. All share one `CommLedger`."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, groups: dict,
@@ -47,6 +47,14 @@ class ProcessGroups:
         if axis in groups:
             return groups[axis]
         raise AttributeError(axis)
+
+    @property
+    def cp_levels(self) -> tuple[Group, Group] | None:
+        """a2a+p2p's (inner, outer) groups of cp (hierarchical_attention), or None when the
+        topology's cp is flat (`topo.cp_a2a`)."""
+        if "cp_a2a" not in self.groups:
+            return None
+        return self.groups["cp_a2a"], self.groups["cp_p2p"]
 
     @property
     def replicas(self) -> Group:
@@ -78,6 +86,18 @@ def _key(topo: Topology, expr: str) -> str:
     axes = Topology.split(expr)
     big = [a for a in topo.axes if a in axes and topo.size(a) > 1]
     return "+".join(big) if big else axes[0]
+
+
+CP_LEVELS = ("cp_a2a", "cp_p2p")  # a2a+p2p's groups; their traffic is counted as cp's
+
+
+def cp_levels(cp: list[int], rank: int, a2a: int) -> dict[str, list[int]]:
+    """a2a+p2p's groups of `rank` in its cp group `cp` (in cp order): the all-to-all's `a2a`
+    adjacent cp ranks (cp rank a + a2a·p: a there) and the ring's ranks at the same place of
+    every all-to-all group (p there)."""
+    i = cp.index(rank)
+    first = i - i % a2a
+    return {"cp_a2a": cp[first : first + a2a], "cp_p2p": cp[i % a2a :: a2a]}
 
 
 def single_process_groups(device=None) -> ProcessGroups:
@@ -150,6 +170,8 @@ def rank_groups(
     if topo.expert is not None:  # experts: a second decomposition of the same ranks
         for a in ("ep", "edp"):
             out[a] = topo.expert.group(a, rank)
+    if topo.cp_a2a is not None:  # a2a+p2p: the cp group in two levels
+        out.update(cp_levels(out["cp"], rank, topo.cp_a2a))
     stages = [0, topo.size("pp") - 1] if embed_stages is None else embed_stages
     pipeline = topo.group("pp", rank)  # this rank's pipeline: topo.stage_groups' group of it
     held = sorted({pipeline[s] for s in stages})
@@ -164,6 +186,9 @@ def _every_group(topo: Topology, kind: str, stages: list[int]) -> list[list[int]
         return topo.stage_groups(stages)
     if kind in ("ep", "edp") and topo.expert is not None:
         return topo.expert.groups(kind)
+    if kind in CP_LEVELS:
+        every = [cp_levels(g, r, topo.cp_a2a)[kind] for g in topo.groups("cp") for r in g]
+        return [g for i, g in enumerate(every) if g not in every[:i]]
     return topo.groups(kind)
 
 
@@ -218,7 +243,8 @@ def build_groups(
                 if tuple(r) not in made:
                     made[tuple(r)] = dist.new_group(r, timeout=timeout) if len(r) > 1 else None
     groups = {
-        k: Group(k, r, r.index(rank), made[tuple(r)], ledger, device) for k, r in mine.items()
+        k: Group("cp" if k in CP_LEVELS else k, r, r.index(rank), made[tuple(r)], ledger, device)
+        for k, r in mine.items()
     }
     embed = groups.pop("embed", None)
     world = Group("world", list(range(topo.world_size)), rank,

@@ -60,6 +60,7 @@ class Topology:
             s *= self.sizes[a]
         self.world_size = s
         self.expert = None  # the expert decomposition of the same ranks, when the model has experts
+        self.cp_a2a = None  # a2a+p2p: the all-to-all level's size A of cp = A*P (groups.cp_levels)
 
     def __repr__(self):
         return f"Topology({', '.join(f'{a}={n}' for a, n in self.sizes.items())}, order={self.order!r})"

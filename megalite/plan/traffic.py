@@ -69,7 +69,9 @@ def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
     (p2p): cp-1 hops of this rank's K and V forward; backward cp-1 hops of K and V again and cp
     of dK, dV (the last one home) in the attention's output precision (fp32 for bf16/fp16).
     All-to-all:
-    q, k+v and the output forward, their reverses backward (the bytes each rank hands in)."""
+    q, k+v and the output forward, their reverses backward (the bytes each rank hands in).
+    a2a+p2p: those exchanges over the A ranks, then the ring over P (A times the tokens, 1/A of
+    the heads: the same K/V bytes per hop), both counted as cp's."""
     cp = shape.cp
     if cp == 1:
         return 0, 0
@@ -78,10 +80,15 @@ def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
     heads, d = attention_core_heads(m)  # MLA: a k and v per head, padded to its q/k dims
     kv_heads = heads // t if heads % t == 0 else 1  # each rank's k/v heads
     kv = b * kv_heads * s * d  # elements of this rank's K (or V)
+    q = b * m.num_attention_heads // t * s * d
+    exchange = (2 * q + 2 * kv) * e  # q, k+v and the output
     if cfg.parallel.cp_comm_type == "a2a":
-        q = b * m.num_attention_heads // t * s * d
-        return (2 * q + 2 * kv) * e, (2 * q + 2 * kv) * e
-    return (cp - 1) * 2 * kv * e, (cp - 1) * 2 * kv * e + cp * 2 * kv * max(e, 4)
+        return exchange, exchange
+    a2a = shape.cp_a2a or 1  # a2a+p2p's all-to-all level (1: the ring alone)
+    exchange, ring = (exchange if a2a > 1 else 0), cp // a2a
+    hops = (ring - 1) * 2 * kv * e
+    back = ring * 2 * kv * max(e, 4) if ring > 1 else 0
+    return exchange + hops, exchange + hops + back
 
 
 def _gathers_per_unit(pieces: list, chunks: int, policy: str, microbatches: int) -> dict:

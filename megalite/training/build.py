@@ -111,7 +111,8 @@ def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) 
     chunks = [
         GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
                  recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
-                 device=groups.device, cp=groups.cp, cp_comm_type=cfg.parallel.cp_comm_type,
+                 device=groups.device, cp=groups.cp,
+                 cp_comm_type=groups.cp_levels or cfg.parallel.cp_comm_type,
                  ep=groups.experts, meta=loading)
         for kw in shape.partition.rank_chunks(groups.pp.rank)
     ]  # fmt: skip

@@ -200,8 +200,9 @@ def run_role(cfg, world_size: int, rank: int, steps: int = 2) -> RoleReport:
                 fake.reset()
                 with launch.phase("first step") if i == 0 else contextlib.nullcontext():
                     trainer.train_step(log=False)
-    members = {g.kind: tuple(g.ranks) for g in [*groups.groups.values(), groups.embed,
-                                                groups.world] if g is not None}  # fmt: skip
+    # by name: a2a+p2p's two levels of cp are groups of kind "cp" too (their bytes are cp's)
+    named = [*groups.groups.items(), ("embed", groups.embed), ("world", groups.world)]
+    members = {k: tuple(g.ranks) for k, g in named if g is not None}
     # the plan of what ran: the torch ops (Triton does not run on fake tensors)
     ran = replace(cfg, training=replace(cfg.training, kernels="torch"))
     planned = plan(ran, shape).stages[topo.coords(rank)["pp"]]["total"]

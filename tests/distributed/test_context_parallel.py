@@ -2,19 +2,23 @@
 
 Ring and all-to-all attention at cp 2 and 4 against attention over the whole sequence: outputs
 and the gradients of q, k and v, causal and with document masking; the ring moves cp-1 K/V
-blocks per direction and keeps only this rank's tensors for backward. The whole model at cp 2
-(and cp 2 x tp 2), both flavours, both attentions, with packed documents (reset positions,
-document-masked attention, no loss on end-of-document tokens): loss and every gradient as one
-process computes them. Document masking in one process: a packed row gives each document the
+blocks per direction and keeps only this rank's tensors for backward. a2a+p2p at cp 4 = 2 x 2
+(all-to-all over adjacent pairs, the ring across them) the same, with windows and sinks too.
+The whole model at cp 2 (and cp 2 x tp 2, and cp 4 = a2a 2 x p2p 2), both flavours, each
+attention, with packed documents (reset positions, document-masked attention, no loss on
+end-of-document tokens): loss and every gradient as one process computes them. Document masking in one process: a packed row gives each document the
 logits it has alone."""
 
 import pytest
 import torch
 from megalite.kernels import attention_masked_ref
 
+from megalite.parallel import comm
 from megalite.parallel.context_parallel import (
+    Shard,
     a2a_attention,
     chunk_positions,
+    context_attention,
     ring_attention,
     shard_batch,
 )
@@ -95,6 +99,89 @@ def test_ring_attention_matches_whole_sequence(cp):
             assert a2a[2:] == (3, 3)  # q, k+v and the output; their reverses backward
 
 
+def _hierarchical(rank, world):
+    """a2a+p2p at cp 4 = a2a 2 x p2p 2 against attention over the whole sequence, with
+    grouped queries: causal, document-masked, with a sliding window, with sinks."""
+    from megalite.kernels import attention_sinks_ref
+
+    topo = Topology(cp=world)
+    topo.cp_a2a = 2
+    groups = build_groups(topo, torch.device("cpu"))
+    levels = groups.cp_levels
+    positions = torch.stack([chunk_positions(S, world, r) for r in range(world)])  # (cp, s/cp)
+    mine = positions[rank]
+    q, k, v, dout, docs = _inputs()
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = []
+    for with_docs, window, with_sinks in [(False, None, False), (True, None, False),
+                                          (True, 5, False), (True, None, True)]:  # fmt: skip
+        full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        every = torch.arange(S)
+        ids = (every, every, *((docs, docs) if with_docs else (None, None)))
+        if with_sinks:
+            ref = attention_sinks_ref(*full, *ids, window=window)
+        else:
+            ref = attention_masked_ref(*full[:3], *ids, window=window)
+        ref.backward(dout)
+        local = [t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v)]
+        local.append(sinks.clone().requires_grad_())
+        rank_docs = torch.stack([docs[:, p] for p in positions]) if with_docs else None
+        groups.ledger.reset()
+        got = context_attention(*local[:3], groups.cp, Shard(mine[None], positions, rank_docs),
+                                levels, sinks=local[3] if with_sinks else None, window=window)  # fmt: skip
+        calls_forward = groups.ledger.calls["cp"]
+        got.backward(dout[:, :, mine])
+        calls_backward = groups.ledger.calls["cp"] - calls_forward
+        err = (got - ref[:, :, mine]).abs().max().item()
+        grads = [(a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(local, full[:3])]
+        if with_sinks:  # each rank has its heads' sink gradient of its tokens: summed over cp
+            g = local[3].grad.clone()
+            comm.all_reduce(g, groups.cp)
+            grads.append((g - full[3].grad).abs().max().item())
+        out.append((err, max(grads), calls_forward, calls_backward))
+        if not with_sinks:  # (the sinks' all-reduce in the test is no attention's)
+            nbytes = dict(groups.ledger.bytes)
+    edges = []  # one level alone: cp 4 = 4 x 1 (all-to-all only), 1 x 4 (the ring only)
+    for a2a in (4, 1):
+        topo.cp_a2a = a2a  # (a second build in this world: every rank makes every group)
+        other = build_groups(topo, torch.device("cpu"))
+        local = [t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v)]
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = attention_masked_ref(*full, torch.arange(S), torch.arange(S), docs, docs)
+        ref.backward(dout)
+        rank_docs = torch.stack([docs[:, p] for p in positions])
+        got = context_attention(*local, other.cp, Shard(mine[None], positions, rank_docs),
+                                other.cp_levels)  # fmt: skip
+        got.backward(dout[:, :, mine])
+        grads = [(a.grad - b.grad[:, :, mine]).abs().max().item() for a, b in zip(local, full)]
+        edges.append(max((got - ref[:, :, mine]).abs().max().item(), *grads))
+    return [g.ranks for g in levels], out, nbytes, edges
+
+
+def test_hierarchical_attention_matches_whole_sequence():
+    """cp 4 = a2a 2 x p2p 2: each rank holds chunks r and 7-r of 8; the all-to-all over the
+    adjacent pair (0,1) or (2,3) hands each of them chunks {0,7,1,6} or {2,5,3,4} for half the
+    heads, and the ring runs over (0,2) or (1,3) on those."""
+    from megalite.config_read import parse_args
+    from megalite.plan import traffic
+    from megalite.shape import validate
+
+    argv = ["--cp", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+            "2", "2", "--num-attention-heads", str(HQ), "--num-query-groups", str(HKV),
+            "--hidden-size", str(HQ * D), "--seq-length", str(S), "--micro-batch-size", str(B),
+            "--global-batch-size", str(B), "--precision", "fp32"]  # fmt: skip
+    cfg = parse_args(argv)
+    planned = sum(traffic.cp_layer_bytes(cfg, validate(cfg, 4)))
+    for rank, (levels, rank_out, nbytes, edges) in enumerate(spawn(_hierarchical, 4)):
+        assert max(edges) <= 1e-10, edges
+        assert nbytes == {"cp": 2 * planned}, (nbytes, planned)  # the planner's, at fp64
+        assert levels == [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
+        for err, grad_err, forward, backward in rank_out:
+            assert err <= 1e-10 and grad_err <= 1e-10, (err, grad_err)
+            # q, k+v, out exchanged and P-1 = 1 ring hop; their reverses, 1 K/V hop, 2 dK/dV
+            assert (forward, backward) == (4, 6), (forward, backward)
+
+
 def test_load_balanced_positions():
     for cp in (1, 2, 4):
         got = sorted(torch.cat([chunk_positions(16, cp, r) for r in range(cp)]).tolist())
@@ -128,14 +215,16 @@ def _cp_model(rank, world, tp, comm_type):
     from megalite.parallel.specs import spec_of
 
     cp = world // tp
-    groups = build_groups(Topology(tp=tp, cp=cp), torch.device("cpu"))
+    topo = Topology(tp=tp, cp=cp)
+    topo.cp_a2a = 2 if comm_type == "a2a+p2p" else None  # cp = 2 x cp/2
+    groups = build_groups(topo, torch.device("cpu"))
     out = []
     for case in MODEL_CASES:
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                           vocab_size=301, make_vocab_size_divisible_by=8, **case)  # fmt: skip
         ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
         model = GPTChunk(cfg, groups.tp, seed=11, dtype=torch.float64, cp=groups.cp,
-                         cp_comm_type=comm_type)  # fmt: skip
+                         cp_comm_type=groups.cp_levels or comm_type)  # fmt: skip
         for documents in (False, True):
             flags = (documents,) * 3  # reset positions, attention within documents, EOD loss mask
             batch = [_packed(), _packed(2)]  # two micro-batches: the loss counts span both
@@ -169,9 +258,11 @@ def _cp_model(rank, world, tp, comm_type):
     return out
 
 
-@pytest.mark.parametrize("tp,world", [(1, 2), (2, 4)])
-def test_model_matches_one_process(tp, world):
-    comm_types = ["p2p", "a2a"] if tp == 1 else ["p2p"]  # a2a at tp 2: 2 heads, one kv head
+@pytest.mark.parametrize(
+    "tp,world,comm_types",  # a2a at tp 2: 2 heads, one kv head; a2a+p2p: cp 4 = 2 x 2
+    [(1, 2, ["p2p", "a2a"]), (2, 4, ["p2p"]), (1, 4, ["a2a+p2p"])],
+)
+def test_model_matches_one_process(tp, world, comm_types):
     for comm_type in comm_types:
         results = spawn(_cp_model, world, tp, comm_type)
         for rank_out in results:

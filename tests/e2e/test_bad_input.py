@@ -75,6 +75,9 @@ CASES = [
      "seq_length=30 is not divisible by 2*cp=4"),
     ("cp-a2a-vs-heads", 8, lambda t, p, m: ["--cp", "8", "--cp-comm-type", "a2a"],
      "--cp-comm-type a2a splits each TP rank's 4 query and 4 key/value heads over cp=8"),
+    ("cp-a2a+p2p-vs-cp", 4, lambda t, p, m: ["--cp", "4", "--cp-comm-type", "a2a+p2p",
+                                             "--hierarchical-context-parallel-sizes", "2", "4"],
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P with A*P = cp=4"),
     ("blend-weight-negative", 1, lambda t, p, m: ["--data-path", "-0.5", p, "1.5", p, "--tokenizer-model", m],
      "positive"),
 ]  # fmt: skip

@@ -33,9 +33,12 @@ LAYOUTS = {
 # Packed documents: positions restart, attention stays inside a document, no loss on EOD tokens;
 # compared with one process given the same flags.
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes"]  # A P
 DOCUMENT_LAYOUTS = {
     "cp2-tp2-pp2": (8, ["--cp", "2", "--tp", "2", "--pp", "2"]),
     "cp2-pp2-dp2": (8, ["--cp", "2", "--pp", "2", "--zero-stage", "1"]),
+    # hierarchical: all-to-all over adjacent cp pairs, the ring across the two pairs
+    "cp4-a2a2xp2p2": (4, ["--cp", "4", *HIERARCHICAL, "2", "2"]),
 }
 
 

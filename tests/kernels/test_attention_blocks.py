@@ -141,18 +141,20 @@ def test_block_bwd(dtype, name):
     _check_block_bwd(name, dtype)
 
 
-def _ring(q, k, v, dout, chunk, cp, doc):
+def _ring(q, k, v, dout, chunk, cp, doc, a2a=1):
     """Ring attention by hand, one process: rank r holds the load-balanced chunks r and
     2cp-1-r; each rank merges the blocks of every rank's keys, then sums the block gradients.
+    `a2a` > 1: a2a+p2p's ring, whose member p holds the chunks of cp ranks a2a*p .. +a2a-1.
     Returns the outputs, lse and gradients scattered back to sequence order."""
     out = torch.zeros_like(q, dtype=torch.float64)
     lse = torch.zeros(q.shape[:3], dtype=torch.float64, device=q.device)
     dq, dk, dv = (torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v))
-    held = [_balanced(chunk, cp, r) for r in range(cp)]
+    held = [torch.cat([_balanced(chunk, cp, a2a * p + a) for a in range(a2a)])
+            for p in range(cp // a2a)]  # fmt: skip
     doc_of = (lambda p: None) if doc is None else (lambda p: doc[p])
     for mine in held:
         o_r = l_r = None
-        for t in range(cp):  # the order a ring visits the blocks in does not matter
+        for t in range(len(held)):  # the order a ring visits the blocks in does not matter
             theirs = held[t]
             args = (k[:, :, theirs], v[:, :, theirs], mine, theirs, doc_of(mine), doc_of(theirs))
             o_b, l_b = attention_block_fwd(q[:, :, mine], *args)
@@ -199,13 +201,13 @@ def test_ring_sum_is_full_attention_fp64(cp, docs):
         torch.testing.assert_close(g, g_x, rtol=0, atol=1e-10)
 
 
-def _check_ring_kernels(dtype, device, b, hq, hkv, chunk, cp, d, docs):
+def _check_ring_kernels(dtype, device, b, hq, hkv, chunk, cp, d, docs, a2a=1):
     torch.manual_seed(0)
     s = 2 * cp * chunk
     q, k, v = _qkv(b, hq, hkv, s, s, d, dtype, device)
     dout = torch.randn(q.shape, dtype=torch.float64).to(device=device, dtype=dtype)
     doc = _docs(s // 3, 1, s - s // 3 - 1).to(device) if docs else None
-    out, lse, grads = _ring(q, k, v, dout, chunk, cp, doc)
+    out, lse, grads = _ring(q, k, v, dout, chunk, cp, doc, a2a)
     # Torch's own error: the single-device reference in the same dtype.
     out_t, lse_t, grads_t = _full(q, k, v, dout, doc)
     out_x, lse_x, grads_x = _full(*_f64((q, k, v, dout)), doc)
@@ -218,6 +220,12 @@ def _check_ring_kernels(dtype, device, b, hq, hkv, chunk, cp, d, docs):
 def test_ring_with_kernels(dtype):
     """The same property through the Triton kernels, within the accuracy rule."""
     _check_ring_kernels(dtype, "cpu", 1, 4, 2, 5, 2, 16, docs=True)
+
+
+def test_hierarchical_ring_with_kernels(dtype):
+    """a2a+p2p at cp 4 = 2 x 2: ring members hold chunks {0, 7, 1, 6} and {2, 5, 3, 4} of 8
+    (out of order, four runs each); the Triton blocks over them give full attention."""
+    _check_ring_kernels(dtype, "cpu", 1, 4, 2, 3, 4, 16, docs=True, a2a=2)
 
 
 def test_merge_handles_empty_rows():
@@ -311,6 +319,12 @@ def test_block_fwd_bwd_gpu(dtype, name):
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
 def test_ring_with_kernels_gpu(dtype, docs):
     _check_ring_kernels(dtype, "cuda", 2, 8, 2, 300, 2, 64, docs)
+
+
+@pytest.mark.gpu
+@cuda_dtypes()
+def test_hierarchical_ring_with_kernels_gpu(dtype):
+    _check_ring_kernels(dtype, "cuda", 2, 8, 2, 150, 4, 64, docs=True, a2a=2)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ def test_precedence_defaults_yaml_cli(tmp_path):
     assert cfg.data.data_path == ["0.7", "a", "0.3", "b"]
 
 
+HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes"]  # A P
 BAD = [
     (["--tp", "3"], 8, "world size 8 is not divisible by tp*pp=3*1"),
     (["--tp", "2", "--dp", "2"], 8, "does not equal the world size 8"),
@@ -101,6 +103,27 @@ BAD = [
         2,
         "--cp-comm-type a2a splits each TP rank's 4 query and 1 key/value heads over cp=2",
     ),
+    (  # a2a+p2p: its two levels must multiply to cp, A must divide the heads
+        ["--cp", "4", *HIERARCHICAL, "2", "4"],
+        4,
+        "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P with A*P = cp=4",
+    ),
+    (
+        ["--cp", "4", "--cp-comm-type", "a2a+p2p"],
+        4,
+        "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P with A*P = cp=4 "
+        "(all-to-all among A adjacent cp ranks, the ring over P), not none",
+    ),
+    (
+        ["--cp", "4", *HIERARCHICAL, "4", "1", "--num-query-groups", "2"],
+        4,
+        "--cp-comm-type a2a+p2p splits each TP rank's 4 query and 2 key/value heads over A=4",
+    ),
+    (
+        ["--cp", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
+        4,
+        "--hierarchical-context-parallel-sizes is read only by --cp-comm-type a2a+p2p (not p2p)",
+    ),
     (
         ["--reset-attention-mask", "--attention-dropout", "0.1"],
         1,
@@ -116,10 +139,22 @@ BAD = [
 
 @pytest.mark.parametrize("argv,world,message", BAD)
 def test_validate_rejects(argv, world, message):
-    with pytest.raises(
-        MegaliteError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")
-    ):
+    with pytest.raises(MegaliteError, match=re.escape(message)):
         validate(parse_args(argv), world)
+
+
+def test_hierarchical_context_parallel_shape():
+    """--cp-comm-type a2a+p2p with sizes A P: the shape's topology carries A, and the groups of
+    a rank are A adjacent cp ranks (the all-to-all) and the ranks at its place in each of them
+    (the ring), within its own cp group (tp 2: cp ranks are every other rank)."""
+    from megalite.parallel.groups import rank_groups
+
+    topo = validate(parse_args(["--cp", "4", "--tp", "2", *HIERARCHICAL, "2", "2"]), 8).topology()
+    assert topo.cp_a2a == 2 and topo.groups("cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    got = {r: (g["cp_a2a"], g["cp_p2p"]) for r in range(8) for g in [rank_groups(topo, r)]}
+    assert got[0] == ([0, 2], [0, 4]) and got[2] == ([0, 2], [2, 6])
+    assert got[4] == ([4, 6], [0, 4]) and got[7] == ([5, 7], [3, 7])
+    assert validate(parse_args(["--cp", "4"]), 4).topology().cp_a2a is None
 
 
 def test_parse_errors(tmp_path):

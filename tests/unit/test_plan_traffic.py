@@ -65,5 +65,14 @@ def test_context_parallel_plan():
     # a2a: q, k+v and out (4 heads x 16 tokens x 8 dims, fp32; k+v twice that) forward and back
     cfg.parallel.cp_comm_type = "a2a"
     assert traffic.cp_layer_bytes(cfg, layout(cfg, cp=2)) == (4 * 2048, 4 * 2048)
+    # a2a+p2p at cp 4 = 2 x 2: the exchanges over the pair (4 heads x 8 tokens x 8 dims), then
+    # the ring over 2 (2 heads x 16 tokens): one K/V hop forward; one and two dK/dV backward
+    cfg.parallel.cp_comm_type, cfg.parallel.hierarchical_context_parallel_sizes = "a2a+p2p", [2, 2]
+    q = kv = 4 * 8 * 8 * 4
+    hops = 2 * kv
+    assert traffic.cp_layer_bytes(cfg, layout(cfg, cp=4)) == (
+        4 * q + hops, 4 * q + hops + 2 * hops,
+    )  # fmt: skip
+    cfg.parallel.cp_comm_type, cfg.parallel.hierarchical_context_parallel_sizes = "a2a", None
     with_dp = layouts.plan(cfg, layout(cfg, cp=2, dp=2))
     assert with_dp.comm["cp+dp"] > 0 and "dp" not in with_dp.comm  # the replicas: dp x cp
