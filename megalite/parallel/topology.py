@@ -181,7 +181,8 @@ class Topology:
         stage's tp*dp ranks split into ep groups holding different experts (edp: the ranks
         holding the same experts), with the dense pipeline groups, so ep divides tp*dp instead
         of multiplying the world. Consecutive ranks form an ep group, so with the default
-        order experts spread over TP ranks first."""
+        order experts spread over TP ranks first; with etp > 1 consecutive ranks form an etp
+        group (each holding a slice of the same experts), then ep groups of such slices."""
         stage = self.world_size // self.sizes["pp"]
         if stage % (ep * etp):
             raise ValueError(f"ep*etp={ep}*{etp} does not divide the {stage} ranks of a stage")
@@ -202,6 +203,6 @@ class Topology:
             if self.sizes[a] > 1 or a in ("tp", "pp", "dp"):
                 lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.groups(a))))
         if self.expert is not None:
-            for a in ("ep", "edp"):
+            for a in ("etp", "ep", "edp")[self.expert.size("etp") == 1 :]:
                 lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.expert.groups(a))))
         return "\n".join(lines)
