@@ -93,7 +93,8 @@ def piece_blocks(spec, shape, plo: int, phi: int) -> list[tuple[int, int, list]]
     blocks of the global tensor: (start, end) in the part and the global region of each.
     Vocabulary padding rows (past the global tensor) are left out. A tensor whose cut has
     parts (a gated expert's gate and up rows split over etp) gives a block per part and row."""
-    if spec.cut is not None and spec.cut.parts > 1:
+    cut = getattr(spec, "cut", None)  # (a ParamSpec; a region alone has none)
+    if cut is not None and cut.parts > 1:
         return _part_blocks(spec, shape, plo, phi)
     region, out = spec.region(), []
     for start, block in flat_blocks(shape, plo, phi):
