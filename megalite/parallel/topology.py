@@ -203,6 +203,7 @@ class Topology:
             if self.sizes[a] > 1 or a in ("tp", "pp", "dp"):
                 lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.groups(a))))
         if self.expert is not None:
-            for a in ("etp", "ep", "edp")[self.expert.size("etp") == 1 :]:
+            axes = ("etp", "ep", "edp") if self.expert.size("etp") > 1 else ("ep", "edp")
+            for a in axes:
                 lines.append(f"  {a.upper()} groups: " + " ".join(map(str, self.expert.groups(a))))
         return "\n".join(lines)

@@ -93,3 +93,19 @@ def test_context_parallel_axis():
     new = Topology(tp=2, dp=2, pp=2)
     for axis in ("tp", "dp", "pp"):
         assert old.groups(axis) == new.groups(axis)
+
+
+def test_expert_tensor_parallel_groups():
+    """With etp the experts' ranks are etp-ep-edp: consecutive ranks slice the same experts, the
+    tokens travel over etp+ep, gradients are summed over edp; the dense groups are untouched."""
+    from megalite.parallel.groups import rank_groups
+
+    topo = Topology(tp=2, dp=4)
+    topo.expert = topo.experts(2, 2)
+    g = rank_groups(topo, 5)
+    assert (g["tp"], g["dp"]) == ([4, 5], [1, 3, 5, 7])
+    assert (g["etp"], g["ep"], g["etp+ep"], g["edp"]) == ([4, 5], [5, 7], [4, 5, 6, 7], [1, 5])
+    plain = Topology(tp=2, dp=4)
+    plain.expert = plain.experts(2)  # etp 1: no etp groups to create
+    assert "etp" not in rank_groups(plain, 5) and "etp+ep" not in rank_groups(plain, 5)
+    assert "ETP groups: [0, 1] [2, 3]" in topo.describe()
