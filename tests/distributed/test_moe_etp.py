@@ -161,3 +161,30 @@ def test_training_at_etp2_matches_one_process_and_checkpoints_reshard(tmp_path):
                 part = p[tuple(slice(lo, lo + m) for (lo, _), m in zip(mine, full.shape))]
                 assert full.numel() == 0 or (part - full).abs().max() <= 1e-4, (rank, n)
         assert not saved and not at_etp1 and not at_etp2, (rank, saved, at_etp1, at_etp2)
+    _converts(results, tmp_path / "etp2")
+
+
+def _converts(results, path):
+    """The ranks' etp slices make up exactly the whole logical tensors the checkpoint holds,
+    which are all that the Hugging Face conversion reads: to HF (Mixtral's expert names) and
+    back gives them again."""
+    from megalite.checkpoint import format as fmt
+    from megalite.checkpoint.hf import from_hf, to_hf
+    from megalite.shape import validate
+    from tests.distributed.test_moe_training import config
+
+    ck = fmt.Checkpoint(path)
+    state = {n: ck.read(n) for n in ck.names() if not n.endswith(".expert_bias")}
+    for n in [n for n in state if ".experts." in n]:
+        whole = torch.full_like(state[n], float("nan"))
+        for _, params, *_ in results:
+            p, blocks = params[n]
+            for mine, glob in blocks:
+                whole[tuple(slice(a, b) for a, b in glob)] = p[tuple(slice(a, b) for a, b in mine)]
+        assert torch.equal(whole, state[n]), n
+    model = validate(config(tp=2, ep=2, etp=2), 4).model
+    hf = to_hf(state, model)
+    assert any(".experts." in k for k in hf)  # Mixtral's expert names
+    back = from_hf(hf, model)
+    # (from_hf pads the vocabulary rows; the checkpoint holds the real ones)
+    assert all(torch.equal(back[n][: t.shape[0]], t) for n, t in state.items())
