@@ -28,12 +28,13 @@ load-balancing loss, the capacity).
 - Experts: all local experts in two or three grouped GEMMs (`ops.grouped_mm`) over the
   assignments sorted by expert; dispatch and combine over ep in parallel/expert_parallel.py.
   Expert weights are (E/ep, out, in), split over "ep" along dim 0, named by global expert
-  (with etp > 1 also cut over "etp" (specs.Cut): fc1's rows f/etp of the gate and of the up
-  rows, fc2's columns f/etp; the partial fc2 outputs are summed in combine)
   (`layers.{i}.mlp.experts.gate_up.weight` (E, 2f, h): gate rows then up rows; without a gated MLP
   `experts.up.weight` (E, f, h); `experts.down.weight` (E, h, f)). With `features.moe_bias`
   (gpt-oss) each has a bias, `experts.gate_up.bias` (E, 2f) and `experts.down.bias` (E, h),
   and `features.clamped_swiglu` makes the activation gpt-oss's (`clamped_swiglu`).
+  With etp > 1 (--expert-tensor-parallel-size) they are also cut over "etp" (specs.Cut):
+  fc1 column-parallel (f/etp of the gate rows and of the up rows), fc2 row-parallel (f/etp
+  columns); combine sums the partial outputs. The router stays replicated.
 """
 
 import math
