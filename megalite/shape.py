@@ -55,6 +55,7 @@ class RunShape:
             f" {a}={n}" for a, n in sizes.items() if a not in ("tp", "pp", "dp") and n > 1
         )
         out += f" ep={self.ep}" if self.model.num_experts else ""
+        out += f" etp={self.etp}" if self.etp > 1 else ""
         out += f" vpp={self.vpp}" if self.vpp > 1 else ""
         return out + f" zero={self.zero.stage}" + (" sp" if self.sequence_parallel else "")
 
