@@ -81,7 +81,10 @@ class ParallelConfig:
         "--expert-model-parallel-size",
     )
     etp: int = opt(
-        1, "expert tensor-parallel size (only 1: experts whole)", "--expert-tensor-parallel-size"
+        1,
+        "expert tensor-parallel size: each expert's width split over etp ranks of an ep slot "
+        "(ep*etp divides the ranks of a stage)",
+        "--expert-tensor-parallel-size",
     )
     pp_schedule: str | None = opt(
         None,

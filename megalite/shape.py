@@ -58,6 +58,7 @@ class RunShape:
             f" {a}={n}" for a, n in sizes.items() if a not in ("tp", "pp", "dp") and n > 1
         )
         out += f" ep={self.ep}" if self.model.num_experts else ""
+        out += f" etp={self.etp}" if self.etp > 1 else ""
         out += f" vpp={self.vpp}" if self.vpp > 1 else ""
         return out + f" zero={self.zero.stage}" + (" sp" if self.sequence_parallel else "")
 
@@ -260,11 +261,8 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
         return None
     if sizes.get("cp", 1) > 1:  # the balancing loss and capacity are over a TP group's sequence
         return "mixture-of-experts models do not run with --cp yet; use --cp 1"
-    if p.etp != 1:
-        return (
-            f"--expert-tensor-parallel-size {p.etp} is not supported: experts are whole on "
-            "each rank (etp=1); split them over more ranks with --ep instead"
-        )
+    if p.etp < 1:
+        return f"--expert-tensor-parallel-size {p.etp} must be at least 1"
     if k > e:
         return f"moe_router_topk={k} is larger than num_experts={e}; lower --moe-router-topk"
     why = _check_routing(m)
@@ -275,13 +273,29 @@ def _check_experts(cfg: Config, sizes: dict, axes: tuple) -> str | None:
     stage = 1
     for a, n in sizes.items():
         stage *= n if a != "pp" else 1
-    if stage % ep:
+    if stage % (ep * p.etp):
         shown = [a for a, n in sizes.items() if a != "pp" and (n > 1 or a in ("tp", "dp"))]
         names, values = "*".join(shown), "*".join(str(sizes[a]) for a in shown)
+        what = f"ep={ep}" if p.etp == 1 else f"ep*etp={ep}*{p.etp}"
         return (
-            f"ep={ep} does not divide {names}={values}, the ranks of a pipeline stage that "
-            f"experts are spread over; choose an ep that divides {stage}"
+            f"{what} does not divide {names}={values}, the ranks of a pipeline stage that "
+            f"experts are spread over; choose an {what.split('=')[0]} that divides {stage}"
         )
+    if p.etp > 1:  # each expert's width is split over etp (column- then row-parallel)
+        if m.moe_ffn % p.etp:
+            return (
+                f"moe_ffn_hidden_size={m.moe_ffn} is not divisible by "
+                f"--expert-tensor-parallel-size {p.etp}"
+            )
+        if m.features.moe_bias:
+            return (
+                f"expert biases (gpt-oss) do not run with --expert-tensor-parallel-size {p.etp} yet"
+            )
+        if cfg.optimizer.optimizer == "muon":
+            return (
+                f"--optimizer muon orthogonalises whole experts; it does not run with "
+                f"--expert-tensor-parallel-size {p.etp} yet"
+            )
     shared = m.moe_shared_expert_intermediate_size
     if shared and shared % tp:
         return f"moe_shared_expert_intermediate_size={shared} is not divisible by tp={tp}"

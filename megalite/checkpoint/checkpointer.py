@@ -196,8 +196,9 @@ class Checkpointer:
             p, spec = piece.range.param, spec_of(piece.range.param)
             if not piece.writes or (spec.split_dim is None and self.groups.tp.rank != 0):
                 continue
-            whole = (piece.lo, piece.hi) == (0, p.numel())
-            for i, (lo, hi, region) in enumerate(piece_blocks(spec, p.shape, piece.lo, piece.hi)):
+            blocks = piece_blocks(spec, p.shape, piece.lo, piece.hi)
+            whole = (piece.lo, piece.hi) == (0, p.numel()) and len(blocks) == 1
+            for i, (lo, hi, region) in enumerate(blocks):
                 shape = [b - a for a, b in region]
                 for kind, t in piece.views.items():
                     key = spec.source if kind == "param" else opt_name(kind, spec.source)

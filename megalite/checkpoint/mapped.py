@@ -47,6 +47,11 @@ def load_mapped(chunks, tp, ckpt: Checkpoint, device, rope_rows: int | None = 0)
     for chunk in chunks:
         materialize(chunk, device, rope_rows)
     for name, p, spec in rank_params(chunks):
+        if spec.cut is not None and spec.cut.parts > 1:  # one rectangle per part
+            for block in spec.local_blocks():
+                dst = p[tuple(slice(lo, hi) for lo, hi in block)]
+                dst.copy_(ckpt.read(name, spec.to_global(block)))
+            continue
         region = spec.region()
         src = _slice(ckpt, name, region)
         shape = [hi - lo for lo, hi in region]

@@ -91,7 +91,11 @@ def flat_blocks(shape, lo: int, hi: int) -> list[tuple[int, list[tuple[int, int]
 def piece_blocks(spec, shape, plo: int, phi: int) -> list[tuple[int, int, list]]:
     """The part [plo, phi) of a flattened local parameter of `shape` (a ZeRO shard's part) as
     blocks of the global tensor: (start, end) in the part and the global region of each.
-    Vocabulary padding rows (past the global tensor) are left out."""
+    Vocabulary padding rows (past the global tensor) are left out. A tensor whose cut has
+    parts (a gated expert's gate and up rows split over etp) gives a block per part and row."""
+    cut = getattr(spec, "cut", None)  # (a ParamSpec; a region alone has none)
+    if cut is not None and cut.parts > 1:
+        return _part_blocks(spec, shape, plo, phi)
     region, out = spec.region(), []
     for start, block in flat_blocks(shape, plo, phi):
         rows = min(block[0][1], region[0][1] - region[0][0]) - block[0][0] if block else 1
@@ -101,6 +105,28 @@ def piece_blocks(spec, shape, plo: int, phi: int) -> list[tuple[int, int, list]]
         block = block and [(block[0][0], block[0][0] + rows), *block[1:]]
         glob = [(lo + r[0], hi + r[0]) for (lo, hi), r in zip(block, region)]
         out.append((start - plo, start - plo + n, glob))
+    return out
+
+
+def _part_blocks(spec, shape, plo: int, phi: int) -> list[tuple[int, int, list]]:
+    """piece_blocks of a tensor whose dim d = spec.cut.dim holds parts: each flat block cut to
+    single indices along the dims before d and at the part boundaries along d, so that each
+    piece is contiguous here and a rectangle of the global tensor."""
+    d, m = spec.cut.dim, shape[spec.cut.dim] // spec.cut.parts
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    out = []
+    for _, block in flat_blocks(shape, plo, phi):
+        heads = [[]]
+        for lo, hi in block[:d]:
+            heads = [h + [(i, i + 1)] for h in heads for i in range(lo, hi)]
+        lo, hi = block[d]
+        cuts = [lo, *range((lo // m + 1) * m, hi, m), hi]
+        for head in heads:
+            for a, b in zip(cuts, cuts[1:]):
+                sub = [*head, (a, b), *block[d + 1 :]]
+                start = sum(x * s for (x, _), s in zip(sub, strides)) - plo
+                n = math.prod(y - x for x, y in sub)
+                out.append((start, start + n, spec.to_global(sub)))
     return out
 
 

@@ -32,6 +32,9 @@ load-balancing loss, the capacity).
   `experts.up.weight` (E, f, h); `experts.down.weight` (E, h, f)). With `features.moe_bias`
   (gpt-oss) each has a bias, `experts.gate_up.bias` (E, 2f) and `experts.down.bias` (E, h),
   and `features.clamped_swiglu` makes the activation gpt-oss's (`clamped_swiglu`).
+  With etp > 1 (--expert-tensor-parallel-size) they are also cut over "etp" (specs.Cut):
+  fc1 column-parallel (f/etp of the gate rows and of the up rows), fc2 row-parallel (f/etp
+  columns); combine sums the partial outputs. The router stays replicated.
 """
 
 import math
@@ -45,7 +48,8 @@ from megalite.config import ModelConfig
 from megalite.model.routing import Routing
 from megalite.parallel import comm, expert_parallel
 from megalite.parallel.comm import Group
-from megalite.parallel.specs import mark, spec_of
+from megalite.parallel.expert_parallel import ExpertGroups
+from megalite.parallel.specs import Cut, mark, spec_of
 from megalite.parallel.tensor_parallel import shard_spec
 
 STATS = 4  # per layer after the E loads: aux loss, z-loss, dropped assignments, passes
@@ -112,13 +116,22 @@ class _Weight(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, ep: Group, ops, sequence_parallel: bool,
-                 shared: nn.Module | None = None, dtype=None, device=None):  # fmt: skip
+    def __init__(self, cfg: ModelConfig, tp: Group, ep: Group | ExpertGroups, ops,
+                 sequence_parallel: bool, shared: nn.Module | None = None, dtype=None,
+                 device=None):  # fmt: skip
+        """`ep`: the expert-parallel group (experts whole on each rank), or ExpertGroups
+        (ProcessGroups.experts) to split them over etp too."""
         super().__init__()
+        ep = ep if isinstance(ep, ExpertGroups) else ExpertGroups(ep)
         self.tp, self.ep, self.ops, self.sp, self.shared = tp, ep, ops, sequence_parallel, shared
         self.seq = tp  # the ranks that hold one sequence between them
-        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn
-        self.e, self.k, self.f, self.gated = e, cfg.moe_router_topk, f, cfg.features.gated_mlp
+        e, h, f, etp = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn, ep.etp
+        if f % etp:
+            raise ValueError(f"moe_ffn_hidden_size={f} is not divisible by etp={etp}")
+        if etp > 1 and cfg.features.moe_bias:
+            raise ValueError("expert biases (gpt-oss) do not run with etp > 1")
+        self.f = f // etp  # this rank's slice of each expert's width
+        self.e, self.k, self.gated = e, cfg.moe_router_topk, cfg.features.gated_mlp
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.capacity_factor = cfg.moe_expert_capacity_factor
         self.bias_rate = cfg.moe_router_bias_update_rate
@@ -134,15 +147,20 @@ class MoELayer(nn.Module):
         if biased:
             spec = shard_spec(tp, None, partial_grad=True, no_weight_decay=True)
             self.router.bias = mark(nn.Parameter(torch.zeros(e, **kw)), **spec)
-        if e % ep.size:
-            raise ValueError(f"num_experts={e} is not divisible by ep={ep.size}")
-        local = e // ep.size
-        split = {"split_dim": 0, "split_axis": "ep", "split_size": ep.size, "split_index": ep.rank}
-        first = 2 * f if self.gated else f  # gate and up rows, or up alone
+        if e % ep.ep:
+            raise ValueError(f"num_experts={e} is not divisible by ep={ep.ep}")
+        local = e // ep.ep
+        split = {"split_dim": 0, "split_axis": "ep", "split_size": ep.ep, "split_index": ep.ep_rank}
+        parts = 2 if self.gated else 1  # gate and up rows, or up alone
         self.experts = nn.Module()
         name = "gate_up" if self.gated else "up"
-        w1 = mark(nn.Parameter(torch.empty(local, first, h, **kw)), **split)
-        w2 = mark(nn.Parameter(torch.empty(local, h, f, **kw)), **split)
+        # Over etp: fc1 column-parallel (this rank's slice of the gate rows and of the up rows),
+        # fc2 row-parallel (the same slice of its input columns; partial sums, added in combine).
+        cut1 = {"cut": Cut(1, etp, ep.etp_rank, parts)} if etp > 1 else {}
+        cut2 = {"cut": Cut(2, etp, ep.etp_rank)} if etp > 1 else {}
+        w1 = mark(nn.Parameter(torch.empty(local, parts * self.f, h, **kw)), **split, **cut1)
+        w2 = mark(nn.Parameter(torch.empty(local, h, self.f, **kw)), **split, **cut2)
+        first = parts * f
         b1 = b2 = None
         if biased:  # one row per expert, split over ep like the weights
             b1 = mark(nn.Parameter(torch.zeros(local, first, **kw)), **split, no_weight_decay=True)

@@ -4,6 +4,7 @@ Launched by torchrun, the rank and world come from its environment; launched as 
 `python pretrain_gpt.py`, the run is a world of one. NCCL is used with CUDA, gloo otherwise.
 """
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -11,13 +12,15 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.comm import Group
+from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.ledger import CommLedger
 from megalite.parallel.topology import Topology, world_from_env
 
 
 class ProcessGroups:
     """The groups of one rank: one per axis of the topology (`groups.tp`, `groups.dp`, ...), with
-    experts `groups.ep` and `groups.edp` (Topology.experts), the
+    experts `groups.ep` and `groups.edp` (Topology.experts; with etp > 1 also `groups.etp`
+    and the token exchange's `etp+ep`), the
     products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
     same parameters: gradients are reduced and ZeRO-sharded over it), `data` (the ranks training
     on different samples), `cp_levels` (a2a+p2p's two levels of cp), `embed` (the pipeline stages holding the tied word embedding and the
@@ -37,10 +40,15 @@ class ProcessGroups:
         return self.groups[key]
 
     @property
-    def experts(self) -> Group | None:
-        """The expert-parallel group to build an MoE model with (`GPTChunk(..., ep=)`), or None
-        where the topology has no expert decomposition (experts whole on each rank)."""
-        return self.groups.get("ep") if self.topo.expert is not None else None
+    def experts(self) -> ExpertGroups | None:
+        """The expert groups to build an MoE model with (`GPTChunk(..., ep=)`), or None where
+        the topology has no expert decomposition (experts whole on each rank). The exchange
+        runs over etp+ep, counted in the ledger as "ep"."""
+        if self.topo.expert is None:
+            return None
+        etp = self.topo.expert.size("etp")
+        g = self.groups["etp+ep"] if etp > 1 else self.groups["ep"]
+        return ExpertGroups(dataclasses.replace(g, kind="ep"), etp)
 
     def __getattr__(self, axis: str) -> Group:
         groups = self.__dict__.get("groups", {})
@@ -168,7 +176,7 @@ def rank_groups(
         if key not in out:
             out[key] = topo.group(key, rank)
     if topo.expert is not None:  # experts: a second decomposition of the same ranks
-        for a in ("ep", "edp"):
+        for a in _expert_kinds(topo):
             out[a] = topo.expert.group(a, rank)
     if topo.cp_a2a is not None:  # a2a+p2p: the cp group in two levels
         out.update(cp_levels(out["cp"], rank, topo.cp_a2a))
@@ -184,12 +192,18 @@ def _every_group(topo: Topology, kind: str, stages: list[int]) -> list[list[int]
     """Every group of `kind` in the world (rank_groups' kinds)."""
     if kind == "embed":
         return topo.stage_groups(stages)
-    if kind in ("ep", "edp") and topo.expert is not None:
+    if topo.expert is not None and kind in _expert_kinds(topo):
         return topo.expert.groups(kind)
     if kind in CP_LEVELS:
         every = [cp_levels(g, r, topo.cp_a2a)[kind] for g in topo.groups("cp") for r in g]
         return [g for i, g in enumerate(every) if g not in every[:i]]
     return topo.groups(kind)
+
+
+def _expert_kinds(topo: Topology) -> tuple[str, ...]:
+    """The expert groups of a topology with an expert decomposition: ep and edp, and with
+    expert tensor parallelism etp and the token exchange's etp+ep."""
+    return ("ep", "edp", "etp", "etp+ep") if topo.expert.size("etp") > 1 else ("ep", "edp")
 
 
 def communicators(topo: Topology, rank: int, **kw) -> int:

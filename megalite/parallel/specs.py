@@ -19,6 +19,20 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class Cut:
+    """A second split of a tensor already split along `split_axis`: expert weights are split
+    over "ep" by expert and over "etp" inside each expert. Dim `dim` holds `parts` equal blocks
+    (a gated expert's gate rows then up rows), each cut into `size` contiguous slices; a rank
+    holds slice `index` of every block, in block order."""
+
+    dim: int
+    size: int
+    index: int
+    parts: int = 1
+    axis: str = "etp"
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     name: str | None = None  # logical name, the same in every layout (owned by model/)
     shape: tuple | None = None  # global shape (real vocabulary rows)
@@ -34,21 +48,49 @@ class ParamSpec:
     tied_to: str | None = None  # a copy of that logical tensor, not a tensor of its own
     no_weight_decay: bool = False
     vocab_dim: int | None = None  # rows of the vocabulary (padding past the real size)
+    cut: Cut | None = None  # a second split (expert tensor parallelism)
 
     def region(self, index: int | None = None) -> list[tuple[int, int]]:
         """This rank's part of the global tensor: (lo, hi) per dim (another rank's with
         `index` along split_axis). Vocabulary rows past the real size are outside the global
-        tensor, so the region may be shorter than the local tensor (or empty)."""
-        index = self.split_index if index is None else index
-        region = [(0, n) for n in self.local_shape]
-        if self.split_dim is not None:
-            n = self.local_shape[self.split_dim]
-            region[self.split_dim] = (index * n, (index + 1) * n)
+        tensor, so the region may be shorter than the local tensor (or empty). A tensor whose
+        cut has several parts is no one rectangle: see `to_global`."""
+        if self.cut is not None and self.cut.parts > 1:
+            raise ValueError(f"{self.name} is split into {self.cut.parts} parts; use to_global")
+        region = self.to_global([(0, n) for n in self.local_shape], index)
         if self.vocab_dim is not None:
             v = self.shape[self.vocab_dim]
             lo, hi = region[self.vocab_dim]
             region[self.vocab_dim] = (min(lo, v), min(hi, v))
         return region
+
+    def to_global(self, block: list, index: int | None = None) -> list[tuple[int, int]]:
+        """The global rectangle of a rectangle of the local tensor ((lo, hi) per dim) that lies
+        inside one part of the cut (vocabulary padding not trimmed)."""
+        index = self.split_index if index is None else index
+        out = list(block)
+        if self.split_dim is not None:
+            n, (lo, hi) = self.local_shape[self.split_dim], out[self.split_dim]
+            out[self.split_dim] = (index * n + lo, index * n + hi)
+        if self.cut is not None:
+            c = self.cut
+            m = self.local_shape[c.dim] // c.parts  # this rank's rows of one part
+            (lo, hi), part = out[c.dim], out[c.dim][0] // m
+            if hi > (part + 1) * m:
+                raise ValueError(f"local rows {lo}:{hi} of {self.name} span two parts")
+            shift = part * m * (c.size - 1) + c.index * m  # global row = local row + shift
+            out[c.dim] = (lo + shift, hi + shift)
+        return out
+
+    def local_blocks(self) -> list[list[tuple[int, int]]]:
+        """The local tensor as rectangles that each lie in one part of the cut (one rectangle,
+        the whole tensor, without parts)."""
+        whole = [(0, n) for n in self.local_shape]
+        if self.cut is None or self.cut.parts == 1:
+            return [whole]
+        m = self.local_shape[self.cut.dim] // self.cut.parts
+        return [whole[: self.cut.dim] + [(p * m, (p + 1) * m)] + whole[self.cut.dim + 1 :]
+                for p in range(self.cut.parts)]  # fmt: skip
 
     def local(self, full: torch.Tensor, index: int | None = None) -> torch.Tensor:
         """This rank's local tensor cut from a whole logical tensor (any vocabulary padding:
@@ -62,6 +104,10 @@ class ParamSpec:
             full = F.pad(full, pad)
         if self.split_dim is not None:
             full = full.chunk(self.split_size, self.split_dim)[index]
+        if self.cut is not None:
+            c = self.cut
+            parts = [p.chunk(c.size, c.dim)[c.index] for p in full.chunk(c.parts, c.dim)]
+            full = torch.cat(parts, c.dim)
         return full
 
     @property
@@ -118,6 +164,8 @@ def name_parameters(module: nn.Module, vocab_size: int | None = None):
         shape = list(spec.local_shape)
         if spec.split_dim is not None:
             shape[spec.split_dim] *= spec.split_size
+        if spec.cut is not None:
+            shape[spec.cut.dim] *= spec.cut.size
         if spec.vocab_dim is not None:
             shape[spec.vocab_dim] = vocab_size
         p._spec = dataclasses.replace(spec, name=name, shape=tuple(shape))

@@ -182,7 +182,8 @@ class Topology:
         stage's tp*dp ranks split into ep groups holding different experts (edp: the ranks
         holding the same experts), with the dense pipeline groups, so ep divides tp*dp instead
         of multiplying the world. Consecutive ranks form an ep group, so with the default
-        order experts spread over TP ranks first."""
+        order experts spread over TP ranks first; with etp > 1 consecutive ranks form an etp
+        group (each holding a slice of the same experts), then ep groups of such slices."""
         stage = self.world_size // self.sizes["pp"]
         if stage % (ep * etp):
             raise ValueError(f"ep*etp={ep}*{etp} does not divide the {stage} ranks of a stage")
@@ -204,7 +205,8 @@ class Topology:
         lines = [f"layout: {head} order={self.order}"]
         shown = [(a, self) for a in self.axes if self.sizes[a] > 1 or a in ("tp", "pp", "dp")]
         if self.expert is not None:
-            shown += [(a, self.expert) for a in ("ep", "edp")]
+            axes = ("etp", "ep", "edp") if self.expert.size("etp") > 1 else ("ep", "edp")
+            shown += [(a, self.expert) for a in axes]
         for a, topo in shown:
             count = topo.world_size // topo.size(a)
             if count <= limit:

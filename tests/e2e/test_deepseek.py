@@ -46,16 +46,22 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 
 
 def test_with_experts_trains_at_tp2_pp2_dp2_ep2_like_one_process(tiny_data, tmp_path):
-    """MLA, DeepSeek-V3's MoE from layer 1 on (the MTP modules' layers too) and MTP."""
+    """MLA, DeepSeek-V3's MoE from layer 1 on (the MTP modules' layers too) and MTP; also with
+    the experts split over etp 2 inside ep 2."""
     prefix, tok = tiny_data
     args = [*TINY, "--data-path", prefix, "--tokenizer-model", tok, "--train-iters", str(STEPS),
             *DEEPSEEK, *MOE]  # fmt: skip
     one, _ = pretrain(1, args, tmp_path)
     baseline = [r["loss"] for r in one]
     assert len(baseline) == STEPS and baseline[-1] < baseline[0]
-    rows, _ = pretrain(8, [*args, "--tp", "2", "--pp", "2", "--ep", "2", "--sequence-parallel"],
-                       tmp_path)  # fmt: skip
-    losses = [r["loss"] for r in rows]
-    assert len(losses) == STEPS
-    for step, (a, b) in enumerate(zip(losses, baseline), 1):
-        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs one process {b}"
+    layouts = {
+        "tp2-pp2-ep2-sp": (8, ["--tp", "2", "--pp", "2", "--ep", "2", "--sequence-parallel"]),
+        # expert tensor parallelism: each expert's width over 2 ranks, beside tp2 attention
+        "tp2-ep2-etp2": (4, ["--tp", "2", "--ep", "2", "--expert-tensor-parallel-size", "2"]),
+    }
+    for name, (world, layout) in layouts.items():
+        rows, _ = pretrain(world, [*args, *layout], tmp_path)
+        losses = [r["loss"] for r in rows]
+        assert len(losses) == STEPS, name
+        for step, (a, b) in enumerate(zip(losses, baseline), 1):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name} step {step}: {a} vs one process {b}"

@@ -173,3 +173,33 @@ def test_padding_rows_are_left_out_of_the_blocks():
     spec = SimpleNamespace(region=lambda: [(6, 10), (0, 3)])  # 4 real rows of the local 6
     got = piece_blocks(spec, (6, 3), 5, 16)  # from row 1 col 2 into the padding
     assert got == [(0, 1, [(7, 8), (2, 3)]), (1, 7, [(8, 10), (0, 3)])]
+
+
+@pytest.mark.parametrize("dim, parts", [(1, 2), (1, 1), (2, 1)])
+def test_expert_slices_cut_over_etp_map_to_the_whole_tensor(dim, parts):
+    """An expert tensor split over ep (dim 0) and cut over etp (a gated fc1's gate and up rows:
+    two parts): every flat range of each rank's local tensor (a ZeRO shard's part) maps to
+    blocks of the global tensor holding exactly those elements, and together the ranks' local
+    tensors cover it once."""
+    full = torch.arange(4 * 8 * 6, dtype=torch.float64).view(4, 8, 6)
+    covered = torch.zeros_like(full)
+    for ep in range(2):
+        for etp in range(2):
+            local = [2, 8, 6]
+            local[dim] //= 2
+            p = nn.Parameter(torch.empty(local))
+            specs.mark(p, split_dim=0, split_axis="ep", split_size=2, split_index=ep,
+                       cut=specs.Cut(dim, 2, etp, parts))  # fmt: skip
+            holder = nn.Module()
+            holder.register_parameter("w", p)
+            specs.name_parameters(holder)
+            s = specs.spec_of(p)
+            assert s.shape == (4, 8, 6)
+            mine = s.local(full).reshape(-1)
+            for lo, hi in [(0, mine.numel()), (5, 41), (13, 14), (30, mine.numel())]:
+                for a, b, region in piece_blocks(s, s.local_shape, lo, hi):
+                    block = full[tuple(slice(x, y) for x, y in region)]
+                    assert torch.equal(block.reshape(-1), mine[lo + a : lo + b]), (lo, hi, region)
+                    if (lo, hi) == (0, mine.numel()):
+                        covered[tuple(slice(x, y) for x, y in region)] += 1
+    assert torch.equal(covered, torch.ones_like(full))

@@ -159,7 +159,10 @@ def test_expert_bias_moves_towards_balance():
         ({"num_experts": 6, "ep": 4}, 4, "num_experts=6 is not divisible by ep=4"),
         ({"num_experts": 4, "moe_router_topk": 5}, 1, "moe_router_topk=5 is larger than num_experts=4"),
         ({"num_experts": 6, "ep": 3}, 4, "ep=3 does not divide tp*dp=1*4"),
-        ({"num_experts": 4, "ep": 2, "etp": 2}, 2, "--expert-tensor-parallel-size 2 is not supported"),
+        ({"num_experts": 4, "ep": 2, "etp": 2}, 2, "ep*etp=2*2 does not divide tp*dp=1*2"),
+        ({"num_experts": 4, "etp": 3}, 3, "moe_ffn_hidden_size=256 is not divisible by --expert-tensor-parallel-size 3"),
+        ({"num_experts": 4, "etp": 2, "flavour": "gpt_oss"}, 2, "expert biases .gpt-oss. do not run"),
+        ({"num_experts": 4, "etp": 2, "optimizer": "muon"}, 2, "--optimizer muon orthogonalises whole experts"),
         ({"ep": 2}, 2, "--ep 2 needs a mixture-of-experts model"),
         ({"moe_router_enable_expert_bias": True}, 1, "--moe-router-enable-expert-bias needs a mixture-of-experts"),
         ({"num_experts": 4, "cp": 2}, 2, "mixture-of-experts models do not run with --cp yet"),
@@ -168,7 +171,8 @@ def test_expert_bias_moves_towards_balance():
 def test_bad_expert_layouts(flags, world, line):
     cfg = Config()
     for k, v in flags.items():
-        setattr(cfg.parallel if k in ("ep", "etp", "cp") else cfg.model, k, v)
+        where = cfg.optimizer if k == "optimizer" else cfg.model
+        setattr(cfg.parallel if k in ("ep", "etp", "cp") else where, k, v)
     cfg.training.global_batch_size = 8
     with pytest.raises(MegaliteError, match=line.replace("*", r"\*")):
         validate(cfg, world)

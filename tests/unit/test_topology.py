@@ -106,3 +106,19 @@ def test_describe_lists_small_layouts_and_summarises_16384_ranks():
         "  DP groups: (128) [0,8..1016] [1,9..1017] ... [15367,15375..16383]",
         "  PP groups: (1,024) [0,1024..15360] [1,1025..15361] ... [1023,2047..16383]",
     ]
+
+
+def test_expert_tensor_parallel_groups():
+    """With etp the experts' ranks are etp-ep-edp: consecutive ranks slice the same experts, the
+    tokens travel over etp+ep, gradients are summed over edp; the dense groups are untouched."""
+    from megalite.parallel.groups import rank_groups
+
+    topo = Topology(tp=2, dp=4)
+    topo.expert = topo.experts(2, 2)
+    g = rank_groups(topo, 5)
+    assert (g["tp"], g["dp"]) == ([4, 5], [1, 3, 5, 7])
+    assert (g["etp"], g["ep"], g["etp+ep"], g["edp"]) == ([4, 5], [5, 7], [4, 5, 6, 7], [1, 5])
+    plain = Topology(tp=2, dp=4)
+    plain.expert = plain.experts(2)  # etp 1: no etp groups to create
+    assert "etp" not in rank_groups(plain, 5) and "etp+ep" not in rank_groups(plain, 5)
+    assert "ETP groups: [0, 1] [2, 3]" in topo.describe()
