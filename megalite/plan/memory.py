@@ -19,7 +19,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @lru_cache(maxsize=256)
 def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head: bool,
-              layers: tuple = (0,), ep: int = 1):  # fmt: skip
+              layers: tuple = (0,), ep: int = 1, etp: int = 1):  # fmt: skip
     """[(name, numel, spec)] of a GPTChunk with the given layers (one of each kind: dense, MoE),
     built on `meta`: the real model's parameters without allocating them. Layers of a kind
     differ only in their index."""
@@ -27,26 +27,28 @@ def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head:
 
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.comm import Group
+    from megalite.parallel.expert_parallel import ExpertGroups
     from megalite.parallel.specs import spec_of
 
     m = ModelConfig(*m_fields)
     group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
-    ep_group = Group("ep", list(range(ep)), ep - 1)
+    experts = ExpertGroups(Group("etp+ep", list(range(ep * etp)), ep * etp - 1), etp)
     chunk = GPTChunk(m, group, layers=list(layers), has_embedding=has_embedding,
                      has_head=has_head, sequence_parallel=sp, device=torch.device("meta"),
-                     ep=ep_group)  # fmt: skip
+                     ep=experts)  # fmt: skip
     return tuple((n, p.numel(), spec_of(p)) for n, p in chunk.named_parameters())
 
 
-def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False, ep=1):
-    """[(logical name, numel on this TP rank, ParamSpec)] in `named_parameters()` order."""
+def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False, ep=1, etp=1):
+    """[(logical name, numel on this TP rank, ParamSpec)] in `named_parameters()` order; experts
+    split over ep (and each over etp)."""
     # hashable for the cache: list fields (moe_dense_layers) as tuples
     fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))
     kinds = {}  # MoE or dense -> the first layer index of that kind (its template)
     for i in layers:
         kinds.setdefault(m.is_moe_layer(i), i)
     reps = tuple(sorted(kinds.values())) or (0,)
-    template = _template(fields, tp, sp and tp > 1, has_embedding, has_head, reps, ep)
+    template = _template(fields, tp, sp and tp > 1, has_embedding, has_head, reps, ep, etp)
     head = ("final_norm", "output", "mtp")  # the head, then the MTP modules (model/mtp.py)
     before = [x for x in template if not x[0].startswith(("layers.", *head))]
     after = [x for x in template if x[0].startswith(head)]
@@ -135,8 +137,8 @@ def replicas(shape: RunShape) -> int:
 
 
 def expert_parallel(shape: RunShape) -> tuple[int, int]:
-    """(ep, edp) of a layout: edp = tp*dp*cp/ep, the ranks holding the same experts."""
-    return shape.ep, max(1, shape.tp * replicas(shape) // shape.ep)
+    """(ep, edp) of a layout: edp = tp*dp*cp/(ep*etp), the ranks holding the same expert slices."""
+    return shape.ep, max(1, shape.tp * replicas(shape) // (shape.ep * shape.etp))
 
 
 def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
@@ -156,7 +158,7 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     sync = {}
     chunks = []
     for kw in shape.partition.rank_chunks(pp_rank):
-        specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep)
+        specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep, etp=shape.etp)
         specs = [x for x in specs if x[2].expert == experts]
         zero3 = shape.zero.shard_params and not experts  # one bucket per unit, as Zero3Buffer
         if zero3:
@@ -211,7 +213,7 @@ def _unused_second_moments(cfg: Config, shape: RunShape, pp_rank: int, bs, rank:
     for kw in shape.partition.rank_chunks(pp_rank):
         sp = shape.sequence_parallel
         specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, sp=sp,
-                                                       ep=shape.ep))  # fmt: skip
+                                                       ep=shape.ep, etp=shape.etp))  # fmt: skip
     dp = expert_parallel(shape)[1] if experts else replicas(shape)
     unused = 0
     for start, end, ranges in bs:

@@ -229,7 +229,7 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
     specs = {}
     for kw in shape.partition.rank_chunks(pp_rank):
         sp = shape.sequence_parallel
-        specs.update((n, s) for n, _, s in chunk_specs(m, t, **kw, sp=sp, ep=ep))
+        specs.update((n, s) for n, _, s in chunk_specs(m, t, **kw, sp=sp, ep=ep, etp=shape.etp))
     out = {}
     for experts, kind, n, rank in (
         (False, _replicas_kind(shape), replicas(shape), dp_rank),

@@ -88,3 +88,18 @@ def test_default_buckets_grow_with_dp():
     assert len(large) < len(small) / 10 and max(sizes) >= 2**28
     cfg.optimizer.bucket_size_mb = 25.0
     assert len(memory.buckets(cfg, layout(cfg, dp=256, zero=1), 0)) >= len(small)
+
+
+def test_expert_slices_over_etp_are_planned():
+    """--expert-tensor-parallel-size: each rank holds 1/etp of its experts' weights and shards
+    their optimizer state over edp = tp*dp/(ep*etp); the planner's buckets are those slices."""
+    cfg = tiny("llama", layers=2, num_experts=4, moe_ffn_hidden_size=32)
+    cfg.training.global_batch_size = 8
+    cfg.parallel.ep = 2
+    whole = memory.buckets(cfg, layout(cfg, tp=2, dp=2), 0, experts=True)
+    cfg.parallel.etp = 2
+    shape = layout(cfg, tp=2, dp=2)
+    sliced = memory.buckets(cfg, shape, 0, experts=True)
+    numel = lambda bs: sum(k for _, _, ranges in bs for _, _, k, _ in ranges)  # noqa: E731
+    assert numel(sliced) * 2 == numel(whole) > 0
+    assert memory.expert_parallel(shape) == (2, 1)
