@@ -39,7 +39,7 @@ def test_default_order_and_neighbours():
     assert topo.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topo.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert topo.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert topo.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}  # cp: size 1, no place
+    assert topo.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "dpr": 0, "pp": 1}  # size 1, no place
     assert topo.next_stage(1) == 5 and topo.prev_stage(1) == 5
     assert topo.is_first_stage(3) and topo.is_last_stage(7) and not topo.is_last_stage(3)
     assert topo.stage_groups([0, 1]) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # embedding + head
@@ -61,7 +61,7 @@ def test_bad_topology():
 
 def test_size_one_axes_may_be_left_out_and_products():
     topo = Topology("pp-tp", tp=2, pp=2)
-    assert topo.axes == ("pp", "tp", "dp", "cp") and topo.groups("pp") == [[0, 1], [2, 3]]
+    assert topo.axes == ("pp", "tp", "dp", "cp", "dpr") and topo.groups("pp") == [[0, 1], [2, 3]]
     t = Topology(tp=2, pp=2, dp=2)
     assert t.groups("dp+pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert [t.index("dp+pp", r) for r in t.group("dp+pp", 1)] == [0, 1, 2, 3]
@@ -83,7 +83,7 @@ def test_context_parallel_axis():
     """cp sits between tp and dp by default; its ranks hold the same parameters (gradients
     reduced over dp+cp) but not different samples; at cp=1 the ranks of tp-dp-pp are unchanged."""
     t = Topology(tp=2, cp=2, dp=2)
-    assert t.order == "tp-cp-dp-pp"
+    assert t.order == "tp-cp-dp-dpr-pp"
     assert t.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert t.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert t.product(lambda a: a.replicated) == "cp+dp"
