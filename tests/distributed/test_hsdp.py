@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megalite.optim.distributed_optimizer import build_optimizer
+from megalite.parallel import comm
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
 from megalite.testing import spawn
@@ -66,6 +67,50 @@ def test_hsdp_dp2_x_dpr2_matches_one_process_and_reduces_a_shard_over_the_copies
             assert calls["dpr"] == buckets, (stage, calls)  # nothing else goes over the copies
             assert ("dp_gather" in nbytes) == (stage == 3)  # ZeRO-3 gathers over the shard group
             assert "dp+dpr" in nbytes  # the loss mean: over every replica
+
+
+def _planned(rank, world):
+    """One step of a GPT chunk at dp=4 as dp2 x dpr2: the ledger's bytes per group kind and
+    the buffers' bytes, against the planner's estimate of the same run shape."""
+    from megalite.model.gpt import GPTChunk
+    from megalite.plan import memory, traffic
+    from megalite.shape import derive
+    from tests.distributed.test_ledger import M, config, data
+
+    out = {}
+    for zero in (1, 2, 3):
+        cfg = config(dp=4, zero=zero)
+        cfg.parallel.dp_replicate = 2
+        shape = derive(cfg, world)
+        groups = build_groups(shape.topology(), torch.device("cpu"))
+        chunks = [GPTChunk(cfg.model, groups.tp, dtype=torch.float32)]
+        opt = build_optimizer(chunks, groups, cfg)
+        opt.zero_grad(M)
+        loss = 0.0
+        for k in range(M):
+            x, y = data(10 * groups.data.rank + k)
+            out_ = chunks[0](x, y)
+            (out_ / M).backward()
+            loss += out_.item() / M
+        comm.all_reduce(torch.tensor([loss], dtype=torch.float64), groups.replicas)  # the mean
+        opt.step(1e-3)
+        # (the world's status: the trainer adds its flags to the norm's all-reduce, not done here)
+        got = {k: n for k, n in groups.ledger.bytes.items() if k != "world"}
+        want = {k: n for k, n in traffic.comm_bytes(cfg, shape, 0, M).items() if k != "world"}
+        buf = opt.buffer
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        params = buf.param_buffer if zero < 3 else torch.cat([b.param_shard for b in buf.buckets])
+        real = {"params": nbytes(params), "optimizer": opt.state_bytes()}
+        mem = memory.state_memory(cfg, shape, 0)
+        out[zero] = (got, want, real, {k: mem[k] for k in real})
+    return out
+
+
+def test_the_planner_counts_the_shard_group_and_its_copies_apart():
+    for got, want, real, planned in spawn(_planned, 4, timeout=300)[0].values():
+        assert got == want, (got, want)  # dp (and dp_gather), dpr, dp+dpr
+        assert {"dp", "dpr", "dp+dpr"} <= set(got)
+        assert real == planned  # the state over the shard group: 1/2 each, not 1/4
 
 
 def _config(save, stage, dp_replicate):
