@@ -70,7 +70,7 @@ def place(b: Bucket, shard: Group, replicate: Group, sharded: bool):
     b.counted = (b.dp_start + n * r // k, b.dp_start + n * (r + 1) // k)
 
 
-def alone(group: Group) -> Group:
+def solo(group: Group) -> Group:
     """A group of this rank alone on `group`'s ledger and device (no copies to reduce over)."""
     me = group.ranks[group.rank]
     return Group(f"{group.kind}_alone", [me], 0, None, group.ledger, group.device)

@@ -50,12 +50,12 @@ from megalite.parallel.buckets import (
 )
 from megalite.parallel.buffers import (
     Buffers,
-    alone,
     from_reducer,
     gather_shards,
     nbytes,
     place,
     saves,
+    solo,
 )
 from megalite.parallel.comm import Group
 from megalite.parallel.groups import ProcessGroups
@@ -87,7 +87,7 @@ class GradBuffer:
         named, self.param_dtype = trainable(chunks, select)
         params = [x for c in named for x in c]
         self.dp, self.zero = dp, ZERO[zero_stage]
-        self.replicate = replicate or alone(dp)
+        self.replicate = replicate or solo(dp)
         if self.zero.shard_params:
             raise ValueError("ZeRO-3 shards the parameters: build a zero3.Zero3Buffer")
         self.scale = 1.0 / (dp.size * self.replicate.size) if scale is None else scale

@@ -58,7 +58,7 @@ from torch import nn
 
 from megalite.parallel import comm
 from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dtype, trainable
-from megalite.parallel.buffers import alone, from_reducer, gather_shards, nbytes, place, saves
+from megalite.parallel.buffers import from_reducer, gather_shards, nbytes, place, saves, solo
 from megalite.parallel.comm import Group
 from megalite.parallel.fp8_gather import fp8_buckets, weight_groups
 from megalite.parallel.zero import GATHERS, ZERO
@@ -163,7 +163,7 @@ class Zero3Buffer:
         own = lambda name, p: "fp8" if p in fp8 else own_bucket(name, p)  # noqa: E731
         named, self.param_dtype = trainable(chunks)
         params = [x for c in named for x in c]
-        self.dp, self.zero, self.replicate = dp, ZERO[3], replicate or alone(dp)
+        self.dp, self.zero, self.replicate = dp, ZERO[3], replicate or solo(dp)
         self.scale = 1.0 / (dp.size * self.replicate.size)  # the mean over every replica
         self.gather_group = dataclasses.replace(dp, kind=f"{dp.kind}_gather")
         self.reshard = reshard

@@ -44,7 +44,11 @@ BAD = [
     (["--tp", "3"], 8, "world size 8 is not divisible by tp*pp=3*1"),
     (["--tp", "2", "--dp", "2"], 8, "does not equal the world size 8"),
     (["--dp-replicate", "3", "--zero-stage", "1"], 4, "--dp-replicate 3 does not divide dp=4"),
-    (["--num-distributed-optimizer-instances", "2"], 4, "--dp-replicate 2 needs a sharded optimizer"),
+    (
+        ["--num-distributed-optimizer-instances", "2"],
+        4,
+        "--dp-replicate 2 needs a sharded optimizer",
+    ),
     (["--tp", "8", "--num-attention-heads", "4"], 8, "tp=8 is larger than num_attention_heads=4"),
     (
         ["--tp", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
