@@ -311,9 +311,10 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
     expert-data-parallel group. Expert gradients hold the tokens of the whole ep group, so they
     are summed over edp and divided by the replicas (the mean over data-parallel ranks, as dense
     gradients). With --dp-replicate the dense buffer shards over `groups.shard` and all-reduces
-    each shard over its copies (`groups.replicate`); the expert buffer is not hybrid (edp). ZeRO-3: a Zero3Buffer, its parameters kept gathered for the step under pp (1F1B
-    interleaves micro-batches), from forward to backward with --zero3-keep-params, else freed
-    after each use; with --fp8-param-gather the FP8 linears' weights are gathered in FP8
+    each shard over its copies (`groups.replicate`); the expert buffer is not hybrid (edp).
+    ZeRO-3: a Zero3Buffer, its parameters kept gathered for the step under pp (1F1B interleaves
+    micro-batches), from forward to backward with --zero3-keep-params, else freed after each
+    use; with --fp8-param-gather the FP8 linears' weights are gathered in FP8
     (parallel/fp8_gather.py)."""
     # Tied halves get a bucket of their own: both stages then shard them identically, so the
     # sum over `embed` can run on the DP shards.
@@ -332,8 +333,8 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
     if not any(expert(n, p) for n, p in params):
         return GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own,
                           replicate=groups.replicate)  # fmt: skip
-    dense = GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own,
-                       select=lambda n, p: not expert(n, p), replicate=groups.replicate)  # fmt: skip
+    dense = GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own, replicate=groups.replicate,
+                       select=lambda n, p: not expert(n, p))  # fmt: skip
     experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
                          scale=1.0 / groups.replicas.size)  # fmt: skip
     return GradBuffers([dense, experts])

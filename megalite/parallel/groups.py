@@ -22,8 +22,9 @@ class ProcessGroups:
     products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
     same parameters: gradients are averaged over it), its two factors `shard` (the ranks ZeRO
     shards over) and `replicate` (the copies of a shard group, --dp-replicate: one rank unless
-    hybrid sharding), `data` (the ranks training on different samples), `embed` (the pipeline stages holding the tied word embedding and the
-    head; None elsewhere) and `world`. All share one `CommLedger`."""
+    hybrid sharding), `data` (the ranks training on different samples), `embed` (the pipeline
+    stages holding the tied word embedding and the head; None elsewhere) and `world`. All share
+    one `CommLedger`."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, groups: dict,
                  embed: Group | None, world: Group, ledger: CommLedger | None = None):  # fmt: skip
@@ -150,8 +151,8 @@ def rank_groups(
 ) -> dict[str, list[int]]:
     """{kind: ranks} of the groups `rank` is in, in the order build_groups creates them: each
     axis, the products (those named, the replicas', the data's, the shard group's and its
-    copies'), the experts' ep and edp, and
-    "embed" where the rank holds one of `embed_stages` (default: the first and the last)."""
+    copies'), the experts' ep and edp, and "embed" where the rank holds one of `embed_stages`
+    (default: the first and the last)."""
     out = {a: topo.group(a, rank) for a in topo.axes}
     wanted = [topo.product(p) for p in (replica_axis, data_axis, shard_axis, copy_axis)]
     for expr in [*products, *wanted]:
@@ -189,9 +190,9 @@ def build_groups(
     products: tuple[str, ...] = (), embed_stages: list[int] | None = None,
 ) -> ProcessGroups:  # fmt: skip
     """Create the groups this rank is in, and no other: each axis, the products named in
-    `products` plus those the run needs (replicas, data, shard, replicate), the experts' ep and edp, and the
-    embedding group of the pipeline stages in `embed_stages` (default: the first and the last)
-    where this rank holds one of them.
+    `products` plus those the run needs (replicas, data, shard, replicate), the experts' ep and
+    edp, and the embedding group of the pipeline stages in `embed_stages` (default: the first
+    and the last) where this rank holds one of them.
 
     One `new_group(..., use_local_synchronization=True)` per group a rank is in: only its
     members call it (torch names the group by a hash of its ranks, not by a world-wide
