@@ -161,3 +161,21 @@ def test_a_checkpoint_saved_at_dpr2_resumes_exactly_at_dpr1(tmp_path):
         assert loss1 == loss2, stage  # the same parameters on the same samples
         assert norm1 == pytest.approx(norm2, rel=1e-6), stage
         assert not any("re-seeded" in line for line in log), log  # the same layout of RNG
+
+
+def _moe(rank, world):
+    """A mixture-of-experts model at ep=2 over dp=4, ZeRO-1: the dense buffer hybrid (dp2 x
+    dpr2), the expert buffer over edp as before."""
+    from tests.distributed.test_moe_training import config, trainer
+
+    out = []
+    for r in (1, 2):
+        tr = trainer(config(ep=2, zero_stage=1, dp_replicate=r), world)
+        steps = [tr.train_step(log=True) for _ in range(3)]
+        out.append([s[k] for s in steps for k in ("loss", "grad_norm")])
+    return out
+
+
+def test_moe_with_hybrid_sharded_dense_parameters_matches_plain_dp():
+    plain, hybrid = spawn(_moe, 4, timeout=300)[0]
+    assert plain == pytest.approx(hybrid, rel=1e-5)
