@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from megalite.model_config import ModelConfig, opt
 
 # The rank order of the parallel axes, fastest-varying first; parallel/topology.py takes its
-# default from here. An axis of size 1 takes no place: tp-dp-pp ranks unchanged.
-DEFAULT_ORDER = "tp-cp-dp-pp"
+# default from here. An axis of size 1 takes no place: tp-dp-pp ranks unchanged. dpr (the copies
+# of a ZeRO shard group, --dp-replicate) after dp: a shard group stays inside a node.
+DEFAULT_ORDER = "tp-cp-dp-dpr-pp"
 
 
 @dataclass
@@ -49,6 +50,13 @@ class ParallelConfig:
     )
     dp: int | None = opt(
         None, "data-parallel size (default: world size / (tp*cp*pp))", "--data-parallel-size"
+    )
+    dp_replicate: int = opt(
+        1,
+        "hybrid sharding (HSDP): the dp ranks form this many copies of a ZeRO shard group of "
+        "dp/dp_replicate ranks; gradients are reduce-scattered inside a group, then each shard "
+        "all-reduced over the copies (needs --zero-stage >= 1)",
+        "--num-distributed-optimizer-instances",
     )
     cp: int = opt(
         1,

@@ -51,9 +51,17 @@ class RunShape:
     def order(self) -> str:
         return "-".join(a for a, _ in self.sizes)
 
+    @property
+    def data(self) -> int:
+        """The data-parallel ranks (the user's --dp): every axis that splits the batch, dp x dpr."""
+        n = 1
+        for a, k in self.sizes:
+            n *= k if AXES[a].splits_batch else 1
+        return n
+
     def __str__(self) -> str:  # "tp=2 pp=2 dp=4 vpp=2 zero=1 sp": the layout, as plans print it
         sizes = dict(self.sizes)
-        out = f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        out = f"tp={self.tp} pp={self.pp} dp={self.data}"  # (dp x dpr: --dp, as the user gave it)
         out += "".join(
             f" {a}={n}" for a, n in sizes.items() if a not in ("tp", "pp", "dp") and n > 1
         )
@@ -108,8 +116,17 @@ class RunShape:
 
     def layout(self) -> dict:
         """What a checkpoint records of the layout that wrote it."""
-        # a newer axis of size 1 goes unrecorded: checkpoints written before it match this layout
-        sizes = {a: n for a, n in self.sizes if n > 1 or a in ("tp", "dp", "pp")}
+        # a newer axis of size 1 goes unrecorded: checkpoints written before it match this layout.
+        # An axis whose copies hold the same shards (dpr) right after dp numbers the ranks as
+        # dp x dpr plain dp ranks do and changes only how gradients are reduced: it is recorded
+        # as that dp, so a run resumed at another --dp-replicate keeps its RNG streams.
+        sizes, prev = {}, None
+        for a, n in self.sizes:
+            if prev == "dp" and AXES[a].replicated and not AXES[a].shards:
+                sizes["dp"] *= n
+            elif n > 1 or a in ("tp", "dp", "pp"):
+                sizes[a] = n
+            prev = a
         out = {**sizes, "vpp": self.vpp, "world_size": self.world_size}
         return {**out, "ep": self.ep} if self.ep > 1 else out
 
@@ -122,6 +139,7 @@ def _positive(cfg: Config):
         "seq-length": m.seq_length, "micro-batch-size": t.micro_batch_size,
         "global-batch-size": t.global_batch_size, "train-iters": t.train_iters,
         "log-interval": t.log_interval, "dp": p.dp, "num-query-groups": m.num_query_groups,
+        "dp-replicate": p.dp_replicate,
         "ffn-hidden-size": m.ffn_hidden_size, "vocab-size": m.vocab_size,
         "num-experts": m.num_experts, "moe-router-topk": m.moe_router_topk,
         "moe-ffn-hidden-size": m.moe_ffn_hidden_size, "moe-layer-freq": m.moe_layer_freq,
@@ -146,11 +164,17 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     sizes = {a: (ax.size(cfg) if ax.size else None) for a, ax in AXES.items()}
     sizes[INFERRED] = p.dp
-    given = 1
+    # --dp counts every rank that splits the batch: an axis that does (dpr) divides it, the
+    # others (tp, cp, pp) divide the world
+    given, split = 1, 1
     for a, n in sizes.items():
-        given *= n if a != INFERRED else 1
+        if a != INFERRED and AXES[a].splits_batch:
+            split *= n
+        elif a != INFERRED:
+            given *= n
     # the messages name tp and pp, and any other axis given a size (cp=1 goes unsaid)
-    shown = [a for a, n in sizes.items() if a != INFERRED and (n > 1 or a in ("tp", "pp"))]
+    shown = [a for a, n in sizes.items() if a != INFERRED and not AXES[a].splits_batch
+             and (n > 1 or a in ("tp", "pp"))]  # fmt: skip
     named = "*".join(shown)
     values = "*".join(str(sizes[a]) for a in shown)
     if world_size % given:
@@ -163,7 +187,13 @@ def derive(cfg: Config, world_size: int) -> RunShape:
             f"{named}*dp={values}*{p.dp}={given * p.dp} does not equal the world size {world_size}; "
             "fix --dp or omit it to infer it"
         )
-    sizes[INFERRED] = world_size // given
+    data = world_size // given
+    if data % split:
+        raise MegaliteError(
+            f"--dp-replicate {split} does not divide dp={data} (the dp ranks form dp-replicate "
+            f"copies of a ZeRO shard group); choose a divisor of {data}"
+        )
+    sizes[INFERRED] = data // split
     try:
         axes = parse_order(p.order, sizes)
     except ValueError as e:
@@ -206,6 +236,13 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         raise MegaliteError(
             f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings}"
         )
+    zero = ZERO[cfg.optimizer.zero_stage]
+    if split > 1 and not zero.shard_state:
+        raise MegaliteError(
+            f"--dp-replicate {split} needs a sharded optimizer (--zero-stage 1, 2 or 3): at "
+            f"--zero-stage {zero.stage} every rank holds the whole state and gradients are "
+            "all-reduced over all dp ranks"
+        )
     return RunShape(
         world_size=world_size,
         sizes=tuple((a, sizes[a]) for a in axes),
@@ -218,7 +255,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         model=dataclasses.replace(m),
         ep=p.ep,
         etp=p.etp,
-        zero=ZERO[cfg.optimizer.zero_stage],
+        zero=zero,
         stage_layers=partition.counts,
         cp_a2a=(cp_levels(p) or (None,))[0],
     )

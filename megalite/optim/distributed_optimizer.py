@@ -6,7 +6,8 @@ rank's shard (the whole bucket at stage 0); the fp32 master weights (only when p
 bf16/fp16) and the Adam moments exist for that shard alone, so at stage >= 1 a rank holds 12/dp
 bytes of optimizer state per parameter. A step:
 
-  1. finalise gradients: wait for the DP reductions, then sum the gradients each rank holds only
+  1. finalise gradients: wait for the DP reductions (with --dp-replicate, then each shard's
+     all-reduce over the copies of its shard group), then sum the gradients each rank holds only
      part of (ParamSpec.grad_sum): over TP (sequence-parallel norms, replicated k/v), over
      `embed` (the tied embedding's two halves on the first and last stage)
   2. global norm over TP, PP (and DP where gradients are sharded) plus an inf/nan check and the
@@ -116,9 +117,11 @@ class DistributedOptimizer:
                 self._decay[i].append(s[:2])
             # Each rank counts its 1/dp of every bucket in the norm, also at stage 0 where it
             # holds all of it: the norm and the inf check can then be summed over the world.
+            # With copies of the shard group (--dp-replicate) each copy counts a piece of that
+            # 1/dp (`counted`, buffers.place): summed over the world, every element once.
             # Expert tensors are split, so they count on every rank: ep ranks hold different
             # experts, and their replicas (edp, TP ranks included) count 1/edp of each bucket.
-            n = r.overlap(b.dp_start, b.dp_start + b.numel // buf.group_of(b).size)
+            n = r.overlap(*b.counted)
             if n is not None and spec.counted_in_norm(groups.tp.rank):
                 self._norm[i].append((n[0] - b.shard_start, n[1] - b.shard_start))
         self._decay = [_merge(s) for s in self._decay]

@@ -6,6 +6,9 @@ An axis says what it means for the rest of megalite:
 
 - `replicated`: the model's parameters are the same on every rank of the axis, so gradients are
   averaged over it and ZeRO shards over it (dp, cp);
+- `shards`: of a replicated axis, whether ZeRO shards over it (the default). One that does not
+  (dpr, --dp-replicate) holds copies of the shards: gradients are reduce-scattered over the
+  sharding axes, then each shard is all-reduced over it (hybrid sharding, HSDP);
 - `splits_batch`: ranks along the axis train on different samples (dp), so the sampler and the
   dropout seeds tell them apart;
 - `size(cfg)`: its size from the config; None for the one axis that takes the rest of the world
@@ -27,8 +30,29 @@ class Axis:
     doc: str
     replicated: bool = False
     splits_batch: bool = False
+    shards: bool = True
     size: Callable | None = None
     check: Callable | None = None
+
+
+# The groups a run reduces over, as predicates on an axis (Topology.product's argument; the
+# groups ProcessGroups names): the replicas, over which gradients are averaged; of those the
+# ones ZeRO shards over (the shard group) and the copies of that group (--dp-replicate); and
+# the ranks that split the batch.
+def replica_axis(a: "Axis") -> bool:
+    return a.replicated
+
+
+def shard_axis(a: "Axis") -> bool:
+    return a.replicated and a.shards
+
+
+def copy_axis(a: "Axis") -> bool:
+    return a.replicated and not a.shards
+
+
+def data_axis(a: "Axis") -> bool:
+    return a.splits_batch
 
 
 AXES: dict[str, Axis] = {}
@@ -139,7 +163,8 @@ def _check_cp(cfg, sizes: dict) -> str | None:
 
 register_axis("tp", "tensor parallel: each layer's weights split over the ranks",
               size=lambda cfg: cfg.parallel.tp, check=_check_tp)  # fmt: skip
-register_axis("dp", "data parallel: replicas training on different samples",
+register_axis("dp", "data parallel: replicas training on different samples (with --dp-replicate: "
+              "the ranks of one ZeRO shard group)",
               replicated=True, splits_batch=True)  # fmt: skip
 # which layers each stage holds is checked by shape.derive (pipeline/partition.py)
 register_axis(
@@ -148,3 +173,6 @@ register_axis(
 register_axis("cp", "context parallel: each sample's sequence split over the ranks",
               replicated=True, splits_batch=False,  # the same samples, other tokens
               size=lambda cfg: cfg.parallel.cp, check=_check_cp)  # fmt: skip
+register_axis("dpr", "hybrid sharding: copies of the ZeRO shard group (the user's dp = dp x dpr)",
+              replicated=True, splits_batch=True, shards=False,
+              size=lambda cfg: cfg.parallel.dp_replicate)  # fmt: skip

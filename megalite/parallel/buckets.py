@@ -92,6 +92,9 @@ class Bucket:
     shard_start: int = 0  # the part of the bucket this rank updates (all of it at stage 0)
     shard_end: int = 0
     dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
+    # [start, end) of the bucket this rank counts in the gradient norm: its 1/dp, or with
+    # copies of the shard group (--dp-replicate) its copy's piece of that (buffers.place)
+    counted: tuple = (0, 0)
     grad: torch.Tensor | None = None  # full-bucket gradient (a buffer view; staged at stage 2)
     shard_grad: torch.Tensor | None = None  # the reduced gradient of this rank's shard
     pending: int = 0  # params without a gradient in this pass yet

@@ -57,10 +57,29 @@ class Buffers(Protocol):
         """Full-bucket tensors from this rank's per-bucket shards (collective)."""
 
 
-def saves(b: Bucket, group: Group) -> bool:
+def place(b: Bucket, shard: Group, replicate: Group, sharded: bool):
+    """Where this rank sits in bucket `b`: `dp_start`, the start of its 1/shard.size of the
+    bucket; its shard (that part where the state is `sharded`, else the whole bucket); and
+    `counted`, what it counts in the gradient norm: of its 1/shard.size, the piece of its copy
+    (`replicate`: the copies of the shard group holding the same shards, --dp-replicate), so
+    every element is counted once over the world however many copies hold it."""
+    n = b.numel // shard.size
+    b.dp_start = b.start + shard.rank * n
+    b.shard_start, b.shard_end = (b.dp_start, b.dp_start + n) if sharded else (b.start, b.end)
+    r, k = replicate.rank, replicate.size
+    b.counted = (b.dp_start + n * r // k, b.dp_start + n * (r + 1) // k)
+
+
+def solo(group: Group) -> Group:
+    """A group of this rank alone on `group`'s ledger and device (no copies to reduce over)."""
+    me = group.ranks[group.rank]
+    return Group(f"{group.kind}_alone", [me], 0, None, group.ledger, group.device)
+
+
+def saves(b: Bucket, group: Group, replicate: Group) -> bool:
     """Every rank writes its own shard when the state is sharded, DP rank 0 the whole bucket
-    otherwise."""
-    return b.shard_end - b.shard_start < b.numel or group.rank == 0
+    otherwise; of the copies of a shard group (`replicate`), the first alone."""
+    return replicate.rank == 0 and (b.shard_end - b.shard_start < b.numel or group.rank == 0)
 
 
 def gather_shards(buckets: list[Bucket], shards: list[torch.Tensor], group: Group):

@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.axes import copy_axis, data_axis, replica_axis, shard_axis
 from megalite.parallel.comm import Group
 from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.ledger import CommLedger
@@ -22,8 +23,10 @@ class ProcessGroups:
     experts `groups.ep` and `groups.edp` (Topology.experts; with etp > 1 also `groups.etp`
     and the token exchange's `etp+ep`), the
     products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
-    same parameters: gradients are reduced and ZeRO-sharded over it), `data` (the ranks training
-    on different samples), `cp_levels` (a2a+p2p's two levels of cp), `embed` (the pipeline stages holding the tied word embedding and the
+    same parameters: gradients are averaged over it), its two factors `shard` (the ranks ZeRO
+    shards over) and `replicate` (the copies of a shard group, --dp-replicate: one rank unless
+    hybrid sharding), `data` (the ranks training on different samples), `cp_levels` (a2a+p2p's
+    two levels of cp), `embed` (the pipeline stages holding the tied word embedding and the
     head; None elsewhere) and `world`. All share one `CommLedger`."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, groups: dict,
@@ -66,11 +69,19 @@ class ProcessGroups:
 
     @property
     def replicas(self) -> Group:
-        return self.get(self.topo.product(lambda a: a.replicated))
+        return self.get(self.topo.product(replica_axis))
+
+    @property
+    def shard(self) -> Group:
+        return self.get(self.topo.product(shard_axis))
+
+    @property
+    def replicate(self) -> Group:
+        return self.get(self.topo.product(copy_axis))
 
     @property
     def data(self) -> Group:
-        return self.get(self.topo.product(lambda a: a.splits_batch))
+        return self.get(self.topo.product(data_axis))
 
     @property
     def is_first_stage(self) -> bool:
@@ -167,10 +178,11 @@ def rank_groups(
     topo: Topology, rank: int, products: tuple[str, ...] = (), embed_stages=None
 ) -> dict[str, list[int]]:
     """{kind: ranks} of the groups `rank` is in, in the order build_groups creates them: each
-    axis, the products (those named, the replicas', the data's), the experts' ep and edp, and
-    "embed" where the rank holds one of `embed_stages` (default: the first and the last)."""
+    axis, the products (those named, the replicas', the data's, the shard group's and its
+    copies'), the experts' ep and edp, and "embed" where the rank holds one of `embed_stages`
+    (default: the first and the last)."""
     out = {a: topo.group(a, rank) for a in topo.axes}
-    wanted = [topo.product(lambda a: a.replicated), topo.product(lambda a: a.splits_batch)]
+    wanted = [topo.product(p) for p in (replica_axis, data_axis, shard_axis, copy_axis)]
     for expr in [*products, *wanted]:
         key = _key(topo, expr)
         if key not in out:
@@ -217,9 +229,9 @@ def build_groups(
     products: tuple[str, ...] = (), embed_stages: list[int] | None = None,
 ) -> ProcessGroups:  # fmt: skip
     """Create the groups this rank is in, and no other: each axis, the products named in
-    `products` plus those the run needs (replicas, data), the experts' ep and edp, and the
-    embedding group of the pipeline stages in `embed_stages` (default: the first and the last)
-    where this rank holds one of them.
+    `products` plus those the run needs (replicas, data, shard, replicate), the experts' ep and
+    edp, and the embedding group of the pipeline stages in `embed_stages` (default: the first
+    and the last) where this rank holds one of them.
 
     One `new_group(..., use_local_synchronization=True)` per group a rank is in: only its
     members call it (torch names the group by a hash of its ranks, not by a world-wide

@@ -15,6 +15,11 @@ adding a stage is one more entry.
   stage 3  also the parameters: each rank keeps 1/dp of them, gathered unit by unit (a layer)
            before use and freed after (zero3.py) as the reshard policy says; gradients as at
            stage 2
+
+Hybrid sharding (--dp-replicate R, stages 1-3): everything above happens inside a shard group of
+dp/R ranks; once a step, each rank's reduced shard is all-reduced over the R copies of its group
+(reducers.StepReducer.finish), so the state is 1/(dp/R) per rank and the copies carry 1/(dp/R)
+of the gradient bytes.
 """
 
 from dataclasses import dataclass
@@ -77,14 +82,16 @@ class ZeroStage:
     def collectives(self, microbatches: int, policy: str | None = None) -> dict[str, int]:
         """The collectives one bucket makes over the replicas per step, by name -> calls:
         "all_reduce" or "reduce_scatter" of its gradient (once per step, or per micro-batch),
-        "all_gather" of the updated parameter shards after the step, and "param_gather": the
-        parameters gathered before use under `policy` (ZeRO-3)."""
+        "all_gather" of the updated parameter shards after the step, "param_gather": the
+        parameters gathered before use under `policy` (ZeRO-3), and "shard_all_reduce": the
+        reduced shard all-reduced over the copies of the shard group (--dp-replicate)."""
         reductions = microbatches if self.reduce_each_microbatch else 1
         if not self.shard_state:
             return {"all_reduce": reductions}
         if self.shard_params:
-            return {"reduce_scatter": reductions, "param_gather": GATHERS[policy](microbatches)}
-        return {"reduce_scatter": reductions, "all_gather": 1}
+            return {"reduce_scatter": reductions, "param_gather": GATHERS[policy](microbatches),
+                    "shard_all_reduce": 1}  # fmt: skip
+        return {"reduce_scatter": reductions, "all_gather": 1, "shard_all_reduce": 1}
 
     def state_bytes(self, numel: int, dp: int, param_bytes: int, grad_bytes: int) -> dict:
         """Bytes this rank allocates for `numel` (padded) parameter elements: parameters,

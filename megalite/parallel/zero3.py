@@ -43,6 +43,10 @@ per step).
 
 Parameter gathers are recorded in the ledger as "<kind>_gather" (e.g. dp_gather), the gradient
 reduce-scatters under the group's own kind, so a step's traffic of each is visible.
+
+Hybrid sharding (--dp-replicate): `dp` is the shard group and `replicate` its copies; the units
+are gathered over `dp` alone, and each shard's gradient is all-reduced over the copies once the
+step's reduce-scatters have landed (reducers.StepReducer.finish, ledger kind "dpr").
 """
 
 import dataclasses
@@ -54,7 +58,7 @@ from torch import nn
 
 from megalite.parallel import comm
 from megalite.parallel.buckets import ALIGN, Bucket, Packer, ParamRange, grad_dtype, trainable
-from megalite.parallel.buffers import from_reducer, gather_shards, nbytes, saves
+from megalite.parallel.buffers import from_reducer, gather_shards, nbytes, place, saves, solo
 from megalite.parallel.comm import Group
 from megalite.parallel.fp8_gather import fp8_buckets, weight_groups
 from megalite.parallel.zero import GATHERS, ZERO
@@ -148,7 +152,8 @@ class Zero3Buffer:
     grad_buffer = None  # no whole-model gradient buffer: per-shard accumulators
 
     def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
-                 own_bucket=lambda name, p: False, fp8_gather: bool = False):  # fmt: skip
+                 own_bucket=lambda name, p: False, fp8_gather: bool = False,
+                 replicate: Group | None = None):  # fmt: skip
         if reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
         # FP8 weights get a bucket of their own per unit whether or not they travel in FP8: one
@@ -158,7 +163,8 @@ class Zero3Buffer:
         own = lambda name, p: "fp8" if p in fp8 else own_bucket(name, p)  # noqa: E731
         named, self.param_dtype = trainable(chunks)
         params = [x for c in named for x in c]
-        self.dp, self.zero, self.scale = dp, ZERO[3], 1.0 / dp.size
+        self.dp, self.zero, self.replicate = dp, ZERO[3], replicate or solo(dp)
+        self.scale = 1.0 / (dp.size * self.replicate.size)  # the mean over every replica
         self.gather_group = dataclasses.replace(dp, kind=f"{dp.kind}_gather")
         self.reshard = reshard
         self.grad_dtype = grad_dtype(self.param_dtype)
@@ -175,8 +181,7 @@ class Zero3Buffer:
             c = chunk_of[first]
             b = Bucket(start, end, [by_name[n] for n, _, _ in ranges], c)
             shard = b.numel // dp.size
-            b.dp_start = b.shard_start = start + dp.rank * shard
-            b.shard_end = b.shard_start + shard
+            place(b, dp, self.replicate, sharded=True)
             b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
             b.full = torch.zeros(b.numel, dtype=self.param_dtype, device=device)
             with torch.no_grad():
@@ -200,7 +205,8 @@ class Zero3Buffer:
         self._unit_of = {b: u for u in self.units for b in u.buckets}
         # gradients: stage 2's path, a unit freed once all its buckets are reduced
         self.reducer = self.zero.reducer(self.buckets, self.ranges, dp, self.scale,
-                                         self.zero.in_flight, on_launch=self._launched)  # fmt: skip
+                                         self.zero.in_flight, on_launch=self._launched,
+                                         replicate=self.replicate)  # fmt: skip
         self.gathered_bytes = self._held()
         self._plan_keeps(len(chunks))
         for u in self.units:  # built whole: from now on each rank holds its shards only,
@@ -333,8 +339,7 @@ class Zero3Buffer:
         self.peak_gathered_bytes = self.gathered_bytes
 
     def finish(self):
-        self.reducer.launch_rest()
-        self.reducer.wait()
+        self.reducer.finish()
         self.free_all()  # the step changes the shards: every unit is gathered afresh
         self._prefetched = []
 
@@ -345,7 +350,7 @@ class Zero3Buffer:
         return b.param_shard
 
     def saves(self, b: Bucket) -> bool:
-        return saves(b, self.dp)
+        return saves(b, self.dp, self.replicate)
 
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""

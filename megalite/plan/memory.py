@@ -132,13 +132,16 @@ def zero3_params(cfg: Config, shape: RunShape, kw: dict, specs) -> list:
 
 
 def replicas(shape: RunShape) -> int:
-    """Ranks holding the same parameters (gradients reduced, ZeRO sharded over them): dp*cp."""
+    """Ranks ZeRO shards the state over (the shard group): dp*cp. With --dp-replicate its dpr
+    copies hold the same shards (shape.dp is the shard group's part of the data-parallel ranks),
+    so the state is 1/(dp*cp) per rank, not 1/(dp*dpr*cp)."""
     return shape.dp * shape.cp
 
 
 def expert_parallel(shape: RunShape) -> tuple[int, int]:
-    """(ep, edp) of a layout: edp = tp*dp*cp/(ep*etp), the ranks holding the same expert slices."""
-    return shape.ep, max(1, shape.tp * replicas(shape) // (shape.ep * shape.etp))
+    """(ep, edp) of a layout: edp = tp*dp*cp/(ep*etp) (dp x dpr: every data-parallel rank), the
+    ranks holding the same expert slices."""
+    return shape.ep, max(1, shape.tp * replicas(shape) * shape.dpr // (shape.ep * shape.etp))
 
 
 def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):

@@ -8,6 +8,8 @@ import dataclasses
 from megalite.config import Config
 from megalite.optim import muon_owners
 from megalite.optim.muon import muon_on, muon_parts
+from megalite.parallel.axes import copy_axis, replica_axis, shard_axis
+from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import carried_units, unit_gathers, unit_of
 from megalite.pipeline.actions import SEND_B, SEND_F
 from megalite.plan.activations import attention_core_heads, schedule_actions
@@ -192,10 +194,15 @@ def comm_bytes(
             amaxes = len({fp8[r[0]] for r in ranges if r[0] in fp8})
             each = _gather_bytes(d, n * (1 if amaxes else e), amaxes)
             out["dp_gather"] = out.get("dp_gather", 0) + per_unit[unit_of(ranges[0][0])] * each
-    out["dp"] = dp_bytes + _ring("all_reduce", d, 8)
-    if cp > 1:  # the replicas' ledger kind; attention's own bytes over cp
-        kind = _replicas_kind(shape)
-        out[kind] = out.pop("dp")
+    # the shard group's kind (dp, cp+dp); with --dp-replicate each shard is all-reduced over
+    # the copies of the group (dpr) once a step, and the loss mean spans both (dp+dpr)
+    shard, everyone, copies = (_kind(shape, f) for f in (shard_axis, replica_axis, copy_axis))
+    out[shard] = out.get(shard, 0) + dp_bytes
+    out[everyone] = out.get(everyone, 0) + _ring("all_reduce", d * shape.dpr, 8)
+    for start, end, _ in bs:
+        n = calls.get("shard_all_reduce", 0) * zero.shard(end - start, d) * g_size
+        out[copies] = out.get(copies, 0) + _ring("all_reduce", shape.dpr, n)
+    if cp > 1:  # attention's own bytes over cp
         layers = sum(len(kw["layers"]) for kw in kws)
         passes = 2 if tr.recompute == "full" else 1  # a recomputed forward sends again
         fwd, bwd = cp_layer_bytes(whole, shape)
@@ -206,7 +213,7 @@ def comm_bytes(
     # the step's status, float64 each: the gradient norm, the inf flag, the preemption signal
     # and time-limit flags, and the loss when the spike guard reads it
     status = 4 + (tr.spike_threshold > 0)
-    out["world"] = _ring("all_reduce", t * pp * d, 8 * status)
+    out["world"] = _ring("all_reduce", shape.world_size, 8 * status)
     if m.num_experts:  # the expert buffer over edp, as the dense one over dp
         edp = expert_parallel(shape)[1]
         for start, end, _ in buckets(cfg, shape, pp_rank, experts=True):
@@ -214,7 +221,7 @@ def comm_bytes(
             out["edp"] = out.get("edp", 0) + _dp_bytes(calls, edp, n * g_size, n * e)
         if m.moe_router_enable_expert_bias:  # the step's loads: (layers + MTP, E) float64
             rows = m.num_layers + m.mtp_num_layers
-            out["world"] += _ring("all_reduce", t * pp * d, rows * m.num_experts * 8)
+            out["world"] += _ring("all_reduce", shape.world_size, rows * m.num_experts * 8)
     return {k: v for k, v in out.items() if v}
 
 
@@ -248,8 +255,13 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
 
 
 def _replicas_kind(shape: RunShape) -> str:
-    """The ledger kind of the replicas' group: dp, or with context parallelism cp+dp (cp)."""
-    return ("cp+dp" if shape.dp > 1 else "cp") if shape.cp > 1 else "dp"
+    """The ledger kind of the group ZeRO shards over: dp, or with context parallelism cp+dp (cp)."""
+    return _kind(shape, shard_axis)
+
+
+def _kind(shape: RunShape, axes) -> str:
+    """The ledger kind of the group over the axes `axes(Axis)` holds for: its group's name."""
+    return Topology(shape.order, **dict(shape.sizes)).product(axes)
 
 
 def _dp_bytes(calls: dict, n: int, grad_bytes: int, param_bytes: int) -> int:

@@ -30,10 +30,11 @@ def setup(shape: RunShape, timeout_minutes: float = 10.0, launch=None):
 
 def planned_world(cfg) -> int:
     """The world a --dry-run outside torchrun plans for: every axis's configured size, --dp (1
-    when omitted) for data parallelism."""
+    when omitted, else every rank that splits the batch: --dp-replicate divides it) for data
+    parallelism."""
     n = cfg.parallel.dp or 1
     for axis in AXES.values():
-        n *= axis.size(cfg) if axis.size else 1
+        n *= axis.size(cfg) if axis.size and not axis.splits_batch else 1
     return n
 
 

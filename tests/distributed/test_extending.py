@@ -85,7 +85,7 @@ def _new_axis(rank, world):
                   size=lambda cfg: 2)  # fmt: skip
     try:
         got, got_params, shape, groups = _train(_config("tp-xp-dp-pp"), world)
-        assert dict(shape.sizes) == {"tp": 2, "xp": 2, "dp": 1, "pp": 1, "cp": 1}
+        assert dict(shape.sizes) == {"tp": 2, "xp": 2, "dp": 1, "pp": 1, "cp": 1, "dpr": 1}
         # gradients reduced (and ZeRO-sharded) over dp+xp: the ranks where dp was
         assert groups.replicas is groups.get("dp+xp") and groups.replicas.kind == "xp"
         assert groups.replicas.ranks == [rank % 2, rank % 2 + 2]

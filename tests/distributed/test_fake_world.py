@@ -55,10 +55,12 @@ def test_stages_without_moe_layers_enter_the_expert_bias_all_reduce():
     assert not world, world
 
 
-LAYOUTS = {  # 1,024 ranks each: context parallelism, ZeRO-3, the zero-bubble V schedule
+LAYOUTS = {  # 1,024 ranks each: context parallelism, ZeRO-3, the zero-bubble V schedule, HSDP
     "cp2-zero1": ({"tp": 8, "cp": 2, "pp": 4}, {"zero_stage": 1}, 16),
     "zero3": ({"tp": 8, "pp": 4}, {"zero_stage": 3}, 32),
     "zbv": ({"tp": 8, "pp": 4, "pp_schedule": "zbv"}, {"zero_stage": 2}, 32),
+    # hybrid sharding: dp=32 as 4 copies (dpr) of a ZeRO-3 shard group of 8
+    "hsdp-zero3": ({"tp": 8, "pp": 4, "dp_replicate": 4}, {"zero_stage": 3}, 32),
 }
 
 

@@ -24,6 +24,10 @@ LAYOUTS = {
     "dp2-zero3-recompute-full": (2, ["--zero-stage", "3", "--recompute", "full"]),
     "dp2-tp2-zero3-sp": (4, ["--tp", "2", "--sequence-parallel", "--zero-stage", "3"]),
     "dp2-pp2-zero3": (4, ["--pp", "2", "--zero-stage", "3"]),
+    # hybrid sharding: dp=4 as 2 copies of a shard group of 2 (reduce-scatter inside, all-reduce
+    # of each shard over the copies)
+    "dp4-r2-zero1": (4, ["--dp-replicate", "2", "--zero-stage", "1"]),
+    "dp4-r2-tp2-zero3": (8, ["--tp", "2", "--dp-replicate", "2", "--zero-stage", "3"]),
     # context parallelism: each sequence split over cp ranks (ring, or all-to-all)
     "cp2": (2, ["--cp", "2"]),
     "cp2-tp2-sp": (4, ["--cp", "2", "--tp", "2", "--sequence-parallel"]),

@@ -45,6 +45,12 @@ HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-si
 BAD = [
     (["--tp", "3"], 8, "world size 8 is not divisible by tp*pp=3*1"),
     (["--tp", "2", "--dp", "2"], 8, "does not equal the world size 8"),
+    (["--dp-replicate", "3", "--zero-stage", "1"], 4, "--dp-replicate 3 does not divide dp=4"),
+    (
+        ["--num-distributed-optimizer-instances", "2"],
+        4,
+        "--dp-replicate 2 needs a sharded optimizer",
+    ),
     (["--tp", "8", "--num-attention-heads", "4"], 8, "tp=8 is larger than num_attention_heads=4"),
     (
         ["--tp", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -230,3 +236,19 @@ def test_default_order_is_one_literal():
         holders += [path.name for n in ast.walk(tree)
                     if isinstance(n, ast.Constant) and n.value == DEFAULT_ORDER and id(n) not in docs]  # fmt: skip
     assert holders == ["config.py"]
+
+
+def test_dp_replicate_splits_dp_and_keeps_the_layout_of_plain_dp():
+    """--dp counts every data-parallel rank: --dp-replicate 2 makes dp=4 two copies (dpr) of a
+    shard group of 2 (the shape's dp). The copies change only how gradients are reduced, so a
+    checkpoint records the layout of plain dp=4 (RNG streams carry over across R)."""
+    argv = ["--tp", "2", "--dp", "4", "--zero-stage", "1", "--global-batch-size", "8"]
+    hsdp = validate(parse_args([*argv, "--num-distributed-optimizer-instances", "2"]), 8)
+    plain = validate(parse_args(argv), 8)
+    assert (hsdp.dp, hsdp.dpr, hsdp.data, plain.data) == (2, 2, 4, 4)
+    assert hsdp.microbatches == plain.microbatches  # (the batch split over all 4)
+    assert str(hsdp) == "tp=2 pp=1 dp=4 dpr=2 zero=1"
+    assert hsdp.layout() == plain.layout() == {"tp": 2, "dp": 4, "pp": 1, "vpp": 1, "world_size": 8}
+    # copies laid out apart from their shard group number the ranks otherwise: recorded
+    apart = parse_args([*argv, "--dp-replicate", "2", "--order", "tp-dpr-dp-pp"])
+    assert validate(apart, 8).layout()["dpr"] == 2

@@ -39,7 +39,7 @@ def test_default_order_and_neighbours():
     assert topo.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topo.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert topo.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert topo.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}  # cp: size 1, no place
+    assert topo.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "dpr": 0, "pp": 1}  # size 1, no place
     assert topo.next_stage(1) == 5 and topo.prev_stage(1) == 5
     assert topo.is_first_stage(3) and topo.is_last_stage(7) and not topo.is_last_stage(3)
     assert topo.stage_groups([0, 1]) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # embedding + head
@@ -61,7 +61,7 @@ def test_bad_topology():
 
 def test_size_one_axes_may_be_left_out_and_products():
     topo = Topology("pp-tp", tp=2, pp=2)
-    assert topo.axes == ("pp", "tp", "dp", "cp") and topo.groups("pp") == [[0, 1], [2, 3]]
+    assert topo.axes == ("pp", "tp", "dp", "cp", "dpr") and topo.groups("pp") == [[0, 1], [2, 3]]
     t = Topology(tp=2, pp=2, dp=2)
     assert t.groups("dp+pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert [t.index("dp+pp", r) for r in t.group("dp+pp", 1)] == [0, 1, 2, 3]
@@ -83,7 +83,7 @@ def test_context_parallel_axis():
     """cp sits between tp and dp by default; its ranks hold the same parameters (gradients
     reduced over dp+cp) but not different samples; at cp=1 the ranks of tp-dp-pp are unchanged."""
     t = Topology(tp=2, cp=2, dp=2)
-    assert t.order == "tp-cp-dp-pp"
+    assert t.order == "tp-cp-dp-dpr-pp"
     assert t.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert t.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert t.product(lambda a: a.replicated) == "cp+dp"
@@ -122,3 +122,30 @@ def test_expert_tensor_parallel_groups():
     plain.expert = plain.experts(2)  # etp 1: no etp groups to create
     assert "etp" not in rank_groups(plain, 5) and "etp+ep" not in rank_groups(plain, 5)
     assert "ETP groups: [0, 1] [2, 3]" in topo.describe()
+
+
+def test_hybrid_sharding_shard_group_and_its_copies():
+    """--dp-replicate 2 at tp=2 dp=4: dp is the ZeRO shard group (2 ranks), dpr its 2 copies,
+    laid out right after dp, so a shard group and its TP ranks share a node of 4 GPUs and only
+    the copies' all-reduce crosses nodes. Every rank builds the shard group, the copies' and
+    the replicas' (dp+dpr: the loss mean); at dpr=1 the groups are plain dp's."""
+    from megalite.parallel.axes import copy_axis, data_axis, replica_axis, shard_axis
+    from megalite.parallel.groups import communicators, rank_groups
+
+    t = Topology(tp=2, dp=2, dpr=2)
+    assert t.order == "tp-cp-dp-dpr-pp"
+    assert (t.product(shard_axis), t.product(copy_axis)) == ("dp", "dpr")
+    assert t.product(replica_axis) == t.product(data_axis) == "dp+dpr"
+    assert t.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.groups("dpr") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(len({r // 4 for r in g}) == 1 for g in t.groups("tp+dp"))  # inside a node
+    assert all(len({r // 4 for r in g}) == 2 for g in t.groups("dpr"))  # across nodes
+    mine = rank_groups(t, 5)
+    assert (mine["dp"], mine["dpr"], mine["dp+dpr"]) == ([5, 7], [1, 5], [1, 3, 5, 7])
+    assert communicators(t, 5) == 4  # tp, dp, dpr, dp+dpr
+    plain = Topology(tp=2, dp=4)
+    assert plain.product(shard_axis) == plain.product(replica_axis) == "dp"
+    assert plain.product(copy_axis) == "dpr" and plain.size("dpr") == 1
+    assert communicators(plain, 5) == 2  # tp, dp: no group more than before
+    # the copies do not change which samples a rank reads: its index along dp+dpr is plain dp's
+    assert [t.index("dp+dpr", r) for r in range(8)] == [plain.index("dp", r) for r in range(8)]

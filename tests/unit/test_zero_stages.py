@@ -18,9 +18,10 @@ def test_collectives_per_bucket_and_step():
     """m = 4 micro-batches: stage 0 all-reduces once, 1 reduce-scatters once, 2 every
     micro-batch; 1 and 2 all-gather the updated shards; 3 gathers before use instead."""
     assert ZERO[0].collectives(4) == {"all_reduce": 1}
-    assert ZERO[1].collectives(4) == {"reduce_scatter": 1, "all_gather": 1}
-    assert ZERO[2].collectives(4) == {"reduce_scatter": 4, "all_gather": 1}
-    assert ZERO[3].collectives(4, "forward") == {"reduce_scatter": 4, "param_gather": 8}
+    assert ZERO[1].collectives(4) == {"reduce_scatter": 1, "all_gather": 1, "shard_all_reduce": 1}
+    assert ZERO[2].collectives(4) == {"reduce_scatter": 4, "all_gather": 1, "shard_all_reduce": 1}
+    assert ZERO[3].collectives(4, "forward") == {
+        "reduce_scatter": 4, "param_gather": 8, "shard_all_reduce": 1}  # fmt: skip
     assert ZERO[3].collectives(4, "step")["param_gather"] == 1
     assert [GATHERS[p](4) for p in ("forward", "backward", "step")] == [8, 4, 1]
 
