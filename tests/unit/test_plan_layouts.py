@@ -1,6 +1,8 @@
 """plan/layouts.py: the layout search's recommendations for a few fixed cases, and the Table 1
 layouts of Narayanan et al. 2021."""
 
+from dataclasses import replace
+
 import pytest
 
 from megalite.plan import layouts
@@ -65,12 +67,13 @@ def test_plans_the_megatron_paper_layouts():
     parallelism fits and the planner prefers it), full recompute, A100 peak; the table gives no
     micro-batch size, 2 is assumed. 530B's pp=35 is no power of two: the search tries every pp
     that divides the GPUs and the layers (105 = 35 * 3)."""
-    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312)
+    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312,
+                   intra_node_gbps=300, inter_node_gbps=25)  # fmt: skip
     missed = []
     for name, heads, h, layers, tp, pp, gpus, batch in TABLE_1:
         cfg = big("gpt2", layers, h, heads, 2048, 51200, mbs=2, gbs=batch, precision="fp16",
                   recompute="full")  # fmt: skip
-        cluster = Cluster(gpus, a100.gpu_memory_gib, 8, peak_tflops=a100.peak_tflops)
+        cluster = replace(a100, gpus=gpus)
         plans = layouts.search(cfg, cluster, flops(cfg), zero_stages=[0])
         if (tp, pp) in [(p.layout.tp, p.layout.pp) for p in plans[:3]]:
             continue
