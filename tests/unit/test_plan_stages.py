@@ -94,3 +94,38 @@ def test_the_search_prints_the_split_it_chose():
     text = format_ranking(plans, cluster)
     assert "the fastest: --tensor-model-parallel-size" in text
     assert "bytes per step over NVLink in a node" in text
+
+
+def test_the_search_plans_the_fullest_rank_of_an_uneven_split():
+    """A short first stage leaves rank 1 the most layers in flight: the search's plan (ends
+    only) finds the same fullest rank as the plan of every stage."""
+    cfg = big("llama", 22, 1024, 8, 1024, 32000, mbs=1, gbs=32)
+    split = {stages.FIRST: 1, stages.LAST: 3}  # 1 | 6 | 6 | 6 | 3
+    cfg = layouts.replace(cfg, parallel=layouts.replace(cfg.parallel, **split))
+    shape = layout(cfg, pp=5, dp=1)
+    assert shape.partition.counts == (1, 6, 6, 6, 3)
+    every = layouts.plan(cfg, shape, Cluster(gpus=5))
+    fullest = max(range(5), key=lambda r: every.stages[r]["total"])
+    assert fullest == 1
+    ends = layouts.plan(cfg, shape, Cluster(gpus=5), all_stages=False)
+    assert ends.memory["total"] == every.memory["total"]
+
+
+def test_a_ring_over_many_replicas_waits_its_latency():
+    """Each bucket's ring over the replicas takes n - 1 steps at the slowest hop's latency:
+    across nodes, 5 us by default; none at dp = 1."""
+    from dataclasses import replace
+
+    from megalite.plan.ranking import _ring_step
+
+    cfg = big("gpt2", 4, 512, 8, 512, 32000, mbs=1, gbs=64)
+    cluster = Cluster(gpus=64, gpus_per_node=8)
+    shape = layout(cfg, tp=8, dp=8, sequence_parallel=True)  # dp ring: one rank per node
+    assert _ring_step(shape, cluster) == pytest.approx(7 * 5e-6)
+    assert _ring_step(layout(cfg, tp=8), Cluster(gpus=8)) == 0.0
+    p = layouts.plan(cfg, shape, cluster)
+    assert p.buckets >= 1
+    f = flops(cfg)
+    slow = step_parts(cfg, p, cluster, f)["dp"]
+    fast = step_parts(cfg, p, replace(cluster, inter_node_latency_us=0.0), f)["dp"]
+    assert slow > fast
