@@ -2,7 +2,8 @@
 FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communication not hidden
 behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
 
-- the pipeline moves at its slowest stage's pace: the last, which also runs the output layer;
+- the pipeline moves at its busiest rank's pace: its layers, and the output layer (and MTP
+  modules) where it holds them (stages.py; an uneven split evens them out);
 - every group's bytes go over NVLink inside a node and the network across nodes as links.py
   splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
 - TP traffic is on the critical path (exposed whole; TP stays inside a node), and so are the
@@ -13,11 +14,13 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   micro-batch's backward: at stages 0/1 the last micro-batch's (the buckets fill only then), at
   stage 2 each one's; the all-gather of the updated shards behind the next step's first forward
   (--overlap-param-gather); ZeRO-3's gathers behind the whole compute. What outlasts its window
-  is exposed, and at least a tenth (the last bucket, the first).
+  is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds its
+  n - 1 steps of latency (the slowest hop's).
 
-A crude model (no GEMM efficiency by shape, no latency, one bandwidth per link kind), but one that orders
-layouts by what they cost rather than by memory alone; docs/planner.md checks it against the
-layouts of Narayanan et al. 2021, Table 1.
+A crude model (no GEMM efficiency by shape, latency for the data-parallel rings only, one
+bandwidth per link kind), but one that orders layouts by what they cost rather than by memory
+alone; docs/planner.md checks it against the layouts of Narayanan et al. 2021, Table 1, Llama 3
+405B and Megatron-LM's README table.
 """
 
 from dataclasses import dataclass

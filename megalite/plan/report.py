@@ -106,8 +106,21 @@ def _chosen(p: Plan) -> list[str]:
     each kind of link (links.py)."""
     rows = [f"  the fastest: {launch_flags(p)}"]
     if p.layout.pp > 1:
-        rows.append(f"    layers per virtual stage, in pipeline order: {p.layout.partition}")
+        counts = p.layout.partition.counts
+        rows.append(f"    layers per virtual stage, in pipeline order: {_runs(counts)}")
     return rows + _link_lines(p)
+
+
+def _runs(counts) -> str:
+    """Layers per virtual stage with repeats folded: "7 | 8 x 14 | 7"."""
+    out, i = [], 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        out.append(str(counts[i]) + (f" x {j - i}" if j - i > 1 else ""))
+        i = j
+    return " | ".join(out)
 
 
 def _link_lines(p: Plan) -> list[str]:
