@@ -11,7 +11,7 @@ from megalite.errors import MegaliteError
 from megalite.parallel.zero import ZERO
 from megalite.pipeline.schedules import bubble_theory, check_shape
 from megalite.plan import stages
-from megalite.plan.activations import peak_activations
+from megalite.plan.activations import peaks
 from megalite.plan.links import link_bytes
 from megalite.plan.memory import buckets, state_memory
 from megalite.plan.ranking import Cluster, GiB, step_time
@@ -92,8 +92,8 @@ def plan(
         # working memory add: the same at every ZeRO stage (the search's memo keeps them)
         key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r)
         if key not in memo:
-            acts = peak_activations(cfg, shape, r, mb)
-            memo[key] = acts, peak_activations(cfg, shape, r, mb, buffers=True) - acts
+            acts, with_buffers = peaks(cfg, shape, r, mb)
+            memo[key] = acts, with_buffers - acts
         mem["activations"], mem["buffers"] = memo[key]
         mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))
         mem["total"] += mem["buffers"]

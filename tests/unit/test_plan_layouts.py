@@ -61,6 +61,7 @@ TABLE_1 = [
 ]
 
 
+@pytest.mark.slow
 def test_plans_the_megatron_paper_layouts():
     """Each Table 1 model on its GPUs and batch: the paper's tp and pp among the three fastest
     layouts. As the paper ran: no distributed optimizer (ZeRO-0: with ZeRO-1 less model
