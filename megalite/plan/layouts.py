@@ -115,7 +115,12 @@ def plan(
 
 
 def search(
-    cfg: Config, cluster: Cluster, flops_per_token: float, limit=None, zero_stages=None
+    cfg: Config,
+    cluster: Cluster,
+    flops_per_token: float,
+    limit=None,
+    zero_stages=None,
+    misses: list | None = None,
 ) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
     the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
@@ -126,7 +131,8 @@ def search(
     the best few), and the ZeRO stages `zero_stages` (default: those the search tries; ZeRO-3
     trades traffic for memory: planned when asked for, not searched); a layout `validate`
     refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
-    then the lower memory."""
+    then the lower memory. `misses`: a list given receives the layouts planned that did not fit
+    (the least memory first), to say how far the nearest is when none fits."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
@@ -143,10 +149,12 @@ def search(
                     splits = stages.splits(cfg.model.num_layers, pp, vpp, layer, head)
                     for zero in zeros:
                         p = _first_fit(cfg, cluster, splits[:SPLITS_TRIED], tp, pp, dp, vpp,
-                                       zero, cp, memo)  # fmt: skip
+                                       zero, cp, memo, misses)  # fmt: skip
                         if p is not None:
                             p.step_time = step_time(cfg, p, cluster, flops_per_token)
                             plans.append(p)
+    if misses is not None:
+        misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
     return plans[:limit] if limit else plans
 
@@ -162,7 +170,7 @@ def cp_sizes(cfg: Config, gpus: int) -> list[int]:
     return sorted(c for c in sizes if gpus % c == 0)
 
 
-def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo) -> Plan | None:
+def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses) -> Plan | None:
     """The plan of the first of `splits` (stages.splits: best first) with which the layout
     runs and fits the cluster, or None."""
     for split in splits:
@@ -174,9 +182,11 @@ def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo) -> Plan | 
         if not _state_fits(c, shape, cluster):  # before walking schedules
             continue
         p = plan(c, shape, cluster, all_stages=False, memo=memo)
+        p.split = split
         if p.fits:
-            p.split = split
             return p
+        if misses is not None:
+            misses.append(p)
     return None
 
 

@@ -65,7 +65,7 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
     return "\n".join(lines)
 
 
-def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
+def format_ranking(plans: list[Plan], cluster: Cluster, misses: list | None = None) -> str:
     """The layouts of `search`, fastest first, with the assumptions of the step time."""
     head = f"layouts that fit {cluster.gpus} GPUs of {cluster.gpu_memory_gib} GiB "
     head += f"({cluster.gpus_per_node} per node), fastest first,"
@@ -86,6 +86,13 @@ def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
             "  none: no layout both splits the batch (--global-batch-size, --micro-batch-size) "
             "and fits; change --gpus or the batch, or use --recompute-granularity full"
         )
+        if misses:  # search(misses=): the planned layout with the least memory
+            m = misses[0]
+            usable = cluster.usable * cluster.gpu_memory_gib * GiB
+            rows.append(
+                f"  nearest: {m.layout} needs {_gib(m.memory['total'])} of {_gib(usable)} usable "
+                f"(activations {_gib(m.memory['activations'])}); {launch_flags(m)}"
+            )
     return "\n".join(rows)
 
 

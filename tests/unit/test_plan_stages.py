@@ -129,3 +129,15 @@ def test_a_ring_over_many_replicas_waits_its_latency():
     slow = step_parts(cfg, p, cluster, f)["dp"]
     fast = step_parts(cfg, p, replace(cluster, inter_node_latency_us=0.0), f)["dp"]
     assert slow > fast
+
+
+def test_when_nothing_fits_the_nearest_is_named():
+    from megalite.plan.report import format_ranking
+
+    # the state (a few GB) fits 4 GPUs of 4 GiB; 8 sequences of 16K tokens' activations do not
+    cfg = big("llama", 8, 1024, 8, 16384, 32000, mbs=8, gbs=8)
+    cluster = Cluster(gpus=4, gpu_memory_gib=4, gpus_per_node=4)
+    misses = []
+    assert layouts.search(cfg, cluster, flops(cfg), misses=misses) == []
+    assert misses and misses[0].memory["total"] == min(p.memory["total"] for p in misses)
+    assert "nearest: " in format_ranking([], cluster, misses)
