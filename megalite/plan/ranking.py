@@ -8,8 +8,8 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
 - TP traffic is on the critical path (exposed whole; TP stays inside a node), and so are the
   experts' all-to-alls (ep) and context parallelism's attention (cp);
-- pipeline p2p is hidden in the steady state, exposed on the 2(p-1) hops of warm-up and
-  cool-down;
+- pipeline p2p is hidden in the steady state, exposed on the hops of warm-up and cool-down:
+  2(p-1), or 2(pv-1) interleaved (every boundary between virtual stages on two ranks);
 - each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
   micro-batch's backward: at stages 0/1 the last micro-batch's (the buckets fill only then), at
   stage 2 each one's; the all-gather of the updated shards behind the next step's first forward
@@ -76,7 +76,11 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     b, s, h = lay.hidden_shape  # what a stage sends: (b, s/cp, h), /tp with SP
     message = b * s * h * e
     tp = seconds("tp")
-    hop = links.split(2 * (lay.pp - 1) * message, links.group_ranks(lay, "pp"), node, links.P2P)
+    # the first micro-batch's forward and the last one's backward cross every boundary between
+    # virtual stages on different ranks: p - 1 each way, p·v - 1 interleaved (less a V's turn)
+    part = lay.partition
+    hops = sum(part.stage_of(v)[0] != part.stage_of(v + 1)[0] for v in range(lay.pp * lay.vpp - 1))
+    hop = links.split(2 * hops * message, links.group_ranks(lay, "pp"), node, links.P2P)
     pp = links.seconds(hop, *bw)
     # experts: the dispatch's all-to-alls are on the critical path (exposed whole)
     ep = seconds("ep", "ep_sizes")
