@@ -25,6 +25,7 @@ V-shaped placement's turn) is handed the tensor locally, with no communication.
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 
 class Kind(str, enum.Enum):
@@ -116,6 +117,7 @@ def v_placement(pp: int, vpp: int, rank: int, chunk: int) -> int:
     return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
+@lru_cache(maxsize=65536)  # the planner's search asks it for every action of every schedule
 def owner(placement, pp: int, vpp: int, vstage: int) -> tuple[int, int]:
     """(rank, chunk) holding a virtual stage: the inverse of a placement."""
     for r in range(pp):

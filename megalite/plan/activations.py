@@ -34,6 +34,14 @@ def peak_activations(
     forward to its backward: B, or W of a split backward, where the weight gradients still need
     them). `buffers`: with what buffers.py adds at the same moment: the pipeline's send and
     receive tensors, and a backward's working memory while it runs."""
+    return peaks(cfg, shape, pp_rank, microbatches, buffers)[1 if buffers else 0]
+
+
+def peaks(
+    cfg: Config, shape: RunShape, pp_rank: int, microbatches: int, buffers: bool = True
+) -> tuple[float, float]:
+    """(the activations' peak, the peak with buffers.py's tensors: `peak_activations` without
+    and with `buffers`) from one walk of the schedule."""
     kws = shape.partition.rank_chunks(pp_rank)
     per_chunk = [chunk_activations(cfg, shape, kw) for kw in kws]
     steps = schedule_steps(shape.schedule, shape.pp, shape.vpp, microbatches, pp_rank)
@@ -41,21 +49,24 @@ def peak_activations(
     p2p = P2PBuffers(steps, hidden) if buffers else None
     working = [backward_working(cfg, shape, kw) if buffers else 0.0 for kw in kws]
     pending = [pending_weight_grads(cfg, shape, kw) for kw in kws]
-    alive = peak = 0.0
+    alive = plain = peak = 0.0
     for kind, chunk, mb in steps:
         extra = p2p.step(kind, chunk, mb) if p2p else 0.0
         if kind == F:
             alive += per_chunk[chunk][0]
         elif kind in (B, I, W):  # a recomputed layer's activations exist while its backward runs
-            peak = max(peak, alive + extra + per_chunk[chunk][1] + working[chunk])
+            now = alive + per_chunk[chunk][1]
+            plain = max(plain, now)
+            peak = max(peak, now + extra + working[chunk])
         if kind in (B, W):
             alive -= per_chunk[chunk][0]
         if kind == I and not kws[chunk]["has_embedding"]:  # the embedding's I defers it all to W
             alive += pending[chunk]
         elif kind == W and not kws[chunk]["has_embedding"]:
             alive -= pending[chunk]
+        plain = max(plain, alive)
         peak = max(peak, alive + extra)
-    return peak
+    return plain, peak
 
 
 def attention_core_heads(m: ModelConfig) -> tuple[int, int]:

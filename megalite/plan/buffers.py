@@ -49,8 +49,11 @@ class P2PBuffers:
         self.counted = set()  # received inputs the activations count now
         self.batches = deque()
         self.comm = False  # the previous action was a send or a receive: the same batch
+        self.uncounted = 0  # held keys the activations do not count (kept as they change)
 
     def _hold(self, key, holder):
+        if key not in self.holders and key not in self.counted:
+            self.uncounted += 1
         self.holders.setdefault(key, set()).add(holder)
 
     def _drop(self, key, holder):
@@ -59,6 +62,13 @@ class P2PBuffers:
             held.discard(holder)
             if not held:
                 del self.holders[key]
+                self.uncounted -= key not in self.counted
+
+    def _count(self, key, counted: bool):
+        """The activations start (or stop) counting a received input."""
+        if (key in self.counted) != counted and key in self.holders:
+            self.uncounted += -1 if counted else 1
+        (self.counted.add if counted else self.counted.discard)(key)
 
     def step(self, kind, c, m) -> float:
         if kind in COMM:
@@ -75,7 +85,7 @@ class P2PBuffers:
             else:
                 self._hold(key, "use")
         elif kind == F:
-            self.counted.add(("in", c, m))
+            self._count(("in", c, m), True)
             if (SEND_F, c, m) in self.sends:
                 self._hold(("out", c, m), "use")
         elif kind in (B, I):
@@ -83,10 +93,10 @@ class P2PBuffers:
             if (SEND_B, c, m) in self.sends:
                 self._hold(("grad_in", c, m), "use")
         if kind in (B, W):
-            self.counted.discard(("in", c, m))
+            self._count(("in", c, m), False)
             self._drop(("in", c, m), "use")
         self.comm = kind in COMM
-        return self.nbytes * sum(1 for key in self.holders if key not in self.counted)
+        return self.nbytes * self.uncounted
 
 
 def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:

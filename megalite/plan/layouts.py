@@ -10,12 +10,17 @@ from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.parallel.zero import ZERO
 from megalite.pipeline.schedules import bubble_theory, check_shape
-from megalite.plan.activations import peak_activations
+from megalite.plan import stages
+from megalite.plan.activations import peaks
 from megalite.plan.links import link_bytes
 from megalite.plan.memory import buckets, state_memory
 from megalite.plan.ranking import Cluster, GiB, step_time
 from megalite.plan.traffic import comm_bytes, zero3_notes
 from megalite.shape import RunShape, derive, validate
+
+SPLITS_TRIED = 3  # per layout, best first, until one fits (stages.splits)
+MIN_CP_TOKENS = 8192  # the fewest tokens of a sequence per context-parallel rank (cp_sizes)
+VPPS = (1, 2, 4, 8)  # interleaving degrees tried (pp > 1; at least a layer per chunk)
 
 
 @dataclass
@@ -31,6 +36,8 @@ class Plan:
     step_time: float | None = None  # estimated seconds per step (ranking.step_time)
     notes: list = field(default_factory=list)
     links: dict = field(default_factory=dict)  # kind -> {link: bytes per step} (links.py)
+    buckets: int = 0  # gradient buckets on the rank with the most (each a collective per round)
+    split: tuple = ()  # the pipeline split's flags, ((name, value), ...) (stages.py); () even
 
 
 def check_model(cfg: Config) -> None:
@@ -38,7 +45,7 @@ def check_model(cfg: Config) -> None:
     flags), before a search: validate at one rank, the layout flags left out (the search tries
     its own; cp and ep stay where the search keeps them, its layouts are checked one by one)."""
     par = replace(cfg.parallel, tp=1, pp=1, cp=1, dp=None, vpp=1, ep=1, pp_schedule=None,
-                  sequence_parallel=False)  # fmt: skip
+                  sequence_parallel=False, **stages.NO_SPLIT)  # fmt: skip
     validate(replace(cfg, parallel=par), 1)
 
 
@@ -62,22 +69,32 @@ def layout(cfg: Config, tp=1, pp=1, dp=1, vpp=1, zero=0, sequence_parallel=False
     )
 
 
-def plan(cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stages=True) -> Plan:
+def plan(
+    cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stages=True, memo=None
+) -> Plan:
     """Memory per pipeline rank, traffic and bubble of one layout (`layout()`, or the run's
-    shape from `validate`); `cfg` gives the model, the batch and the training settings."""
+    shape from `validate`); `cfg` gives the model, the batch and the training settings. `memo`:
+    a dict the search shares between the plans of one model and batch."""
+    memo = {} if memo is None else memo
     mb = shape.microbatches
     stages = []
     # Middle stages hold no embedding or head and fewer micro-batches in flight than the
-    # first: the search looks at the first and the last stage only.
-    ranks = range(shape.pp) if all_stages else sorted({0, shape.pp - 1})
-    comms = []
+    # first: the search looks at the first and the last stage, and at the second where the
+    # first is short (an uneven split: it may then hold the most layers in flight).
+    ranks = range(shape.pp) if all_stages else _ends(shape)
+    comms, most = [], 0
     for r in ranks:
         bs = buckets(cfg, shape, r)
+        most = max(most, len(bs))
         comms.append(comm_bytes(cfg, shape, r, mb, bs=bs))
         mem = state_memory(cfg, shape, r, bs)
-        mem["activations"] = peak_activations(cfg, shape, r, mb)
-        # what the p2p tensors and a backward's working memory add at the worst moment
-        mem["buffers"] = peak_activations(cfg, shape, r, mb, buffers=True) - mem["activations"]
+        # the activations and, at the worst moment, what the p2p tensors and a backward's
+        # working memory add: the same at every ZeRO stage (the search's memo keeps them)
+        key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r)
+        if key not in memo:
+            acts, with_buffers = peaks(cfg, shape, r, mb)
+            memo[key] = acts, with_buffers - acts
+        mem["activations"], mem["buffers"] = memo[key]
         mem["total"] = sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))
         mem["total"] += mem["buffers"]
         mem["total"] += mem["staged_grads"] + mem["gathered_params"]
@@ -88,6 +105,7 @@ def plan(cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stage
     comm = {k: max(c.get(k, 0) for c in comms) for k in kinds}
     bubble = bubble_theory(shape.pp, shape.vpp, mb, shape.schedule)
     p = Plan(shape, stages[worst], stages, {k: v for k, v in comm.items() if v}, bubble, mb)
+    p.buckets = most
     if shape.zero.shard_params:
         p.notes += zero3_notes(cfg, shape, ranks[worst], mb)
     if cluster is not None:
@@ -97,42 +115,88 @@ def plan(cfg: Config, shape: RunShape, cluster: Cluster | None = None, all_stage
 
 
 def search(
-    cfg: Config, cluster: Cluster, flops_per_token: float, limit=None, zero_stages=None
+    cfg: Config,
+    cluster: Cluster,
+    flops_per_token: float,
+    limit=None,
+    zero_stages=None,
+    misses: list | None = None,
 ) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
-    the model's hardware FLOPs per token, training/flops.py). Tried: every tp that divides the
-    GPUs within a node (TP stays inside a node), every pp that divides the rest and the layers,
-    dp for the rest, vpp 1 and 2, and the ZeRO stages `zero_stages` (default: those the search
-    tries; ZeRO-3 trades traffic for memory: planned when asked for, not searched); a layout
-    `validate` refuses (the batch does not split over its dp, ...) is skipped. Ties go to the
-    fewer bytes, then the lower memory."""
-    # cp stays as given: it sets how many tokens of a sequence a rank holds, the user's choice
-    cp = cfg.parallel.cp
-    n = cluster.gpus // cp if cluster.gpus % cp == 0 else 0
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
+    (the configured cp, and every power of two that leaves a rank at least MIN_CP_TOKENS tokens
+    of a sequence), every tp that divides the GPUs within a node (TP stays inside a node), every
+    pp that divides the rest, dp for the rest, vpp of VPPS, for each (pp, vpp) the pipeline
+    splits of stages.splits (even, or Megatron's uneven flags: the first that runs and fits of
+    the best few), and the ZeRO stages `zero_stages` (default: those the search tries; ZeRO-3
+    trades traffic for memory: planned when asked for, not searched); a layout `validate`
+    refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
+    then the lower memory. `misses`: a list given receives the layouts planned that did not fit
+    (the least memory first), to say how far the nearest is when none fits."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
-    plans = []
-    for tp in (d for d in divisors if d <= cluster.gpus_per_node):
-        for pp in (p for p in divisors if (n // tp) % p == 0 and cfg.model.num_layers % p == 0):
-            dp = n // (tp * pp)
-            stages = [z for z in tried if dp > 1 or not z.shard_state]
-            for vpp in (1, 2) if pp > 1 else (1,):
-                for zero in stages:
-                    try:
-                        shape = layout(cfg, tp, pp, dp, vpp, zero.stage, tp > 1,
-                                       **({"cp": cp} if cp > 1 else {}))  # fmt: skip
-                    except MegaliteError:
-                        continue
-                    if not _state_fits(cfg, shape, cluster):  # before walking schedules
-                        continue
-                    p = plan(cfg, shape, cluster, all_stages=False)
-                    if p.fits:
-                        p.step_time = step_time(cfg, p, cluster, flops_per_token)
-                        plans.append(p)
+    layer, head = stages.shares(cfg, flops_per_token)
+    plans, memo = [], {}
+    for cp in cp_sizes(cfg, cluster.gpus):
+        n = cluster.gpus // cp
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        for tp in (d for d in divisors if d <= cluster.gpus_per_node):
+            for pp in (p for p in divisors if (n // tp) % p == 0 and p <= cfg.model.num_layers):
+                dp = n // (tp * pp)
+                zeros = [z for z in tried if dp > 1 or not z.shard_state]
+                for vpp in (v for v in VPPS if pp > 1 or v == 1):
+                    splits = stages.splits(cfg.model.num_layers, pp, vpp, layer, head)
+                    for zero in zeros:
+                        p = _first_fit(cfg, cluster, splits[:SPLITS_TRIED], tp, pp, dp, vpp,
+                                       zero, cp, memo, misses)  # fmt: skip
+                        if p is not None:
+                            p.step_time = step_time(cfg, p, cluster, flops_per_token)
+                            plans.append(p)
+    if misses is not None:
+        misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
     return plans[:limit] if limit else plans
+
+
+def cp_sizes(cfg: Config, gpus: int) -> list[int]:
+    """The context-parallel sizes the search tries: the configured one, and the powers of two
+    that divide the GPUs and leave each rank at least MIN_CP_TOKENS tokens of a sequence
+    (shorter blocks keep attention's kernels and the ring's messages small)."""
+    sizes, c = {cfg.parallel.cp}, 2
+    while gpus % c == 0 and cfg.model.seq_length // c >= MIN_CP_TOKENS:
+        sizes.add(c)
+        c *= 2
+    return sorted(c for c in sizes if gpus % c == 0)
+
+
+def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses) -> Plan | None:
+    """The plan of the first of `splits` (stages.splits: best first) with which the layout
+    runs and fits the cluster, or None."""
+    for split in splits:
+        c = replace(cfg, parallel=replace(cfg.parallel, **{**stages.NO_SPLIT, **dict(split)}))
+        try:
+            shape = layout(c, tp, pp, dp, vpp, zero.stage, tp > 1, **({"cp": cp} if cp > 1 else {}))
+        except MegaliteError:
+            continue
+        if not _state_fits(c, shape, cluster):  # before walking schedules
+            continue
+        p = plan(c, shape, cluster, all_stages=False, memo=memo)
+        p.split = split
+        if p.fits:
+            return p
+        if misses is not None:
+            misses.append(p)
+    return None
+
+
+def _ends(shape: RunShape) -> list[int]:
+    """The pipeline ranks the search plans: the first, the last, and the second of an uneven
+    split (its middle ranks may hold more layers than the first)."""
+    ranks = {0, shape.pp - 1}
+    if not shape.partition.even_split and shape.pp > 2:
+        ranks.add(1)
+    return sorted(ranks)
 
 
 def _state_fits(cfg: Config, shape: RunShape, cluster: Cluster) -> bool:
@@ -140,7 +204,7 @@ def _state_fits(cfg: Config, shape: RunShape, cluster: Cluster) -> bool:
     fit (the activations come on top): most layouts of a large model fail this, and it needs
     no schedule."""
     usable = cluster.usable * cluster.gpu_memory_gib * GiB
-    for r in sorted({0, shape.pp - 1}):
+    for r in _ends(shape):
         mem = state_memory(cfg, shape, r)
         if sum(mem[k] for k in ("params", "grads", "optimizer", "gathered_params")) > usable:
             return False

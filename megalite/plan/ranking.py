@@ -2,28 +2,31 @@
 FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communication not hidden
 behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
 
-- the pipeline moves at its slowest stage's pace: the last, which also runs the output layer;
+- the pipeline moves at its busiest rank's pace: its layers, and the output layer (and MTP
+  modules) where it holds them (stages.py; an uneven split evens them out);
 - every group's bytes go over NVLink inside a node and the network across nodes as links.py
   splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
 - TP traffic is on the critical path (exposed whole; TP stays inside a node), and so are the
   experts' all-to-alls (ep) and context parallelism's attention (cp);
-- pipeline p2p is hidden in the steady state, exposed on the 2(p-1) hops of warm-up and
-  cool-down;
+- pipeline p2p is hidden in the steady state, exposed on the hops of warm-up and cool-down:
+  2(p-1), or 2(pv-1) interleaved (every boundary between virtual stages on two ranks);
 - each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
   micro-batch's backward: at stages 0/1 the last micro-batch's (the buckets fill only then), at
   stage 2 each one's; the all-gather of the updated shards behind the next step's first forward
   (--overlap-param-gather); ZeRO-3's gathers behind the whole compute. What outlasts its window
-  is exposed, and at least a tenth (the last bucket, the first).
+  is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds its
+  n - 1 steps of latency (the slowest hop's).
 
-A crude model (no GEMM efficiency by shape, no latency, one bandwidth per link kind), but one that orders
-layouts by what they cost rather than by memory alone; docs/planner.md checks it against the
-layouts of Narayanan et al. 2021, Table 1.
+A crude model (no GEMM efficiency by shape, latency for the data-parallel rings only, one
+bandwidth per link kind), but one that orders layouts by what they cost rather than by memory
+alone; docs/planner.md checks it against the layouts of Narayanan et al. 2021, Table 1, Llama 3
+405B and Megatron-LM's README table.
 """
 
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.plan import links
+from megalite.plan import links, stages
 
 GiB = 2**30
 
@@ -35,17 +38,29 @@ class Cluster:
     gpus_per_node: int = 8
     usable: float = 0.9  # CUDA context, allocator fragmentation, NCCL buffers, temporaries
     # For the estimated step time (ranking.step_time): dense peak per GPU at the training
-    # precision (H100/H200 SXM bf16), the MFU the compute reaches, and the bus bandwidth per GPU
-    # inside a node (NVLink) and across nodes (InfiniBand, 200 Gb/s per GPU), in GB/s.
+    # precision (H100/H200 SXM bf16), the MFU the compute reaches, and the bandwidth per GPU and
+    # direction inside a node (NVLink 4: 450 GB/s) and across nodes (a 400 Gb/s NIC per GPU,
+    # InfiniBand NDR or RoCE: 50 GB/s), in GB/s: an H100 SXM node as DGX H100 builds it. An A100
+    # node: 312 TFLOP/s, 300 GB/s (NVLink 3) and 25 GB/s (200 Gb/s HDR).
     peak_tflops: float = 989.0
     mfu: float = 0.45
-    intra_node_gbps: float = 300.0
-    inter_node_gbps: float = 25.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    # A ring collective's step waits for its slowest hop: about a microsecond over NVLink, a few
+    # across nodes (NCCL's ring, InfiniBand/RoCE): n - 1 steps per reduce-scatter or all-gather.
+    intra_node_latency_us: float = 1.0
+    inter_node_latency_us: float = 5.0
 
 
 def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float:
     """Estimated seconds per step of a plan (layouts.Plan) on the cluster (module docstring);
     `flops_per_token`: the model's hardware FLOPs per token (training/flops.py)."""
+    return sum(step_parts(cfg, p, cluster, flops_per_token).values())
+
+
+def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict:
+    """The step time's terms, in seconds: compute (the busiest rank's, stretched by the bubble)
+    and what each group's communication adds (exposed)."""
     m, t, lay = cfg.model, cfg.training, p.layout
     tokens = t.global_batch_size * m.seq_length
     flops = flops_per_token * tokens / cluster.gpus
@@ -58,10 +73,14 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
         return sum(links.seconds(lay_links[k], *bw) for k in kinds if k in lay_links)
 
     e = 2 if t.precision in ("bf16", "fp16") else 4
-    sp = lay.sequence_parallel
-    message = t.micro_batch_size * m.seq_length * m.hidden_size * e / (lay.tp if sp else 1)
+    b, s, h = lay.hidden_shape  # what a stage sends: (b, s/cp, h), /tp with SP
+    message = b * s * h * e
     tp = seconds("tp")
-    hop = links.split(2 * (lay.pp - 1) * message, links.group_ranks(lay, "pp"), node, links.P2P)
+    # the first micro-batch's forward and the last one's backward cross every boundary between
+    # virtual stages on different ranks: p - 1 each way, p·v - 1 interleaved (less a V's turn)
+    part = lay.partition
+    hops = sum(part.stage_of(v)[0] != part.stage_of(v + 1)[0] for v in range(lay.pp * lay.vpp - 1))
+    hop = links.split(2 * hops * message, links.group_ranks(lay, "pp"), node, links.P2P)
     pp = links.seconds(hop, *bw)
     # experts: the dispatch's all-to-alls are on the critical path (exposed whole)
     ep = seconds("ep", "ep_sizes")
@@ -74,23 +93,36 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     grads = (2 * calls.get("all_reduce", 0) + calls.get("reduce_scatter", 0)) * (4 if e == 2 else e)
     params = calls.get("all_gather", 0) * e
     per_mb = compute / p.microbatches
-    reduce = dp * grads / (grads + params) / rounds
+    # each bucket's ring takes n - 1 steps per reduce-scatter or all-gather (an all-reduce 2):
+    # at 16,384 GPUs a 25 MB bucket's ring over 1,024 replicas is latency-bound
+    step = _ring_step(lay, cluster) * p.buckets
+    reduce = dp * grads / (grads + params) / rounds + step * (2 if "all_reduce" in calls else 1)
     exposed = rounds * _exposed(reduce, 2 / 3 * per_mb)
     window = per_mb / 3 if cfg.optimizer.overlap_param_gather else 0.0
-    exposed += _exposed(dp * params / (grads + params), window)
+    gather = dp * params / (grads + params) + step * calls.get("all_gather", 0)
+    exposed += _exposed(gather, window)
     # ZeRO-3's parameter gathers run behind every micro-batch's compute
     exposed += _exposed(seconds("dp_gather"), compute)
     embed = seconds("embed", "world")
     # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
     cp = seconds("cp")
-    # the last stage also runs the output layer and the MTP modules (their logits and layers):
-    # the pipeline moves at its pace (their share of the FLOPs as training/flops.py counts it,
-    # recomputed under full; an MTP module's layer at an average layer's share of the rest)
-    vocab, d = m.vocab_size or 0, m.mtp_num_layers
-    head = (8 if t.recompute == "full" else 6) * (1 + d) * vocab * m.hidden_size / flops_per_token
-    head += d * (1 - head) / (m.num_layers + d)
-    slowest = 1 + head * (lay.pp - 1)
-    return compute * slowest * (1 + p.bubble) + tp + pp + cp + ep + embed + exposed
+    # the pipeline moves at its busiest rank's pace: its layers, and the output layer and the MTP
+    # modules where it holds them (stages.py: their share of the FLOPs, recomputed under full)
+    slowest = stages.slowest(lay.partition, *stages.shares(cfg, flops_per_token))
+    return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble, "tp": tp,
+            "pp": pp, "cp": cp, "ep": ep, "embed": embed, "dp": exposed}  # fmt: skip
+
+
+def _ring_step(lay, cluster: Cluster) -> float:
+    """Seconds of latency one ring collective over the replicas (dp, or cp·dp) adds: its n - 1
+    steps, each at the latency of the slowest link the ring crosses."""
+    ranks = links.group_ranks(lay, "dp_gather")
+    if len(ranks) < 2:
+        return 0.0
+    node = cluster.gpus_per_node
+    across = len({r // node for r in ranks}) > 1
+    us = cluster.inter_node_latency_us if across else cluster.intra_node_latency_us
+    return (len(ranks) - 1) * us * 1e-6
 
 
 def _exposed(seconds: float, behind: float) -> float:

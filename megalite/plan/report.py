@@ -4,6 +4,7 @@ the layouts that fit (`format_ranking`), as `--dry-run` and tools/plan.py print 
 from megalite.parallel.groups import communicators
 from megalite.plan.layouts import Plan
 from megalite.plan.ranking import Cluster, GiB
+from megalite.plan.stages import flag_text
 
 
 def _gib(n: float) -> str:
@@ -45,11 +46,7 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
     )
     lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
     if p.links:  # links.py: where each group's bytes travel
-        for link, name in (("nvlink", "NVLink in a node"), ("network", "network across nodes")):
-            kinds = [f"{k} {_bytes(v[link])}" for k, v in p.links.items() if v[link] >= 1]
-            total = sum(v[link] for v in p.links.values())
-            lines.append(f"  bytes per step over {name}: {_bytes(total)}"
-                         + (f" ({', '.join(kinds)})" if kinds else ""))  # fmt: skip
+        lines += [line[2:] for line in _link_lines(p)]
     lines += [f"  {note}" for note in p.notes]
     if step_time is not None:
         lines.append(f"  estimated step time {step_time:.3f} s (assumptions below)")
@@ -68,7 +65,7 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
     return "\n".join(lines)
 
 
-def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
+def format_ranking(plans: list[Plan], cluster: Cluster, misses: list | None = None) -> str:
     """The layouts of `search`, fastest first, with the assumptions of the step time."""
     head = f"layouts that fit {cluster.gpus} GPUs of {cluster.gpu_memory_gib} GiB "
     head += f"({cluster.gpus_per_node} per node), fastest first,"
@@ -82,9 +79,63 @@ def format_ranking(plans: list[Plan], cluster: Cluster) -> str:
             f"  {p.bubble:>6.1%}  "
             + "  ".join(f"{_bytes(p.comm.get(k, 0)):>9}" for k in ("tp", "pp", "dp"))
         )
+    if plans:
+        rows += _chosen(plans[0])
     if not plans:
         rows.append(
             "  none: no layout both splits the batch (--global-batch-size, --micro-batch-size) "
             "and fits; change --gpus or the batch, or use --recompute-granularity full"
         )
+        if misses:  # search(misses=): the planned layout with the least memory
+            m = misses[0]
+            usable = cluster.usable * cluster.gpu_memory_gib * GiB
+            rows.append(
+                f"  nearest: {m.layout} needs {_gib(m.memory['total'])} of {_gib(usable)} usable "
+                f"(activations {_gib(m.memory['activations'])}); {launch_flags(m)}"
+            )
     return "\n".join(rows)
+
+
+def launch_flags(p: Plan) -> str:
+    """The command-line flags of a plan's layout (Megatron's names, which megalite reads too)."""
+    lay = p.layout
+    out = f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp}"
+    out += f" --context-parallel-size {lay.cp}" if lay.cp > 1 else ""
+    out += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}" if lay.vpp > 1 else ""
+    out += " --sequence-parallel" if lay.sequence_parallel else ""
+    out += f" --zero-stage {lay.zero.stage}"
+    split = flag_text(p.split)
+    return out + (f" {split}" if split else "")
+
+
+def _chosen(p: Plan) -> list[str]:
+    """The fastest layout's flags, its layers per virtual stage, and its bytes per step over
+    each kind of link (links.py)."""
+    rows = [f"  the fastest: {launch_flags(p)}"]
+    if p.layout.pp > 1:
+        counts = p.layout.partition.counts
+        rows.append(f"    layers per virtual stage, in pipeline order: {_runs(counts)}")
+    return rows + _link_lines(p)
+
+
+def _runs(counts) -> str:
+    """Layers per virtual stage with repeats folded: "7 | 8 x 14 | 7"."""
+    out, i = [], 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        out.append(str(counts[i]) + (f" x {j - i}" if j - i > 1 else ""))
+        i = j
+    return " | ".join(out)
+
+
+def _link_lines(p: Plan) -> list[str]:
+    """Bytes per step over NVLink and over the network, with the group kinds on each."""
+    rows = []
+    for link, name in (("nvlink", "NVLink in a node"), ("network", "network across nodes")):
+        kinds = [f"{k} {_bytes(v[link])}" for k, v in p.links.items() if v[link] >= 1]
+        total = sum(v[link] for v in p.links.values())
+        rows.append(f"    bytes per step over {name}: {_bytes(total)}"
+                    + (f" ({', '.join(kinds)})" if kinds else ""))  # fmt: skip
+    return rows

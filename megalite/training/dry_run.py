@@ -47,4 +47,6 @@ def print_plan(
         cluster = cluster or cluster_from_env(shape.world_size, cfg.training.precision)
         p = plan(cfg, shape, cluster)
         print(format_plan(p, cluster, step_time(cfg, p, cluster, flops)))
-    print(format_ranking(search(cfg, cluster, flops, top, zero_stages), cluster), flush=True)
+    misses = []  # what was planned and did not fit: the nearest is named when none fits
+    plans = search(cfg, cluster, flops, top, zero_stages, misses)
+    print(format_ranking(plans, cluster, misses), flush=True)

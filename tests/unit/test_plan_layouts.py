@@ -1,6 +1,8 @@
 """plan/layouts.py: the layout search's recommendations for a few fixed cases, and the Table 1
 layouts of Narayanan et al. 2021."""
 
+from dataclasses import replace
+
 import pytest
 
 from megalite.plan import layouts
@@ -59,26 +61,28 @@ TABLE_1 = [
 ]
 
 
+@pytest.mark.slow
 def test_plans_the_megatron_paper_layouts():
     """Each Table 1 model on its GPUs and batch: the paper's tp and pp among the three fastest
     layouts. As the paper ran: no distributed optimizer (ZeRO-0: with ZeRO-1 less model
     parallelism fits and the planner prefers it), full recompute, A100 peak; the table gives no
     micro-batch size, 2 is assumed. 530B's pp=35 is no power of two: the search tries every pp
     that divides the GPUs and the layers (105 = 35 * 3)."""
-    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312)
+    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312,
+                   intra_node_gbps=300, inter_node_gbps=25)  # fmt: skip
     missed = []
     for name, heads, h, layers, tp, pp, gpus, batch in TABLE_1:
         cfg = big("gpt2", layers, h, heads, 2048, 51200, mbs=2, gbs=batch, precision="fp16",
                   recompute="full")  # fmt: skip
-        cluster = Cluster(gpus, a100.gpu_memory_gib, 8, peak_tflops=a100.peak_tflops)
+        cluster = replace(a100, gpus=gpus)
         plans = layouts.search(cfg, cluster, flops(cfg), zero_stages=[0])
         if (tp, pp) in [(p.layout.tp, p.layout.pp) for p in plans[:3]]:
             continue
         paper = next(p for p in plans if (p.layout.tp, p.layout.pp) == (tp, pp))
         missed.append((name, round(paper.step_time / plans[0].step_time - 1, 3)))
     # 18B: the per-link model (plan/links.py) gives tp4's data-parallel rings two NICs per node
-    # where tp8's have one; the paper's tp8 ranks 4th, 5% behind (docs/planner.md)
-    assert [n for n, _ in missed] == ["18B"] and missed[0][1] < 0.06, missed
+    # where tp8's have one; the paper's tp8 ranks 5th, 7% behind (docs/planner.md)
+    assert [n for n, _ in missed] == ["18B"] and missed[0][1] < 0.08, missed
 
 
 def test_the_last_stage_runs_the_mtp_modules():
