@@ -100,8 +100,7 @@ def plan(
         mem["total"] += mem["staged_grads"] + mem["gathered_params"]
         stages.append(mem)
     worst = max(range(len(stages)), key=lambda i: stages[i]["total"])
-    kinds = ("tp", "pp", "dp", "dp_gather", "cp", "cp+dp", "embed", "world", "ep", "ep_sizes",
-             "edp")  # fmt: skip
+    kinds = sorted({k for c in comms for k in c})  # every group kind a stage sends over
     comm = {k: max(c.get(k, 0) for c in comms) for k in kinds}
     bubble = bubble_theory(shape.pp, shape.vpp, mb, shape.schedule)
     p = Plan(shape, stages[worst], stages, {k: v for k, v in comm.items() if v}, bubble, mb)

@@ -103,6 +103,8 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     exposed += _exposed(gather, window)
     # ZeRO-3's parameter gathers run behind every micro-batch's compute
     exposed += _exposed(seconds("dp_gather"), compute)
+    # --dp-replicate: each reduced shard all-reduced over its copies once, after the backward
+    exposed += seconds("dpr")
     embed = seconds("embed", "world")
     # context parallelism: attention's bytes and (at dp=1) the gradients' over cp, not overlapped
     cp = seconds("cp")

@@ -37,10 +37,19 @@ def test_llama3_405b_at_8k():
 
 def test_llama3_405b_at_128k():
     """16,384 H100s, 128 sequences of 131,072: the paper's tp8 cp16 pp16 dp8 (cp searched:
-    powers of two leaving a rank at least 8,192 tokens)."""
+    powers of two leaving a rank at least 8,192 tokens). With megalite's default buckets
+    (2^20 elements per data-parallel rank) it is 4th, 0.5% behind the third (pp4 dp32 ZeRO-2,
+    whose bubble is smaller) and 4% behind the first (pp2 dp64): estimates this close are ties
+    for the model (docs/planner.md); with 25 MB buckets it is 3rd."""
     cfg = llama3_405b(131072, 128)
     plans = layouts.search(cfg, Cluster(16384), flops(cfg))
-    assert (8, 16, 16) in top3(plans), [str(p.layout) for p in plans[:3]]
+    paper = next(
+        i for i, p in enumerate(plans) if (p.layout.tp, p.layout.cp, p.layout.pp) == (8, 16, 16)
+    )
+    assert paper < 5 and plans[paper].step_time <= 1.01 * plans[2].step_time, [
+        (str(p.layout), round(p.step_time, 2)) for p in plans[: paper + 1]]  # fmt: skip
+    cfg.optimizer.bucket_size_mb = 25.0
+    assert (8, 16, 16) in top3(layouts.search(cfg, Cluster(16384), flops(cfg)))
 
 
 # Megatron-LM's README ("Training speed and scalability", images/model_table.png): GPT models,
@@ -86,8 +95,11 @@ def test_megatron_lm_readme_table():
             continue
         missed[name] = round(paper[0].step_time / plans[0].step_time - 1, 2)
     assert unfit == ["314B", "462B"], (unfit, missed)
-    assert set(missed) == {"16B", "32B", "70B", "119B"}, missed
-    assert max(missed.values()) < 0.35 and missed["119B"] < 0.06 and missed["70B"] < 0.08, missed
+    assert set(missed) <= {"16B", "32B", "70B", "119B"}, (
+        missed
+    )  # (16B is 3rd since 2^20-element buckets)
+    assert max(missed.values()) < 0.35 and missed.get("119B", 0) < 0.06, missed
+    assert missed.get("70B", 0) < 0.08, missed
 
 
 def test_megatron_lm_readme_largest_with_full_recompute():
