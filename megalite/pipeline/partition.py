@@ -175,15 +175,22 @@ def _first_last(num_layers: int, pp: int, vpp: int, first: int | None, last: int
 _REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)|([A-Za-z|])\*(\d+)")
 
 
+def expand_layout(text: str) -> str:
+    """The layout string with its repetitions written out and commas dropped: its virtual
+    stages are `expand_layout(text).split("|")`."""
+    flat, prev = text.replace(",", "").replace(" ", ""), None
+    while prev != flat:  # innermost repetitions first
+        prev = flat
+        flat = _REPEAT.sub(lambda m: (m[1] if m[1] is not None else m[3]) * int(m[2] or m[4]), flat)
+    return flat
+
+
 def parse_layout(text: str, stages: int, num_layers: int, mtp_layers: int = 0) -> list[int]:
     """Transformer layers per virtual stage from Megatron's layout string: `E` embedding, `t` a
     transformer layer, `m` an MTP layer, `L` the loss (and head), `|` between stages, `x*n` or
     `(...)*n` repeated n times, commas cosmetic. E must open the first stage and L end the last;
     megalite runs MTP with the head, so the `m`s belong in L's stage."""
-    flat, prev = text.replace(",", "").replace(" ", ""), None
-    while prev != flat:  # innermost repetitions first
-        prev = flat
-        flat = _REPEAT.sub(lambda m: (m[1] if m[1] is not None else m[3]) * int(m[2] or m[4]), flat)
+    flat = expand_layout(text)
     if set(flat) - set("EtmL|"):
         bad = sorted(set(flat) - set("EtmL|"))
         raise MegaliteError(
