@@ -150,3 +150,50 @@ def _gpt_run(rank, world):
 @pytest.mark.distributed
 def test_uneven_steps_with_zero3_and_recompute_match_one_process():
     assert spawn(_gpt_run, 4, timeout=300) == [len(GPT_CASES)] * 4
+
+
+# ---- resume: a checkpoint of uneven stages is keyed by global layer, whatever the split -------
+
+
+def _trainer(world, save=None, load=None, **parallel):
+    from megalite.testing import resume_config, tiny_trainer
+
+    cfg = resume_config(save, **parallel)
+    cfg.model.flavour, cfg.model.num_layers = "llama", 4
+    cfg.checkpoint.load = load
+    return tiny_trainer(cfg, samples=64, world=world)
+
+
+def _params(tr) -> dict:
+    """This rank's parameters, whole, by the logical tensor they hold."""
+    with tr.opt.gathered_params():
+        return {p._spec.source: p.detach().clone() for c in tr.chunks for p in c.parameters()}
+
+
+def _resume_run(rank, world, root):
+    ref = _trainer(1)  # one process, 4 steps
+    ref_params = []
+    for _ in range(4):
+        ref.train_step(log=False)
+        ref_params.append(_params(ref))
+    uneven = _trainer(world, save=f"{root}/uneven", pp=2, decoder_first_pipeline_num_layers=1)
+    for _ in range(2):
+        uneven.train_step(log=False)
+    got = {"uneven, step 2": (_params(uneven), ref_params[1])}
+    uneven.save()
+    for name, flags in (("pp2 even", {"pp": 2}), ("pp1 dp2", {})):
+        tr = _trainer(world, load=f"{root}/uneven", **flags)
+        tr.resume()
+        for _ in range(2):
+            tr.train_step(log=False)
+        got[f"{name}, step 4"] = (_params(tr), ref_params[3])
+    return {what: max((p - ref[n]).abs().max().item() for n, p in mine.items())
+            for what, (mine, ref) in got.items()}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_uneven_stages_resume_at_even_stages(tmp_path):
+    """Saved at pp2 as 1 | 3 layers after 2 steps, resumed at pp2 as 2 | 2 and at pp1 (dp2):
+    the parameters after step 4 are one process's (the uneven steps too)."""
+    for errors in spawn(_resume_run, 2, str(tmp_path), timeout=300):
+        assert all(err <= 1e-6 for err in errors.values()), errors
