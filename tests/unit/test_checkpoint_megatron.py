@@ -270,12 +270,17 @@ def test_rope_scaling_megatron_cannot_express_is_refused(megatron, tmp_path):
 
 
 def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_path):
-    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 (ep=2) -> megalite: the same tensors."""
+    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 (ep=2), and at uneven stages (1 | 2 | 1
+    layers; a layout string whose last virtual stage holds the head alone) -> megalite: the
+    same tensors."""
     kind, _, _, ml = imported
     want = fmt.Checkpoint(ml)
     legacy = ["--format", "legacy", "--tp", "2", "--pp", "2", "--vpp", "2"]
     legacy += ["--ep", "2"] if kind == "moe" else []
-    for i, extra in enumerate([["--format", "torch_dist"], legacy]):
+    uneven = [["--format", "legacy", "--pp", "3", "--account-for-embedding-in-pipeline-split",
+               "--account-for-loss-in-pipeline-split"],
+              ["--format", "legacy", "--pp", "2", "--vpp", "2", "--pp-layout", "Et|tt|t|L"]]  # fmt: skip
+    for i, extra in enumerate([["--format", "torch_dist"], legacy, *uneven]):
         out, back = tmp_path / f"mt{i}", tmp_path / f"ml{i}"
         convert.main([str(ml), str(out), "--to", "megatron", *extra])
         convert.main([str(out), str(back), "--to", "megalite"])
@@ -283,6 +288,18 @@ def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_pat
         assert sorted(got.names()) == sorted(want.names())
         for n in want.names():
             assert torch.equal(got.read(n), want.read(n)), n
+    # each stage numbers its layers from 0: pp rank 1 of the 1 | 2 | 1 split holds layers 1, 2
+    stage = torch.load(tmp_path / "mt2" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt",
+                       weights_only=False)  # fmt: skip
+    assert {int(k.split(".")[2]) for k in stage["model"] if k.startswith("decoder.layers.")} == {
+        0,
+        1,
+    }
+    assert stage["args"].account_for_embedding_in_pipeline_split
+    last = torch.load(tmp_path / "mt3" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt",
+                      weights_only=False)  # fmt: skip
+    assert not any(k.startswith("decoder.layers.") for k in last["model1"])  # L alone
+    assert last["args"].pipeline_model_parallel_layout == "Et|tt|t|L"
 
 
 def test_transformer_engine_names_read_back(imported, tmp_path):
