@@ -137,6 +137,17 @@ class Partition:
         """The pipeline ranks holding the embedding and the head (the tied-embedding group)."""
         return sorted({self.stage_of(0)[0], self.stage_of(self.pp * self.vpp - 1)[0]})
 
+    def check_every_rank_holds_something(self):
+        """A training run's pipeline ranks each hold a layer, the embedding or the head: a rank
+        holding nothing would have no parameters to train (a chunk of 0 layers is fine)."""
+        for r in range(self.pp):
+            if not any(kw["layers"] or kw["has_embedding"] or kw["has_head"]
+                       for kw in self.rank_chunks(r)):  # fmt: skip
+                raise MegaliteError(
+                    f"pipeline rank {r} would hold no layer, embedding or head (layers per "
+                    f"virtual stage {self}); give it a layer or use a smaller --pp"
+                )
+
     def __str__(self) -> str:  # "5|4|4|3": layers per virtual stage, as plans print it
         return "|".join(map(str, self.counts))
 
