@@ -201,15 +201,26 @@ def partition(args: dict, where: str) -> Partition:
         raise MegaliteError(f"{where}: {e}") from None
 
 
+# megatron-core's LayerType, by name and by its enum value (a pickled member's stand-in)
+_LAYER_TYPES = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L", 1: "E", 2: "L", 4: "t",
+                5: "m"}  # fmt: skip
+
+
 def _layout_text(value) -> str | None:
     """Megatron's layout as its string: the flag's string, or the list of stages (of layer
-    type names) a PipelineParallelLayerLayout kept (a stand-in's pickled `input_data`)."""
+    types) a PipelineParallelLayerLayout kept (a stand-in's pickled `input_data`)."""
     if isinstance(value, _Opaque):
         value = getattr(value, "state", {}).get("input_data")
     if value is None or isinstance(value, str):
         return value
-    names = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
-    return "|".join("".join(names[str(x).strip().lower()] for x in stage) for stage in value)
+
+    def letter(x):
+        key = x.args[0] if isinstance(x, _Opaque) and x.args else str(x).strip().lower()
+        if key not in _LAYER_TYPES:
+            raise MegaliteError(f"the args' pipeline_model_parallel_layout holds {x!r}")
+        return _LAYER_TYPES[key]
+
+    return "|".join("".join(map(letter, stage)) for stage in value)
 
 
 def layer_ranges(args: dict, where: str) -> dict:

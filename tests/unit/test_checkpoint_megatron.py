@@ -414,9 +414,10 @@ def test_uneven_layer_placement_is_megatron_cores(case):
 
 @pytest.mark.parametrize("text,pp", [("Et|tt|ttt|tL", 2), ("E|t*3|(tt|)*2,t|L", 3),
                                      ("Ett|tt|tt|mmL", 2)])  # fmt: skip
-def test_layout_string_placement_is_megatron_cores(text, pp):
-    """--pipeline-model-parallel-layout (a string, or the PipelineParallelLayerLayout a
-    checkpoint's args may hold, as megatron-core parses it into stages of layer types)."""
+def test_layout_string_placement_is_megatron_cores(text, pp, tmp_path):
+    """--pipeline-model-parallel-layout: a string, or megatron-core's PipelineParallelLayerLayout
+    pickled in a checkpoint's args (read without its classes: from the stages of LayerType
+    members it keeps, given as a list)."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import (
         PipelineParallelLayerLayout as Layout,
@@ -427,10 +428,11 @@ def test_layout_string_placement_is_megatron_cores(text, pp):
     # megatron-core's stages in pipeline order: virtual stage v of pp rank p is v * pp + p
     order = [(i % pp, i // pp) for i in range(pp * theirs.virtual_pipeline_model_parallel_size)]
     counts = [theirs.layout[p][v].count(LayerType.decoder) for p, v in order]
-    stages = [[t.name for t in theirs.layout[p][v]] for p, v in order]
-    for layout in (text, megatron_files._Opaque()):
-        if not isinstance(layout, str):
-            layout.state = {"input_data": stages}  # a pickled layout object, stood in for
+    stages = [list(theirs.layout[p][v]) for p, v in order]
+    torch.save({"layout": Layout(stages, pp)}, tmp_path / "args.pt")
+    pickled = megatron_files.load_pickle(tmp_path / "args.pt")["layout"]
+    assert isinstance(pickled, megatron_files._Opaque)  # (no megatron class was built)
+    for layout in (text, pickled):
         args = {"num_layers": L, "pipeline_model_parallel_size": pp, "mtp_num_layers": mtp,
                 "pipeline_model_parallel_layout": layout}  # fmt: skip
         ours = megatron_files.layer_ranges(args, "x")
