@@ -225,6 +225,7 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         loss=p.account_for_loss_in_pipeline_split, layout=p.pipeline_model_parallel_layout,
         mtp_layers=m.mtp_num_layers or 0,
     )  # fmt: skip
+    partition.check_every_rank_holds_something()
     data = 1
     for a, n in sizes.items():
         data *= n if AXES[a].splits_batch else 1

@@ -60,6 +60,8 @@ class Arch:
 
 GPT2 = Arch("gpt2", "LayerNorm", swiglu=False, rope=False, bias=True, tied=True, ffn=128)
 LLAMA = Arch("llama", "RMSNorm", swiglu=True, rope=True, bias=False, tied=False, groups=2)
+LLAMA6 = Arch("llama6", "RMSNorm", swiglu=True, rope=True, bias=False, tied=False, groups=2,
+              num_layers=6)  # fmt: skip
 MOE = Arch("moe", "RMSNorm", swiglu=True, rope=True, bias=False, tied=False, groups=2,
            num_layers=2, num_experts=4)  # fmt: skip
 
@@ -72,6 +74,8 @@ class Layout:
     pp: int = 1
     vpp: int | None = None
     ep: int = 1
+    first: int | None = None  # --decoder-first-pipeline-num-layers (uneven stages)
+    last: int | None = None  # --decoder-last-pipeline-num-layers
 
     @property
     def world(self) -> int:
@@ -88,7 +92,16 @@ class Layout:
     def __str__(self) -> str:
         vpp = f"vpp{self.vpp}" if self.vpp else ""
         ep = f"ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}pp{self.pp}{vpp}{ep}"
+        uneven = "".join(f"{k}{v}" for k, v in (("first", self.first), ("last", self.last)) if v)
+        return f"tp{self.tp}pp{self.pp}{vpp}{ep}{uneven}"
+
+    def convert_flags(self) -> list:
+        """megalite-convert's flags for a legacy export at this layout."""
+        flags = ["--tp", self.tp, "--pp", self.pp, "--vpp", self.vpp or 1, "--ep", self.ep]
+        for flag, n in (("first", self.first), ("last", self.last)):
+            if n is not None:
+                flags += [f"--decoder-{flag}-pipeline-num-layers", n]
+        return flags
 
 
 def tokens(arch: Arch, batch: int = 2, seed: int = 0) -> torch.Tensor:
@@ -145,7 +158,8 @@ def transformer_config(arch: Arch, layout: Layout):
         num_query_groups=arch.groups, ffn_hidden_size=arch.ffn,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
-        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
+        num_layers_in_first_pipeline_stage=layout.first,
+        num_layers_in_last_pipeline_stage=layout.last, pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
         normalization=arch.normalization, gated_linear_unit=arch.swiglu,
         activation_func=F.silu if arch.swiglu else _gelu_tanh,
         add_bias_linear=arch.bias, add_qkv_bias=arch.bias, hidden_dropout=0.0,

@@ -65,8 +65,11 @@ def megatron_args(arch, layout, ckpt_format: str, config) -> argparse.Namespace:
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         num_layers_per_virtual_pipeline_stage=(
-            arch.num_layers // (layout.pp * layout.vpp) if layout.vpp else None
+            arch.num_layers // (layout.pp * layout.vpp)
+            if layout.vpp and layout.first is None and layout.last is None else None
         ),
+        decoder_first_pipeline_num_layers=layout.first,
+        decoder_last_pipeline_num_layers=layout.last,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
         context_parallel_size=1, sequence_parallel=False, data_parallel_size=layout.ep,
         world_size=layout.world, rank=dist.get_rank(), transformer_impl="local",

@@ -224,10 +224,22 @@ def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
     return cfg.padded_vocab_size(tp)
 
 
+# Megatron-LM's args of an uneven pipeline split (and their defaults): partition.py's flags
+PIPELINE_SPLIT_ARGS = {
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+    "pipeline_model_parallel_layout": None,
+}
+
+
 def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
-                     dtype=torch.float32, ckpt_format="torch_dist", transformer_impl="local") -> dict:  # fmt: skip
+                     dtype=torch.float32, ckpt_format="torch_dist", transformer_impl="local",
+                     stages: dict | None = None) -> dict:  # fmt: skip
     """The fields of a Megatron `args` Namespace that rebuild this model at this layout (the
-    ones --use-checkpoint-args takes, and those check_checkpoint_args compares)."""
+    ones --use-checkpoint-args takes, and those check_checkpoint_args compares). `stages`:
+    uneven pipeline stages, Megatron's flags by their args names (PIPELINE_SPLIT_ARGS)."""
     refused = {"--moe-expert-capacity-factor (megalite's drop order is its own)":
                cfg.moe_expert_capacity_factor is not None and cfg.num_experts,
                "--moe-router-enable-expert-bias (the converter does not map the bias)":
@@ -275,7 +287,9 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
         "virtual_pipeline_model_parallel_size": vpp,
-        "num_layers_per_virtual_pipeline_stage": cfg.num_layers // pp // vpp if vpp else None,
+        "num_layers_per_virtual_pipeline_stage": cfg.num_layers // pp // vpp
+        if vpp and not any((stages or {}).values()) else None,
+        **{k: (stages or {}).get(k, PIPELINE_SPLIT_ARGS[k]) for k in PIPELINE_SPLIT_ARGS},
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": tp,
         "iteration": iteration,

@@ -5,7 +5,8 @@
                 (an argparse.Namespace), `checkpoint_version`, `iteration`; tp shards split
                 column-parallel tensors on dim 0 (SwiGLU fc1 as [gate_r | up_r] per rank),
                 row-parallel weights on dim 1; a stage numbers its layers from 0, an ep rank
-                its experts; virtual stage v of pp rank p holds Megatron's even split.
+                its experts; virtual stage v of pp rank p holds Megatron's split (`partition`:
+                even, or uneven by the args' first/last, account-for or layout flags).
     torch_dist  ROOT/iter_NNNNNNN/{*.distcp, .metadata, common.pt, metadata.json}: in
                 `megatron_dist.py`, which also reads either format (`read_megatron`).
 
@@ -30,6 +31,7 @@ import torch
 from megalite.checkpoint import megatron as mg
 from megalite.checkpoint.torch_stream import Later, save_streaming
 from megalite.errors import MegaliteError
+from megalite.pipeline.partition import Partition, expand_layout
 
 LATEST = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -169,29 +171,63 @@ def split_tp(name: str, t: torch.Tensor, tp: int, gated: bool) -> list:
     return [s.contiguous() for s in t.chunk(tp, dim)]
 
 
-def layer_ranges(num_layers: int, pp: int, vpp: int, where: str) -> dict:
-    """{(pp rank, virtual stage): the global layers it holds}, Megatron's even split."""
-    if num_layers % (pp * vpp):
-        raise MegaliteError(
-            f"{where}: num_layers={num_layers} does not split evenly over pp={pp} x vpp={vpp}; "
-            "uneven pipeline splits are not supported"
-        )
-    n = num_layers // (pp * vpp)
-    return {(p, v): range(v * pp * n + p * n, v * pp * n + (p + 1) * n)
-            for p in range(pp) for v in range(vpp)}  # fmt: skip
-
-
-def layout(args: dict, where: str) -> tuple:
-    """(tp, pp, vpp, ep) of a Megatron run's args; uneven splits refused with one line."""
-    for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-              "pipeline_model_parallel_layout"):  # fmt: skip
-        if args.get(k):
-            raise MegaliteError(f"{where}: {k}={args[k]!r} (an uneven pipeline) is not supported")
-    tp = args.get("tensor_model_parallel_size") or 1
+def partition(args: dict, where: str) -> Partition:
+    """Layers per (pp rank, virtual stage) of a Megatron run's args: its even split, or the
+    uneven one its --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split
+    or --pipeline-model-parallel-layout give (megatron-core's `get_transformer_layer_offset`),
+    virtual stage v of pp rank p being Megatron's v*pp + p."""
     pp = args.get("pipeline_model_parallel_size") or 1
     vpp = args.get("virtual_pipeline_model_parallel_size") or 1
     if args.get("num_layers_per_virtual_pipeline_stage"):
         vpp = args["num_layers"] // pp // args["num_layers_per_virtual_pipeline_stage"]
+    text = _layout_text(args.get("pipeline_model_parallel_layout"))
+    if text is not None:  # the string spells out every virtual stage
+        vpp = max(1, len(expand_layout(text).split("|")) // pp)
+    try:
+        return Partition.from_flags(
+            args["num_layers"], pp, vpp, first=args.get("decoder_first_pipeline_num_layers"),
+            last=args.get("decoder_last_pipeline_num_layers"),
+            embedding=bool(args.get("account_for_embedding_in_pipeline_split")),
+            loss=bool(args.get("account_for_loss_in_pipeline_split")), layout=text,
+            mtp_layers=args.get("mtp_num_layers") or 0,
+        )  # fmt: skip
+    except MegaliteError as e:
+        raise MegaliteError(f"{where}: {e}") from None
+
+
+# megatron-core's LayerType, by name and by its enum value (a pickled member's stand-in)
+_LAYER_TYPES = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L", 1: "E", 2: "L", 4: "t",
+                5: "m"}  # fmt: skip
+
+
+def _layout_text(value) -> str | None:
+    """Megatron's layout as its string: the flag's string, or the list of stages (of layer
+    types) a PipelineParallelLayerLayout kept (a stand-in's pickled `input_data`)."""
+    if isinstance(value, _Opaque):
+        value = getattr(value, "state", {}).get("input_data")
+    if value is None or isinstance(value, str):
+        return value
+
+    def letter(x):
+        key = x.args[0] if isinstance(x, _Opaque) and x.args else str(x).strip().lower()
+        if key not in _LAYER_TYPES:
+            raise MegaliteError(f"the args' pipeline_model_parallel_layout holds {x!r}")
+        return _LAYER_TYPES[key]
+
+    return "|".join("".join(map(letter, stage)) for stage in value)
+
+
+def layer_ranges(args: dict, where: str) -> dict:
+    """{(pp rank, virtual stage): the global layers it holds}, from the run's args."""
+    part = partition(args, where)
+    return {(p, v): part.layers(p, v) for p in range(part.pp) for v in range(part.vpp)}
+
+
+def layout(args: dict, where: str) -> tuple:
+    """(tp, pp, vpp, ep) of a Megatron run's args."""
+    tp = args.get("tensor_model_parallel_size") or 1
+    part = partition(args, where)
+    pp, vpp = part.pp, part.vpp
     ep = args.get("expert_model_parallel_size") or 1
     etp = args.get("expert_tensor_parallel_size") or tp
     if args.get("num_experts") and etp != tp:
@@ -262,7 +298,7 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
         )
     tp, pp, vpp, ep = layout(args, str(d))
     num_experts = args.get("num_experts") or 0
-    ranges = layer_ranges(args["num_layers"], pp, vpp, str(d))
+    ranges = layer_ranges(args, str(d))
     per_rank = num_experts // ep
     gated = bool(args.get("swiglu"))
     shards, optimizer = {}, False  # name -> {ep rank: {tp rank: tensor}}
@@ -324,7 +360,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
             f"--ep {ep} needs a mixture-of-experts model with a multiple of {ep} experts "
             f"(this one has {num_experts})"
         )
-    ranges = layer_ranges(args["num_layers"], pp, vpp, "--to megatron")
+    ranges = layer_ranges(args, "--to megatron")
     per_rank, gated = num_experts // ep, bool(args.get("swiglu"))
     tied = not args.get("untie_embeddings_and_output_weights")
     for k in state:  # every split checked before anything is written

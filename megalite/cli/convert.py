@@ -79,14 +79,23 @@ def detect(src: Path) -> str:
     )
 
 
-def check_layout(cfg: Config, tp: int, pp: int, vpp: int):
+def check_layout(cfg: Config, tp: int, pp: int, vpp: int, stages: dict | None = None):
     """Reject a layout this model cannot take, with validate()'s sentences. A copy is checked,
     with batch fields set so that only the model-vs-layout checks can fail: the conversion's
-    layout never enters the saved config."""
+    layout never enters the saved config. `stages`: uneven pipeline stages (`split_flags`)."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = tp, pp, vpp
+    for k, v in (stages or {}).items():  # (ParallelConfig's fields have Megatron's args names)
+        setattr(cfg.parallel, k, v)
     cfg.training.micro_batch_size, cfg.training.global_batch_size = 1, pp
     validate(cfg, tp * pp)
+
+
+def split_flags(args) -> dict:
+    """A legacy Megatron target's uneven pipeline stages, by Megatron's args names: the flags
+    given (partition.py reads them)."""
+    given = {k: getattr(args, k) for k in megatron_args.PIPELINE_SPLIT_ARGS}
+    return {k: v for k, v in given.items() if v}
 
 
 def saved_config(model) -> dict:
@@ -292,13 +301,15 @@ def megalite_to_megatron(src: Path, dst: Path, args):
     checked = ckpt.verify_while_reading()
     cfg = from_dict({"model": ckpt.model_config})
     legacy = args.format == "legacy"
-    check_layout(cfg, args.tp, args.pp, args.vpp)
+    stages = split_flags(args)
+    check_layout(cfg, args.tp, args.pp, args.vpp, stages)
     tp = args.tp  # torch_dist is layout-free, but its vocabulary is padded for one tp
     dtype = getattr(torch, ckpt.tensors[ckpt.names()[0]]["dtype"])
     layout = (tp, args.pp, args.vpp, args.ep) if legacy else (tp, 1, None, 1)
     margs = megatron_args.args_from_config(
         cfg.model, *layout, iteration=ckpt.iteration, dtype=dtype,
         ckpt_format="torch" if legacy else "torch_dist", transformer_impl=args.transformer_impl,
+        stages=stages if legacy else None,  # (torch_dist is layout-free: its args say pp=1)
     )  # fmt: skip
     # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
     state = mg.to_megatron_lazy(
@@ -339,6 +350,14 @@ def main(argv):
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="a legacy Megatron target's expert layout")
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        p.add_argument(flag, type=int, default=None, help="a legacy Megatron target's uneven "
+                       "stages: layers on the first / last pipeline rank")  # fmt: skip
+    for flag in ("--account-for-embedding-in-pipeline-split",
+                 "--account-for-loss-in-pipeline-split"):  # fmt: skip
+        p.add_argument(flag, action="store_true", help="a legacy Megatron target's uneven stages")
+    p.add_argument("--pipeline-model-parallel-layout", "--pp-layout", default=None,
+                   help='a legacy Megatron target\'s stages spelled out, e.g. "Et|tt|tt|tL"')  # fmt: skip
     p.add_argument(
         "--format",
         choices=("torch_dist", "legacy"),

@@ -137,6 +137,17 @@ class Partition:
         """The pipeline ranks holding the embedding and the head (the tied-embedding group)."""
         return sorted({self.stage_of(0)[0], self.stage_of(self.pp * self.vpp - 1)[0]})
 
+    def check_every_rank_holds_something(self):
+        """A training run's pipeline ranks each hold a layer, the embedding or the head: a rank
+        holding nothing would have no parameters to train (a chunk of 0 layers is fine)."""
+        for r in range(self.pp):
+            if not any(kw["layers"] or kw["has_embedding"] or kw["has_head"]
+                       for kw in self.rank_chunks(r)):  # fmt: skip
+                raise MegaliteError(
+                    f"pipeline rank {r} would hold no layer, embedding or head (layers per "
+                    f"virtual stage {self}); give it a layer or use a smaller --pp"
+                )
+
     def __str__(self) -> str:  # "5|4|4|3": layers per virtual stage, as plans print it
         return "|".join(map(str, self.counts))
 
@@ -175,15 +186,22 @@ def _first_last(num_layers: int, pp: int, vpp: int, first: int | None, last: int
 _REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)|([A-Za-z|])\*(\d+)")
 
 
+def expand_layout(text: str) -> str:
+    """The layout string with its repetitions written out and commas dropped: its virtual
+    stages are `expand_layout(text).split("|")`."""
+    flat, prev = text.replace(",", "").replace(" ", ""), None
+    while prev != flat:  # innermost repetitions first
+        prev = flat
+        flat = _REPEAT.sub(lambda m: (m[1] if m[1] is not None else m[3]) * int(m[2] or m[4]), flat)
+    return flat
+
+
 def parse_layout(text: str, stages: int, num_layers: int, mtp_layers: int = 0) -> list[int]:
     """Transformer layers per virtual stage from Megatron's layout string: `E` embedding, `t` a
     transformer layer, `m` an MTP layer, `L` the loss (and head), `|` between stages, `x*n` or
     `(...)*n` repeated n times, commas cosmetic. E must open the first stage and L end the last;
     megalite runs MTP with the head, so the `m`s belong in L's stage."""
-    flat, prev = text.replace(",", "").replace(" ", ""), None
-    while prev != flat:  # innermost repetitions first
-        prev = flat
-        flat = _REPEAT.sub(lambda m: (m[1] if m[1] is not None else m[3]) * int(m[2] or m[4]), flat)
+    flat = expand_layout(text)
     if set(flat) - set("EtmL|"):
         bad = sorted(set(flat) - set("EtmL|"))
         raise MegaliteError(

@@ -56,7 +56,8 @@ def input_grad(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, pa
     that computes the parameters' gradients later (once)."""
     root = out.grad_fn
     params = [p for p in params if p.requires_grad]
-    if root is None or not params:
+    if root is None or not params:  # nothing for W: a chunk of 0 layers returns its input
+        _run([out], [torch.ones_like(out) if grad is None else grad], [x], keep_graph=False)
         return lambda: None
     # the graph from the output down, and the reverse edges (node -> the nodes that feed it)
     down, up, queue = {}, defaultdict(list), deque([root])

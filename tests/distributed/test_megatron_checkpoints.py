@@ -2,7 +2,9 @@
 
 A Megatron GPTModel is built on gloo ranks (tests/megatron_oracle.py) at tp=2 (GPT-2 style:
 LayerNorm, biases, tied), at pp=2 with two virtual stages each (Llama style: GQA, SwiGLU, RoPE,
-untied) and at ep=2 (Llama style with 4 experts, top-2), and saved as Megatron-LM saves it
+untied), at ep=2 (Llama style with 4 experts, top-2) and at pp=2 with uneven stages (6 layers
+as 1 | 5, --decoder-first-pipeline-num-layers 1; exported as 2 | 4 over two virtual stages
+each, --decoder-last-pipeline-num-layers 4), and saved as Megatron-LM saves it
 (legacy mp_rank_* files and torch_dist). Each imports into megalite (`megalite-convert --from
 megatron`) with Megatron's logits (fp32, 1e-5), also under TransformerEngine's names. Exported
 back at the source layout, every rank file holds Megatron's own tensors and args; exported at
@@ -31,6 +33,8 @@ CASES = {
     "gpt2-tp2": (mo.GPT2, mo.Layout(tp=2), mo.Layout(pp=2, vpp=2)),
     "llama-pp2vpp2": (mo.LLAMA, mo.Layout(pp=2, vpp=2), mo.Layout(tp=2)),
     "moe-ep2": (mo.MOE, mo.Layout(ep=2), mo.Layout(tp=2)),
+    # uneven stages: 1 | 5 layers saved, exported as rank 0's 2 | rank 1's 4 over two chunks each
+    "llama6-pp2first1": (mo.LLAMA6, mo.Layout(pp=2, first=1), mo.Layout(pp=2, vpp=2, last=4)),
 }
 FORMATS = ("legacy", "torch_dist")
 
@@ -72,7 +76,7 @@ def exported(saved, tmp_path_factory):
     jobs, dirs = [], []
     for name, (arch, _, target) in CASES.items():
         root, x, _ = saved[name]
-        flags = ["--tp", target.tp, "--pp", target.pp, "--vpp", target.vpp or 1, "--ep", target.ep]
+        flags = target.convert_flags()
         for form in FORMATS:
             out = tmp_path_factory.mktemp(f"{name}-{form}") / "out"
             convert(root / "ml-legacy", out, "--to", "megatron", "--format", form, *flags)
@@ -112,7 +116,8 @@ ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
         "normalization", "swiglu", "add_bias_linear", "add_qkv_bias", "num_experts",
         "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "expert_model_parallel_size", "make_vocab_size_divisible_by")  # fmt: skip
+        "expert_model_parallel_size", "make_vocab_size_divisible_by",
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")  # fmt: skip
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -125,7 +130,7 @@ def test_export_at_the_source_layout_is_megatrons_own_files(source, impl, tmp_pa
     if impl == "transformer_engine":
         theirs_root = tmp_path / "te"
         mf.as_transformer_engine(root / "legacy", theirs_root)
-    flags = ["--tp", layout.tp, "--pp", layout.pp, "--vpp", layout.vpp or 1, "--ep", layout.ep]
+    flags = layout.convert_flags()
     convert(root / "ml-legacy", tmp_path / "out", "--to", "megatron", "--format", "legacy",
             "--transformer-impl", impl, *flags)  # fmt: skip
     theirs_dirs = sorted(p.name for p in (theirs_root / f"iter_{mf.ITERATION:07d}").iterdir())

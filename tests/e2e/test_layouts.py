@@ -16,6 +16,12 @@ LAYOUTS = {
     # zero-bubble schedules: the backward split in I and W
     "pp2-zbv": (2, ["--pp", "2", "--vpp", "2", "--pp-schedule", "zbv"]),
     "tp2-pp2-dp2-zbh1": (8, ["--tp", "2", "--pp", "2", "--pp-schedule", "zb-h1"]),
+    # uneven stages: 1 | 3 layers; a V whose first stage holds the embedding alone (0 layers)
+    "pp2-first1": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),
+    "pp2-zbv-layout": (
+        2,
+        ["--pp", "2", "--vpp", "2", "--pp-schedule", "zbv", "--pp-layout", "E|tt|t|tL"],
+    ),
     # flags whose arithmetic is that of one process too
     "dp2-zero2-recompute-selective": (2, ["--zero-stage", "2", "--recompute", "selective"]),
     "pp2-gpipe-recompute-full": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--recompute", "full"]),

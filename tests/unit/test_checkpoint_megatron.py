@@ -270,12 +270,17 @@ def test_rope_scaling_megatron_cannot_express_is_refused(megatron, tmp_path):
 
 
 def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_path):
-    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 (ep=2) -> megalite: the same tensors."""
+    """megalite -> torch_dist / legacy at tp=2 pp=2 vpp=2 (ep=2), and at uneven stages (1 | 2 | 1
+    layers; a layout string whose last virtual stage holds the head alone) -> megalite: the
+    same tensors."""
     kind, _, _, ml = imported
     want = fmt.Checkpoint(ml)
     legacy = ["--format", "legacy", "--tp", "2", "--pp", "2", "--vpp", "2"]
     legacy += ["--ep", "2"] if kind == "moe" else []
-    for i, extra in enumerate([["--format", "torch_dist"], legacy]):
+    uneven = [["--format", "legacy", "--pp", "3", "--account-for-embedding-in-pipeline-split",
+               "--account-for-loss-in-pipeline-split"],
+              ["--format", "legacy", "--pp", "2", "--vpp", "2", "--pp-layout", "Et|tt|t|L"]]  # fmt: skip
+    for i, extra in enumerate([["--format", "torch_dist"], legacy, *uneven]):
         out, back = tmp_path / f"mt{i}", tmp_path / f"ml{i}"
         convert.main([str(ml), str(out), "--to", "megatron", *extra])
         convert.main([str(out), str(back), "--to", "megalite"])
@@ -283,6 +288,18 @@ def test_torch_dist_and_resharded_legacy_read_back_identically(imported, tmp_pat
         assert sorted(got.names()) == sorted(want.names())
         for n in want.names():
             assert torch.equal(got.read(n), want.read(n)), n
+    # each stage numbers its layers from 0: pp rank 1 of the 1 | 2 | 1 split holds layers 1, 2
+    stage = torch.load(tmp_path / "mt2" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt",
+                       weights_only=False)  # fmt: skip
+    assert {int(k.split(".")[2]) for k in stage["model"] if k.startswith("decoder.layers.")} == {
+        0,
+        1,
+    }
+    assert stage["args"].account_for_embedding_in_pipeline_split
+    last = torch.load(tmp_path / "mt3" / "iter_0000000" / "mp_rank_00_001" / "model_optim_rng.pt",
+                      weights_only=False)  # fmt: skip
+    assert not any(k.startswith("decoder.layers.") for k in last["model1"])  # L alone
+    assert last["args"].pipeline_model_parallel_layout == "Et|tt|t|L"
 
 
 def test_transformer_engine_names_read_back(imported, tmp_path):
@@ -349,9 +366,79 @@ def test_megatron_tp2_shapes_match_the_split(megatron):
 
 
 def test_layer_placement_follows_megatrons_virtual_stages():
-    r = megatron_files.layer_ranges(8, 2, 2, "x")
+    r = megatron_files.layer_ranges(
+        {"num_layers": 8, "pipeline_model_parallel_size": 2,
+         "virtual_pipeline_model_parallel_size": 2}, "x"
+    )  # fmt: skip
     assert r[0, 0] == range(0, 2) and r[1, 0] == range(2, 4)
     assert r[0, 1] == range(4, 6) and r[1, 1] == range(6, 8)
+
+
+# (num_layers, pp, vpp, first, last, account for embedding, account for loss)
+UNEVEN = [(8, 2, None, 3, None, False, False), (9, 3, None, 1, 2, False, False),
+          (8, 2, 2, 2, None, False, False), (8, 4, None, 2, 0, False, False),
+          (10, 4, None, None, None, True, True), (14, 4, 2, None, None, True, True),
+          (7, 2, 2, None, None, True, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", UNEVEN, ids=str)
+def test_uneven_layer_placement_is_megatron_cores(case):
+    """Each rank file's layers (megalite's Partition from the args' first/last and account-for
+    flags) are where megatron-core's get_transformer_layer_offset and get_num_layers_to_build
+    put a stage's (its local layer 0 is global layer `offset`)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    L, pp, vpp, first, last, emb, loss = case
+    config = SimpleNamespace(num_layers=L, pipeline_model_parallel_size=pp,
+                             virtual_pipeline_model_parallel_size=vpp,
+                             num_layers_in_first_pipeline_stage=first,
+                             num_layers_in_last_pipeline_stage=last,
+                             account_for_embedding_in_pipeline_split=emb,
+                             account_for_loss_in_pipeline_split=loss,
+                             pipeline_model_parallel_layout=None)  # fmt: skip
+    args = {"num_layers": L, "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": vpp,
+            "decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last,
+            "account_for_embedding_in_pipeline_split": emb,
+            "account_for_loss_in_pipeline_split": loss}  # fmt: skip
+    ours = megatron_files.layer_ranges(args, "x")
+    for (p, v), layers in ours.items():
+        vs = v if vpp else None
+        start = get_transformer_layer_offset(config, vs, p)
+        assert layers == range(start, start + get_num_layers_to_build(config, vs, p)), (p, v)
+    assert not megatron_files.partition(args, "x").even_split
+
+
+@pytest.mark.parametrize("text,pp", [("Et|tt|ttt|tL", 2), ("E|t*3|(tt|)*2,t|L", 3),
+                                     ("Ett|tt|tt|mmL", 2)])  # fmt: skip
+def test_layout_string_placement_is_megatron_cores(text, pp, tmp_path):
+    """--pipeline-model-parallel-layout: a string, or megatron-core's PipelineParallelLayerLayout
+    pickled in a checkpoint's args (read without its classes: from the stages of LayerType
+    members it keeps, given as a list)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout as Layout,
+    )
+
+    theirs = Layout.from_str(text, pp)
+    L, mtp = (theirs.flatten_layout.count(t) for t in (LayerType.decoder, LayerType.mtp))
+    # megatron-core's stages in pipeline order: virtual stage v of pp rank p is v * pp + p
+    order = [(i % pp, i // pp) for i in range(pp * theirs.virtual_pipeline_model_parallel_size)]
+    counts = [theirs.layout[p][v].count(LayerType.decoder) for p, v in order]
+    stages = [list(theirs.layout[p][v]) for p, v in order]
+    torch.save({"layout": Layout(stages, pp)}, tmp_path / "args.pt")
+    pickled = megatron_files.load_pickle(tmp_path / "args.pt")["layout"]
+    assert isinstance(pickled, megatron_files._Opaque)  # (no megatron class was built)
+    for layout in (text, pickled):
+        args = {"num_layers": L, "pipeline_model_parallel_size": pp, "mtp_num_layers": mtp,
+                "pipeline_model_parallel_layout": layout}  # fmt: skip
+        ours = megatron_files.layer_ranges(args, "x")
+        for (p, v), layers in ours.items():
+            i = order.index((p, v))
+            assert layers == range(sum(counts[:i]), sum(counts[: i + 1])), (text, p, v)
 
 
 def _random_logical(cfg):

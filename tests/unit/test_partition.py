@@ -84,6 +84,12 @@ def test_uneven_stages_that_do_not_add_up_are_one_sentence(kw, message):
         Partition.from_flags(4, 2, **kw)
 
 
+def test_a_rank_holding_nothing_is_refused_a_stage_of_0_layers_is_not():
+    Partition.from_flags(4, 2, 2, layout="E|tt|tt|L").check_every_rank_holds_something()
+    with pytest.raises(MegaliteError, match="pipeline rank 1 would hold no layer"):
+        Partition.from_flags(4, 3, layout="Ett||ttL").check_every_rank_holds_something()
+
+
 def test_indivisible_layers_is_a_clear_error():
     with pytest.raises(MegaliteError, match="num_layers=6 is not divisible by pp\\*vpp=2\\*2"):
         Partition.even(6, 2, 2)
