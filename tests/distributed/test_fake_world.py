@@ -188,6 +188,23 @@ def test_16384_ranks_time_their_launch_and_make_only_their_groups():
     _memory_as_planned(reports)
 
 
+@pytest.mark.slow
+def test_stages_without_layers_match_and_peak_as_planned():
+    """Issue 47: Megatron's layouts give the first stage only the embedding and the last only
+    the MTP module and the loss ("E|ttt|ttt|mL", tp2·pp4·dp2): every group matches, each stage
+    reads the host once and peaks within 10% of the plan (the embedding-only stage was +26%:
+    the plan held no backward working memory for its weight's gradient, plan/buffers.py)."""
+    cfg = _cfg(layers=6, tp=2, pp=4, pipeline_model_parallel_layout="E|ttt|ttt|mL")
+    cfg.model.flavour, cfg.model.mtp_num_layers = "llama", 1
+    cfg.training.global_batch_size = 8
+    topo = validate(cfg, 16).topology()
+    reports = run_roles(cfg, 16, [*(topo.rank(pp=i) for i in range(4)), topo.rank(tp=1)])
+    m = match(reports)
+    assert m.ok and {"tp", "pp", "embed", "world"} <= set(m.compared), (m.compared, m.mismatches)
+    assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+    _memory_as_planned(reports)
+
+
 # ---- production shapes (issue 47): real widths, fewer layers, uneven stages ---------------------
 LLAMA_405B = dict(flavour="llama", hidden_size=16384, num_attention_heads=128, num_query_groups=8,
                   ffn_hidden_size=53248, vocab_size=128256, seq_length=8192)  # fmt: skip
@@ -259,6 +276,7 @@ def test_2048_ranks_deepseek_v3_step_with_an_mtp_only_last_stage():
     cfg.optimizer.zero_stage = 1
     coords = [{}, {"pp": 3}, {"pp": 3, "dp": 1}, {"pp": 3, "dp": 64},
               {"pp": 15}, {"pp": 15, "dp": 1}]  # fmt: skip
-    shape, reports = _production_step(cfg, 2048, coords, {"dp", "ep", "edp", "pp", "world"})
+    groups = {"dp", "ep", "edp", "pp", "world", "embed"}
+    shape, reports = _production_step(cfg, 2048, coords, groups)
     assert shape.partition.counts == (*[1] * 15, 0) and shape.microbatches == 16
     assert [r.syncs for r in reports] == [1, 17, 17, 17, 17, 17]  # 1 + an MoE layer x 16
