@@ -114,6 +114,8 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
     vocab = m.padded_vocab_size(tp) // tp
     if kw["has_head"]:
         widest = max(widest, (tokens * vocab + vocab * m.hidden_size) * e)
+        if t.kernels == "torch" and tp == 1:  # F.cross_entropy in fp32: the log-softmax's
+            widest = max(widest, 2 * tokens * m.vocab_size * max(e, 4))  # and its input's grads
     if kw["has_embedding"]:  # the word embedding's gradient, and its output's (masked with TP)
         widest = max(widest, (vocab + tokens) * m.hidden_size * e)
     return widest
