@@ -246,10 +246,11 @@ class GPTChunk(nn.Module):
             x = layer(x, shard=shard)
         if not self.has_head:
             return x
-        logits = self.logits(x)
         if labels is None:  # whole logits over the real vocabulary (generation, conversion checks)
+            logits = self.logits(x)
             return comm.gather_from_group(logits, self.tp, dim=-1)[..., : self.cfg.vocab_size]
-        loss = self._token_loss(logits, labels)
+        # the logits go with the loss: not held (a logits-sized tensor) while MTP runs
+        loss = self._token_loss(self.logits(x), labels)
         if shard is not None and shard.loss_mask is not None:  # (b, s): per-token losses
             # the step's mean over the tokens with a loss, once averaged over micro-batches and cp
             loss = (loss * shard.loss_mask).sum() * shard.loss_weight

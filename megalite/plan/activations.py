@@ -145,8 +145,10 @@ def layer_activations(
     attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
     # fused_column_linear keeps the concatenated q/k/v (and gate/up) weights (and biases)
     fused = (h / t + 2 * kv) * (h + m.features.qkv_bias) * e + (2 * f / t * h * e if gated else 0)
-    if m.features.latent_attention:  # MLA (model/mla.py): its latents, q/k/v padded to d
-        attention, fused = latent_attention_activations(m, b, t, e, torch_ops), 0
+    if m.features.latent_attention:  # MLA (model/mla.py): its latents, q/k/v padded to d;
+        # no fused q/k/v weights, the MLP's gate/up still
+        attention = latent_attention_activations(m, b, t, e, torch_ops)
+        fused = 2 * f / t * h * e if gated else 0
     lse = 0 if recompute == "selective" else a / t * s * b * 4
     mlp = s * b * f / t * e * ((4 if torch_ops else 3) if gated else 2)  # (gate,) up, act out
     if moe:  # no dense MLP: the routed experts, and the shared expert's MLP if any
@@ -163,24 +165,26 @@ def layer_activations(
 
 def latent_attention_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> float:
     """Bytes MLA keeps for backward per micro-batch besides its (b, s, h) input: the low-rank
-    q and kv latents (each a norm's input and the next projection's), the rotary inputs and
-    outputs of q and of the shared key, q (dn + dr per head), the padded q, k, v and the output
-    the attention core keeps (head dim d = max(dn + dr, dv)), and the out projection's input;
-    RMSNorm's fp32 copies on the torch path."""
+    q and kv latents (each a norm's input and the next projection's), the padded q, k, v and
+    the output the attention core keeps (head dim d = max(dn + dr, dv)), and the out
+    projection's input; RMSNorm's fp32 copies on the torch path. Nothing else: the rotary
+    keeps only its tables, and q and k before padding (concatenations of the projections'
+    outputs with the rotated parts) are the core's own when d = dn + dr, else only padded
+    (measured in the fake world: docs/fake_world.md)."""
     s, heads = m.seq_length * b, m.num_attention_heads / t
-    dqk, dv, dr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.qk_rope_head_dim
+    dqk, dv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     d = max(dqk, dv)
     latents = (m.q_lora_rank or 0) + m.kv_lora_rank
     norm_e = (2 * max(e, 4)) if torch_ops else e  # rms_norm_ref keeps x and x * rstd
-    per_token = latents * (e + norm_e) + (heads + 1) * dr * e * 2  # latents; rotary in/out
-    per_token += heads * dqk * e + heads * (4 * d + dv) * e  # q; the core; the out projection
+    per_token = latents * (e + norm_e)  # the latents
+    per_token += heads * (4 * d + dv) * e  # the core's q, k, v, output; the out projection's input
     return s * per_token
 
 
 def moe_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> float:
     """Bytes the routed part of an MoE layer keeps for backward per micro-batch, with T = s b / t
     tokens routed by this rank and n = T k assignments (as many come back, balanced): the
-    router's input (and its fp32 copy in bf16/fp16), fp32 logits and probabilities (T, E), per
+    router's fp32 input (in bf16/fp16 a copy: the input itself is not kept), fp32 logits and probabilities (T, E), per
     assignment the first grouped GEMM's input, the activation's inputs (SwiGLU: gate and up,
     plus silu(gate) on the torch path; GELU: its input), the second GEMM's input and the
     combined output that is weighted, plus its weight and four int64 permutations."""
@@ -188,7 +192,7 @@ def moe_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> 
     tokens = m.seq_length * b / t
     n = tokens * k
     act = (3 if torch_ops else 2) if m.features.gated_mlp else 1
-    router = tokens * h * e + (tokens * h * 4 if e < 4 else 0) + tokens * n_exp * 4 * 2
+    router = tokens * h * max(e, 4) + tokens * n_exp * 4 * 2
     return router + n * (2 * h + f * (act + 1)) * e + n * (4 + 4 * 8)
 
 

@@ -103,7 +103,8 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
     """Bytes one backward of this chunk holds on top of the kept activations, at its widest
     layer: the layer's weight gradients as autograd makes them, before the gradient buffer adds
     them in (one layer's parameters), and the gradient of its widest activation (the MLP's or
-    each expert's intermediate); at the head, the logits' gradient and the output weight's."""
+    each expert's intermediate); at the head, the logits' gradient and the output weight's; at
+    the embedding its weight's (what a stage without layers holds: issue 47's fake world)."""
     m, t = cfg.model, cfg.training
     e, tp = BYTES[t.precision], shape.tp
     tokens = m.seq_length // shape.cp * t.micro_batch_size
@@ -120,7 +121,11 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
         else:
             act = tokens * m.ffn / tp
         widest = max(widest, numel * e + act * e * (2 if m.features.gated_mlp else 1))
+    vocab = m.padded_vocab_size(tp) // tp
     if kw["has_head"]:
-        vocab = m.padded_vocab_size(tp) // tp
         widest = max(widest, (tokens * vocab + vocab * m.hidden_size) * e)
+        if t.kernels == "torch" and tp == 1:  # F.cross_entropy in fp32: the log-softmax's
+            widest = max(widest, 2 * tokens * m.vocab_size * max(e, 4))  # and its input's grads
+    if kw["has_embedding"]:  # the word embedding's gradient, and its output's (masked with TP)
+        widest = max(widest, (vocab + tokens) * m.hidden_size * e)
     return widest

@@ -188,3 +188,97 @@ def test_16384_ranks_time_their_launch_and_make_only_their_groups():
         assert (g.created, g.world_ops, g.foreign) == (g.member_of, 0, 0) and g.member_of == 4, g
         assert r.syncs == 1, r.where
     _memory_as_planned(reports)
+
+
+@pytest.mark.slow
+def test_stages_without_layers_match_and_peak_as_planned():
+    """Issue 47: Megatron's layouts give the first stage only the embedding and the last only
+    the MTP module and the loss ("E|ttt|ttt|mL", tp2·pp4·dp2): every group matches, each stage
+    reads the host once and peaks within 10% of the plan (the embedding-only stage was +26%:
+    the plan held no backward working memory for its weight's gradient, plan/buffers.py)."""
+    cfg = _cfg(layers=6, tp=2, pp=4, pipeline_model_parallel_layout="E|ttt|ttt|mL")
+    cfg.model.flavour, cfg.model.mtp_num_layers = "llama", 1
+    cfg.training.global_batch_size = 8
+    topo = validate(cfg, 16).topology()
+    reports = run_roles(cfg, 16, [*(topo.rank(pp=i) for i in range(4)), topo.rank(tp=1)])
+    m = match(reports)
+    assert m.ok and {"tp", "pp", "embed", "world"} <= set(m.compared), (m.compared, m.mismatches)
+    assert all(r.syncs == 1 for r in reports), [(r.rank, r.where) for r in reports]
+    _memory_as_planned(reports)
+
+
+# ---- production shapes (issue 47): real widths, fewer layers, uneven stages ---------------------
+LLAMA_405B = dict(flavour="llama", hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+                  ffn_hidden_size=53248, vocab_size=128256, seq_length=8192)  # fmt: skip
+DEEPSEEK_V3 = dict(flavour="deepseek_v3", hidden_size=7168, num_attention_heads=128,
+                   ffn_hidden_size=18432, vocab_size=129280, seq_length=4096, q_lora_rank=1536,
+                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   mtp_num_layers=1, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                   moe_shared_expert_intermediate_size=2048, moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_router_num_groups=8,
+                   moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                   moe_dense_layers=[0, 1, 2])  # fmt: skip
+
+
+def _production(model: dict, layers: int, **par):
+    """A bf16 model of `model`'s real dims with `layers` layers, micro-batch 1, global batch
+    2048 (16 micro-batches per replica at dp128), `par` the parallel flags."""
+    from megalite.config import Config
+
+    cfg = Config()
+    for k, v in {**model, "num_layers": layers}.items():
+        setattr(cfg.model, k, v)
+    t = cfg.training
+    t.precision, t.micro_batch_size, t.global_batch_size = "bf16", 1, 2048
+    cfg.logging.wandb_mode = "disabled"
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _production_step(cfg, world: int, coords: list[dict], groups: set):
+    """The roles at `coords` run two steps: every group compared matches (`groups` among them),
+    each reads the host as `expected_syncs` says and peaks within 10% of the planner."""
+    shape = validate(cfg, world)
+    topo = shape.topology()
+    reports = run_roles(cfg, world, [topo.rank(**c) for c in coords])
+    for r in reports:  # the numbers docs/fake_world.md records (pytest -s shows them)
+        print(f"rank {r.rank} {r.coords}: {r.seconds:.1f} s, {r.syncs} syncs, peak "
+              f"{r.peak_bytes / 2**30:.2f} GiB, planned {r.planned_bytes / 2**30:.2f} GiB")  # fmt: skip
+    m = match(reports)
+    assert m.ok and groups <= set(m.compared), (m.compared, m.mismatches[:3])
+    for r in reports:
+        assert r.syncs == expected_syncs(cfg, shape, r.coords["pp"]), (r.rank, r.syncs, r.where)
+    _memory_as_planned(reports)
+    return shape, reports
+
+
+@pytest.mark.slow
+def test_16384_ranks_llama_405b_step_with_uneven_stages():
+    """Llama 3 405B's widths (h16384, 128 heads, 8 KV groups, ffn 53248, 128,256-token vocab,
+    8,192 tokens, bf16) at tp8 pp16 dp128 with SP, 16 micro-batches of 1: 30 layers (126 in the
+    model), the first and the last stage one layer short of the others' 2 (Megatron's
+    --decoder-first/last-pipeline-num-layers). The first stage and its tp and dp neighbours, a
+    middle stage, the last stage (the 128k head at tp8) and its tp neighbour."""
+    cfg = _production(LLAMA_405B, 30, tp=8, pp=16, sequence_parallel=True,
+                      decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1)  # fmt: skip
+    coords = [{}, {"tp": 1}, {"dp": 1}, {"pp": 1}, {"pp": 15}, {"pp": 15, "tp": 1}]
+    shape, reports = _production_step(cfg, 16384, coords, {"tp", "dp", "pp", "world"})
+    assert shape.partition.counts == (1, *[2] * 14, 1) and shape.microbatches == 16
+
+
+@pytest.mark.slow
+def test_2048_ranks_deepseek_v3_step_with_an_mtp_only_last_stage():
+    """DeepSeek-V3's widths (MLA, 256 experts top-8 over node-limited groups, a shared expert,
+    the first 3 layers dense, one MTP layer, bf16) at pp16 ep64 dp128 with ZeRO-1, 16
+    micro-batches of 1: 15 layers (61 in the model), one per stage and none on the last, which
+    holds the MTP module, the head and the loss (the layout "Et|(t|)*14,mL"). The first stage,
+    the first MoE stage (3) with its ep and edp neighbours, the last stage and its neighbour."""
+    cfg = _production(DEEPSEEK_V3, 15, pp=16, ep=64, pipeline_model_parallel_layout="Et|(t|)*14,mL")
+    cfg.optimizer.zero_stage = 1
+    coords = [{}, {"pp": 3}, {"pp": 3, "dp": 1}, {"pp": 3, "dp": 64},
+              {"pp": 15}, {"pp": 15, "dp": 1}]  # fmt: skip
+    groups = {"dp", "ep", "edp", "pp", "world", "embed"}
+    shape, reports = _production_step(cfg, 2048, coords, groups)
+    assert shape.partition.counts == (*[1] * 15, 0) and shape.microbatches == 16
+    assert [r.syncs for r in reports] == [1, 17, 17, 17, 17, 17]  # 1 + an MoE layer x 16

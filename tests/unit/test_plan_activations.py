@@ -112,3 +112,22 @@ def test_fp8_activations_match_saved_tensors(recipe):
     assert planned == change, (measured, estimate)
     if recipe == "tensorwise":  # the check can fail: FP8 copies are a real change here
         assert change < -0.2 * measured[0] and planned < 0
+
+
+def test_latent_attention_and_expert_activations_match_saved_tensors():
+    """DeepSeek-V3's layers (MLA with a q latent, v narrower than q/k; a dense layer, then an
+    MoE layer with a shared expert), fp32 on CPU, within 5%: MLA keeps no rotary inputs or
+    unpadded q, its dense MLP keeps the fused gate/up weights (issue 47's fake world)."""
+    m = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, ffn_hidden_size=128, num_experts=4, moe_router_topk=2,
+             moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+             moe_dense_layers=[0])  # fmt: skip
+    cfg = tiny("deepseek_v3", **m)
+    cfg.model.num_attention_heads = 8
+    for layers in (range(0, 1), range(1, 2)):  # dense, then MoE
+        kw = {"layers": layers, "has_embedding": False, "has_head": False}
+        chunk = GPTChunk(cfg.model, **kw)
+        x = torch.randn(2, 64, 64, requires_grad=True)
+        measured = saved_bytes(chunk, x, None)
+        estimate, _ = activations.chunk_activations(cfg, layout(cfg), kw)
+        assert abs(estimate / measured - 1) < 0.05, (list(layers), estimate, measured)
