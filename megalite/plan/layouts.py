@@ -131,7 +131,8 @@ def search(
     trades traffic for memory: planned when asked for, not searched); a layout `validate`
     refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
     then the lower memory. `misses`: a list given receives the layouts planned that did not fit
-    (the least memory first), to say how far the nearest is when none fits."""
+    (the least memory first), to say how far the nearest is when none fits. With ZeRO, hybrid
+    sharding is tried too: the shard group filling a node (`_replicates`)."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
@@ -147,11 +148,12 @@ def search(
                 for vpp in (v for v in VPPS if pp > 1 or v == 1):
                     splits = stages.splits(cfg.model.num_layers, pp, vpp, layer, head)
                     for zero in zeros:
-                        p = _first_fit(cfg, cluster, splits[:SPLITS_TRIED], tp, pp, dp, vpp,
-                                       zero, cp, memo, misses)  # fmt: skip
-                        if p is not None:
-                            p.step_time = step_time(cfg, p, cluster, flops_per_token)
-                            plans.append(p)
+                        for rep in _replicates(dp, tp * cp, zero, cluster.gpus_per_node):
+                            p = _first_fit(cfg, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
+                                           vpp, zero, cp, memo, misses, rep)  # fmt: skip
+                            if p is not None:
+                                p.step_time = step_time(cfg, p, cluster, flops_per_token)
+                                plans.append(p)
     if misses is not None:
         misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
@@ -169,11 +171,24 @@ def cp_sizes(cfg: Config, gpus: int) -> list[int]:
     return sorted(c for c in sizes if gpus % c == 0)
 
 
-def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses) -> Plan | None:
+def _replicates(dp: int, inner: int, zero, gpus_per_node: int) -> list[int]:
+    """The --dp-replicate values tried: 1, and where ZeRO shards the optimizer state over more
+    ranks than a node holds of them (dp > node / (tp*cp)), the R whose shard group fills a node
+    (hybrid sharding: its reductions and gathers stay on NVLink, only the copies' all-reduce of
+    each shard crosses the network)."""
+    shard = gpus_per_node // inner
+    if zero.shard_state and 1 < shard < dp and dp % shard == 0:
+        return [1, dp // shard]
+    return [1]
+
+
+def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
+               replicate: int = 1) -> Plan | None:  # fmt: skip
     """The plan of the first of `splits` (stages.splits: best first) with which the layout
     runs and fits the cluster, or None."""
     for split in splits:
-        c = replace(cfg, parallel=replace(cfg.parallel, **{**stages.NO_SPLIT, **dict(split)}))
+        par = {**stages.NO_SPLIT, **dict(split), "dp_replicate": replicate}
+        c = replace(cfg, parallel=replace(cfg.parallel, **par))
         try:
             shape = layout(c, tp, pp, dp, vpp, zero.stage, tp > 1, **({"cp": cp} if cp > 1 else {}))
         except MegaliteError:

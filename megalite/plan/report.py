@@ -104,6 +104,7 @@ def launch_flags(p: Plan) -> str:
     out += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}" if lay.vpp > 1 else ""
     out += " --sequence-parallel" if lay.sequence_parallel else ""
     out += f" --zero-stage {lay.zero.stage}"
+    out += f" --dp-replicate {lay.dpr}" if lay.dpr > 1 else ""
     split = flag_text(p.split)
     return out + (f" {split}" if split else "")
 

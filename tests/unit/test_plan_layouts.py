@@ -102,3 +102,21 @@ def test_the_last_stage_runs_the_mtp_modules():
     out = 6 * 32000 * 1024 / f  # one output layer's share
     extra = 2 * out + 2 * (1 - 3 * out) / (8 + 2)  # two more logits, two layers
     assert with_mtp - without == pytest.approx(compute * (1 + p.bubble) * 3 * extra, rel=1e-9)
+
+
+def test_hybrid_sharding_is_searched_and_keeps_its_shards_in_a_node():
+    """With ZeRO, the search also tries --dp-replicate with the shard group filling a node: its
+    reduce-scatter and gathers stay on NVLink, only the copies' all-reduce of each shard crosses
+    the network (the plan's bytes per link say so; links.py's rings make the two equal in
+    network bytes per GPU, so hybrid sharding wins only where latency decides)."""
+    from megalite.plan.report import launch_flags
+
+    cfg = big("llama", 32, 4096, 32, 4096, 32000, mbs=1, gbs=1024)
+    plans = layouts.search(cfg, Cluster(512), flops(cfg))
+    hybrid = [p for p in plans if p.layout.dpr > 1]
+    assert hybrid and all(p.layout.zero.shard_state for p in hybrid)
+    p = hybrid[0]
+    assert p.layout.dp * p.layout.tp * p.layout.cp == 8  # the shard group: one node
+    assert p.links["dp"]["network"] == 0 < p.links["dp"]["nvlink"]
+    assert p.links["dpr"]["nvlink"] == 0 < p.links["dpr"]["network"]
+    assert f"--dp-replicate {p.layout.dpr}" in launch_flags(p)
