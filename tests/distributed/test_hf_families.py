@@ -139,7 +139,7 @@ def _generate(rank, world, paths, over_replicas=()):
             g = ep_groups[tp]
             rows = _track_expert_reads(ckpt, cfg.num_experts)
             chunks = gen_tool.load_chunks(ckpt, cfg, shape, g, dtype="fp64")
-            sizes = sorted({m.ep.size for _, m in moe_layers(chunks)})  # [] on a dense stage
+            sizes = sorted({m.ep.ep for _, m in moe_layers(chunks)})  # [] on a dense stage
             out[path, "ep2", tp] = (*_run(chunks, g), g.ep.rank, sizes, sorted(rows))
     return out
 
