@@ -230,7 +230,7 @@ class ShardWriter:
         """Add a tensor, or with `spec` (dtype, shape) a function making it when its file is
         written (`t` is then that function: the file holds one made tensor at a time)."""
         dtype, shape = spec or (t.dtype, tuple(t.shape))
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.pending and self.held + nbytes > self.max_bytes:
             self.flush()
         self.pending[key] = (dtype, shape, t if spec else (lambda: t))

@@ -378,7 +378,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
         if dim is not None and tp > 1:
             shape[dim] //= tp
         dtype = args["params_dtype"] if lazy else state[k].dtype
-        return Later(shape, dtype, partial(lambda k, t: tp_shard(k, state[k], tp, t, gated), k, t))
+        return Later(shape, dtype, lambda: tp_shard(k, state[k], tp, t, gated))
 
     for p in range(pp):
         for e in range(ep):

@@ -15,6 +15,7 @@ own traversal (dicts in insertion order), so the n-th tensor found here is recor
 the records' sizes are checked against the tensors before a byte is written.
 """
 
+import math
 import os
 import struct
 import zipfile
@@ -66,7 +67,7 @@ def save_streaming(obj, path) -> None:
         infos = {i.filename.split("/", 1)[1]: i for i in z.infolist()}
         central = _central_entries(path, z)
     sizes = [infos[n].file_size for n in names]
-    want = [_nbytes(x) for x in order]
+    want = [math.prod(x.shape) * x.dtype.itemsize for x in order]
     if sizes != want:
         raise RuntimeError(f"torch.save laid out records {sizes}, not the tensors' {want}")
     with open(path, "r+b") as fh:
@@ -84,13 +85,6 @@ def save_streaming(obj, path) -> None:
             os.pwrite(fd, crc, info.header_offset + 14)  # local file header: CRC-32 at 14
             os.pwrite(fd, crc, central[info.filename] + 16)  # central directory: CRC-32 at 16
             del t, data
-
-
-def _nbytes(x) -> int:
-    n = 1
-    for d in x.shape:
-        n *= d
-    return n * torch.empty((), dtype=x.dtype).element_size()
 
 
 def _central_entries(path: Path, z: zipfile.ZipFile) -> dict:
