@@ -13,6 +13,7 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf
+from megalite.checkpoint.safetensors_file import write_safetensors
 from megalite.model.gpt import GPTChunk
 
 
@@ -33,7 +34,7 @@ def write_random_hf(directory, config: dict, dtype=torch.bfloat16, seed: int = 0
         t = torch.randn(specs[key][1], generator=g) * 0.02
         return (t + 1 if "norm" in key or "ln_" in key else t).to(dtype)
 
-    fmt.write_safetensors(directory / "model.safetensors", specs, {"format": "pt"}, make)
+    write_safetensors(directory / "model.safetensors", specs, {"format": "pt"}, make)
     config = {**config, "torch_dtype": fmt.dtype_name(dtype)}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -12,7 +12,7 @@
   memory is allocated on the device, uninitialised, and filled once from the mapped slice (or
   from `Checkpoint.read` where the slice spans shards), cast on the way.
 
-The files are mapped by `Checkpoint.part` (format.MappedSafetensors); checksums are the
+The files are mapped by `Checkpoint.part` (safetensors_file.MappedSafetensors); checksums are the
 caller's (`Checkpoint.verify_while_reading`: the hash runs beside the build and the first reads).
 """
 

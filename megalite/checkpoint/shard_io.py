@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint.safetensors_file import safetensors_header
 
 CHUNK = 64 << 20  # bytes handed to the disk at a time
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # sync_file_range flags (linux/fs.h)
@@ -110,7 +111,7 @@ def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]
     """`format.write_shard` (same arguments, same file, same index entries), written by
     `write_views`."""
     entries, data = fmt.shard_entries(fname, tensors)
-    head = fmt.safetensors_header({k: (t.dtype, tuple(t.shape)) for k, t in data.items()})
+    head = safetensors_header({k: (t.dtype, tuple(t.shape)) for k, t in data.items()})
     views = [t.reshape(-1).view(torch.uint8).numpy() for t in data.values() if t.numel()]
     digest = write_views(directory / fname, head, views)
     nbytes = len(head) + sum(v.nbytes for v in views)

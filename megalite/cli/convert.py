@@ -49,6 +49,7 @@ from tqdm import tqdm
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files
 from megalite.checkpoint import megatron as mg
+from megalite.checkpoint.safetensors_file import MappedSafetensors
 from megalite.config import Config
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError, run_main
@@ -144,9 +145,7 @@ def read_hf_weights(src: Path) -> dict:
         )
     state = {}
     for f in files:
-        mapped = fmt.MappedSafetensors(
-            src / fmt._safe_name(f, src / "model.safetensors.index.json")
-        )
+        mapped = MappedSafetensors(src / fmt._safe_name(f, src / "model.safetensors.index.json"))
         state.update((k, mapped.get(k)) for k in mapped.keys())
     return state
 
