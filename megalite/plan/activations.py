@@ -149,6 +149,8 @@ def layer_activations(
     blocks = 2 if not moe or m.moe_shared_expert_intermediate_size else 1  # routed: its own
     linear_in = (fused * rows + (blocks - fused) * s * b) * h * e
     attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
+    if m.features.rotary:  # q and k rotated into new tensors; v, a view of the one q/k/v
+        attention += s * b * (h / t + kv) * e  # output, keeps that output's q and k parts too
     joined = 0.0  # FP8 runs the fused layers on their concatenated weights, which it keeps
     if fp8:
         up = (m.moe_shared_expert_intermediate_size or 0) if moe else f
