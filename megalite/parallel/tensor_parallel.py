@@ -5,7 +5,9 @@ an attention or MLP block needs one all-reduce forward (or, with sequence parall
 all-gather before and a reduce-scatter after). Layers record how they split each parameter in
 its `ParamSpec` (specs.py); the model initialises every logical tensor whole from the seed and
 keeps its slice, so any tp starts identical. Their matmuls are `ops.linear` (megalite.kernels:
-the seam for another implementation, an FP8 one say).
+the seam for another implementation, an FP8 one say); the fused ones (`fused_column_linear`)
+run an autograd function of their own when that is F.linear, which keeps for backward what
+Megatron's keep: the weights, and with sequence parallelism the input's local rows.
 """
 
 import torch
