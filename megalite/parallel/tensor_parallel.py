@@ -148,9 +148,10 @@ class _JoinedLinear(torch.autograd.Function):
         weights, b = params[:n], (params[n] if len(params) > n else None)
         y = F.linear(x, torch.cat(weights), b)  # (b, s, sum of out)
         keep = x
-        if group is not None:  # this rank's rows (s/t, b, h): the layout the gather fills
-            rows = x.shape[1] // group.size
-            keep = x.narrow(1, group.rank * rows, rows).transpose(0, 1).contiguous()
+        if group is not None:  # a copy of this rank's rows (s/t, b, h), the layout the gather
+            rows = x.shape[1] // group.size  # fills (at b = 1 contiguous() would keep a view)
+            keep = x.narrow(1, group.rank * rows, rows).transpose(0, 1)
+            keep = keep.clone(memory_format=torch.contiguous_format)
         ctx.group, ctx.n, ctx.bias, ctx.x_shape = group, n, b is not None, x.shape
         ctx.save_for_backward(keep, *weights)
         return y
