@@ -17,8 +17,9 @@ def top3(plans) -> list[tuple]:
 
 def llama3_405b(seq: int, gbs: int):
     """Llama 3 405B (Llama 3 paper, table 3): 126 layers, h 16384, 128 heads, 8 k/v groups,
-    SwiGLU 53248, vocabulary 128256, bf16. Full recompute: megalite keeps 1.41 GiB per layer
-    and micro-batch at this shape (docs/planner.md), so no layout of 80 GB fits without it."""
+    SwiGLU 53248, vocabulary 128256, bf16. Full recompute: megalite keeps 0.53 GiB per layer
+    and micro-batch at this shape (docs/planner.md); without it only 32- and 64-stage layouts
+    fit 80 GB, not the paper's 16."""
     cfg = big("llama", 126, 16384, 128, seq, 128256, mbs=1, gbs=gbs, recompute="full")
     cfg.model.num_query_groups, cfg.model.ffn_hidden_size = 8, 53248
     return cfg
