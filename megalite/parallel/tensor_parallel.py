@@ -5,7 +5,9 @@ an attention or MLP block needs one all-reduce forward (or, with sequence parall
 all-gather before and a reduce-scatter after). Layers record how they split each parameter in
 its `ParamSpec` (specs.py); the model initialises every logical tensor whole from the seed and
 keeps its slice, so any tp starts identical. Their matmuls are `ops.linear` (megalite.kernels:
-the seam for another implementation, an FP8 one say).
+the seam for another implementation, an FP8 one say); the fused ones (`fused_column_linear`)
+run an autograd function of their own when that is F.linear, which keeps for backward what
+Megatron's keep: the weights, and with sequence parallelism the input's local rows.
 """
 
 import torch
@@ -119,15 +121,89 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
+def _wanted(ctx, i: int) -> bool:
+    """Whether `_JoinedLinear`'s backward must make the gradient of its tensor input i (x, the
+    weights, the bias): it needs one and the engine runs the node it goes to (a split
+    backward's I wants the input's only, its W the weights': pipeline/split_backward.py), as
+    torch's own matmul backward decides."""
+    if not ctx.needs_input_grad[2 + i]:  # after `group` and `n`
+        return False
+    if torch.compiler.is_compiling():  # a compiled backward is whole (compile.py): make it
+        return True
+    try:
+        return torch._C._will_engine_execute_node(ctx.next_functions[i][0])
+    except RuntimeError:  # autograd.grad towards a leaf: the engine cannot tell; make it
+        return True
+
+
+class _JoinedLinear(torch.autograd.Function):
+    """y = x [w_1; ...; w_n]^T + b in one matmul, keeping for backward the weights themselves
+    (not their concatenation: that would be a copy per micro-batch) and x, or with `group`
+    (x gathered along the sequence over it) only this rank's (b, s/t, h) rows: backward gathers
+    them again (counted in comm.py), overlapped with the input gradient's matmul, as Megatron
+    does. The gradients are F.linear's on the concatenated weight."""
+
+    @staticmethod
+    def forward(ctx, group, n, x, *params):  # params: n weights, then the joined bias if any
+        weights, b = params[:n], (params[n] if len(params) > n else None)
+        y = F.linear(x, torch.cat(weights), b)  # (b, s, sum of out)
+        keep = x
+        if group is not None:  # a copy of this rank's rows (s/t, b, h), the layout the gather
+            rows = x.shape[1] // group.size  # fills (at b = 1 contiguous() would keep a view)
+            keep = x.narrow(1, group.rank * rows, rows).transpose(0, 1)
+            keep = keep.clone(memory_format=torch.contiguous_format)
+        ctx.group, ctx.n, ctx.bias, ctx.x_shape = group, n, b is not None, x.shape
+        ctx.save_for_backward(keep, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        keep, *weights = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])  # (tokens, sum of out)
+        want_w = [_wanted(ctx, 1 + i) for i in range(ctx.n)]
+        x, work = keep, None
+        if ctx.group is not None and any(want_w):
+            x = keep.new_empty((keep.shape[0] * ctx.group.size, *keep.shape[1:]))  # (s, b, h)
+            work = comm.all_gather(x, keep, ctx.group, async_op=True)
+        gx = None
+        if _wanted(ctx, 0):  # the joined weight again, for this matmul only
+            gx = (g2 @ torch.cat(weights)).view(ctx.x_shape)
+        if work is not None:
+            work.wait()
+        if ctx.group is not None:
+            x = x.transpose(0, 1)  # (b, s, h)
+        x2 = x.reshape(-1, x.shape[-1])  # (tokens, h)
+        parts = g2.split([w.shape[0] for w in weights], dim=1)
+        gw = [p.t() @ x2 if want else None for p, want in zip(parts, want_w)]
+        gb = [g2.sum(0) if _wanted(ctx, 1 + ctx.n) else None] if ctx.bias else []
+        return None, None, gx, *gw, *gb
+
+
+_joined_linear = _JoinedLinear.apply
+# with a group its backward gathers: eager under torch.compile, as comm.py's collectives
+_joined_linear_gathered = torch.compiler.disable(_JoinedLinear.apply)
+
+
 def fused_column_linear(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]:
-    """One matmul for column-parallel layers that read the same input (q, k, v; gate, up), each
-    keeping its own logical parameter: their local weights are concatenated for the step (kept
-    for backward: a few percent of a layer's activations) and the output is split into views."""
-    join = getattr(layers[0].ops.linear, "concat", torch.cat)  # an FP8 linear joins its own
-    w = join([layer.weight for layer in layers])
-    b = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    y = layers[0].ops.linear(x, w, b)
-    return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
+    """One matmul for column-parallel layers that read the same input x, the block's input
+    entered into the TP region (q, k, v; gate, up), each keeping its own logical parameter; the
+    output is split into views. With `ops.linear` F.linear (the torch and Triton ops) and
+    autograd on, backward keeps the weights themselves and, with sequence parallelism, this
+    rank's rows of x only (`_JoinedLinear`). Another linear (FP8's, which joins the weights its
+    own way: `concat`) runs on the concatenated weights, which its backward may keep."""
+    linear = layers[0].ops.linear
+    weights = [layer.weight for layer in layers]
+    bias = () if layers[0].bias is None else (torch.cat([layer.bias for layer in layers]),)
+    if linear is F.linear and torch.is_grad_enabled():
+        group = layers[0].group
+        if layers[0].sequence_parallel and group.size > 1:
+            y = _joined_linear_gathered(group, len(weights), x, *weights, *bias)
+        else:
+            y = _joined_linear(None, len(weights), x, *weights, *bias)
+    else:
+        join = getattr(linear, "concat", torch.cat)
+        y = linear(x, join(weights), *bias)
+    return y.split([w.shape[0] for w in weights], dim=-1)
 
 
 class RowParallelLinear(nn.Module):

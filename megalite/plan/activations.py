@@ -11,7 +11,7 @@ from megalite.config import Config, ModelConfig
 from megalite.pipeline.actions import B, F, I, W
 from megalite.pipeline.schedules import get_schedule
 from megalite.plan.buffers import P2PBuffers, backward_working
-from megalite.plan.memory import BYTES, fp8_saved
+from megalite.plan.memory import BYTES, fp8_layer, fp8_saved, fused_blocks
 from megalite.shape import RunShape
 
 
@@ -121,11 +121,14 @@ def layer_activations(
     e: int,
     torch_ops=False,
     moe=False,
+    fp8=False,
 ) -> float:
     """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, section 4,
     counted for megalite): flash attention keeps q, k, v, the output and the log-sum-exp instead
     of the s x s scores (no 5as/h term), norms keep their input, the column-parallel layers of a
-    block share one (all-gathered, with SP) input and keep their concatenated weights. `torch_ops`:
+    block share one (all-gathered, with SP) input, of which fused ones keep this rank's rows
+    only (`fused_blocks`; no weight copy) but in FP8 (`fp8`: the whole input and the
+    concatenated weights; memory.fp8_saved counts the rest). `torch_ops`:
     the plain torch references (CPU) instead of the Triton kernels: norms keep an fp32 input
     (RMSNorm also its normalised output) and SwiGLU also keeps silu(gate). `moe`: the layer
     holds experts (moe_activations) instead of the MLP."""
@@ -140,27 +143,32 @@ def layer_activations(
     if torch_ops and rms:
         norm += rows * h * norm_e  # rms_norm_ref keeps x * rstd too
     # Inputs of q/k/v and of the MLP's first linear(s): one (b, s, h) tensor for the attention
-    # block and one for the MLP, shared by the layers that read it (all-gathered with SP).
-    linear_in = s * b * h * e * 2
+    # block and one for the MLP, shared by the layers that read it (all-gathered with SP); the
+    # fused blocks keep this rank's rows of theirs (fused_column_linear), but in FP8
+    fused = 0 if fp8 else fused_blocks(m, moe)
+    blocks = 2 if not moe or m.moe_shared_expert_intermediate_size else 1  # routed: its own
+    linear_in = (fused * rows + (blocks - fused) * s * b) * h * e
     attention = s * b * (2 * h / t + 2 * kv) * e  # q, output; k, v
-    # fused_column_linear keeps the concatenated q/k/v (and gate/up) weights (and biases)
-    fused = (h / t + 2 * kv) * (h + m.features.qkv_bias) * e + (2 * f / t * h * e if gated else 0)
-    if m.features.latent_attention:  # MLA (model/mla.py): its latents, q/k/v padded to d;
-        # no fused q/k/v weights, the MLP's gate/up still
+    if m.features.rotary:  # q and k rotated into new tensors; v, a view of the one q/k/v
+        attention += s * b * (h / t + kv) * e  # output, keeps that output's q and k parts too
+    joined = 0.0  # FP8 runs the fused layers on their concatenated weights, which it keeps
+    if fp8:
+        up = (m.moe_shared_expert_intermediate_size or 0) if moe else f
+        joined = 2 * up / t * h * e if gated else 0
+        if not m.features.latent_attention:
+            joined += (h / t + 2 * kv) * (h + m.features.qkv_bias) * e
+    if m.features.latent_attention:  # MLA (model/mla.py): its latents, q/k/v padded to d
         attention = latent_attention_activations(m, b, t, e, torch_ops)
-        fused = 2 * f / t * h * e if gated else 0
     lse = 0 if recompute == "selective" else a / t * s * b * 4
     mlp = s * b * f / t * e * ((4 if torch_ops else 3) if gated else 2)  # (gate,) up, act out
     if moe:  # no dense MLP: the routed experts, and the shared expert's MLP if any
         fs = m.moe_shared_expert_intermediate_size or 0
-        linear_in -= 0 if fs else s * b * h * e
-        fused -= (2 * f / t * h * e - 2 * fs / t * h * e) if gated else 0
         mlp = mlp * fs / f + moe_activations(m, b, t, e, torch_ops)
     masks = 2 * rows * h if m.hidden_dropout > 0 else 0  # bool dropout masks
     scores = 0
     if m.attention_dropout > 0 and recompute != "selective":  # the math path keeps s x s
         scores = a / t * s * s * b * (2 * e + 1)
-    return 2 * norm + linear_in + attention + fused + lse + mlp + masks + scores
+    return 2 * norm + linear_in + attention + joined + lse + mlp + masks + scores
 
 
 def latent_attention_activations(m: ModelConfig, b: int, t: int, e: int, torch_ops=False) -> float:
@@ -207,8 +215,8 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
     e, b, s, h, tp = BYTES[t.precision], t.micro_batch_size, m.seq_length, m.hidden_size, shape.tp
     torch_ops = t.kernels == "torch"  # "auto" plans for GPUs: the Triton kernels
     sp = shape.sequence_parallel
-    total = sum(layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(i))
-                for i in kw["layers"])  # fmt: skip
+    total = sum(layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(i),
+                                  fp8_layer(cfg, m, i)) for i in kw["layers"])  # fmt: skip
     total += fp8_saved(cfg, m, tp, kw["layers"])  # FP8 linears' copies (plan/memory.py)
     if kw["has_embedding"]:
         total += b * s * (9 if tp > 1 else 8)  # token ids (int64; a bool mask with TP)
@@ -230,10 +238,11 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
         for k in range(m.mtp_num_layers):  # an MTP module (model/mtp.py): a head of its own,
             # its layer, enorm and hnorm, eh_proj's (b, s, 2h) input, the shifted ids
             L = m.num_layers + k
-            layer = layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(L))
+            layer = layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(L),
+                                      fp8_layer(cfg, m, L))  # fmt: skip
             total += head + layer + 2 * norm + rows * 2 * h * e + s * b * 8
     transient = 0.0
     if t.recompute == "full" and kw["layers"]:
-        transient = max(layer_activations(m, b, tp, sp, "none", e, torch_ops, m.is_moe_layer(i))
-                        for i in kw["layers"])  # fmt: skip
+        transient = max(layer_activations(m, b, tp, sp, "none", e, torch_ops, m.is_moe_layer(i),
+                                          fp8_layer(cfg, m, i)) for i in kw["layers"])  # fmt: skip
     return total, transient

@@ -97,9 +97,29 @@ def fp8_weights(cfg: Config, shape: RunShape, layers, head: bool = False) -> dic
     return {p + n: (p, k) for p in prefixes for k, names in enumerate(groups) for n in names}
 
 
+def fused_blocks(m: ModelConfig, moe: bool = False) -> int:
+    """How many blocks of a layer run fused column-parallel layers
+    (tensor_parallel.fused_column_linear): the attention's q/k/v (not MLA's), a gated MLP's
+    gate/up (in an MoE layer the shared expert's, if any). Outside FP8 they keep no weight copy
+    and, of the block's all-gathered input, only this rank's rows, gathered again in backward
+    (with sequence parallelism)."""
+    gated = m.features.gated_mlp and (not moe or bool(m.moe_shared_expert_intermediate_size))
+    return int(not m.features.latent_attention) + int(gated)
+
+
+def fp8_layer(cfg: Config, m: ModelConfig, i: int) -> bool:
+    """Whether transformer layer i runs its linears in FP8 (kernels/fp8_linear.Fp8Maker.covers):
+    FP8 on, and not the first or last layer under --fp8-first-last-layers-bf16."""
+    t = cfg.training
+    high = t.fp8_first_last_layers_bf16 and i in (0, m.num_layers - 1)
+    return t.fp8_format is not None and not high
+
+
 def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
     """What FP8 linears change in the bytes `layers` keep for backward per micro-batch (`m`: the
-    model at the rank's sequence length), as kernels/fp8.py saves them: a per-tensor recipe
+    model at the rank's sequence length), as kernels/fp8.py saves them, against what
+    activations.layer_activations counts for an FP8 layer (its fused layers on their
+    concatenated weights and the whole input, as FP8's linear runs them): a per-tensor recipe
     (tensorwise, delayed) keeps FP8 copies (1 byte per element, and a scale) of every linear's
     input and weight, and no longer the high-precision inputs only the linears kept (those of
     q/k/v and of the MLP's first linear(s), the MLP activation's output) nor the fused layers'
@@ -119,8 +139,7 @@ def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
     copies += n * h + up * h + n * f / tp + h * f / tp + 4 * 2 * 4  # MLP; 8 scales (fp32)
     gone = 2 * n * h * e + qkv * (h + m.features.qkv_bias) * e + n * f / tp * e
     gone += 2 * f / tp * h * e if m.features.gated_mlp else 0  # gate/up concatenated
-    high = (0, m.num_layers - 1) if t.fp8_first_last_layers_bf16 else ()
-    fp8 = [i for i in layers if i not in high and not m.is_moe_layer(i)]
+    fp8 = [i for i in layers if fp8_layer(cfg, m, i) and not m.is_moe_layer(i)]
     return len(fp8) * (copies - gone)
 
 

@@ -6,8 +6,10 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   modules) where it holds them (stages.py; an uneven split evens them out);
 - every group's bytes go over NVLink inside a node and the network across nodes as links.py
   splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
-- TP traffic is on the critical path (exposed whole; TP stays inside a node), and so are the
-  experts' all-to-alls (ep) and context parallelism's attention (cp);
+- TP traffic is on the critical path (exposed whole; TP stays inside a node), but for the
+  fused layers' backward re-gathers, which run behind their input gradient's matmul
+  (`memory.fused_blocks`: their share of a dense layer's TP bytes); so are the experts'
+  all-to-alls (ep) and context parallelism's attention (cp);
 - pipeline p2p is hidden in the steady state, exposed on the hops of warm-up and cool-down:
   2(p-1), or 2(pv-1) interleaved (every boundary between virtual stages on two ranks);
 - each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from megalite.config import Config
 from megalite.plan import links, stages
+from megalite.plan.memory import fused_blocks
 
 GiB = 2**30
 
@@ -75,7 +78,7 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     e = 2 if t.precision in ("bf16", "fp16") else 4
     b, s, h = lay.hidden_shape  # what a stage sends: (b, s/cp, h), /tp with SP
     message = b * s * h * e
-    tp = seconds("tp")
+    tp = seconds("tp") * (1 - _hidden_tp(cfg, lay))
     # the first micro-batch's forward and the last one's backward cross every boundary between
     # virtual stages on different ranks: p - 1 each way, p·v - 1 interleaved (less a V's turn)
     part = lay.partition
@@ -113,6 +116,17 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     slowest = stages.slowest(lay.partition, *stages.shares(cfg, flops_per_token))
     return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble, "tp": tp,
             "pp": pp, "cp": cp, "ep": ep, "embed": embed, "dp": exposed}  # fmt: skip
+
+
+def _hidden_tp(cfg: Config, lay) -> float:
+    """The share of TP bytes overlapped with compute: with SP, each fused block's re-gather in
+    backward (tensor_parallel._JoinedLinear), n of a dense layer's 8 + n collectives (12 + n
+    under full recompute; MoE layers counted as dense ones, the head's bytes as a layer's);
+    none with FP8, whose layers do not re-gather."""
+    n = fused_blocks(cfg.model)
+    if not lay.sequence_parallel or lay.tp == 1 or cfg.training.fp8_format is not None or not n:
+        return 0.0
+    return n / ((12 if cfg.training.recompute == "full" else 8) + n)
 
 
 def _ring_step(lay, cluster: Cluster) -> float:

@@ -18,7 +18,9 @@ from megalite.plan.memory import (
     buckets,
     chunk_specs,
     expert_parallel,
+    fp8_layer,
     fp8_weights,
+    fused_blocks,
     replicas,
     reshard_policy,
     zero3_units,
@@ -128,6 +130,8 @@ def comm_bytes(
     # TP, per micro-batch: each of the 2 blocks of a layer has 2 all-reduces (forward of the
     # row-parallel exit, backward of the column-parallel entry) or, with SP, 2 all-gathers and 2
     # reduce-scatters: 8 (t-1)/t b s h elements either way; full recompute repeats the forward.
+    # With SP a fused block gathers its input again in backward, but in FP8 (memory.fused_blocks).
+    regather = _ring("gather", t, act) if sp else 0
     if sp:
         per_layer = 8 * _ring("gather", t, act)
         embed = head = 2 * _ring("gather", t, act)
@@ -145,6 +149,8 @@ def comm_bytes(
         # of the shifted ids, the head's logits and loss again
         mtp = range(L, L + m.mtp_num_layers) if kw["has_head"] else ()
         for i in [*kw["layers"], *mtp]:
+            if not fp8_layer(cfg, m, i):
+                tp_bytes += regather * fused_blocks(m, m.is_moe_layer(i))
             if m.is_moe_layer(i):
                 for kind, n in moe.items():
                     out[kind] = out.get(kind, 0) + n * microbatches

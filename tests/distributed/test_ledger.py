@@ -96,9 +96,13 @@ def tp_case(sp: bool):
     got = step(groups, chunks, opt)
     t, e = 2, 4
     bsh = B * S * H * e
-    # per micro-batch: 8 (t-1)/t bsh per layer, 2 (t-1)/t bsh for the embedding and for the head,
-    # 2 (t-1)/t of 3 b s fp32 values for the vocab-parallel loss (max, then two sums)
-    per_mb = L * 8 * (t - 1) / t * bsh + 2 * 2 * (t - 1) / t * bsh + 2 * (t - 1) / t * 3 * B * S * 4
+    # per micro-batch: 8 (t-1)/t bsh per layer (with SP 9: the fused q/k/v gather their input
+    # again in backward; gpt2's MLP is not fused), 2 (t-1)/t bsh for the embedding and for the
+    # head, 2 (t-1)/t of 3 b s fp32 values for the vocab-parallel loss (max, then two sums)
+    blocks = 9 if sp else 8
+    per_mb = (
+        L * blocks * (t - 1) / t * bsh + 2 * 2 * (t - 1) / t * bsh + 2 * (t - 1) / t * 3 * B * S * 4
+    )
     # the optimizer sums sequence-parallel gradients over TP: per layer 2 norms (weight, bias)
     # and the row-parallel biases of out and down; the final norm; the position embedding
     synced = (L * 6 * H + 2 * H + S * H) if sp else 0

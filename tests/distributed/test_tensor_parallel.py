@@ -208,3 +208,54 @@ def test_recompute_with_dropout_gives_the_same_gradients(world):
         assert _recompute(0, 1) == [False]
     else:
         assert spawn(_recompute, world) == [[False, True]] * 2
+
+
+# ---- what a TP + SP layer keeps for backward ------------------------------------------------
+
+
+def _saved(rank, world):
+    """One llama layer at tp=world with sequence parallelism, fp64: the bytes autograd keeps
+    (each storage once, parameters left out) against the same layer whose fused q/k/v and
+    gate/up run the way they did before (any `ops.linear` but F.linear: on the concatenated
+    weights, keeping it and the whole all-gathered input). The fused path keeps neither: it
+    saves exactly the two joined weights and (b, s - s/t, h) of each block's input less, and
+    its gradients and the traffic of its re-gathers are the same computation."""
+    g = tp_group(world)
+    cfg = ModelConfig(flavour="llama", num_layers=1, hidden_size=32, num_attention_heads=4,
+                      num_query_groups=2, ffn_hidden_size=48, seq_length=8, vocab_size=64)  # fmt: skip
+    for b in (1, 2):  # at b = 1 the rows are a contiguous view of the gathered input
+        _saved_at(g, cfg, b, world)
+    return True
+
+
+def _saved_at(g, cfg, b, world):
+    from megalite.kernels import TORCH_OPS, override
+
+    from tests.unit.test_plan_activations import saved_bytes
+
+    s, h, e = cfg.seq_length, cfg.hidden_size, 8
+    x = torch.randn(b, s, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mine = shard(x, 1, g).detach().requires_grad_()
+    plain = override(TORCH_OPS, linear=lambda x, w, b=None: F.linear(x, w, b))
+    out = {}
+    for name, ops in (("fused", TORCH_OPS), ("before", plain)):
+        model = GPTChunk(cfg, g, layers=range(1), has_embedding=False, has_head=False,
+                         sequence_parallel=True, ops=ops, seed=3, dtype=torch.float64)  # fmt: skip
+        kept = saved_bytes(model, mine, None)
+        g.ledger.bytes.clear()
+        mine.grad = None
+        model(mine).square().sum().backward()
+        grads = [mine.grad.clone(), *(p.grad for p in model.parameters())]
+        out[name] = kept, grads, g.ledger.bytes.get("tp", 0)
+    (kept, grads, traffic), (kept0, grads0, traffic0) = out["fused"], out["before"]
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim // world
+    joined = (qkv + 2 * cfg.ffn_hidden_size // world) * h * e
+    assert kept0 - kept == joined + 2 * b * (s - s // world) * h * e, (kept0, kept)
+    for a, c in zip(grads, grads0):
+        close(a, c, "fused against concatenated", tol=1e-12)
+    assert traffic - traffic0 == 2 * (world - 1) / world * b * s * h * e  # one re-gather a block
+
+
+@pytest.mark.parametrize("world", [2])
+def test_fused_layers_keep_their_rows_of_the_input_and_no_weight_copy(world):
+    assert all(spawn(_saved, world))

@@ -95,8 +95,9 @@ def test_zero_bubble_v_places_the_head_on_the_first_rank():
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
 def test_fp8_activations_match_saved_tensors(recipe):
     """FP8 linears through a middle chunk (fp32, llama): what they change in the bytes autograd
-    saves (tensorwise: FP8 copies of inputs and weights instead of the high-precision inputs and
-    the fused weights; mxfp8: nothing) is the planner's change, to the byte."""
+    saves (tensorwise: FP8 copies of inputs and weights instead of the high-precision inputs;
+    mxfp8: the fused layers' concatenated weights, which an FP8 linear keeps and F.linear's
+    fused path does not) is the planner's change, to the byte."""
     cfg = tiny("llama")
     kw = {"layers": range(2), "has_embedding": False, "has_head": False}
     x, labels = torch.randn(2, 64, 64, requires_grad=True), torch.randint(500, (2, 64))
@@ -111,7 +112,7 @@ def test_fp8_activations_match_saved_tensors(recipe):
     change, planned = measured[1] - measured[0], estimate[1] - estimate[0]
     assert planned == change, (measured, estimate)
     if recipe == "tensorwise":  # the check can fail: FP8 copies are a real change here
-        assert change < -0.2 * measured[0] and planned < 0
+        assert change < -0.05 * measured[0] and planned < 0
 
 
 def test_latent_attention_and_expert_activations_match_saved_tensors():

@@ -17,8 +17,9 @@ def top3(plans) -> list[tuple]:
 
 def llama3_405b(seq: int, gbs: int):
     """Llama 3 405B (Llama 3 paper, table 3): 126 layers, h 16384, 128 heads, 8 k/v groups,
-    SwiGLU 53248, vocabulary 128256, bf16. Full recompute: megalite keeps 1.41 GiB per layer
-    and micro-batch at this shape (docs/planner.md), so no layout of 80 GB fits without it."""
+    SwiGLU 53248, vocabulary 128256, bf16. Full recompute: megalite keeps 0.53 GiB per layer
+    and micro-batch at this shape (docs/planner.md); without it only 32- and 64-stage layouts
+    fit 80 GB, not the paper's 16."""
     cfg = big("llama", 126, 16384, 128, seq, 128256, mbs=1, gbs=gbs, recompute="full")
     cfg.model.num_query_groups, cfg.model.ffn_hidden_size = 8, 53248
     return cfg
@@ -80,9 +81,10 @@ def readme_cfg(layers, h, heads, batch, recompute="none"):
 def test_megatron_lm_readme_table():
     """Each row at its GPUs and batch: where the paper's tp/pp is not among the three fastest,
     how far behind the fastest it is. The planner prefers less tensor parallelism than the
-    table for 16B-119B (its exposed TP and data-parallel time at tp8 and dp48, docs/planner.md),
-    and 314B and 462B fit only with full recompute (megalite keeps more activations than
-    Megatron: planned so below)."""
+    table for 32B-119B (its exposed TP and data-parallel time at tp8 and dp48, docs/planner.md)
+    and more stages for 314B; every row fits without recompute since the fused q/k/v keep only
+    their local rows of the input and no weight copy (314B and 462B fitted only with full
+    recompute before)."""
     missed, unfit = {}, []
     for name, heads, h, layers, tp, pp, gpus, batch in README:
         cfg = readme_cfg(layers, h, heads, batch)
@@ -94,12 +96,10 @@ def test_megatron_lm_readme_table():
             unfit.append(name)
             continue
         missed[name] = round(paper[0].step_time / plans[0].step_time - 1, 2)
-    assert unfit == ["314B", "462B"], (unfit, missed)
-    assert set(missed) <= {"16B", "32B", "70B", "119B"}, (
-        missed
-    )  # (16B is 3rd since 2^20-element buckets)
-    assert max(missed.values()) < 0.35 and missed.get("119B", 0) < 0.06, missed
-    assert missed.get("70B", 0) < 0.08, missed
+    assert unfit == [], (unfit, missed)
+    assert set(missed) <= {"32B", "70B", "119B", "314B"}, missed
+    assert max(missed.values()) < 0.35 and missed.get("119B", 0) < 0.08, missed
+    assert missed.get("70B", 0) < 0.15 and missed.get("314B", 0) < 0.15, missed
 
 
 def test_megatron_lm_readme_largest_with_full_recompute():
