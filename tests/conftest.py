@@ -1,10 +1,26 @@
-import importlib
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+
+def _import_pypi_kernels():
+    """transformers (5.25+) imports the PyPI package `kernels`, which the repository's own
+    kernels/ directory (installed as megalite.kernels) shadows while the repository root is on
+    sys.path, as it is under pytest: import the installed one first, from site-packages."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hidden = [p for p in sys.path if os.path.abspath(p or ".") == root]
+    sys.path[:] = [p for p in sys.path if p not in hidden]
+    try:
+        import kernels  # noqa: F401
+    except ImportError:  # transformers without it: nothing is shadowed
+        pass
+    finally:
+        sys.path[:0] = hidden
+
+
+_import_pypi_kernels()
 
 if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on CPU; it must be set before triton is imported.
@@ -13,23 +29,12 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("MEGALITE_TEST_THREADS", "2")))
 
 
-def _import_hub_kernels():
-    """transformers (5.x) imports the PyPI package `kernels` when it is installed (it depends on
-    it); with the repository root on sys.path (`python -m pytest`, rootdir insertion) the root's
-    kernels/ directory (megalite.kernels' sources) would be found first. Import the installed
-    one while the root is off the path, so every later `import kernels` gets it."""
-    root = Path(__file__).resolve().parents[1]
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
-    try:
-        importlib.import_module("kernels")
-    except ImportError:
-        pass  # not installed: transformers does without it
-    finally:
-        sys.path[:] = saved
-
-
-_import_hub_kernels()
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "full: a parity-sweep case whose code paths representative cases run too (make test "
+        "leaves it out, make test-full runs it)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
