@@ -223,10 +223,12 @@ class _AlongDim(torch.autograd.Function):
 
 # torch.compile (--compile, megalite/training/compile.py): a collective ends the graph; dynamo
 # runs it eagerly (the ledger, host timing and torch.distributed call) and resumes after it.
-# A group of one never reaches these, so it breaks nothing.
-_copy_to_group = torch.compiler.disable(_CopyToGroup.apply)
-_reduce_from_group = torch.compiler.disable(_ReduceFromGroup.apply)
-_along_dim = torch.compiler.disable(_AlongDim.apply)
+# A group of one never reaches these, so it breaks nothing. torch._disable_dynamo is
+# torch.compiler.disable applied at the first call (torch.optim uses it so): importing
+# torch._dynamo costs each process about a second, which a run without --compile never needs.
+_copy_to_group = torch._disable_dynamo(_CopyToGroup.apply)
+_reduce_from_group = torch._disable_dynamo(_ReduceFromGroup.apply)
+_along_dim = torch._disable_dynamo(_AlongDim.apply)
 
 
 def copy_to_group(x, group: Group):
@@ -286,7 +288,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, ctx.in_sizes, ctx.out_sizes), None, None, None
 
 
-_all_to_all_apply = torch.compiler.disable(_AllToAll.apply)  # a graph break, as above
+_all_to_all_apply = torch._disable_dynamo(_AllToAll.apply)  # a graph break, as above
 
 
 def all_to_all(x, group: Group, out_sizes: list[int], in_sizes: list[int]):
