@@ -26,7 +26,13 @@ if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on CPU; it must be set before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(int(os.environ.get("MEGALITE_TEST_THREADS", "2")))
+# One intra-op thread (and OMP_NUM_THREADS=1 for the processes tests start): the tests' tensors
+# are tiny, and on a busy machine a second thread turns each op into a wait for a core (on a
+# loaded 2-core machine tests/unit/test_model.py and two more files took 94 s at 2 threads, 12 s
+# at 1).
+THREADS = os.environ.get("MEGALITE_TEST_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", THREADS)
+torch.set_num_threads(int(THREADS))
 
 
 def pytest_configure(config):
