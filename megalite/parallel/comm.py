@@ -223,12 +223,21 @@ class _AlongDim(torch.autograd.Function):
 
 # torch.compile (--compile, megalite/training/compile.py): a collective ends the graph; dynamo
 # runs it eagerly (the ledger, host timing and torch.distributed call) and resumes after it.
-# A group of one never reaches these, so it breaks nothing. torch._disable_dynamo is
-# torch.compiler.disable applied at the first call (torch.optim uses it so): importing
-# torch._dynamo costs each process about a second, which a run without --compile never needs.
-_copy_to_group = torch._disable_dynamo(_CopyToGroup.apply)
-_reduce_from_group = torch._disable_dynamo(_ReduceFromGroup.apply)
-_along_dim = torch._disable_dynamo(_AlongDim.apply)
+# A group of one never reaches these, so it breaks nothing.
+def _graph_break(apply):
+    """`apply` under torch.compiler.disable, applied at the first call (torch._disable_dynamo, as
+    torch.optim uses it): importing torch._dynamo costs each process about a second, which a run
+    without --compile never needs. Wrapped in a function: the lazy disable caches itself on it."""
+
+    def run(*args):
+        return apply(*args)
+
+    return torch._disable_dynamo(run)
+
+
+_copy_to_group = _graph_break(_CopyToGroup.apply)
+_reduce_from_group = _graph_break(_ReduceFromGroup.apply)
+_along_dim = _graph_break(_AlongDim.apply)
 
 
 def copy_to_group(x, group: Group):
@@ -288,7 +297,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, ctx.in_sizes, ctx.out_sizes), None, None, None
 
 
-_all_to_all_apply = torch._disable_dynamo(_AllToAll.apply)  # a graph break, as above
+_all_to_all_apply = _graph_break(_AllToAll.apply)  # as above
 
 
 def all_to_all(x, group: Group, out_sizes: list[int], in_sizes: list[int]):
