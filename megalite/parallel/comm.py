@@ -225,14 +225,20 @@ class _AlongDim(torch.autograd.Function):
 # runs it eagerly (the ledger, host timing and torch.distributed call) and resumes after it.
 # A group of one never reaches these, so it breaks nothing.
 def _graph_break(apply):
-    """`apply` under torch.compiler.disable, applied at the first call (torch._disable_dynamo, as
-    torch.optim uses it): importing torch._dynamo costs each process about a second, which a run
-    without --compile never needs. Wrapped in a function: the lazy disable caches itself on it."""
+    """`apply`, and under torch.compile `apply` behind torch.compiler.disable, made at its first
+    compiled call (torch._disable_dynamo, as torch.optim uses it): importing torch._dynamo costs
+    each process about a second, which a run without --compile never needs. (`run`: the lazy
+    disable caches itself on a function, which a bound method refuses.)"""
 
     def run(*args):
         return apply(*args)
 
-    return torch._disable_dynamo(run)
+    disabled = torch._disable_dynamo(run)
+
+    def call(*args):
+        return disabled(*args) if torch.compiler.is_compiling() else apply(*args)
+
+    return call
 
 
 _copy_to_group = _graph_break(_CopyToGroup.apply)
