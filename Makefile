@@ -26,7 +26,7 @@ COMPAT_TESTS := tests/kernels tests/unit/test_torch_version.py tests/unit/test_r
   "tests/e2e/test_layouts.py::test_layout_matches_one_process[tp2-pp2]" \
   --deselect tests/kernels/test_aot.py::test_window_and_mla_attention_compile_on_sm_100a
 
-.PHONY: install train test test-fast test-compat lint format bench clean
+.PHONY: install train test test-full test-fast test-compat lint format bench clean
 
 install: $(STAMP)
 
@@ -43,11 +43,16 @@ train: $(STAMP)
 	  --metrics-file runs/tiny/metrics.jsonl $(ARGS)
 	$(PY) tools/generate.py --load checkpoints/tiny --prompt "def main(" --max-new-tokens 48 --temperature 0.8 --top-k 40 --seed 1
 
+# make test leaves out the parity-sweep cases marked `full` (their code paths are run by the
+# representative cases); make test-full runs everything.
 test: $(STAMP)
+	$(PY) -m pytest -q tests -m "not full" $(ARGS)
+
+test-full: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
+	$(PY) -m pytest -q tests -m "not slow and not full" $(ARGS)
 
 $(STAMP_NEW): setup.py
 	test -x $(VENV_NEW)/bin/python || python3 -m venv $(VENV_NEW)

@@ -159,8 +159,9 @@ class Attention(nn.Module):
                 return self.ops.attention(q, k, v, p, **self.window)
         return self.ops.attention(q, k, v, **self.window)
 
-    # --compile: eager, a graph break (torch.compile cannot replay the sharded RNG's context_fn)
-    @torch.compiler.disable
+    # --compile: eager, a graph break (torch.compile cannot replay the sharded RNG's context_fn);
+    # torch.compiler.disable at the first call, as in parallel/comm.py
+    @torch._disable_dynamo
     def _recomputed_core(self, q, k, v, shard=None):
         """`_core`, its activations recomputed in backward (selective recompute)."""
         return checkpoint(self._core, q, k, v, shard, use_reentrant=False,

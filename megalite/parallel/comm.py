@@ -224,9 +224,26 @@ class _AlongDim(torch.autograd.Function):
 # torch.compile (--compile, megalite/training/compile.py): a collective ends the graph; dynamo
 # runs it eagerly (the ledger, host timing and torch.distributed call) and resumes after it.
 # A group of one never reaches these, so it breaks nothing.
-_copy_to_group = torch.compiler.disable(_CopyToGroup.apply)
-_reduce_from_group = torch.compiler.disable(_ReduceFromGroup.apply)
-_along_dim = torch.compiler.disable(_AlongDim.apply)
+def _graph_break(apply):
+    """`apply`, and under torch.compile `apply` behind torch.compiler.disable, made at its first
+    compiled call (torch._disable_dynamo, as torch.optim uses it): importing torch._dynamo costs
+    each process about a second, which a run without --compile never needs. (`run`: the lazy
+    disable caches itself on a function, which a bound method refuses.)"""
+
+    def run(*args):
+        return apply(*args)
+
+    disabled = torch._disable_dynamo(run)
+
+    def call(*args):
+        return disabled(*args) if torch.compiler.is_compiling() else apply(*args)
+
+    return call
+
+
+_copy_to_group = _graph_break(_CopyToGroup.apply)
+_reduce_from_group = _graph_break(_ReduceFromGroup.apply)
+_along_dim = _graph_break(_AlongDim.apply)
 
 
 def copy_to_group(x, group: Group):
@@ -286,7 +303,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, ctx.in_sizes, ctx.out_sizes), None, None, None
 
 
-_all_to_all_apply = torch.compiler.disable(_AllToAll.apply)  # a graph break, as above
+_all_to_all_apply = _graph_break(_AllToAll.apply)  # as above
 
 
 def all_to_all(x, group: Group, out_sizes: list[int], in_sizes: list[int]):

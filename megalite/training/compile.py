@@ -43,7 +43,10 @@ def compile_layer(layer: torch.nn.Module, **kw) -> None:
     if kw.get("backend", "inductor") == "inductor":
         kw["options"] = {**INDUCTOR_OPTIONS, **kw.get("options", {})}
     # The same for AOT autograd's donated buffers (saved tensors freed into the one backward,
-    # which refuses a second): a process-wide setting, read when a graph is compiled.
+    # which refuses a second): a process-wide setting, read when a graph is compiled. (Imported
+    # here: nothing else has imported torch._dynamo, which loads it, before the first compile.)
+    import torch._functorch.config
+
     torch._functorch.config.donated_buffer = False
     layer._forward = torch.compile(layer._forward, **kw)
 

@@ -43,6 +43,16 @@ def tiny_data(tmp_path_factory):
     return str(prefix), str(prefix) + ".model"
 
 
+@pytest.fixture(scope="session")
+def one_process_curve(tiny_data, tmp_path_factory) -> list[float]:
+    """The losses of TINY on tiny_data for 20 steps in one process (fp32, no FP8): the curve
+    test_layouts holds every layout to, and test_fp8_layouts' FP8 curves must differ from."""
+    prefix, model = tiny_data
+    args = [*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", "20"]
+    rows, _ = pretrain(1, args, tmp_path_factory.mktemp("one-process"))
+    return [r["loss"] for r in rows]
+
+
 def pretrain(nproc: int, args: list[str], tmp: Path, timeout: int = 600, check: bool = True):
     """Run pretrain_gpt.py on nproc CPU ranks; returns (metrics rows, completed process)."""
     metrics = tmp / f"metrics-{len(list(tmp.glob('metrics-*')))}.jsonl"

@@ -82,26 +82,36 @@ def hf_dir(tmp_path_factory):
     return write_random_hf(tmp_path_factory.mktemp("conv") / "hf", CONFIG)
 
 
+@pytest.fixture(scope="module")
+def megatron_exports(hf_dir) -> dict:
+    """hf -> megalite, then megalite -> Megatron (torch_dist and legacy at tp2 pp2), each
+    polled: {direction: (its output directory, its peak anonymous bytes)}. Both tests read
+    these: the conversions of 1.3 GB run once."""
+    root = hf_dir.parent
+    out = {"hf -> megalite": (root / "ml", convert(hf_dir, root / "ml", "--to", "megalite"))}
+    for form in ("torch_dist", "legacy"):
+        peak = convert(root / "ml", root / form, "--to", "megatron", "--format", form,
+                       "--tp", 2, "--pp", 2)  # fmt: skip
+        out[f"megalite -> megatron {form}"] = (root / form, peak)
+    return out
+
+
 def _same_tensors(a: dict, b: dict):
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_every_direction_streams(hf_dir, baseline):
+def test_every_direction_streams(hf_dir, baseline, megatron_exports):
     from megalite.cli.convert import read_hf_weights
 
-    root, peaks = hf_dir.parent, {}
-    peaks["hf -> megalite"] = convert(hf_dir, root / "ml", "--to", "megalite")
+    root = hf_dir.parent
+    peaks = {k: peak for k, (_, peak) in megatron_exports.items()}
     peaks["megalite -> hf"] = convert(root / "ml", root / "hf2", "--to", "hf")
     _same_tensors(read_hf_weights(hf_dir), read_hf_weights(root / "hf2"))
     config = json.loads((root / "hf2" / "config.json").read_text())
     assert config["rope_scaling"]["factor"] == 32.0 and config["eos_token_id"] == 128001
     for form in ("torch_dist", "legacy"):
-        peaks[f"megalite -> megatron {form}"] = convert(
-            root / "ml", root / form, "--to", "megatron", "--format", form,
-            "--tp", 2, "--pp", 2,
-        )  # fmt: skip
         peaks[f"megatron {form} -> megalite"] = convert(root / form, root / f"ml-{form}",
                                                         "--to", "megalite")  # fmt: skip
         a, b = fmt.Checkpoint(root / "ml"), fmt.Checkpoint(root / f"ml-{form}")
@@ -113,16 +123,12 @@ def test_every_direction_streams(hf_dir, baseline):
     )
 
 
-def test_exports_hold_only_their_bytes(hf_dir):
+def test_exports_hold_only_their_bytes(hf_dir, megatron_exports):
     """Legacy and torch_dist files are within 1% of the tensor bytes they hold (a tp shard
     saved as a view would carry its whole tensor; a mapped tensor its whole file)."""
-    root = hf_dir.parent
-    if not (root / "ml").exists():
-        convert(hf_dir, root / "ml", "--to", "megalite")
     tensor_bytes = sum(e.nbytes for e in _hf_tensors(hf_dir))
     for form in ("torch_dist", "legacy"):
-        out = root / f"sizes-{form}"
-        convert(root / "ml", out, "--to", "megatron", "--format", form, "--tp", 2, "--pp", 2)
+        out, _ = megatron_exports[f"megalite -> megatron {form}"]
         files = [f for f in out.rglob("*") if f.is_file() and f.suffix in (".pt", ".distcp")]
         # the tied-free model: every tensor once (legacy's tp shards add up to the whole)
         on_disk = sum(f.stat().st_size for f in files if f.name != "common.pt")

@@ -1,4 +1,8 @@
-"""Every layout gives the single-process loss curve (fp32, relative difference <= 1e-4 per step)."""
+"""Every layout gives the single-process loss curve (fp32, relative difference <= 1e-4 per step).
+
+Each run is a torchrun of its own, and its cost is mostly starting its ranks; `make test` runs
+the representative layouts, which between them take every code path of the others (FULL_ONLY
+says where each moved one's paths are run), and `make test-full` all of them."""
 
 import pytest
 
@@ -40,6 +44,15 @@ LAYOUTS = {
     "cp2-pp2-a2a": (4, ["--cp", "2", "--pp", "2", "--cp-comm-type", "a2a"]),
     "cp2-tp2-pp2": (8, ["--cp", "2", "--tp", "2", "--pp", "2"]),
 }
+# Layouts whose every piece another layout runs too (marked `full`: make test-full only).
+FULL_ONLY = {
+    "tp2": "tp2-pp2-order-pp-tp-dp (tp without sp)",
+    "tp2-sp": "dp2-tp2-zero3-sp, cp2-tp2-sp",
+    "tp2-pp2": "tp2-pp2-order-pp-tp-dp (the same, ranks ordered otherwise)",
+    "pp2-zbv": "pp2-zbv-layout (the V schedule, its stages laid out by hand)",
+    "cp2": "cp2-tp2-sp (the ring), test_document_layout_matches_one_process[cp2-tp2-pp2]",
+    "cp2-tp2-pp2": "test_document_layout_matches_one_process[cp2-tp2-pp2] (with documents)",
+}
 # Packed documents: positions restart, attention stays inside a document, no loss on EOD tokens;
 # compared with one process given the same flags.
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
@@ -53,11 +66,8 @@ DOCUMENT_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_data, tmp_path_factory):
-    prefix, model = tiny_data
-    rows, _ = pretrain(1, [*TINY, "--data-path", prefix, "--tokenizer-model", model, "--train-iters", str(STEPS)],
-                       tmp_path_factory.mktemp("baseline"))  # fmt: skip
-    losses = [r["loss"] for r in rows]
+def baseline(one_process_curve):
+    losses = one_process_curve  # STEPS steps (conftest)
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5  # it learns
     return losses
 
@@ -79,7 +89,9 @@ def test_document_layout_matches_one_process(layout, document_baseline, tiny_dat
                                     (nproc, [*flags, *DOCUMENTS]))  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.full) if k in FULL_ONLY else k for k in LAYOUTS]
+)
 def test_layout_matches_one_process(layout, baseline, tiny_data, tmp_path, given=None):
     prefix, model = tiny_data
     nproc, flags = given or LAYOUTS[layout]
