@@ -24,7 +24,8 @@ def sequences(lengths: np.ndarray) -> Sequences:
 def test_build_memory_stays_near_the_index_size(tmp_path):
     # 10^7 samples: 120 MB of indices. Built in memory and saved, the sample index alone peaked
     # at ~50 bytes per sample (int64 temporaries); streamed, the peak is the larger of the
-    # document and shuffle indices plus a few blocks.
+    # document and shuffle indices (a quarter of the bytes each) plus a few blocks: 0.33x here;
+    # holding both at once (the build with a shuffle-index thread) peaked at 0.45x.
     lengths = np.random.default_rng(0).integers(1, 800, 200_000)
     seqs, samples, seq = sequences(lengths), 10_000_000, 16
     tracemalloc.start()
@@ -36,7 +37,7 @@ def test_build_memory_stays_near_the_index_size(tmp_path):
     arrays = (ds.document_index, ds.sample_index, ds.shuffle_index)
     index_bytes = sum(a.nbytes for a in arrays)
     assert len(ds) >= samples and index_bytes > 100e6
-    assert peak < 2 * index_bytes, f"peak {peak / 1e6:.0f} MB for {index_bytes / 1e6:.0f} MB"
+    assert peak < 0.4 * index_bytes, f"peak {peak / 1e6:.0f} MB for {index_bytes / 1e6:.0f} MB"
     assert all(isinstance(a, np.memmap) for a in arrays)  # read from the cache's files
     # the same arrays as megatron-core's helper (the blocks joined where they were cut)
     from megatron.core.datasets import helpers
@@ -89,11 +90,3 @@ def test_long_builds_print_progress(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert any("gpt-train sample index 100% (" in line for line in err), err
     assert "megalite: built the gpt-train sample order" in err[-1]
-
-
-@pytest.mark.parametrize("n", [2, 3, 17, 5000])
-def test_skip_shuffle_leaves_the_generator_where_shuffle_does(n):
-    shuffled, skipped = np.random.RandomState(n), np.random.RandomState(n)
-    shuffled.shuffle(np.arange(n))
-    order.skip_shuffle(skipped, n, block=7)  # blocks cut anywhere
-    assert shuffled.randint(0, 2**31, 8).tolist() == skipped.randint(0, 2**31, 8).tolist()
