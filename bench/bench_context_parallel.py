@@ -140,8 +140,8 @@ def main():
         print(f"{cp:>3} {saved / 2**20:>13.1f} MiB {saved / base_mem:>7.3f} "
               f"{plan_act / 2**20:>8.1f} MiB {tps:>9.0f} {tps / base_tps:>7.2f} "
               f"{sent / 2**20:>10.1f} MiB {plan_sent / 2**20:>8.1f} MiB {exposed:>10.1%}")  # fmt: skip
-    # not exactly 1/cp: the concatenated q/k/v and gate/up weights that fused_column_linear
-    # keeps for backward are the same on every rank
+    # not exactly 1/cp: the q/k/v and gate/up weights that fused_column_linear keeps for
+    # backward (counted by the hooks) are the same on every rank
     figures = [
         figure(
             f"activation bytes per rank at cp={cp} over cp=1",
