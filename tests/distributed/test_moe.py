@@ -18,13 +18,14 @@ import zlib
 
 import pytest
 import torch
-from megalite.kernels import TORCH_OPS
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.layers import MLP
 from megalite.model.moe import MoELayer
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
+from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.groups import build_groups
 from megalite.parallel.specs import name_parameters, spec_of
 from megalite.parallel.topology import Topology
@@ -61,11 +62,11 @@ def full_tensor(name: str, shape, skew: bool) -> torch.Tensor:
 
 def layer(m: ModelConfig, tp: Group, ep: Group, sp: bool, skew: bool) -> MoELayer:
     """The layer with its full tensors drawn by name (and the expert bias, when on)."""
-    kw = {"dtype": torch.float64}
+    env = LayerEnv(tp=tp, sequence_parallel=sp, experts=ExpertGroups(ep), dtype=torch.float64)
     import dataclasses
 
-    shared = MLP(dataclasses.replace(m, ffn_hidden_size=SHARED), tp, TORCH_OPS, sp, **kw)
-    moe = MoELayer(m, tp, ep, TORCH_OPS, sp, shared, **kw)
+    shared = MLP(dataclasses.replace(m, ffn_hidden_size=SHARED), env)
+    moe = MoELayer(m, env, shared)
     name_parameters(moe)
     with torch.no_grad():
         for name, p in moe.named_parameters():

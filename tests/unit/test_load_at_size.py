@@ -11,6 +11,7 @@ from megalite.checkpoint import format as fmt
 from megalite.cli import generate as gen_tool
 from megalite.config_read import from_dict
 from megalite.generation import generate
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model_config import ModelConfig
 from megalite.parallel.groups import single_process_groups
@@ -33,7 +34,7 @@ def small(**kw):
 def saved(tmp_path):
     """(reference bf16 model, its checkpoint directory, the model config it holds)."""
     cfg = small()
-    ref = GPTChunk(cfg, seed=3, dtype=torch.bfloat16).eval()
+    ref = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.bfloat16)).eval()
     state = {spec_of(p).name: p.detach() for p in ref.parameters()}  # no vocabulary padding
     meta = {"config": {"model": dataclasses.asdict(cfg)}}
     fmt.write_full_checkpoint(tmp_path / "ml", state, meta)
@@ -80,7 +81,7 @@ def test_generation_loads_the_checkpoint_bytes_in_its_dtype_uninitialised(saved,
 
 
 def test_one_rotary_table_per_model():
-    chunk = GPTChunk(small(num_layers=4), seed=1)
+    chunk = GPTChunk(small(num_layers=4), LayerEnv(seed=1))
     (table,) = _cos_tables(chunk).values()  # not one per layer
     assert table.shape == (4096, 4)
 
