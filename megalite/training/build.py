@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from megalite import kernels
-from megalite.checkpoint.checkpointer import resume_path
 from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.kernels import fp8, fp8_linear
@@ -99,19 +98,19 @@ def with_fp8(ops, cfg: Config, groups: ProcessGroups):
 
 
 def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
-                data_parallel: bool = True) -> tuple[list[GPTChunk], Buffers | None]:  # fmt: skip
+                data_parallel: bool = True, loading: bool = False
+                ) -> tuple[list[GPTChunk], Buffers | None]:  # fmt: skip
     """This rank's model as a run of `cfg` trains it: the chunks of its pipeline stages (one
     per virtual stage, with the layers the schedule's placement gives it) and every
     transformation, in the order applied. `ops`: the kernels every layer calls (default
     `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them).
     Returns the chunks and, with `data_parallel`, their gradient buffers (the optimizer's).
 
-    A run that starts from a checkpoint (--load, --finetune, --eval-only, a restart resuming
-    its --save: `resume_path`) builds the chunks on the meta device and gives them
-    uninitialised memory (model/materialize.py): the checkpointer's load fills every weight, so
-    none is drawn at random first."""
+    `loading`: a checkpoint will be loaded (the trainer's `resume_path`: --load, --finetune,
+    --eval-only, a restart resuming its --save): the chunks are built on the meta device and
+    given uninitialised memory (model/materialize.py), as the load fills every weight, so none
+    is drawn at random first."""
     t = cfg.training
-    loading = resume_path(cfg) is not None
     env = LayerEnv(
         tp=groups.tp,  # tensor parallelism
         sequence_parallel=shape.sequence_parallel,  # sequence parallelism (tp > 1)
@@ -138,18 +137,20 @@ def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     return chunks, buffers
 
 
-def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
+def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
+                 loading: bool = False) -> list[GPTChunk]:  # fmt: skip
     """This rank's model chunks as `parallelize` makes them, without data parallelism (no
     optimizer: generation, the benchmarks of one part)."""
-    return parallelize(cfg, shape, groups, ops, data_parallel=False)[0]
+    return parallelize(cfg, shape, groups, ops, data_parallel=False, loading=loading)[0]
 
 
-def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> RankParts:
+def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
+               loading: bool = False) -> RankParts:  # fmt: skip
     """The chunks, optimizer and schedule of this rank of a run of `cfg` (`shape` from
-    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one; `ops` as in
-    `parallelize`). Seeding the dropout streams is the caller's: the chunks' initialisation
+    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one; `ops` and
+    `loading` as in `parallelize`). Seeding the dropout streams is the caller's: the chunks' initialisation
     depends on `cfg.training.seed` only."""
-    chunks, buffers = parallelize(cfg, shape, groups, ops)
+    chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,

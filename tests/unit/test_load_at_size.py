@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint.checkpointer import resume_path
 from megalite.cli import generate as gen_tool
 from megalite.config_read import from_dict
 from megalite.generation import generate
@@ -92,9 +93,9 @@ def test_a_run_that_loads_a_checkpoint_builds_without_initialising(saved, monkey
     cfg.model = small()
     cfg.checkpoint.load = str(path)
     _never_initialised(monkeypatch)
-    (chunk,) = build_chunks(cfg, validate(cfg, 1), GROUPS)
+    (chunk,) = build_chunks(cfg, validate(cfg, 1), GROUPS, loading=resume_path(cfg) is not None)
     assert not any(p.is_meta for p in chunk.parameters())
     assert not any(b.is_meta for b in chunk.buffers())
     cfg.checkpoint.load = None  # from scratch: initialised as always
     with pytest.raises(AssertionError, match="was initialised"):
-        build_chunks(cfg, validate(cfg, 1), GROUPS)
+        build_chunks(cfg, validate(cfg, 1), GROUPS, loading=resume_path(cfg) is not None)
