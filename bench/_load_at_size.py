@@ -76,6 +76,7 @@ def write_models(root: Path) -> tuple[Path, Path]:
 
     from megalite.checkpoint import format as fmt
     from megalite.checkpoint.hf import model_config_from_hf
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.specs import spec_of
 
@@ -88,7 +89,7 @@ def write_models(root: Path) -> tuple[Path, Path]:
     names = [(k, list(t.shape)) for k, t in m.state_dict().items() if k != "lm_head.weight"]
     _write_random(hf / "model.safetensors", names)
     cfg = model_config_from_hf(LLAMA_3B)
-    chunk = GPTChunk(cfg, dtype=torch.bfloat16, meta=True)
+    chunk = GPTChunk(cfg, LayerEnv(dtype=torch.bfloat16, meta=True))
     specs = [spec_of(p) for p in chunk.parameters()]
     shapes = [(s.name, list(s.shape)) for s in specs]
     files = {"model.safetensors": _write_random(ml / "model.safetensors", shapes)}

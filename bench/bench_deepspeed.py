@@ -91,6 +91,7 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench import bench_dp  # noqa: E402
 from bench._common import figure, write_summary  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
@@ -119,7 +120,7 @@ def ds_config(a, stage: int) -> dict:
 def deepspeed_side(a, m, stage: int):
     import deepspeed
 
-    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
+    model = GPTChunk(m, LayerEnv(ops=TORCH_OPS, seed=1234))
     decay = [p for p in model.parameters() if not spec_of(p).no_weight_decay]
     other = [p for p in model.parameters() if spec_of(p).no_weight_decay]
     opt = torch.optim.AdamW(

@@ -58,6 +58,7 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
@@ -153,7 +154,7 @@ def torch_side(a, m, method):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
+    model = GPTChunk(m, LayerEnv(ops=TORCH_OPS, seed=1234))
     decay = [p for p in model.parameters() if not spec_of(p).no_weight_decay]
     other = [p for p in model.parameters() if spec_of(p).no_weight_decay]
     if method == "ddp":
@@ -235,7 +236,7 @@ def run(rank, world, a):
     batches = _batches(a, m, rank, 2)
     out = timed_rounds(a, steps, batches)
     out["persistent"] = {k: s.persistent() for k, s in steps.items()}
-    out["params"] = sum(p.numel() for p in GPTChunk(m, ops=TORCH_OPS).parameters())
+    out["params"] = sum(p.numel() for p in GPTChunk(m, LayerEnv(ops=TORCH_OPS)).parameters())
     ran = 1 + (a.warmup + a.rounds) * a.block
     out["wait_s"] = {k: s.wait_s / ran for k, s in steps.items() if hasattr(s, "wait_s")}
     if "zero2" in steps:

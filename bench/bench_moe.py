@@ -38,9 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import kernels  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.layers import MLP  # noqa: E402
 from megalite.model.moe import MoELayer  # noqa: E402
 from megalite.parallel.comm import Group  # noqa: E402
+from megalite.parallel.expert_parallel import ExpertGroups  # noqa: E402
 from megalite.parallel.specs import name_parameters  # noqa: E402
 
 
@@ -54,8 +56,9 @@ def build(a, tp: Group, ep: Group, device):
     torch.manual_seed(0)
     ops = kernels.select(a.kernels, device)
     m = config(a)
-    layer = MoELayer(m, tp, ep, ops, False, device=device)
-    dense = MLP(m, tp, ops, False, device=device)  # width k f
+    env = LayerEnv(tp=tp, ops=ops, experts=ExpertGroups(ep), device=device)
+    layer = MoELayer(m, env)
+    dense = MLP(m, env)  # width k f
     for mod in (layer, dense):
         name_parameters(mod)
         with torch.no_grad():

@@ -83,6 +83,7 @@ def repeated_step(self, weights, grads, lr: float, step: int):
 
 
 def _run(rank, world, args, layout):
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.optim.distributed_optimizer import build_optimizer
     from megalite.parallel.groups import build_groups
@@ -97,8 +98,13 @@ def _run(rank, world, args, layout):
     tp, dp = flags.get("tp", 1), flags.get("dp", 1)
     groups = build_groups(Topology(tp=tp, dp=dp), torch.device("cpu"))
     torch.manual_seed(0)
-    chunk = GPTChunk(cfg.model, groups.tp, has_embedding=True, has_head=True,
-                     layers=range(args.layers))  # fmt: skip
+    chunk = GPTChunk(
+        cfg.model,
+        LayerEnv(tp=groups.tp),
+        layers=range(args.layers),
+        has_embedding=True,
+        has_head=True,
+    )
     opt = build_optimizer([chunk], groups, cfg)
     tokens = torch.randint(512, (2, 64), generator=torch.Generator().manual_seed(rank // tp))
     opt.zero_grad(1)

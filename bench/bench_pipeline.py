@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.clock import Clock  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
@@ -86,7 +87,7 @@ def _megalite(a, groups, rank, name, vpp):
     """A function running one step; returns the PipelineResult."""
     cfg, device = _cfg(a), groups.device
     placement = SCHEDULES[name].placement
-    chunks = [GPTChunk(cfg, dtype=torch.float32, device=device, seed=1234, **kw)
+    chunks = [GPTChunk(cfg, LayerEnv(dtype=torch.float32, device=device, seed=1234), **kw)
               for kw in rank_chunks(a.layers, a.pp, vpp, rank, placement)]  # fmt: skip
     data = _data(a, device)
     actions = get_schedule(name, a.pp, vpp, a.microbatches, rank)
@@ -123,7 +124,7 @@ def _torch(a, groups, rank, vpp, kind="1f1b"):
     placement = SCHEDULES["zbv" if kind in ("zbv", "dualpipev") else "interleaved"].placement
     kws = rank_chunks(a.layers, a.pp, vpp, rank, placement)
     stages = [
-        PipelineStage(_TorchStage(GPTChunk(cfg, dtype=torch.float32, device=device, seed=1234, **kw)),
+        PipelineStage(_TorchStage(GPTChunk(cfg, LayerEnv(dtype=torch.float32, device=device, seed=1234), **kw)),
                       placement(a.pp, vpp, rank, c), a.pp * vpp, device, group=groups.pp.pg)
         for c, kw in enumerate(kws)
     ]  # fmt: skip

@@ -49,6 +49,7 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 from bench._common import figure, machine, tcp_bytes, write_summary  # noqa: E402
 from bench._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
@@ -139,7 +140,8 @@ def variants(m, a, world: int) -> tuple:
     groups = build_groups(Topology(tp=world), torch.device("cpu"))
     mesh = init_device_mesh("cpu", (world,))
     full = {
-        n: p.detach().clone() for n, p in GPTChunk(m, ops=TORCH_OPS, seed=1234).named_parameters()
+        n: p.detach().clone()
+        for n, p in GPTChunk(m, LayerEnv(ops=TORCH_OPS, seed=1234)).named_parameters()
     }
     return groups, {
         "megalite": megalite_side(m, a, groups, False),

@@ -48,6 +48,7 @@ from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.specs import spec_of  # noqa: E402
@@ -91,7 +92,7 @@ def fsdp2_side(a, m):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = GPTChunk(m, ops=TORCH_OPS, seed=1234)
+    model = GPTChunk(m, LayerEnv(ops=TORCH_OPS, seed=1234))
     no_decay = {id(p) for p in model.parameters() if spec_of(p).no_weight_decay}
     mesh = init_device_mesh("cpu", (a.dp,))
     for layer in model.layers.values():
@@ -211,7 +212,9 @@ def main(argv=None):
             f"first-step losses differ: megalite {ours['loss']} fsdp2 {theirs['loss']}"
         )
     tokens = a.gbs * a.seq
-    n_params = sum(p.numel() for p in GPTChunk(model_config(a), device="meta").parameters())
+    n_params = sum(
+        p.numel() for p in GPTChunk(model_config(a), LayerEnv(device="meta")).parameters()
+    )
     print(f"dp={a.dp} llama {a.layers} layers h={a.hidden} s={a.seq} V={a.vocab} "
           f"({n_params / 1e6:.1f}M parameters), gbs {a.gbs}, mbs {a.mbs}, fp32, gloo CPU; "
           f"first-step loss {ours['loss']:.6f} (both)")  # fmt: skip

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench import bench_dp  # noqa: E402
+from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
@@ -117,7 +118,7 @@ def contention(rank, world, a):
     torch.set_num_threads(1)
     m = bench_dp.model_config(a)
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
-    layer = GPTChunk(m, ops=TORCH_OPS, seed=1).layers["0"]
+    layer = GPTChunk(m, LayerEnv(ops=TORCH_OPS, seed=1)).layers["0"]
     n = sum(p.numel() for p in layer.parameters()) // 2 * 2
     full, shard = torch.empty(n), torch.randn(n // 2)
     x = torch.randn(a.mbs, a.seq, a.hidden, requires_grad=True)

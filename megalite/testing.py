@@ -278,12 +278,13 @@ def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[f
     and optimizer state in flat (DP-sharded) buffers and runs the micro-batches through the
     pipeline schedule (pp=1: F0 B0 F1 B1 ...)."""
     from megalite.data.sampler import get_batch
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.optim.lr_schedule import lr_at
     from megalite.parallel.specs import spec_of
 
     m, t, o = cfg.model, cfg.training, cfg.optimizer
-    model = GPTChunk(m, seed=t.seed)  # the same initialisation as the trainer's chunk
+    model = GPTChunk(m, LayerEnv(seed=t.seed))  # the same initialisation as the trainer's chunk
     params = list(model.parameters())
     decay = [p for p in params if not spec_of(p).no_weight_decay]
     plain = [p for p in params if spec_of(p).no_weight_decay]  # norms and biases

@@ -318,7 +318,8 @@ def megalite_logits(path, x: torch.Tensor) -> torch.Tensor:
     from megalite.checkpoint import format as fmt
     from megalite.checkpoint.checkpointer import load_model
     from megalite.config_read import from_dict
-    from megalite.model.gpt import LOCAL, GPTChunk
+    from megalite.model.env import LOCAL
+    from megalite.model.gpt import GPTChunk
 
     ckpt = fmt.Checkpoint(path)
     ckpt.verify()

@@ -56,11 +56,12 @@ def _shape_example(tensors: dict, model: ModelConfig) -> str:
     whose shape differs from the checkpoint's, built on the meta device ('' if none does)."""
     import torch
 
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.specs import spec_of
 
     layers = [0] if model.num_layers else []
-    chunk = GPTChunk(model, layers=layers, device=torch.device("meta"))
+    chunk = GPTChunk(model, LayerEnv(device=torch.device("meta")), layers=layers)
     for p in chunk.parameters():
         spec = spec_of(p)
         theirs = tensors.get(spec.name, {}).get("shape")

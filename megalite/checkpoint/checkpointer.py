@@ -108,11 +108,6 @@ class Checkpointer:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def resume(self) -> TrainState | None:
-        """Load what `resume_path` picks (if anything)."""
-        path = resume_path(self.cfg)
-        return None if path is None else self.load(path)
-
     def load(self, path) -> TrainState:
         """Load a checkpoint into the chunks and optimizer; --finetune (weights only, from
         iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own."""

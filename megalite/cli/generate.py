@@ -36,7 +36,8 @@ from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 from megalite.generation import check_prompts
 from megalite.generation import generate as generate_ids
-from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.model.env import LOCAL, LayerEnv
+from megalite.model.gpt import GPTChunk
 from megalite.parallel import groups as pg
 from megalite.parallel.sampling import Sampling
 from megalite.parallel.topology import world_from_env
@@ -86,7 +87,7 @@ def load(path, tokenizer_model=None, dtype="auto") -> tuple[GPTChunk, Tokenizer]
     """The whole model in one process (one chunk, eval mode) and its tokenizer."""
     ckpt, cfg, tok = open_checkpoint(path, tokenizer_model)
     checked = ckpt.verify_while_reading()  # hashed beside the build; the pages stay cached
-    chunk = GPTChunk(cfg, dtype=model_dtype(ckpt, dtype), meta=True)
+    chunk = GPTChunk(cfg, LayerEnv(dtype=model_dtype(ckpt, dtype), meta=True))
     load_mapped([chunk], LOCAL, ckpt, "cpu")
     checked.result()
     return chunk.eval(), tok
@@ -130,12 +131,14 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="auto") -> list[GPTChunk]:
     chunks = [
         GPTChunk(
             cfg,
-            groups.tp,
+            LayerEnv(
+                tp=groups.tp,
+                dtype=model_dtype(ckpt, dtype),
+                device=groups.device,
+                experts=groups.experts,
+                meta=True,
+            ),
             **kw,
-            dtype=model_dtype(ckpt, dtype),
-            device=groups.device,
-            ep=groups.experts,
-            meta=True,
         ).eval()
         for kw in rank_chunks(cfg.num_layers, shape.pp, 1, groups.pp.rank, shape.placement)
     ]

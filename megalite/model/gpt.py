@@ -14,24 +14,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
-from megalite.kernels import TORCH_OPS
 from megalite.kernels.fp8_linear import layer_ops
+from megalite.model.env import LayerEnv
 from megalite.model.layers import Norm, TransformerLayer
 from megalite.model.mtp import MTPModule, mtp_loss
 from megalite.model.rope import RotaryTables
 from megalite.parallel import comm
-from megalite.parallel.comm import Group
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.random import ShardedRNG
 from megalite.parallel.specs import mark, name_parameters, spec_of, update
 from megalite.parallel.tensor_parallel import (
-    SequenceParallel,
     VocabParallelEmbedding,
     enter_tp_region,
     shard_spec,
 )
-
-LOCAL = Group("tp", [0], 0)  # a TP group of one: the single-process model
 
 # Logical names other modules need (HF conversion, checkpoints): the tensors whose rows are
 # the vocabulary, and the two ends of a tied word embedding.
@@ -41,43 +36,25 @@ VOCAB_TENSORS = (WORD_EMBEDDING, OUTPUT)
 
 
 class GPTChunk(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        tp: Group = LOCAL,
-        layers=None,
-        has_embedding=True,
-        has_head=True,
-        sequence_parallel=False,
-        ops=TORCH_OPS,
-        recompute="none",
-        seed=1234,
-        dtype=torch.float32,
-        device=None,
-        ep: Group | None = None,
-        cp: Group | None = None,
-        cp_comm_type: str = "p2p",
-        meta: bool = False,
-    ):
-        """`meta`: parameters and buffers on the meta device (shapes, names and specs, no
-        memory, nothing initialised), for a model about to be loaded: model/materialize.py
-        then gives them memory on `device`. `ep`: the expert-parallel group of an MoE model
-        (`ProcessGroups.experts`; default: every expert on this rank). `cp`: the context-parallel
-        group (each rank holds s/cp tokens of every sequence; forward takes their `shard`),
-        its attention by `cp_comm_type` (p2p: ring, a2a: all-to-all, or a2a+p2p: the groups
-        `ProcessGroups.cp_levels`). `ops`: the kernels every
-        layer calls (megalite.kernels; `override` swaps one, the linear or attention, say)."""
+    def __init__(self, cfg: ModelConfig, env: LayerEnv | None = None, layers=None,
+                 has_embedding=True, has_head=True):  # fmt: skip
+        """`env` (model/env.py): how this rank runs the layers: groups (TP, sequence
+        parallelism, CP, experts), kernels, recompute, seed, dtype, device; default one
+        process. With `env.meta` the parameters and buffers are on the meta device (shapes,
+        names and specs, no memory, nothing initialised), for a model about to be loaded:
+        model/materialize.py then gives them memory on `env.device`. With context parallelism
+        forward takes the tokens' `shard`."""
         super().__init__()
+        # this chunk's own sequence-parallel switch and dropout stream, held by every layer:
+        # full_sequences() turns the switch off for all of them at once
+        self.env = env = (env or LayerEnv()).fresh()
         layers = range(cfg.num_layers) if layers is None else layers
+        tp, ops = env.tp, env.ops
         self.cfg, self.tp, self.ops = cfg, tp, ops
-        # one switch handed to every layer: full_sequences() turns them all off at once
-        self.seq_parallel = SequenceParallel(sequence_parallel and tp.size > 1)
+        self.seq_parallel, self.rng = env.seq_parallel, env.rng
         self.has_embedding, self.has_head = has_embedding, has_head
         self.vocab = cfg.padded_vocab_size(tp.size)
-        # dropout of sharded activations: a stream per TP rank, and per cp rank (other tokens)
-        shard = tp.rank + tp.size * (cp.rank if cp is not None else 0)
-        self.rng = rng = ShardedRNG(seed, shard, torch.device(device or "cpu"))
-        kw = {"dtype": dtype, "device": "meta" if meta else device}
+        kw = env.tensor_kw
         if has_embedding:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(
@@ -88,19 +65,17 @@ class GPTChunk(nn.Module):
                 self.embedding.position = nn.Embedding(positions, cfg.hidden_size, **kw)
                 # with sequence parallelism each rank adds positions to its own rows only
                 mark(self.embedding.position.weight, **shard_spec(tp, partial_grad=self.sp))
-        ep = ep or Group("ep", [0], 0, device=tp.device)
         # one cos/sin table for every layer (per head dim), sized to the training sequence
         # and grown by generation to the positions its cache holds
         self.rotary = RotaryTables(cfg.seq_length, kw["device"])
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(cfg.layer_config(i), tp, layer_ops(ops, i, cfg.num_layers),
-                                      self.seq_parallel, rng, recompute, **kw,
-                                      ep=ep if cfg.is_moe_layer(i) else None, cp=cp,
-                                      cp_comm_type=cp_comm_type, rope=self.rotary)
+            {str(i): TransformerLayer(cfg.layer_config(i),
+                                      env.replace(ops=layer_ops(ops, i, cfg.num_layers)),
+                                      cfg.is_moe_layer(i), self.rotary)
              for i in layers}
         )  # fmt: skip
         if has_head:
-            self.final_norm = Norm(cfg, tp, ops, self.seq_parallel, **kw)
+            self.final_norm = Norm(cfg, env)
             if not (cfg.tied and has_embedding):
                 self.output = nn.Module()
                 w = torch.empty(self.vocab // tp.size, cfg.hidden_size, **kw)
@@ -110,28 +85,26 @@ class GPTChunk(nn.Module):
                     spec.update(tied_to=WORD_EMBEDDING, grad_sum=("embed",))
                 self.output.weight = mark(nn.Parameter(w), **spec)
             if cfg.mtp_num_layers:  # multi-token prediction (model/mtp.py) after the head
-                self._build_mtp(cfg, ops, rng, recompute, kw, ep, cp, cp_comm_type)
+                self._build_mtp(cfg, env)
         name_parameters(self, cfg.vocab_size)
         twin = cfg.tied or cfg.mtp_num_layers  # the head's stage holds a copy of the embedding
         if twin and has_embedding and not has_head:  # its twin is on the head's stage
             update(self.embedding.word.weight, grad_sum=("embed",))
         if torch.device(kw["device"] or "cpu").type != "meta":  # the planner: shapes only
-            self.init_parameters(seed)
+            self.init_parameters(env.seed)
 
-    def _build_mtp(self, cfg, ops, rng, recompute, kw, ep, cp, cp_comm_type):
+    def _build_mtp(self, cfg, env):
         """The MTP modules, and the embedding they read when this chunk lacks it: a copy of
         the first stage's (the tied output layer itself when there is one)."""
         L = cfg.num_layers
         self.mtp = nn.ModuleDict(
-            {str(k): MTPModule(cfg, self.tp, ops, self.seq_parallel, rng, recompute, **kw,
-                               ep=ep if cfg.is_moe_layer(L + k) else None, cp=cp,
-                               cp_comm_type=cp_comm_type, rope=self.rotary)
+            {str(k): MTPModule(cfg, env, cfg.is_moe_layer(L + k), self.rotary)
              for k in range(cfg.mtp_num_layers)}
         )  # fmt: skip
         if self.has_embedding:
             return
         self.mtp_embedding = VocabParallelEmbedding(
-            self.vocab, cfg.hidden_size, self.tp, self.seq_parallel, **kw
+            self.vocab, cfg.hidden_size, self.tp, self.seq_parallel, **env.tensor_kw
         )
         if hasattr(self, "output") and cfg.tied:  # already the embedding's copy: share it
             self.mtp_embedding.weight = self.output.weight

@@ -11,8 +11,9 @@ to the cache, and attention runs over every cached slot with explicit positions.
 What the flavour decides is read from `cfg.features` (model_config.ModelFeatures: biases, Qwen3's
 per-head q/k norms, gpt-oss's attention sinks: `ops.attention_sinks`); the model flags any flavour may set are read from `cfg` (the head dim, RoPE
 scaling in model/rope.py, a sliding window handed to the attention ops). Every matmul and the
-attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`).
-`sequence_parallel` is the chunk's `SequenceParallel` switch (or a bool), shared by its layers.
+attention core go through `ops` (megalite.kernels: `ops.linear`, `ops.attention`). Every layer
+is built from `(cfg, env)` (model/env.py `LayerEnv`: the groups, the chunk's `SequenceParallel`
+switch, ops, dropout stream, recompute, dtype and device) and a few arguments of its own.
 """
 
 import dataclasses
@@ -24,10 +25,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.mla import LatentAttention
 from megalite.model.moe import MoELayer
 from megalite.model.rope import RotaryTable
-from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import (
@@ -44,12 +45,11 @@ class Norm(nn.Module):
     Replicated over TP; with sequence parallelism each rank sees only its rows, so the weight
     gradient is summed over TP."""
 
-    def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel: bool, dtype=None,
-                 device=None):  # fmt: skip
+    def __init__(self, cfg: ModelConfig, env: LayerEnv):
         super().__init__()
-        self.ops, self.eps, self.rms = ops, cfg.norm_epsilon, cfg.features.rms_norm
-        kw = {"dtype": dtype, "device": device}
-        spec = shard_spec(tp, None, sequence_parallel, no_weight_decay=True)
+        self.ops, self.eps, self.rms = env.ops, cfg.norm_epsilon, cfg.features.rms_norm
+        kw = env.tensor_kw
+        spec = shard_spec(env.tp, None, partial_grad=env.seq_parallel, no_weight_decay=True)
         self.weight = mark(nn.Parameter(torch.ones(cfg.hidden_size, **kw)), **spec)
         self.bias = None
         if cfg.features.layer_norm_bias:
@@ -67,11 +67,11 @@ class HeadNorm(nn.Module):
     forward needs no communication and each rank's weight gradient is its heads' part, summed
     over TP."""
 
-    def __init__(self, cfg: ModelConfig, tp: Group, ops, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, env: LayerEnv):
         super().__init__()
-        self.ops, self.eps = ops, cfg.norm_epsilon
-        spec = shard_spec(tp, None, partial_grad=True, no_weight_decay=True)
-        w = torch.ones(cfg.head_dim, dtype=dtype, device=device)
+        self.ops, self.eps = env.ops, cfg.norm_epsilon
+        spec = shard_spec(env.tp, None, partial_grad=True, no_weight_decay=True)
+        w = torch.ones(cfg.head_dim, **env.tensor_kw)
         self.weight = mark(nn.Parameter(w), **spec)
 
     def forward(self, x):  # (b, s, heads, hd)
@@ -79,28 +79,15 @@ class HeadNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        tp: Group,
-        ops,
-        sequence_parallel,
-        sharded_rng,
-        recompute_core,
-        dtype=None,
-        device=None,
-        cp: Group | None = None,
-        cp_comm_type: str | tuple = "p2p",
-        rope=None,
-    ):
-        """`cp`: the context-parallel group (this rank holds s/cp tokens of each sequence;
-        attention spans all of them), by `cp_comm_type` p2p (ring), a2a, or a2a+p2p's (inner,
-        outer) groups of cp (ProcessGroups.cp_levels). `rope`: the
-        chunk's `RotaryTables` (default: a table of this layer's own)."""
+    def __init__(self, cfg: ModelConfig, env: LayerEnv, rope=None):
+        """With context parallelism (`env.cp`) this rank holds s/cp tokens of each sequence and
+        attention spans all of them (`env.cp_attention`). `rope`: the chunk's `RotaryTables`
+        (default: a table of this layer's own)."""
         super().__init__()
-        self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng
-        self.cp, self.cp_comm_type = cp or Group("cp", [0], 0, device=tp.device), cp_comm_type
-        self.cfg, self.recompute_core = cfg, recompute_core
+        tp, ops, kw = env.tp, env.ops, env.tensor_kw
+        self.tp, self.sp, self.ops, self.rng = tp, env.seq_parallel, ops, env.rng
+        self.cp, self.cp_comm_type = env.cp, env.cp_attention
+        self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.heads_kv, cfg.head_dim
         self.heads = nh // tp.size
         # Fewer query groups than TP ranks: every rank keeps all k/v heads and uses its group's.
@@ -110,36 +97,21 @@ class Attention(nn.Module):
         self.rotary = cfg.features.rotary
         # sliding window: passed to the attention ops only when set (a custom op need not know it)
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        kw = {
-            "group": tp,
-            "bias": cfg.features.qkv_bias,
-            "sequence_parallel": sequence_parallel,
-            "enter": False,
-            "dtype": dtype,
-            "device": device,
-            "ops": ops,
-        }
-        self.q = ColumnParallelLinear(h, nh * hd, **kw)
-        self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **kw)
-        self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **kw)
-        self.out = RowParallelLinear(
-            nh * hd,
-            h,
-            tp,
-            bias=cfg.features.linear_bias,
-            sequence_parallel=sequence_parallel,
-            dtype=dtype,
-            device=device,
-            ops=ops,
-        )
+        col = {"group": tp, "bias": cfg.features.qkv_bias, "sequence_parallel": self.sp,
+               "enter": False, **kw, "ops": ops}  # fmt: skip
+        self.q = ColumnParallelLinear(h, nh * hd, **col)
+        self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
+        self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
+        self.out = RowParallelLinear(nh * hd, h, tp, bias=cfg.features.linear_bias,
+                                     sequence_parallel=self.sp, **kw, ops=ops)  # fmt: skip
         if cfg.features.qk_norm:
-            self.q_norm = HeadNorm(cfg, tp, ops, dtype, device)
-            self.k_norm = HeadNorm(cfg, tp, ops, dtype, device)
+            self.q_norm = HeadNorm(cfg, env)
+            self.k_norm = HeadNorm(cfg, env)
         if cfg.features.attention_sinks:  # gpt-oss: one logit per head, split with the heads
             spec = shard_spec(tp, 0, no_weight_decay=True)
-            self.sinks = mark(nn.Parameter(torch.zeros(self.heads, dtype=dtype, device=device)),
-                              **spec)  # fmt: skip
+            self.sinks = mark(nn.Parameter(torch.zeros(self.heads, **kw)), **spec)
         if self.rotary:  # shared by the chunk's layers
+            device = kw["device"]
             self.rope = RotaryTable(cfg, cfg.seq_length, device) if rope is None else rope.get(cfg)
 
     def _core(self, q, k, v, shard=None):
@@ -239,36 +211,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, dtype=None, device=None
-    ):
+    def __init__(self, cfg: ModelConfig, env: LayerEnv):
         super().__init__()
-        self.tp, self.sp, self.ops = tp, sequence_parallel, ops
+        tp, ops, kw = env.tp, env.ops, env.tensor_kw
+        self.tp, self.sp, self.ops = tp, env.seq_parallel, ops
         self.gated = cfg.features.gated_mlp
         self.gelu_kw = cfg.features.gelu_kwargs  # {} (tanh) or approximate="none" (exact)
-        h, f = cfg.hidden_size, cfg.ffn
-        kw = {
-            "group": tp,
-            "bias": cfg.features.linear_bias,
-            "sequence_parallel": sequence_parallel,
-            "enter": False,
-            "dtype": dtype,
-            "device": device,
-            "ops": ops,
-        }
+        h, f, bias = cfg.hidden_size, cfg.ffn, cfg.features.linear_bias
+        col = {"group": tp, "bias": bias, "sequence_parallel": self.sp, "enter": False, **kw,
+               "ops": ops}  # fmt: skip
         if self.gated:
-            self.gate = ColumnParallelLinear(h, f, **kw)
-        self.up = ColumnParallelLinear(h, f, **kw)
-        self.down = RowParallelLinear(
-            f,
-            h,
-            tp,
-            bias=cfg.features.linear_bias,
-            sequence_parallel=sequence_parallel,
-            dtype=dtype,
-            device=device,
-            ops=ops,
-        )
+            self.gate = ColumnParallelLinear(h, f, **col)
+        self.up = ColumnParallelLinear(h, f, **col)
+        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.sp, **kw,
+                                      ops=ops)  # fmt: skip
 
     def forward(self, x, fused=True):
         x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
@@ -282,46 +238,26 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        tp: Group,
-        ops,
-        sequence_parallel,
-        sharded_rng,
-        recompute,
-        dtype=None,
-        device=None,
-        ep: Group | None = None,
-        cp: Group | None = None,
-        cp_comm_type: str = "p2p",
-        rope=None,
-    ):
-        """`ep`: the expert-parallel group; given, the layer holds experts instead of an MLP.
-        `cp`, `cp_comm_type`: context parallelism (Attention); `rope`: the chunk's
-        RotaryTables."""
+    def __init__(self, cfg: ModelConfig, env: LayerEnv, moe: bool = False, rope=None):
+        """`moe`: the layer holds experts (over `env.experts`) instead of an MLP. `rope`: the
+        chunk's RotaryTables."""
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
         self.sp, self.rng, self.dropout, self.recompute = (
-            sequence_parallel,
-            sharded_rng,
+            env.seq_parallel,
+            env.rng,
             cfg.hidden_dropout,
-            recompute,
+            env.recompute,
         )
-        self.input_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
+        self.input_norm = Norm(cfg, env)
         attention = LatentAttention if cfg.features.latent_attention else Attention
-        self.attention = attention(
-            cfg, tp, ops, sequence_parallel, sharded_rng, recompute == "selective", **kw, cp=cp,
-            cp_comm_type=cp_comm_type, rope=rope,
-        )  # fmt: skip
-        self.post_attention_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
-        if ep is None:
-            self.mlp = MLP(cfg, tp, ops, sequence_parallel, **kw)
+        self.attention = attention(cfg, env, rope)
+        self.post_attention_norm = Norm(cfg, env)
+        if not moe:
+            self.mlp = MLP(cfg, env)
         else:
             size = cfg.moe_shared_expert_intermediate_size
             shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=size)
-            shared = MLP(shared_cfg, tp, ops, sequence_parallel, **kw) if size else None
-            self.mlp = MoELayer(cfg, tp, ep, ops, sequence_parallel, shared, **kw)
+            self.mlp = MoELayer(cfg, env, MLP(shared_cfg, env) if size else None)
 
     def _drop(self, x):
         if not self.training or self.dropout == 0:

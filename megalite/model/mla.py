@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.rope import RotaryTable
-from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import context_attention
 from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import (
@@ -60,11 +60,11 @@ class LatentNorm(nn.Module):
     of every rank's heads' parts (summed over TP). eps 1e-6: DeepSeek-V3 does not pass its
     rms_norm_eps to these two norms."""
 
-    def __init__(self, dim: int, tp: Group, ops, eps: float = 1e-6, dtype=None, device=None):
+    def __init__(self, dim: int, env: LayerEnv, eps: float = 1e-6):
         super().__init__()
-        self.ops, self.eps = ops, eps
-        w = torch.ones(dim, dtype=dtype, device=device)
-        spec = shard_spec(tp, None, partial_grad=True, no_weight_decay=True)
+        self.ops, self.eps = env.ops, eps
+        w = torch.ones(dim, **env.tensor_kw)
+        spec = shard_spec(env.tp, None, partial_grad=True, no_weight_decay=True)
         self.weight = mark(nn.Parameter(w), **spec)
 
     def forward(self, x):
@@ -74,13 +74,12 @@ class LatentNorm(nn.Module):
 class LatentAttention(nn.Module):
     """MLA with `layers.Attention`'s interface: forward(x, shard=None), decode(x, kv)."""
 
-    def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, sharded_rng,
-                 recompute_core, dtype=None, device=None, cp: Group | None = None,
-                 cp_comm_type: str = "p2p", rope=None):  # fmt: skip
+    def __init__(self, cfg: ModelConfig, env: LayerEnv, rope=None):
         super().__init__()
-        self.tp, self.sp, self.ops, self.rng = tp, sequence_parallel, ops, sharded_rng
-        self.cp, self.cp_comm_type = cp or Group("cp", [0], 0, device=tp.device), cp_comm_type
-        self.cfg, self.recompute_core = cfg, recompute_core
+        tp, ops, kw = env.tp, env.ops, env.tensor_kw
+        self.tp, self.sp, self.ops, self.rng = tp, env.seq_parallel, ops, env.rng
+        self.cp, self.cp_comm_type = env.cp, env.cp_attention
+        self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.heads = nh // tp.size
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -90,25 +89,26 @@ class LatentAttention(nn.Module):
         q_mul = softmax_scale(cfg) * math.sqrt(self.d)
         self.q_mul = None if abs(q_mul - 1.0) < 1e-12 else q_mul
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        kw = {"group": tp, "bias": False, "sequence_parallel": sequence_parallel, "enter": False,
-              "dtype": dtype, "device": device, "ops": ops}  # fmt: skip
+        col = {"group": tp, "bias": False, "sequence_parallel": self.sp, "enter": False, **kw,
+               "ops": ops}  # fmt: skip
         dqk = self.dn + self.dr
         if cfg.q_lora_rank:
-            self.q_a = ColumnParallelLinear(h, cfg.q_lora_rank, split=False, **kw)
-            self.q_a_norm = LatentNorm(cfg.q_lora_rank, tp, ops, dtype=dtype, device=device)
-            self.q_b = ColumnParallelLinear(cfg.q_lora_rank, nh * dqk, **kw)
+            self.q_a = ColumnParallelLinear(h, cfg.q_lora_rank, split=False, **col)
+            self.q_a_norm = LatentNorm(cfg.q_lora_rank, env)
+            self.q_b = ColumnParallelLinear(cfg.q_lora_rank, nh * dqk, **col)
         else:
-            self.q = ColumnParallelLinear(h, nh * dqk, **kw)
-        self.kv_a = ColumnParallelLinear(h, self.r + self.dr, split=False, **kw)
-        self.kv_a_norm = LatentNorm(self.r, tp, ops, dtype=dtype, device=device)
-        self.kv_b = ColumnParallelLinear(self.r, nh * (self.dn + self.dv), **kw)
-        self.out = RowParallelLinear(nh * self.dv, h, tp, bias=False,
-                                     sequence_parallel=sequence_parallel, dtype=dtype,
-                                     device=device, ops=ops)  # fmt: skip
+            self.q = ColumnParallelLinear(h, nh * dqk, **col)
+        self.kv_a = ColumnParallelLinear(h, self.r + self.dr, split=False, **col)
+        self.kv_a_norm = LatentNorm(self.r, env)
+        self.kv_b = ColumnParallelLinear(self.r, nh * (self.dn + self.dv), **col)
+        self.out = RowParallelLinear(nh * self.dv, h, tp, bias=False, sequence_parallel=self.sp,
+                                     **kw, ops=ops)  # fmt: skip
         # RoPE over the dr dims only: the tables of a model whose head dim is dr
         rope_cfg = dataclasses.replace(cfg, kv_channels=self.dr)
         self.rope = (
-            RotaryTable(rope_cfg, cfg.seq_length, device) if rope is None else rope.get(rope_cfg)
+            RotaryTable(rope_cfg, cfg.seq_length, kw["device"])
+            if rope is None
+            else rope.get(rope_cfg)
         )  # the chunk's (RotaryTables), shared by its layers
 
     def _rotate(self, x, positions, rows: int):

@@ -45,10 +45,10 @@ import torch
 import torch.nn as nn
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.routing import Routing
 from megalite.parallel import comm, expert_parallel
 from megalite.parallel.comm import Group
-from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.specs import Cut, mark, spec_of
 from megalite.parallel.tensor_parallel import shard_spec
 
@@ -116,14 +116,12 @@ class _Weight(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, ep: Group | ExpertGroups, ops,
-                 sequence_parallel: bool, shared: nn.Module | None = None, dtype=None,
-                 device=None):  # fmt: skip
-        """`ep`: the expert-parallel group (experts whole on each rank), or ExpertGroups
-        (ProcessGroups.experts) to split them over etp too."""
+    def __init__(self, cfg: ModelConfig, env: LayerEnv, shared: nn.Module | None = None):
+        """The experts are spread over `env.experts` (ProcessGroups.experts: ep, and etp when
+        each is cut too); `shared`: the shared expert (an MLP), or None."""
         super().__init__()
-        ep = ep if isinstance(ep, ExpertGroups) else ExpertGroups(ep)
-        self.tp, self.ep, self.ops, self.sp, self.shared = tp, ep, ops, sequence_parallel, shared
+        tp, ep = env.tp, env.experts
+        self.tp, self.ep, self.ops, self.sp, self.shared = tp, ep, env.ops, env.seq_parallel, shared
         self.seq = tp  # the ranks that hold one sequence between them
         e, h, f, etp = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn, ep.etp
         if f % etp:
@@ -139,7 +137,7 @@ class MoELayer(nn.Module):
         self.clamp = cfg.swiglu_limit if cfg.features.clamped_swiglu else None
         self.gelu_kw = cfg.features.gelu_kwargs
         biased = cfg.features.moe_bias
-        kw = {"dtype": dtype, "device": device}
+        kw = env.tensor_kw
         self.router = nn.Module()
         self.router.weight = mark(nn.Parameter(torch.empty(e, h, **kw)),
                                   **shard_spec(tp, None, partial_grad=True))  # fmt: skip
@@ -167,6 +165,7 @@ class MoELayer(nn.Module):
             b2 = mark(nn.Parameter(torch.zeros(local, h, **kw)), **split, no_weight_decay=True)
         setattr(self.experts, name, _Weight(w1, b1))
         self.experts.down = _Weight(w2, b2)
+        device = kw["device"]
         stat_kw = {"dtype": torch.float64, "device": device}
         # Running sums since moe_stats() last read them: loads (E,), aux, z, dropped, passes.
         self.register_buffer("stats", torch.zeros(e + STATS, **stat_kw), persistent=False)

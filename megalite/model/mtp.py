@@ -22,31 +22,27 @@ import torch
 import torch.nn as nn
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.layers import Norm, TransformerLayer
-from megalite.parallel.comm import Group
 from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import shard_spec
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, ops, sequence_parallel, sharded_rng,
-                 recompute, dtype=None, device=None, ep: Group | None = None,
-                 cp: Group | None = None, cp_comm_type: str = "p2p", rope=None):  # fmt: skip
-        """`ep`: given, the module's layer holds experts (DeepSeek-V3's MTP layer is an MoE
-        layer when the model's last layers are); `rope`: the chunk's RotaryTables."""
+    def __init__(self, cfg: ModelConfig, env: LayerEnv, moe: bool = False, rope=None):
+        """`moe`: the module's layer holds experts (DeepSeek-V3's MTP layer is an MoE layer
+        when the model's last layers are); `rope`: the chunk's RotaryTables."""
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
-        self.ops = ops
-        self.enorm = Norm(cfg, tp, ops, sequence_parallel, **kw)
-        self.hnorm = Norm(cfg, tp, ops, sequence_parallel, **kw)
+        self.ops = env.ops
+        self.enorm = Norm(cfg, env)
+        self.hnorm = Norm(cfg, env)
         h = cfg.hidden_size
-        w = torch.empty(h, 2 * h, **kw)  # [embedding; hidden] -> hidden, whole on every rank
+        w = torch.empty(h, 2 * h, **env.tensor_kw)  # [embedding; hidden] -> hidden, whole
+        spec = shard_spec(env.tp, None, partial_grad=env.seq_parallel)  # rows split with sp
         self.eh_proj = nn.Module()
-        self.eh_proj.weight = mark(nn.Parameter(w), **shard_spec(tp, None, sequence_parallel))
-        self.layer = TransformerLayer(cfg, tp, ops, sequence_parallel, sharded_rng, recompute,
-                                      **kw, ep=ep, cp=cp, cp_comm_type=cp_comm_type,
-                                      rope=rope)  # fmt: skip
-        self.final_norm = Norm(cfg, tp, ops, sequence_parallel, **kw)
+        self.eh_proj.weight = mark(nn.Parameter(w), **spec)
+        self.layer = TransformerLayer(cfg, env, moe, rope)
+        self.final_norm = Norm(cfg, env)
 
     def forward(self, emb, hidden, shard=None):
         """emb, hidden (b, s[/t], h) -> this depth's hidden states (b, s[/t], h)."""

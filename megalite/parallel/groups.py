@@ -44,7 +44,7 @@ class ProcessGroups:
 
     @property
     def experts(self) -> ExpertGroups | None:
-        """The expert groups to build an MoE model with (`GPTChunk(..., ep=)`), or None where
+        """The expert groups to build an MoE model with (`LayerEnv(experts=...)`), or None where
         the topology has no expert decomposition (experts whole on each rank). The exchange
         runs over etp+ep, counted in the ledger as "ep"."""
         if self.topo.expert is None:

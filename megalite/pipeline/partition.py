@@ -117,7 +117,7 @@ class Partition:
         return range(self.starts[vs], self.starts[vs] + self.counts[vs])
 
     def rank_chunks(self, rank: int) -> list[dict]:
-        """Keyword arguments for each chunk of a rank, e.g. `GPTChunk(cfg, tp, **kw)`:
+        """Keyword arguments for each chunk of a rank, e.g. `GPTChunk(cfg, env, **kw)`:
         {"layers": range, "has_embedding": bool, "has_head": bool}, in chunk order."""
         last = self.pp * self.vpp - 1
         return [

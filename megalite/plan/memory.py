@@ -25,6 +25,7 @@ def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head:
     differ only in their index."""
     import torch
 
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.comm import Group
     from megalite.parallel.expert_parallel import ExpertGroups
@@ -33,9 +34,13 @@ def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head:
     m = ModelConfig(*m_fields)
     group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
     experts = ExpertGroups(Group("etp+ep", list(range(ep * etp)), ep * etp - 1), etp)
-    chunk = GPTChunk(m, group, layers=list(layers), has_embedding=has_embedding,
-                     has_head=has_head, sequence_parallel=sp, device=torch.device("meta"),
-                     ep=experts)  # fmt: skip
+    chunk = GPTChunk(
+        m,
+        LayerEnv(tp=group, sequence_parallel=sp, device=torch.device("meta"), experts=experts),
+        layers=list(layers),
+        has_embedding=has_embedding,
+        has_head=has_head,
+    )
     return tuple((n, p.numel(), spec_of(p)) for n, p in chunk.named_parameters())
 
 
@@ -68,15 +73,25 @@ def _fp8_layer_groups(m_fields: tuple, tp: int, sp: bool) -> tuple:
 
     from megalite import kernels
     from megalite.kernels import fp8, fp8_linear
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.comm import Group
     from megalite.parallel.fp8_gather import weight_groups
 
     maker = fp8_linear.Fp8Maker(fp8.make_recipe("tensorwise"))
     ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
-    chunk = GPTChunk(ModelConfig(*m_fields), Group("tp", list(range(tp)), tp - 1), layers=[0],
-                     has_embedding=False, has_head=False, sequence_parallel=sp,
-                     device=torch.device("meta"), ops=ops)  # fmt: skip
+    chunk = GPTChunk(
+        ModelConfig(*m_fields),
+        LayerEnv(
+            tp=Group("tp", list(range(tp)), tp - 1),
+            sequence_parallel=sp,
+            device=torch.device("meta"),
+            ops=ops,
+        ),
+        layers=[0],
+        has_embedding=False,
+        has_head=False,
+    )
     name = {id(p): n.removeprefix("layers.0.") for n, p in chunk.named_parameters()}
     return tuple(tuple(name[id(p)] for p in g.params) for g in weight_groups([chunk], False))
 

@@ -13,15 +13,16 @@ import torch
 import torch.distributed as dist
 
 from megalite import kernels
-from megalite.checkpoint.checkpointer import resume_path
 from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.kernels import fp8, fp8_linear
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model.materialize import materialize
 from megalite.model.moe import aux_loss_scale
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.parallel import comm
+from megalite.parallel.buffers import Buffers
 from megalite.parallel.data_parallel import build_buffers
 from megalite.parallel.groups import ProcessGroups
 from megalite.pipeline.executor import PipelineResult, run_schedule
@@ -83,55 +84,75 @@ def end_fp8_step(chunks, groups: ProcessGroups):
     fp8_linear.end_step(fp8_linear.fp8_linears(m for c in chunks for m in c.modules()), reduce)
 
 
-def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> list[GPTChunk]:
-    """This rank's model chunks: one per virtual stage it holds, with the layers the schedule's
-    placement gives it, on the groups' device, each layer compiled with `--compile`
-    (training/compile.py). `ops`: the kernels every layer calls (default
-    `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them).
-    A run that starts from a checkpoint (--load, --finetune, --eval-only, a restart resuming
-    its --save: `resume_path`) builds them on the meta device and gives them uninitialised
-    memory (model/materialize.py): the checkpointer's load fills every weight, so none is drawn
-    at random first. A run from scratch initialises them as always."""
+def with_fp8(ops, cfg: Config, groups: ProcessGroups):
+    """`ops` whose attention and MLP linears are FP8 ones with --fp8-format (docs/fp8.md)."""
     t = cfg.training
-    ops = ops or kernels.select(t.kernels, groups.device)
-    if t.fp8_format is not None:  # the attention and MLP linears build FP8 ones (docs/fp8.md)
-        recipe = fp8.make_recipe(
-            t.fp8_recipe,
-            t.fp8_format,
-            history_len=t.fp8_amax_history_len,
-            algo=t.fp8_amax_compute_algo,
-            margin=t.fp8_margin,
-            pow2=t.fp8_scale_pow2,
-        )
-        ops = kernels.override(
-            ops, fp8_linear=fp8_linear.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16,
-                                         getattr(ops, "fp8_casts", fp8.TORCH_CASTS))
-        )  # fmt: skip
-    loading = resume_path(cfg) is not None
+    if t.fp8_format is None:
+        return ops
+    recipe = fp8.make_recipe(t.fp8_recipe, t.fp8_format, history_len=t.fp8_amax_history_len,
+                             algo=t.fp8_amax_compute_algo, margin=t.fp8_margin,
+                             pow2=t.fp8_scale_pow2)  # fmt: skip
+    casts = getattr(ops, "fp8_casts", fp8.TORCH_CASTS)
+    maker = fp8_linear.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16, casts)
+    return kernels.override(ops, fp8_linear=maker)
+
+
+def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
+                data_parallel: bool = True, loading: bool = False
+                ) -> tuple[list[GPTChunk], Buffers | None]:  # fmt: skip
+    """This rank's model as a run of `cfg` trains it: the chunks of its pipeline stages (one
+    per virtual stage, with the layers the schedule's placement gives it) and every
+    transformation, in the order applied. `ops`: the kernels every layer calls (default
+    `kernels.select(cfg.training.kernels, device)`; `kernels.override` swaps one of them).
+    Returns the chunks and, with `data_parallel`, their gradient buffers (the optimizer's).
+
+    `loading`: a checkpoint will be loaded (the trainer's `resume_path`: --load, --finetune,
+    --eval-only, a restart resuming its --save): the chunks are built on the meta device and
+    given uninitialised memory (model/materialize.py), as the load fills every weight, so none
+    is drawn at random first."""
+    t = cfg.training
+    env = LayerEnv(
+        tp=groups.tp,  # tensor parallelism
+        sequence_parallel=shape.sequence_parallel,  # sequence parallelism (tp > 1)
+        cp=groups.cp,  # context parallelism, its attention exchange
+        cp_comm_type=cfg.parallel.cp_comm_type,
+        cp_levels=groups.cp_levels,
+        experts=groups.experts,  # expert parallelism (ep, etp)
+        ops=with_fp8(ops or kernels.select(t.kernels, groups.device), cfg, groups),  # FP8
+        recompute=t.recompute,  # activation recompute
+        seed=t.seed,
+        dtype=DTYPES[t.precision],
+        device=groups.device,
+        meta=loading,  # no memory, nothing drawn: the checkpoint fills it
+    )
     chunks = [
-        GPTChunk(shape.model, groups.tp, **kw, sequence_parallel=shape.sequence_parallel, ops=ops,
-                 recompute=t.recompute, seed=t.seed, dtype=DTYPES[t.precision],
-                 device=groups.device, cp=groups.cp,
-                 cp_comm_type=groups.cp_levels or cfg.parallel.cp_comm_type,
-                 ep=groups.experts, meta=loading)
-        for kw in shape.partition.rank_chunks(groups.pp.rank)
-    ]  # fmt: skip
+        GPTChunk(shape.model, env, **kw) for kw in shape.partition.rank_chunks(groups.pp.rank)
+    ]
     for chunk in chunks if loading else ():
-        materialize(chunk, groups.device)
+        materialize(chunk, groups.device)  # uninitialised memory for the load
     if t.compile:  # each layer's math compiled; names, hooks and recompute stay as they are
         compile_chunks(chunks)
-    return chunks
+    # data parallelism / ZeRO: each parameter a view of a flat bucket, its gradient hooked
+    buffers = build_buffers(chunks, groups, cfg) if data_parallel else None
+    return chunks, buffers
 
 
-def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None) -> RankParts:
+def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
+                 loading: bool = False) -> list[GPTChunk]:  # fmt: skip
+    """This rank's model chunks as `parallelize` makes them, without data parallelism (no
+    optimizer: generation, the benchmarks of one part)."""
+    return parallelize(cfg, shape, groups, ops, data_parallel=False, loading=loading)[0]
+
+
+def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
+               loading: bool = False) -> RankParts:  # fmt: skip
     """The chunks, optimizer and schedule of this rank of a run of `cfg` (`shape` from
-    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one; `ops` as in
-    `build_chunks`). Seeding the dropout streams is the caller's: the chunks' initialisation
+    `validate(cfg, world)`, with the tokenizer's vocabulary if it has one; `ops` and
+    `loading` as in `parallelize`). Seeding the dropout streams is the caller's: the chunks' initialisation
     depends on `cfg.training.seed` only."""
-    chunks = build_chunks(cfg, shape, groups, ops)
+    chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
+    opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
-    buffers = build_buffers(chunks, groups, cfg)  # data parallelism / ZeRO
-    opt = DistributedOptimizer(chunks, buffers, groups, cfg)
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
                      DTYPES[cfg.training.precision], groups, shape.placement,
                      get_schedule(*order, forward_only=True))  # fmt: skip

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from megalite.checkpoint.checkpointer import Checkpointer, TrainState
+from megalite.checkpoint.checkpointer import Checkpointer, TrainState, resume_path
 from megalite.config import Config
 from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch
@@ -53,8 +53,11 @@ class Trainer:
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
         seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
-        with self.launch.phase("model build"):
-            self.parts = build_rank(cfg, shape, groups)  # chunks, optimizer, schedule
+        # what the run resumes from (--load, or --save's latest), resolved once: the model is
+        # built empty for it (the load fills it) and `resume` loads it
+        self.resume_from = resume_path(cfg)
+        with self.launch.phase("model build"):  # chunks, optimizer, schedule
+            self.parts = build_rank(cfg, shape, groups, loading=self.resume_from is not None)
         # --eval-only without a training split: nothing to sample
         self.sampler = self._sampler(self.data.train) if self.data.train is not None else None
         self.iteration = 0
@@ -96,7 +99,9 @@ class Trainer:
 
     def resume(self) -> TrainState | None:
         """Load --load, or the latest checkpoint in --save, and continue from it."""
-        state = self.checkpointer.resume()
+        if self.resume_from is None:
+            return None
+        state = self.checkpointer.load(self.resume_from)
         if state is not None:
             self.iteration = state.iteration
             if self.sampler is not None:

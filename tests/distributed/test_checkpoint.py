@@ -19,6 +19,7 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config import Config
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups
 from megalite.parallel.topology import Topology
@@ -37,7 +38,7 @@ def _sharded_logits(rank, world, paths, ids):
         ckpt = fmt.Checkpoint(path)
         cfg = from_dict({"model": ckpt.model_config}).model
         (kw,) = rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank)
-        chunk = GPTChunk(cfg, groups.tp, **kw).eval()
+        chunk = GPTChunk(cfg, LayerEnv(tp=groups.tp), **kw).eval()
         load_model([chunk], groups.tp, ckpt)
         with torch.no_grad():
             if groups.is_first_stage:

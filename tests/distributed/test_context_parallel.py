@@ -210,6 +210,7 @@ def _packed(b=3, s=16, vocab=301):
 
 def _cp_model(rank, world, tp, comm_type):
     from megalite.config import ModelConfig
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel import comm
     from megalite.parallel.specs import spec_of
@@ -222,9 +223,18 @@ def _cp_model(rank, world, tp, comm_type):
     for case in MODEL_CASES:
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                           vocab_size=301, make_vocab_size_divisible_by=8, **case)  # fmt: skip
-        ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
-        model = GPTChunk(cfg, groups.tp, seed=11, dtype=torch.float64, cp=groups.cp,
-                         cp_comm_type=groups.cp_levels or comm_type)  # fmt: skip
+        ref = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64))
+        model = GPTChunk(
+            cfg,
+            LayerEnv(
+                tp=groups.tp,
+                seed=11,
+                dtype=torch.float64,
+                cp=groups.cp,
+                cp_comm_type=comm_type,
+                cp_levels=groups.cp_levels,
+            ),
+        )
         for documents in (False, True):
             flags = (documents,) * 3  # reset positions, attention within documents, EOD loss mask
             batch = [_packed(), _packed(2)]  # two micro-batches: the loss counts span both
@@ -279,12 +289,13 @@ def test_documents_see_only_themselves():
     """A packed row with --reset-position-ids and --reset-attention-mask gives each document the
     logits it gets alone (one process, both flavours)."""
     from megalite.config import ModelConfig
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
 
     for case in MODEL_CASES:
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                           vocab_size=301, **case)  # fmt: skip
-        model = GPTChunk(cfg, seed=5, dtype=torch.float64)
+        model = GPTChunk(cfg, LayerEnv(seed=5, dtype=torch.float64))
         tokens, labels = _packed(1)  # documents [0, 4), [4, 10), [10, 16)
         ((t, _, shard),) = shard_batch([(tokens, labels)], 1, 0, EOD, True, True, False)
         packed = model(t, shard=shard)
@@ -296,6 +307,7 @@ def test_documents_see_only_themselves():
 
 def _cp_timeline(rank, world):
     from megalite.config import ModelConfig
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.pipeline.executor import run_schedule
     from megalite.pipeline.schedules import get_schedule
@@ -304,7 +316,7 @@ def _cp_timeline(rank, world):
     groups = build_groups(Topology(cp=world), torch.device("cpu"))
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                       vocab_size=301, make_vocab_size_divisible_by=8)  # fmt: skip
-    model = GPTChunk(cfg, seed=11, cp=groups.cp)
+    model = GPTChunk(cfg, LayerEnv(seed=11, cp=groups.cp))
     batch = shard_batch([_packed(), _packed()], world, rank)
     tl = timeline.Timeline((1, 2), rank, groups.topo.coords(rank))
     run_schedule(get_schedule("1f1b", 1, 1, 2, 0), [model], groups, batch,

@@ -183,6 +183,7 @@ def _sgd(chunk, ids, steps=3):
 
 def _seams(rank, world):
     from megalite import kernels
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.specs import spec_of
     from megalite.parallel.topology import Topology
@@ -192,11 +193,11 @@ def _seams(rank, world):
     cfg = small("llama")
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
-    ref, ref_params = _sgd(GPTChunk(cfg, seed=7, dtype=torch.float64), ids)
+    ref, ref_params = _sgd(GPTChunk(cfg, LayerEnv(seed=7, dtype=torch.float64)), ids)
     linear = CountingLinear()
     ops = kernels.override(kernels.TORCH_OPS, linear=linear, attention=explicit_attention)
     explicit_attention.calls = 0
-    chunk = GPTChunk(cfg, tp, ops=ops, seed=7, dtype=torch.float64)
+    chunk = GPTChunk(cfg, LayerEnv(tp=tp, ops=ops, seed=7, dtype=torch.float64))
     got, params = _sgd(chunk, ids)
     assert linear.calls == 3 * (4 * cfg.num_layers + 1) and explicit_attention.calls == 6
     assert got == pytest.approx(ref, rel=1e-12, abs=0)
@@ -213,6 +214,7 @@ def test_a_linear_and_an_attention_variant_train_like_one_process_at_tp2():
 def _compiled(rank, world):
     """Compiled layers at tp=2, with and without sequence parallelism: dynamo breaks the graph
     at each collective (comm's functions call torch.distributed) and compiles the pieces."""
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.topology import Topology
     from tests.unit.test_extending_model import small
@@ -222,7 +224,7 @@ def _compiled(rank, world):
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
     for sp in (False, True):
-        eager, compiled = (GPTChunk(cfg, tp, seed=1, dtype=torch.float64, sequence_parallel=sp)
+        eager, compiled = (GPTChunk(cfg, LayerEnv(tp=tp, seed=1, dtype=torch.float64, sequence_parallel=sp))
                            for _ in range(2))  # fmt: skip
         for layer in compiled.layers.values():
             layer.compile(backend="aot_eager")

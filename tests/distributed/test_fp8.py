@@ -9,6 +9,7 @@ from megalite.kernels import fp8, fp8_linear
 
 from megalite import kernels
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel import comm
 from megalite.parallel.specs import spec_of
@@ -41,8 +42,10 @@ def _fp8_model(rank, world, recipe, unreduced=False, pow2=True):
     ops = kernels.override(
         kernels.TORCH_OPS, fp8_linear=fp8_linear.Fp8Maker(fp8.make_recipe(recipe, pow2=pow2))
     )
-    ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
-    model = GPTChunk(cfg, g, sequence_parallel=True, seed=11, dtype=torch.float64, ops=ops)
+    ref = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64, ops=ops))
+    model = GPTChunk(
+        cfg, LayerEnv(tp=g, sequence_parallel=True, seed=11, dtype=torch.float64, ops=ops)
+    )
     if unreduced:  # the check can fail: amaxes of this rank's shard only
         for lin in fp8_linear.fp8_linears(model.modules()):
             lin.shards = {}
@@ -99,8 +102,8 @@ def _cp_fp8_model(rank, world):
         ops = kernels.override(
             kernels.TORCH_OPS, fp8_linear=fp8_linear.Fp8Maker(recipe, tokens_group)
         )
-        ref = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops)
-        model = GPTChunk(cfg, seed=11, dtype=torch.float64, ops=ops, cp=groups.cp)
+        ref = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64, ops=ops))
+        model = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64, ops=ops, cp=groups.cp))
         torch.manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1))
         batch = [(ids[:, :-1], ids[:, 1:])]

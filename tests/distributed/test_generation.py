@@ -24,6 +24,7 @@ from megalite.config import ModelConfig
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.generation import generate
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups, single_process_groups
 from megalite.parallel.sampling import Sampling
@@ -63,7 +64,9 @@ def _run(chunks, groups, prompts=PROMPTS):
 
 def _chunks(cfg, groups, pp, vpp, sp):
     return [
-        GPTChunk(cfg, groups.tp, **kw, sequence_parallel=sp, dtype=torch.float64).train()
+        GPTChunk(
+            cfg, LayerEnv(tp=groups.tp, sequence_parallel=sp, dtype=torch.float64), **kw
+        ).train()
         for kw in rank_chunks(cfg.num_layers, pp, vpp, groups.pp.rank)
     ]
 
@@ -126,7 +129,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _one_process(cfg, path=None, prompts=PROMPTS):
-    chunk = GPTChunk(cfg, dtype=torch.float64)
+    chunk = GPTChunk(cfg, LayerEnv(dtype=torch.float64))
     if path:
         load_model([chunk], single_process_groups().tp, fmt.Checkpoint(path))
     return _run([chunk], single_process_groups(), prompts)

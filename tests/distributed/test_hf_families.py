@@ -30,6 +30,7 @@ from megalite.cli import generate as gen_tool
 from megalite.config import ModelConfig
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model.moe import moe_layers
 from megalite.parallel import comm
@@ -68,12 +69,14 @@ def _layers(rank, world):
                           vocab_size=301, make_vocab_size_divisible_by=8, **case)  # fmt: skip
         ids = torch.randint(0, cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
         tokens, labels = ids[:, :-1], ids[:, 1:]
-        ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
+        ref = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64))
         expected = ref(tokens, labels)
         expected.backward()
         grads = {n: p.grad for n, p in ref.named_parameters()}
         for sp in (False, True):
-            model = GPTChunk(cfg, tp, sequence_parallel=sp, seed=11, dtype=torch.float64)
+            model = GPTChunk(
+                cfg, LayerEnv(tp=tp, sequence_parallel=sp, seed=11, dtype=torch.float64)
+            )
             what = f"{case} sp={sp}"
             with torch.no_grad():
                 _close(model(tokens), ref(tokens), f"{what} logits")

@@ -72,6 +72,7 @@ def test_hsdp_dp2_x_dpr2_matches_one_process_and_reduces_a_shard_over_the_copies
 def _planned(rank, world):
     """One step of a GPT chunk at dp=4 as dp2 x dpr2: the ledger's bytes per group kind and
     the buffers' bytes, against the planner's estimate of the same run shape."""
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.plan import memory, traffic
     from megalite.shape import derive
@@ -83,7 +84,7 @@ def _planned(rank, world):
         cfg.parallel.dp_replicate = 2
         shape = derive(cfg, world)
         groups = build_groups(shape.topology(), torch.device("cpu"))
-        chunks = [GPTChunk(cfg.model, groups.tp, dtype=torch.float32)]
+        chunks = [GPTChunk(cfg.model, LayerEnv(tp=groups.tp, dtype=torch.float32))]
         opt = build_optimizer(chunks, groups, cfg)
         opt.zero_grad(M)
         loss = 0.0

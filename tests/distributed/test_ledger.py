@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megalite.config import Config, ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel import comm
@@ -54,12 +55,14 @@ def build(cfg: Config):
     chunks = [
         GPTChunk(
             cfg.model,
-            groups.tp,
-            sequence_parallel=p.sequence_parallel,
-            dtype=dtype,
+            LayerEnv(
+                tp=groups.tp,
+                sequence_parallel=p.sequence_parallel,
+                dtype=dtype,
+                cp=groups.cp,
+                cp_comm_type=p.cp_comm_type,
+            ),
             **kw,
-            cp=groups.cp,
-            cp_comm_type=p.cp_comm_type,
         )
         for kw in rank_chunks(L, p.pp, 1, groups.pp.rank)
     ]

@@ -18,13 +18,14 @@ import zlib
 
 import pytest
 import torch
-from megalite.kernels import TORCH_OPS
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.layers import MLP
 from megalite.model.moe import MoELayer
 from megalite.parallel import comm
 from megalite.parallel.comm import Group
+from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.groups import build_groups
 from megalite.parallel.specs import name_parameters, spec_of
 from megalite.parallel.topology import Topology
@@ -59,13 +60,13 @@ def full_tensor(name: str, shape, skew: bool) -> torch.Tensor:
     return t
 
 
-def layer(m: ModelConfig, tp: Group, ep: Group, sp: bool, skew: bool) -> MoELayer:
+def layer(m: ModelConfig, tp: Group, ep: ExpertGroups, sp: bool, skew: bool) -> MoELayer:
     """The layer with its full tensors drawn by name (and the expert bias, when on)."""
-    kw = {"dtype": torch.float64}
+    env = LayerEnv(tp=tp, sequence_parallel=sp, experts=ep, dtype=torch.float64)
     import dataclasses
 
-    shared = MLP(dataclasses.replace(m, ffn_hidden_size=SHARED), tp, TORCH_OPS, sp, **kw)
-    moe = MoELayer(m, tp, ep, TORCH_OPS, sp, shared, **kw)
+    shared = MLP(dataclasses.replace(m, ffn_hidden_size=SHARED), env)
+    moe = MoELayer(m, env, shared)
     name_parameters(moe)
     with torch.no_grad():
         for name, p in moe.named_parameters():
@@ -87,7 +88,7 @@ def reference(dp: int, skew: bool, capacity=None, variant=()):
     """Every replica's micro-batch through the whole layer: outputs, aux per replica, x grads,
     parameter gradients summed over the replicas, the share of tokens picking expert 0."""
     one = Group("tp", [0], 0)
-    moe = layer(cfg(capacity, **dict(variant)), one, Group("ep", [0], 0), False, skew)
+    moe = layer(cfg(capacity, **dict(variant)), one, ExpertGroups(Group("ep", [0], 0)), False, skew)
     outs, auxes, xgrads, picked = [], [], [], 0.0
     for d in range(dp):
         x, g = inputs(d, skew)
@@ -111,7 +112,7 @@ def case(rank, tp, ep, sp, skew, capacity=None, **variant):
     d, t = groups.dp.rank, groups.tp.rank
     ref = reference(4 // tp, skew, capacity, tuple(variant.items()))
     ref_out, ref_aux, ref_xg, ref_grads, picked = ref
-    moe = layer(cfg(capacity, **variant), groups.tp, groups.ep, sp and tp > 1, skew)
+    moe = layer(cfg(capacity, **variant), groups.tp, ExpertGroups(groups.ep), sp and tp > 1, skew)
     x, g = inputs(d, skew)
     rows = slice(t * S // tp, (t + 1) * S // tp) if sp and tp > 1 else slice(None)
     x = x[:, rows].clone().requires_grad_(True)

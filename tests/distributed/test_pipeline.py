@@ -169,6 +169,7 @@ def _gpt_cfg(flavour):
 def _gpt_run(rank, world):
     import torch.distributed as dist
 
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.parallel.groups import build_groups
     from megalite.parallel.specs import spec_of
@@ -180,13 +181,13 @@ def _gpt_run(rank, world):
     for flavour, name, vpp, m in (("llama", "interleaved", 2, 4), ("gpt2", "1f1b", 1, 3),
                                   ("gpt2", "zbv", 2, 3), ("llama", "zb-h1", 1, 3)):  # fmt: skip
         cfg, microbatches = _gpt_cfg(flavour), _data(m, seed=1)
-        ref = GPTChunk(cfg, dtype=torch.float64)
+        ref = GPTChunk(cfg, LayerEnv(dtype=torch.float64))
         ref_loss = sum(ref(t, lab) for t, lab in microbatches) / m
         ref_loss.backward()
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         placement = SCHEDULES[name].placement
         chunks = [
-            GPTChunk(cfg, dtype=torch.float64, **kw)
+            GPTChunk(cfg, LayerEnv(dtype=torch.float64), **kw)
             for kw in rank_chunks(cfg.num_layers, world, vpp, rank, placement)
         ]
         actions = get_schedule(name, world, vpp, m, rank)

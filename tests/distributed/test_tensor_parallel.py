@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel import comm
 from megalite.parallel import groups as pg
@@ -140,8 +141,8 @@ def _model(rank, world, sp, case):
         make_vocab_size_divisible_by=8,
         **case,
     )
-    ref = GPTChunk(cfg, seed=11, dtype=torch.float64)
-    model = GPTChunk(cfg, g, sequence_parallel=sp, seed=11, dtype=torch.float64)
+    ref = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64))
+    model = GPTChunk(cfg, LayerEnv(tp=g, sequence_parallel=sp, seed=11, dtype=torch.float64))
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1))
     tokens, labels = ids[:, :-1], ids[:, 1:]
@@ -190,8 +191,12 @@ def _recompute(rank, world):
         grads = {}
         for recompute in ("none", "selective", "full"):
             seed_replicated(5)
-            model = GPTChunk(cfg, g, sequence_parallel=sp, recompute=recompute, seed=3,
-                             dtype=torch.float64)  # fmt: skip
+            model = GPTChunk(
+                cfg,
+                LayerEnv(
+                    tp=g, sequence_parallel=sp, recompute=recompute, seed=3, dtype=torch.float64
+                ),
+            )
             for _ in range(2):  # the second pass starts from streams the first one advanced
                 model(ids[:, :-1], ids[:, 1:]).backward()
             grads[recompute] = {n: p.grad for n, p in model.named_parameters()}

@@ -87,13 +87,13 @@ def _config(zero: int, m: int, recompute: str = "none"):
 
 
 def _step(cfg, groups, name, part, microbatches):
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.optim.distributed_optimizer import build_optimizer
     from megalite.parallel.specs import spec_of
 
     pp = groups.pp
-    chunks = [GPTChunk(cfg.model, groups.tp, **kw, dtype=torch.float64,
-                       recompute=cfg.parallel.recompute)
+    chunks = [GPTChunk(cfg.model, LayerEnv(tp=groups.tp, dtype=torch.float64, recompute=cfg.parallel.recompute), **kw)
               for kw in part.rank_chunks(pp.rank)]  # fmt: skip
     opt = build_optimizer(chunks, groups, cfg)
     opt.zero_grad(len(microbatches))

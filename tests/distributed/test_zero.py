@@ -219,6 +219,7 @@ def test_tied_embedding_with_both_halves_on_one_rank():
     """gpt2 (tied) at pp=1 with two virtual chunks: the embedding (chunk 0) and its copy on the
     head (chunk 1) live on one rank; their gradients are summed locally and both take the
     same update, as the single chunk's one tensor does."""
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.pipeline.executor import run_schedule
     from megalite.pipeline.partition import rank_chunks
@@ -228,8 +229,10 @@ def test_tied_embedding_with_both_halves_on_one_rank():
     cfg = config(0, clip=0.05, mbs=2, gbs=4)
     cfg.model = _gpt_cfg("gpt2")
     groups, m = single_groups(), 2
-    whole = [GPTChunk(cfg.model, dtype=torch.float64)]
-    split = [GPTChunk(cfg.model, dtype=torch.float64, **kw) for kw in rank_chunks(4, 1, 2, 0)]
+    whole = [GPTChunk(cfg.model, LayerEnv(dtype=torch.float64))]
+    split = [
+        GPTChunk(cfg.model, LayerEnv(dtype=torch.float64), **kw) for kw in rank_chunks(4, 1, 2, 0)
+    ]
     params = []
     for chunks, name, vpp in ((whole, "1f1b", 1), (split, "interleaved", 2)):
         opt = build_optimizer(chunks, groups, cfg)
@@ -477,6 +480,7 @@ def test_mixed_precision_skips_and_state_formula():
 
 def _staged_real_model(rank, world):
     from megalite.config import ModelConfig
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
     from megalite.pipeline.executor import run_schedule
     from megalite.pipeline.schedules import get_schedule
@@ -484,7 +488,7 @@ def _staged_real_model(rank, world):
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
     m = ModelConfig(flavour="llama", num_layers=2, hidden_size=128, num_attention_heads=4,
                     seq_length=64, vocab_size=1024)  # fmt: skip
-    chunk = GPTChunk(m, seed=0)
+    chunk = GPTChunk(m, LayerEnv(seed=0))
     cfg = config(2, mbs=2, gbs=16, bucket_mb=0.25)
     cfg.model = m
     opt = build_optimizer([chunk], groups, cfg)

@@ -11,6 +11,7 @@ from megalite.kernels import fp8, fp8_linear
 
 from megalite import kernels
 from megalite.config import Config, ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel import comm
@@ -204,7 +205,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
     t.micro_batch_size, t.global_batch_size = 2, 4
     maker = fp8_linear.Fp8Maker(fp8.make_recipe(recipe, "hybrid", history_len=4))
     ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
-    chunks = [GPTChunk(cfg.model, groups.tp, seed=5, dtype=dtype, ops=ops)]
+    chunks = [GPTChunk(cfg.model, LayerEnv(tp=groups.tp, seed=5, dtype=dtype, ops=ops))]
     opt = build_optimizer(chunks, groups, cfg)
     losses, gathered = [], []
     for s in range(steps):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megalite.config import Config, ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.groups import build_groups, single_process_groups
@@ -37,9 +38,18 @@ MTP = dict(flavour="deepseek_v3", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_he
 @pytest.mark.parametrize("model_kw", [{"flavour": "llama"}, MTP], ids=["llama", "mtp2"])
 def test_weight_gradients_wait_for_w(model_kw):
     torch.manual_seed(0)
-    model = GPTChunk(ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
-                                 seq_length=S, vocab_size=V, **model_kw),
-                     has_embedding=False, dtype=torch.float64)  # fmt: skip
+    model = GPTChunk(
+        ModelConfig(
+            num_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            seq_length=S,
+            vocab_size=V,
+            **model_kw,
+        ),
+        LayerEnv(dtype=torch.float64),
+        has_embedding=False,
+    )
     x = torch.randn(2, S, 16, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (2, S))
     model(x, labels).backward()
@@ -72,7 +82,7 @@ def _batch(n: int):
 def _step(cfg, groups, name, vpp, microbatches):
     placement = SCHEDULES[name].placement
     pp = groups.pp
-    chunks = [GPTChunk(cfg.model, groups.tp, **kw, dtype=torch.float64)
+    chunks = [GPTChunk(cfg.model, LayerEnv(tp=groups.tp, dtype=torch.float64), **kw)
               for kw in rank_chunks(cfg.model.num_layers, pp.size, vpp, pp.rank, placement)]  # fmt: skip
     opt = build_optimizer(chunks, groups, cfg)
     opt.zero_grad(len(microbatches))

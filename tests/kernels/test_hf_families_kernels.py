@@ -20,6 +20,7 @@ from megalite.kernels.attention_blocks import (
 )
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from tests.kernels.helpers import ATOL, check_op, make
 
@@ -28,7 +29,7 @@ def _loss_and_grads(cfg, ops):
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
     labels = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
-    model = GPTChunk(cfg, ops=ops, seed=3)
+    model = GPTChunk(cfg, LayerEnv(ops=ops, seed=3))
     loss = model(ids, labels)
     loss.backward()
     return loss, {n: p.grad for n, p in model.named_parameters()}

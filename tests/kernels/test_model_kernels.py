@@ -7,6 +7,7 @@ import torch
 from megalite.kernels import select
 
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 
 
@@ -27,7 +28,7 @@ def test_triton_model_matches_torch(flavour):
     labels = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
     results = []
     for mode in ("torch", "triton"):
-        model = GPTChunk(cfg, ops=select(mode, "cpu"), seed=3)
+        model = GPTChunk(cfg, LayerEnv(ops=select(mode, "cpu"), seed=3))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no silent fallback to the torch ops
             loss = model(ids, labels)

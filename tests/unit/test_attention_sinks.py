@@ -16,6 +16,7 @@ from megalite.kernels.attention_sinks import sink_attention
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.generation import generate
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
 from megalite.parallel.sampling import Sampling
@@ -59,7 +60,7 @@ def tiny(**kw) -> ModelConfig:
 
 @pytest.mark.parametrize("window", [None, 4])
 def test_kv_cache_generation_picks_what_full_forwards_pick(window):
-    chunk = GPTChunk(tiny(sliding_window=window), seed=3, dtype=torch.float64).eval()
+    chunk = GPTChunk(tiny(sliding_window=window), LayerEnv(seed=3, dtype=torch.float64)).eval()
     with torch.no_grad():  # sinks away from 0 (its init is a small normal)
         for layer in chunk.layers.values():
             layer.attention.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(4))
@@ -90,14 +91,14 @@ def test_alternating_windows():
     """--window-attn-skip-freq 2: layers 0, 2 slide, 1, 3 see everything (gpt-oss)."""
     cfg = tiny(num_layers=4, sliding_window=3, window_attn_skip_freq=2)
     assert [cfg.window_of(i) for i in range(4)] == [3, None, 3, None]
-    chunk = GPTChunk(cfg, seed=3, dtype=torch.float64).eval()
+    chunk = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.float64)).eval()
     assert [chunk.layers[str(i)].attention.window for i in range(4)] == [{"window": 3}, {}] * 2
     x = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = chunk(x)
         for other in (tiny(num_layers=4, sliding_window=3), tiny(num_layers=4)):
             assert (
-                GPTChunk(other, seed=3, dtype=torch.float64).eval()(x) - ours
+                GPTChunk(other, LayerEnv(seed=3, dtype=torch.float64)).eval()(x) - ours
             ).abs().max() > 1e-6
     from megalite.checkpoint import hf
 

@@ -8,6 +8,7 @@ import torch
 from megalite.kernels import TORCH_OPS
 
 from megalite.errors import MegaliteError
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.groups import single_process_groups
@@ -34,7 +35,7 @@ def test_build_rank_is_the_hand_wiring():
     cfg.optimizer.zero_stage, cfg.training.kernels = 1, "torch"
     groups = single_process_groups()
     parts = build_rank(cfg, validate(cfg, 1), groups)
-    hand = GPTChunk(cfg.model, ops=TORCH_OPS, seed=cfg.training.seed)
+    hand = GPTChunk(cfg.model, LayerEnv(ops=TORCH_OPS, seed=cfg.training.seed))
     opt = build_optimizer([hand], groups, cfg)
     actions = get_schedule("1f1b", 1, 1, 4, 0)
     assert parts.actions == actions and parts.microbatches == 4

@@ -18,7 +18,8 @@ from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
-from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.model.env import LOCAL
+from megalite.model.gpt import GPTChunk
 from megalite.testing import perturbed
 
 transformers = pytest.importorskip("transformers")

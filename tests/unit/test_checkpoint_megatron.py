@@ -29,7 +29,8 @@ from megalite.checkpoint import megatron_args, megatron_files
 from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
-from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.model.env import LOCAL
+from megalite.model.gpt import GPTChunk
 from megalite.testing import perturbed
 
 pytest.importorskip("megatron.core")

@@ -7,6 +7,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
 from megalite.pipeline.split_backward import input_grad
@@ -97,7 +98,9 @@ def test_selective_recompute_breaks_at_the_core():
     context_fn cannot be traced): the graph breaks there only, and the gradients agree."""
     cfg = tiny_config()
     torch.manual_seed(0)
-    chunk = GPTChunk(cfg.model, recompute="selective", has_embedding=False, has_head=False)
+    chunk = GPTChunk(
+        cfg.model, LayerEnv(recompute="selective"), has_embedding=False, has_head=False
+    )
     x = torch.randn(2, cfg.model.seq_length, cfg.model.hidden_size, requires_grad=True)
     report = torch._dynamo.explain(chunk.layers["0"]._forward)(x)
     # the break unwinds through the frames that call the core (layer, attention): one each

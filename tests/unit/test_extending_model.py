@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megalite import kernels
 from megalite.config_read import from_dict
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model_config import FLAVOURS, ModelConfig, ModelFeatures
 from megalite.parallel.comm import Group
@@ -30,7 +31,7 @@ def small(flavour="llama", **kw):
 
 def train(cfg, ops=kernels.TORCH_OPS, steps=3):
     """Losses of `steps` AdamW steps on one batch (fp64) and the final parameters."""
-    model = GPTChunk(cfg, ops=ops, seed=7, dtype=torch.float64)
+    model = GPTChunk(cfg, LayerEnv(ops=ops, seed=7, dtype=torch.float64))
     ids = torch.randint(
         0, cfg.vocab_size, (3, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0)
     )
@@ -77,7 +78,7 @@ def test_a_linear_through_the_seam_trains_like_the_default(flavour):
 def test_the_router_and_the_shared_expert_go_through_the_seam():
     cfg = small(num_experts=4, moe_shared_expert_intermediate_size=16)
     linear = CountingLinear()
-    model = GPTChunk(cfg, ops=kernels.override(kernels.TORCH_OPS, linear=linear), seed=7)
+    model = GPTChunk(cfg, LayerEnv(ops=kernels.override(kernels.TORCH_OPS, linear=linear), seed=7))
     model(torch.zeros(1, cfg.seq_length, dtype=torch.long))
     # per layer: q/k/v, out, the router, the shared expert's gate/up and down; the head
     assert linear.calls == 5 * cfg.num_layers + 1
@@ -125,16 +126,16 @@ def test_a_new_flavour_is_a_row_of_features(monkeypatch):
     assert from_dict({"model": {"flavour": "qwen-style"}}).model.features is qwen  # --flavour
     cfg = small("qwen-style")
     assert cfg.ffn == small("llama").ffn and not cfg.tied
-    names = {n for n, _ in GPTChunk(cfg, seed=1).named_parameters()}
+    names = {n for n, _ in GPTChunk(cfg, LayerEnv(seed=1)).named_parameters()}
     assert {f"layers.0.attention.{x}.bias" for x in "qkv"} <= names
     assert not {"layers.0.attention.out.bias", "layers.0.mlp.up.bias"} & names
     assert "embedding.position.weight" not in names and "output.weight" in names
     assert not any(n.endswith("norm.bias") for n in names)
-    lay = GPTChunk(cfg, seed=1).layers["0"].attention
+    lay = GPTChunk(cfg, LayerEnv(seed=1)).layers["0"].attention
     assert lay.rope.cos.shape == (cfg.seq_length, cfg.head_dim // 2)
     gpt2_like = dataclasses.replace(qwen, norm="layernorm", position="learned", gated_mlp=False)
     monkeypatch.setitem(FLAVOURS, "qwen-style", gpt2_like)
-    names = {n for n, _ in GPTChunk(small("qwen-style"), seed=1).named_parameters()}
+    names = {n for n, _ in GPTChunk(small("qwen-style"), LayerEnv(seed=1)).named_parameters()}
     assert {"embedding.position.weight", "layers.0.input_norm.bias"} <= names
     assert "layers.0.mlp.gate.weight" not in names
 
@@ -145,7 +146,7 @@ def test_a_new_flavour_is_a_row_of_features(monkeypatch):
 def test_full_sequences_turns_off_every_layer_through_one_switch():
     tp = Group("tp", [0, 1], 0)  # built only: no collective runs
     cfg = small(num_experts=2, moe_layer_freq=2)
-    chunk = GPTChunk(cfg, tp, sequence_parallel=True, device="meta")
+    chunk = GPTChunk(cfg, LayerEnv(tp=tp, sequence_parallel=True, device="meta"))
     holders = [(m, a) for m in chunk.modules() for a in ("sp", "sequence_parallel")
                if a in vars(m)]  # fmt: skip
     assert len(holders) >= 15  # the embedding; per layer itself, attention, its linears, MLP
@@ -162,8 +163,8 @@ def test_full_sequences_turns_off_every_layer_through_one_switch():
 def _compiled_matches_eager(flavour, parts=None, recompute="none", **compile_kw):
     """`parts`: compile these submodules of each layer instead of the whole layer."""
     cfg = small(flavour, num_layers=1, hidden_dropout=0.0)
-    eager = GPTChunk(cfg, seed=1, dtype=torch.float64, recompute=recompute)
-    compiled = GPTChunk(cfg, seed=1, dtype=torch.float64, recompute=recompute)
+    eager = GPTChunk(cfg, LayerEnv(seed=1, dtype=torch.float64, recompute=recompute))
+    compiled = GPTChunk(cfg, LayerEnv(seed=1, dtype=torch.float64, recompute=recompute))
     for layer in compiled.layers.values():
         for part in [getattr(layer, p) for p in parts] if parts else [layer]:
             part.compile(**compile_kw)  # in place: parameter names stay logical

@@ -92,6 +92,7 @@ def test_latent_attention_and_mtp_against_the_flop_counter(q_lora_rank, moe):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
 
     nh, s, b, dqk, dv = 4, 16, 2, 10, 8
@@ -100,7 +101,7 @@ def test_latent_attention_and_mtp_against_the_flop_counter(q_lora_rank, moe):
                       kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=dv,
                       mtp_num_layers=2, **moe)  # fmt: skip
     assert cfg.padded_vocab_size(1) == cfg.vocab_size
-    model = GPTChunk(cfg, seed=0)
+    model = GPTChunk(cfg, LayerEnv(seed=0))
     x, y = torch.randint(256, (2, b, s), generator=torch.Generator().manual_seed(0))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(x, y)

@@ -188,13 +188,14 @@ def test_fp8_flags_reach_the_layers_and_the_first_last_stay_high():
 
     from megalite import kernels
     from megalite.config import ModelConfig
+    from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
 
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=64)
     for high, fp8_layers in ((False, {"0", "1", "2"}), (True, {"1"})):
         ops = kernels.override(kernels.TORCH_OPS, fp8_linear=Fp8Maker(make_recipe("delayed"),
                                                                       first_last_high=high))  # fmt: skip
-        m = GPTChunk(cfg, ops=ops)
+        m = GPTChunk(cfg, LayerEnv(ops=ops))
         assert m.ops.linear is torch.nn.functional.linear  # the output layer's
         got = {n.split(".")[1] for n, mod in m.named_modules()
                if getattr(getattr(mod, "ops", None), "linear", None) in fp8_linears([mod])}  # fmt: skip

@@ -23,7 +23,8 @@ from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
 from megalite.generation import generate
-from megalite.model.gpt import LOCAL, GPTChunk
+from megalite.model.env import LOCAL, LayerEnv
+from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
 from megalite.parallel.sampling import (
     Sampling,
@@ -62,7 +63,7 @@ def pair(request, tmp_path_factory):
     m.save_pretrained(d / "hf", safe_serialization=True)
     convert.main([str(d / "hf"), str(d / "ml"), "--to", "megalite"])
     ckpt = fmt.Checkpoint(d / "ml")
-    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model, dtype=torch.float64)
+    chunk = GPTChunk(from_dict({"model": ckpt.model_config}).model, LayerEnv(dtype=torch.float64))
     load_model([chunk], LOCAL, ckpt)
     return m.double(), chunk.eval(), d / "ml"
 

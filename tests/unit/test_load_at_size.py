@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint.checkpointer import resume_path
 from megalite.cli import generate as gen_tool
 from megalite.config_read import from_dict
 from megalite.generation import generate
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model_config import ModelConfig
 from megalite.parallel.groups import single_process_groups
@@ -33,7 +35,7 @@ def small(**kw):
 def saved(tmp_path):
     """(reference bf16 model, its checkpoint directory, the model config it holds)."""
     cfg = small()
-    ref = GPTChunk(cfg, seed=3, dtype=torch.bfloat16).eval()
+    ref = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.bfloat16)).eval()
     state = {spec_of(p).name: p.detach() for p in ref.parameters()}  # no vocabulary padding
     meta = {"config": {"model": dataclasses.asdict(cfg)}}
     fmt.write_full_checkpoint(tmp_path / "ml", state, meta)
@@ -80,7 +82,7 @@ def test_generation_loads_the_checkpoint_bytes_in_its_dtype_uninitialised(saved,
 
 
 def test_one_rotary_table_per_model():
-    chunk = GPTChunk(small(num_layers=4), seed=1)
+    chunk = GPTChunk(small(num_layers=4), LayerEnv(seed=1))
     (table,) = _cos_tables(chunk).values()  # not one per layer
     assert table.shape == (4096, 4)
 
@@ -91,9 +93,9 @@ def test_a_run_that_loads_a_checkpoint_builds_without_initialising(saved, monkey
     cfg.model = small()
     cfg.checkpoint.load = str(path)
     _never_initialised(monkeypatch)
-    (chunk,) = build_chunks(cfg, validate(cfg, 1), GROUPS)
+    (chunk,) = build_chunks(cfg, validate(cfg, 1), GROUPS, loading=resume_path(cfg) is not None)
     assert not any(p.is_meta for p in chunk.parameters())
     assert not any(b.is_meta for b in chunk.buffers())
     cfg.checkpoint.load = None  # from scratch: initialised as always
     with pytest.raises(AssertionError, match="was initialised"):
-        build_chunks(cfg, validate(cfg, 1), GROUPS)
+        build_chunks(cfg, validate(cfg, 1), GROUPS, loading=resume_path(cfg) is not None)

@@ -15,6 +15,7 @@ from megalite.checkpoint import hf
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
 from megalite.generation import KVCache
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model.mla import LatentAttention, softmax_scale
 from megalite.model.moe import expert_biases
@@ -178,7 +179,7 @@ def test_mtp_modules_are_stored_as_the_hubs_extra_layers(name, tmp_path):
     transformers loads the export without them and gives the model's logits."""
     cfg = dataclasses.replace(hf.model_config_from_hf(hf_deepseek(name).config.to_dict()),
                               mtp_num_layers=1)  # fmt: skip
-    model = GPTChunk(cfg, seed=4)
+    model = GPTChunk(cfg, LayerEnv(seed=4))
     state = {n: p.detach() for n, p in model.named_parameters()}
     state.update(expert_biases([model]))  # the whole logical state: the expert biases too
     out = hf.to_hf(state, cfg)
@@ -227,7 +228,7 @@ def test_recomputation_gives_the_same_gradients(recompute):
     cfg = hf.model_config_from_hf(hf_deepseek("q-lora-yarn").config.to_dict())
     grads = []
     for mode in ("none", recompute):
-        chunk = GPTChunk(cfg, recompute=mode, seed=2, dtype=torch.float64).train()
+        chunk = GPTChunk(cfg, LayerEnv(recompute=mode, seed=2, dtype=torch.float64)).train()
         chunk(IDS[:, :-1], IDS[:, 1:]).backward()
         grads.append({n: p.grad for n, p in chunk.named_parameters()})
     for name, g in grads[0].items():

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from megalite.checkpoint.hf import from_hf, hf_config, to_hf
 from megalite.config import ModelConfig
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +36,7 @@ def hf_model(cfg):
 def test_logits_equal_transformers(flavour):
     torch.manual_seed(0)
     cfg = small(flavour)
-    ours = GPTChunk(cfg, seed=3).eval()
+    ours = GPTChunk(cfg, LayerEnv(seed=3)).eval()
     theirs = hf_model(cfg)
     # our initialised weights into transformers' model
     missing, unexpected = theirs.load_state_dict(to_hf(ours.state_dict(), cfg), strict=False)
@@ -51,7 +52,7 @@ def test_logits_equal_transformers(flavour):
     assert (a - b).abs().max().item() <= 1e-5
     # and transformers' (randomly initialised) weights into ours: the mapping is a bijection
     theirs2 = hf_model(cfg)
-    ours2 = GPTChunk(cfg, seed=9).eval()
+    ours2 = GPTChunk(cfg, LayerEnv(seed=9)).eval()
     ours2.load_full_state(from_hf(theirs2.state_dict(), cfg))
     with torch.no_grad():
         assert (ours2(ids) - theirs2(ids).logits).abs().max().item() <= 1e-5
@@ -90,7 +91,7 @@ def test_nanogpt_flavour_is_nanogpts_model():
     """fp64, one process: loss and every gradient equal nanoGPT's model given the same weights;
     its parameters are GPT-2's without a single bias."""
     cfg = small("nanogpt", vocab_size=256)  # a multiple of 64: no padded rows
-    ours = GPTChunk(cfg, seed=4, dtype=torch.float64)
+    ours = GPTChunk(cfg, LayerEnv(seed=4, dtype=torch.float64))
     h, f, L, V, s = cfg.hidden_size, cfg.ffn, cfg.num_layers, cfg.vocab_size, cfg.seq_length
     assert not [n for n, _ in ours.named_parameters() if n.endswith("bias")]
     per_layer = 4 * h * h + 2 * h * f + 2 * h  # q, k, v, out; up, down; two norm weights
@@ -109,7 +110,7 @@ def test_nanogpt_flavour_is_nanogpts_model():
 def test_tiny_model_overfits_a_batch(flavour):
     torch.manual_seed(0)
     cfg = small(flavour, vocab_size=64)
-    model = GPTChunk(cfg, seed=1)
+    model = GPTChunk(cfg, LayerEnv(seed=1))
     ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
@@ -124,15 +125,17 @@ def test_tiny_model_overfits_a_batch(flavour):
 
 def test_init_depends_on_seed_and_name_only():
     cfg = small("llama")
-    a = GPTChunk(cfg, seed=5).state_dict()
+    a = GPTChunk(cfg, LayerEnv(seed=5)).state_dict()
     b = GPTChunk(
-        cfg, layers=[1], has_embedding=False, seed=5
+        cfg, LayerEnv(seed=5), layers=[1], has_embedding=False
     ).state_dict()  # a later pipeline stage
     assert torch.equal(a["layers.1.mlp.up.weight"], b["layers.1.mlp.up.weight"])
     assert torch.equal(a["output.weight"], b["output.weight"])
     assert not torch.equal(a["layers.0.mlp.up.weight"], a["layers.1.mlp.up.weight"])
-    c = GPTChunk(cfg, seed=6).state_dict()
+    c = GPTChunk(cfg, LayerEnv(seed=6)).state_dict()
     assert not torch.equal(a["layers.1.mlp.up.weight"], c["layers.1.mlp.up.weight"])
-    padded = GPTChunk(small("llama", make_vocab_size_divisible_by=128), seed=5).state_dict()
+    padded = GPTChunk(
+        small("llama", make_vocab_size_divisible_by=128), LayerEnv(seed=5)
+    ).state_dict()
     assert torch.equal(padded["embedding.word.weight"][:250], a["embedding.word.weight"][:250])
     assert padded["embedding.word.weight"][250:].abs().sum() == 0

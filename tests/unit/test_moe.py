@@ -14,9 +14,11 @@ from megalite.kernels.grouped_gemm import grouped_mm
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.model.moe import MoELayer, aux_loss_scale, moe_metrics, update_expert_bias
 from megalite.parallel.comm import Group
+from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.specs import name_parameters
 from megalite.plan import layouts, memory, traffic
 from megalite.plan.layouts import layout
@@ -31,7 +33,7 @@ def moe(flavour="llama", ops=TORCH_OPS, dtype=torch.float64, **kw) -> MoELayer:
     m = ModelConfig(flavour=flavour, hidden_size=H, num_attention_heads=4, seq_length=S,
                     num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=F_,
                     moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, **kw)  # fmt: skip
-    layer = MoELayer(m, ONE, Group("ep", [0], 0), ops, False, dtype=dtype)
+    layer = MoELayer(m, LayerEnv(tp=ONE, ops=ops, dtype=dtype))
     name_parameters(layer)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -141,7 +143,7 @@ def test_expert_bias_moves_towards_balance():
     m = ModelConfig(flavour="llama", num_layers=2, hidden_size=H, num_attention_heads=4,
                     seq_length=S, vocab_size=64, num_experts=E, moe_router_topk=K,
                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)  # fmt: skip
-    chunk = GPTChunk(m, dtype=torch.float64)
+    chunk = GPTChunk(m, LayerEnv(dtype=torch.float64))
     chunk(torch.randint(0, 64, (B, S)), torch.randint(0, 64, (B, S))).backward()
     layer = chunk.layers["0"].mlp
     load = layer.step_load.clone()
@@ -198,7 +200,10 @@ def test_planner_counts_experts_and_all_to_all():
     t = cfg.training
     t.micro_batch_size, t.global_batch_size = 2, 8
     lay = layout(cfg, dp=2, zero=1)
-    chunk = GPTChunk(cfg.model, device=torch.device("meta"), ep=Group("ep", [0, 1], 0))
+    chunk = GPTChunk(
+        cfg.model,
+        LayerEnv(device=torch.device("meta"), experts=ExpertGroups(Group("ep", [0, 1], 0))),
+    )
     experts = sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n)
     assert experts == 2 * (2 * 3 * 24 * 32)  # per layer 2 local experts of 3 (24 x 32) matrices
     mem = memory.state_memory(cfg, lay, 0)

@@ -11,11 +11,11 @@ import dataclasses
 
 import pytest
 import torch
-from megalite.kernels import TORCH_OPS
 
 from megalite.checkpoint import hf_config, hf_moe
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
+from megalite.model.env import LayerEnv
 from megalite.model.layers import MLP
 from megalite.model.moe import MoELayer
 from megalite.model.routing import Routing
@@ -38,8 +38,8 @@ def randomise(module, std=0.3, seed=0):
 def ours(m: ModelConfig, shared: int | None = None) -> MoELayer:
     mlp = None
     if shared:
-        mlp = MLP(dataclasses.replace(m, ffn_hidden_size=shared), ONE, TORCH_OPS, False)
-    return MoELayer(m, ONE, Group("ep", [0], 0), TORCH_OPS, False, mlp).eval()
+        mlp = MLP(dataclasses.replace(m, ffn_hidden_size=shared), LayerEnv())
+    return MoELayer(m, LayerEnv(), mlp).eval()
 
 
 def x_of(scale=1.0, seed=1):

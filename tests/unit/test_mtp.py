@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.shape import validate
 
@@ -33,7 +34,7 @@ def _rms(x, w, eps):
 
 
 def test_the_loss_adds_the_scaled_mean_of_each_depths_prediction():
-    chunk = GPTChunk(CFG, seed=3, dtype=torch.float64)
+    chunk = GPTChunk(CFG, LayerEnv(seed=3, dtype=torch.float64))
     eps, V = CFG.norm_epsilon, CFG.vocab_size
     with torch.no_grad():
         h = chunk.embed(TOKENS)
@@ -53,7 +54,9 @@ def test_the_loss_adds_the_scaled_mean_of_each_depths_prediction():
             h = F.pad(h, (0, 0, 0, k))  # back to s positions for the next depth (those unused)
         expected = main + 0.3 * sum(losses) / 2
         assert abs(chunk(TOKENS, LABELS).item() - expected.item()) <= 1e-12
-        off = GPTChunk(dataclasses.replace(CFG, mtp_num_layers=0), seed=3, dtype=torch.float64)
+        off = GPTChunk(
+            dataclasses.replace(CFG, mtp_num_layers=0), LayerEnv(seed=3, dtype=torch.float64)
+        )
         assert abs(off(TOKENS, LABELS).item() - main.item()) <= 1e-12
         assert abs(expected.item() - main.item()) > 1e-3  # the modules' losses count
 
@@ -61,9 +64,9 @@ def test_the_loss_adds_the_scaled_mean_of_each_depths_prediction():
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_pipeline_cut_gives_one_chunks_loss_and_gradients(tied):
     cfg = dataclasses.replace(CFG, untie_embeddings_and_output_weights=not tied)
-    whole = GPTChunk(cfg, seed=3, dtype=torch.float64)
-    first = GPTChunk(cfg, layers=[0], has_head=False, seed=3, dtype=torch.float64)
-    last = GPTChunk(cfg, layers=[1], has_embedding=False, seed=3, dtype=torch.float64)
+    whole = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.float64))
+    first = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.float64), layers=[0], has_head=False)
+    last = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.float64), layers=[1], has_embedding=False)
     expected = whole(TOKENS, LABELS)
     expected.backward()
     loss = last(first(TOKENS), LABELS)
@@ -110,7 +113,7 @@ def test_the_planner_lists_the_mtp_parameters_in_the_models_order(tp, sp):
     m = dataclasses.replace(CFG, num_layers=4)
     group = Group("tp", list(range(tp)), tp - 1)
     for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
-        chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
+        chunk = GPTChunk(m, LayerEnv(tp=group, sequence_parallel=sp), **kw)
         real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
         assert memory.chunk_params(m, tp, **kw, sp=sp) == real

@@ -6,6 +6,7 @@ import torch
 from megalite.kernels import fp8, fp8_linear
 
 from megalite import kernels
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.pipeline.partition import rank_chunks
 from megalite.plan import activations
@@ -107,7 +108,7 @@ def test_fp8_activations_match_saved_tensors(recipe):
         cfg.training.fp8_format, cfg.training.fp8_recipe = ("hybrid" if on else None), recipe
         if on:
             ops = kernels.override(ops, fp8_linear=fp8_linear.Fp8Maker(fp8.make_recipe(recipe)))
-        measured.append(saved_bytes(GPTChunk(cfg.model, ops=ops, **kw), x, labels))
+        measured.append(saved_bytes(GPTChunk(cfg.model, LayerEnv(ops=ops), **kw), x, labels))
         estimate.append(activations.chunk_activations(cfg, layout(cfg), kw)[0])
     change, planned = measured[1] - measured[0], estimate[1] - estimate[0]
     assert planned == change, (measured, estimate)

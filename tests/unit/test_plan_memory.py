@@ -5,6 +5,7 @@ layouts: tests/distributed/test_ledger.py)."""
 import pytest
 import torch
 
+from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.optim.distributed_optimizer import build_optimizer
 from megalite.parallel.comm import Group
@@ -24,7 +25,7 @@ def test_parameters_are_gpt_chunks(flavour, tp, sp):
     m = tiny(flavour, layers=4, num_query_groups=2 if flavour == "llama" else None).model
     group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
     for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
-        chunk = GPTChunk(m, group, sequence_parallel=sp, **kw)
+        chunk = GPTChunk(m, LayerEnv(tp=group, sequence_parallel=sp), **kw)
         real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
         assert memory.chunk_params(m, tp, **kw, sp=sp) == real
@@ -37,7 +38,9 @@ def test_buffers_one_process(precision):
     cfg = tiny("gpt2", layers=3)
     cfg.training.precision, cfg.optimizer.bucket_size_mb = precision, 0.05
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    opt = build_optimizer([GPTChunk(cfg.model, dtype=dtype)], single_process_groups(), cfg)
+    opt = build_optimizer(
+        [GPTChunk(cfg.model, LayerEnv(dtype=dtype))], single_process_groups(), cfg
+    )
     mem = memory.state_memory(cfg, layout(cfg), 0)
     buf = opt.buffer
     assert len(buf.buckets) == len(memory.buckets(cfg, layout(cfg), 0)) > 2
@@ -61,7 +64,9 @@ def test_zero3_fp8_buckets_are_the_buffers(first_last):
     t.fp8_format, t.fp8_param_gather, t.fp8_first_last_layers_bf16 = "hybrid", True, first_last
     cfg.optimizer.zero_stage = 3
     maker = fp8_linear.Fp8Maker(fp8.make_recipe("tensorwise"), first_last_high=first_last)
-    chunks = [GPTChunk(cfg.model, ops=kernels.override(kernels.TORCH_OPS, fp8_linear=maker))]
+    chunks = [
+        GPTChunk(cfg.model, LayerEnv(ops=kernels.override(kernels.TORCH_OPS, fp8_linear=maker)))
+    ]
     opt = build_optimizer(chunks, single_process_groups(), cfg)
     lay = layout(cfg, zero=3)
     assert [e - s for s, e, _ in memory.buckets(cfg, lay, 0)] == [
