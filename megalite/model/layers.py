@@ -85,7 +85,7 @@ class Attention(nn.Module):
         (default: a table of this layer's own)."""
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.sp, self.ops, self.rng = tp, env.seq_parallel, ops, env.rng
+        self.tp, self.seq_parallel, self.ops, self.rng = tp, env.seq_parallel, ops, env.rng
         self.cp, self.cp_comm_type = env.cp, env.cp_attention
         self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.heads_kv, cfg.head_dim
@@ -97,13 +97,13 @@ class Attention(nn.Module):
         self.rotary = cfg.features.rotary
         # sliding window: passed to the attention ops only when set (a custom op need not know it)
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        col = {"group": tp, "bias": cfg.features.qkv_bias, "sequence_parallel": self.sp,
+        col = {"group": tp, "bias": cfg.features.qkv_bias, "sequence_parallel": self.seq_parallel,
                "enter": False, **kw, "ops": ops}  # fmt: skip
         self.q = ColumnParallelLinear(h, nh * hd, **col)
         self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.out = RowParallelLinear(nh * hd, h, tp, bias=cfg.features.linear_bias,
-                                     sequence_parallel=self.sp, **kw, ops=ops)  # fmt: skip
+                                     sequence_parallel=self.seq_parallel, **kw, ops=ops)  # fmt: skip
         if cfg.features.qk_norm:
             self.q_norm = HeadNorm(cfg, env)
             self.k_norm = HeadNorm(cfg, env)
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         """Training (and evaluation) over whole sequences. `shard` (context_parallel.Shard):
         the positions and documents of this rank's tokens when they are not simply 0..s-1 of
         one document (context parallelism, packed samples)."""
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h); s/cp tokens with cp
+        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h); s/cp tokens with cp
         b, s, _ = x.shape
         q, k, v = self._heads(x, fused=True)
         if self.rotary and shard is not None:  # true (or in-document) positions
@@ -188,7 +188,7 @@ class Attention(nn.Module):
     def decode(self, x, kv):
         """Generation: x's new tokens attend to themselves and to what `kv`
         (generation.LayerKV, or CPKVCache split over cp) holds, which they join."""
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h)
         b, s, _ = x.shape
         q, k, v = self._heads(x, fused=False)
         if self.rotary:
@@ -214,20 +214,20 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, env: LayerEnv):
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.sp, self.ops = tp, env.seq_parallel, ops
+        self.tp, self.seq_parallel, self.ops = tp, env.seq_parallel, ops
         self.gated = cfg.features.gated_mlp
         self.gelu_kw = cfg.features.gelu_kwargs  # {} (tanh) or approximate="none" (exact)
         h, f, bias = cfg.hidden_size, cfg.ffn, cfg.features.linear_bias
-        col = {"group": tp, "bias": bias, "sequence_parallel": self.sp, "enter": False, **kw,
+        col = {"group": tp, "bias": bias, "sequence_parallel": self.seq_parallel, "enter": False, **kw,
                "ops": ops}  # fmt: skip
         if self.gated:
             self.gate = ColumnParallelLinear(h, f, **col)
         self.up = ColumnParallelLinear(h, f, **col)
-        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.sp, **kw,
+        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.seq_parallel, **kw,
                                       ops=ops)  # fmt: skip
 
     def forward(self, x, fused=True):
-        x = enter_tp_region(x, self.tp, self.sp)  # (b, s, h)
+        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h)
         if self.gated:
             gate_up = (self.gate, self.up)
             gate_up = fused_column_linear(x, gate_up) if fused else [f(x) for f in gate_up]
@@ -242,7 +242,7 @@ class TransformerLayer(nn.Module):
         """`moe`: the layer holds experts (over `env.experts`) instead of an MLP. `rope`: the
         chunk's RotaryTables."""
         super().__init__()
-        self.sp, self.rng, self.dropout, self.recompute = (
+        self.seq_parallel, self.rng, self.dropout, self.recompute = (
             env.seq_parallel,
             env.rng,
             cfg.hidden_dropout,
@@ -262,7 +262,7 @@ class TransformerLayer(nn.Module):
     def _drop(self, x):
         if not self.training or self.dropout == 0:
             return x
-        if self.sp:  # rows sharded over TP: different masks per rank
+        if self.seq_parallel:  # rows sharded over TP: different masks per rank
             with self.rng.fork():
                 return F.dropout(x, self.dropout)
         return F.dropout(x, self.dropout)

@@ -48,9 +48,9 @@ def test_each_chunk_has_its_own_switch_and_stream_its_layers_share():
     a, b = GPTChunk(CFG, env), GPTChunk(CFG, env)
     assert a.seq_parallel is not b.seq_parallel and a.rng is not b.rng
     for layer in a.layers.values():
-        assert layer.sp is a.seq_parallel and layer.rng is a.rng
+        assert layer.seq_parallel is a.seq_parallel and layer.rng is a.rng
     with a.full_sequences():
-        assert not a.layers["0"].sp and b.layers["0"].sp
+        assert not a.layers["0"].seq_parallel and b.layers["0"].seq_parallel
 
 
 def test_a_chunk_from_the_default_env_equals_one_built_with_it_spelt_out():
