@@ -1,8 +1,11 @@
 """The bad-input matrix: each case ends with one line naming the problem, exit status 2, no traceback.
 
-docs/errors.md lists the same cases. Cases that need files get them from `make_case`.
+docs/errors.md lists the same cases. Each case runs pretrain_gpt.py's entry point in a process
+of its own, forked from one that imported megalite once (`DRIVER`): 31 interpreters importing
+torch cost more than the cases themselves.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -83,22 +86,62 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gives_one_line(case, tiny_data, tmp_path):
-    name, world, flags, expected = case
+# Runs each case given as JSON [[argv, world, out], ...] on stdin in a forked child (its stdout
+# to the file out + ".1", its stderr to out + ".2") and prints [exit status, ...].
+DRIVER = """
+import json, os, sys
+from megalite.cli.train import cli
+codes = []
+for argv, world, out in json.load(sys.stdin):
+    pid = os.fork()
+    if pid == 0:
+        for stream in (1, 2):
+            os.dup2(os.open(f"{out}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
+        os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+        sys.argv = ["pretrain_gpt.py", *argv]
+        code = 0
+        try:
+            cli()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes))
+"""
+
+
+@pytest.fixture(scope="module")
+def outcomes(tiny_data, tmp_path_factory):
+    """{case id: (exit status, stdout, stderr)} of every case, each run as pretrain_gpt.py
+    would."""
     prefix, model = tiny_data
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}
-    argv = [
-        sys.executable,
-        "pretrain_gpt.py",
-        *TINY,
-        *flags(tmp_path, prefix, model),
-        "--train-iters",
-        "1",
-    ]
-    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr + r.stdout
+    jobs = []
+    for name, world, flags, _ in CASES:
+        tmp = tmp_path_factory.mktemp(name)
+        argv = [*TINY, *flags(tmp, prefix, model), "--train-iters", "1"]
+        jobs.append([argv, world, str(tmp / "out")])
+    r = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, input=json.dumps(jobs),
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    codes = json.loads(r.stdout.splitlines()[-1])
+    out = {}
+    for case, (_, _, path), code in zip(CASES, jobs, codes):
+        out[case[0]] = (code, open(f"{path}.1").read(), open(f"{path}.2").read())
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_line(case, outcomes):
+    name, _, _, expected = case
+    code, stdout, stderr = outcomes[name]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, (code, stderr[-2000:])
+    assert "Traceback" not in stdout + stderr
     assert len(lines) == 1 and lines[0].startswith("megalite: error: "), lines
     assert expected in lines[0], lines[0]
