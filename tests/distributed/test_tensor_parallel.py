@@ -244,8 +244,8 @@ def _saved_at(g, cfg, b, world):
     plain = override(TORCH_OPS, linear=lambda x, w, b=None: F.linear(x, w, b))
     out = {}
     for name, ops in (("fused", TORCH_OPS), ("before", plain)):
-        model = GPTChunk(cfg, g, layers=range(1), has_embedding=False, has_head=False,
-                         sequence_parallel=True, ops=ops, seed=3, dtype=torch.float64)  # fmt: skip
+        env = LayerEnv(tp=g, sequence_parallel=True, ops=ops, seed=3, dtype=torch.float64)
+        model = GPTChunk(cfg, env, layers=range(1), has_embedding=False, has_head=False)
         kept = saved_bytes(model, mine, None)
         g.ledger.bytes.clear()
         mine.grad = None
