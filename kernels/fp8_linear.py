@@ -115,6 +115,12 @@ class Fp8Linear:
         return {k: s for k, s in self.state.items() if isinstance(s, AmaxHistory)}
 
 
+def covers(layer: int, num_layers: int, first_last_high: bool) -> bool:
+    """Whether transformer layer `layer` (of `num_layers`) runs its linears in FP8 when FP8 is
+    on: all but the first and last with --fp8-first-last-layers-bf16 (`first_last_high`)."""
+    return not (first_last_high and layer in (0, num_layers - 1))
+
+
 class Fp8Maker:
     """What `ops.fp8_linear` holds: builds each FP8-eligible layer's own `Fp8Linear` from the
     groups that shard its weight's dims (`shards`) and the layer's collective
@@ -129,7 +135,7 @@ class Fp8Maker:
 
     def covers(self, layer: int, num_layers: int) -> bool:
         """Whether transformer layer `layer` (of `num_layers`) runs its linears in FP8."""
-        return not (self.first_last_high and layer in (0, num_layers - 1))
+        return covers(layer, num_layers, self.first_last_high)
 
     def __call__(self, shards: dict, reduce_max=None) -> Fp8Linear | None:
         """The layer's FP8 linear; None without a recipe (NO_FP8): it keeps `ops.linear`."""

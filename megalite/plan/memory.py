@@ -123,11 +123,12 @@ def fused_blocks(m: ModelConfig, moe: bool = False) -> int:
 
 
 def fp8_layer(cfg: Config, m: ModelConfig, i: int) -> bool:
-    """Whether transformer layer i runs its linears in FP8 (kernels/fp8_linear.Fp8Maker.covers):
+    """Whether transformer layer i runs its linears in FP8 (kernels/fp8_linear.py `covers`):
     FP8 on, and not the first or last layer under --fp8-first-last-layers-bf16."""
+    from megalite.kernels.fp8_linear import covers
+
     t = cfg.training
-    high = t.fp8_first_last_layers_bf16 and i in (0, m.num_layers - 1)
-    return t.fp8_format is not None and not high
+    return t.fp8_format is not None and covers(i, m.num_layers, t.fp8_first_last_layers_bf16)
 
 
 def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
