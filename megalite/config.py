@@ -82,6 +82,12 @@ class ParallelConfig:
     sequence_parallel: bool = opt(
         False, "shard norm/dropout activations along the sequence over TP"
     )
+    tp_comm_overlap: bool = opt(
+        False,
+        "with --sequence-parallel: the q/k/v and gate/up matmuls run chunk by chunk behind their "
+        "input's all-gather, the row-parallel ones ahead of their output's reduce-scatter "
+        "(tp chunks along the sequence; docs/architecture.md)",
+    )
     ep: int = opt(
         1,
         "expert-parallel size: experts split over ep ranks of tp*dp (it divides tp*dp, not the "
