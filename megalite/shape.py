@@ -428,6 +428,16 @@ def validate(cfg: Config, world_size: int) -> RunShape:
         # Documented choice: sequence parallelism is a TP feature; at tp=1 it is ignored.
         print("megalite: warning: --sequence-parallel has no effect at tp=1; ignored",
               file=sys.stderr)  # fmt: skip
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        raise MegaliteError(
+            "--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters "
+            "with the matmuls: add --sequence-parallel"
+        )
+    if p.tp_comm_overlap and cfg.training.fp8_format is not None:
+        raise MegaliteError(
+            "--tp-comm-overlap runs the bf16/fp32 matmuls in pieces; FP8's linears gather their "
+            "own quantised input: drop one of --tp-comm-overlap and --fp8-format"
+        )
     if shape.vpp != p.vpp and int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(f"megalite: vpp={shape.vpp} inferred: the {shape.schedule} schedule runs "
               f"{shape.vpp} chunks per rank", file=sys.stderr)  # fmt: skip

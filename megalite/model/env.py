@@ -31,6 +31,7 @@ _STATE_INPUTS = {"tp", "sequence_parallel", "cp", "seed", "device"}  # the switc
 class LayerEnv:
     tp: Group = field(default_factory=lambda: LOCAL)
     sequence_parallel: bool = False  # asked for; in effect with tp > 1 only (`seq_parallel`)
+    tp_comm_overlap: bool = False  # with sequence parallelism: collectives cut behind matmuls
     ops: object = field(default_factory=lambda: TORCH_OPS)  # the kernels (megalite.kernels)
     cp: Group | None = None  # context parallelism: this rank holds s/cp tokens of each sequence
     cp_comm_type: str = "p2p"  # the attention's exchange over cp: "p2p" (ring) or "a2a"

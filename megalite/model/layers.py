@@ -98,12 +98,13 @@ class Attention(nn.Module):
         # sliding window: passed to the attention ops only when set (a custom op need not know it)
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
         col = {"group": tp, "bias": cfg.features.qkv_bias, "sequence_parallel": self.seq_parallel,
-               "enter": False, **kw, "ops": ops}  # fmt: skip
+               "enter": False, **kw, "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
         self.q = ColumnParallelLinear(h, nh * hd, **col)
         self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.out = RowParallelLinear(nh * hd, h, tp, bias=cfg.features.linear_bias,
-                                     sequence_parallel=self.seq_parallel, **kw, ops=ops)  # fmt: skip
+                                     sequence_parallel=self.seq_parallel, **kw, ops=ops,
+                                     overlap=env.tp_comm_overlap)  # fmt: skip
         if cfg.features.qk_norm:
             self.q_norm = HeadNorm(cfg, env)
             self.k_norm = HeadNorm(cfg, env)
@@ -151,11 +152,11 @@ class Attention(nn.Module):
         return qk.split([q.shape[2], k.shape[2]], 2)
 
     def _heads(self, x, fused: bool):
-        """q, k, v (b, s, heads, hd) of x (b, s, h): this rank's heads (its query group's k/v
-        when every rank keeps them all), normed with qk-norm. `fused`: one matmul and one saved
-        input for backward (training); decoding skips the weight copy."""
-        qkv = (self.q, self.k, self.v)
-        qkv = fused_column_linear(x, qkv) if fused else [f(x) for f in qkv]
+        """q, k, v (b, s, heads, hd) of the layer's input x ((b, s/t, h) with sequence
+        parallelism): this rank's heads (its query group's k/v when every rank keeps them all),
+        normed with qk-norm. `fused`: one matmul and one saved input for backward (training);
+        decoding skips the weight copy."""
+        qkv = fused_column_linear(x, (self.q, self.k, self.v), fused)
         q, k, v = (t.unflatten(-1, (-1, self.cfg.head_dim)) for t in qkv)
         if self.kv_group is not None:
             k = k[:, :, self.kv_group : self.kv_group + 1]
@@ -168,9 +169,8 @@ class Attention(nn.Module):
         """Training (and evaluation) over whole sequences. `shard` (context_parallel.Shard):
         the positions and documents of this rank's tokens when they are not simply 0..s-1 of
         one document (context parallelism, packed samples)."""
-        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h); s/cp tokens with cp
-        b, s, _ = x.shape
-        q, k, v = self._heads(x, fused=True)
+        q, k, v = self._heads(x, fused=True)  # (b, s, heads, hd); s/cp tokens with cp
+        b, s = q.shape[:2]
         if self.rotary and shard is not None:  # true (or in-document) positions
             q, k = self._rotate_at(q, k, shard.positions, self.cfg.seq_length)
         elif self.rotary:
@@ -188,9 +188,8 @@ class Attention(nn.Module):
     def decode(self, x, kv):
         """Generation: x's new tokens attend to themselves and to what `kv`
         (generation.LayerKV, or CPKVCache split over cp) holds, which they join."""
-        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h)
-        b, s, _ = x.shape
         q, k, v = self._heads(x, fused=False)
+        b, s = q.shape[:2]
         if self.rotary:
             q, k = self._rotate_at(q, k, kv.positions, kv.span)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
@@ -219,20 +218,18 @@ class MLP(nn.Module):
         self.gelu_kw = cfg.features.gelu_kwargs  # {} (tanh) or approximate="none" (exact)
         h, f, bias = cfg.hidden_size, cfg.ffn, cfg.features.linear_bias
         col = {"group": tp, "bias": bias, "sequence_parallel": self.seq_parallel, "enter": False, **kw,
-               "ops": ops}  # fmt: skip
+               "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
         if self.gated:
             self.gate = ColumnParallelLinear(h, f, **col)
         self.up = ColumnParallelLinear(h, f, **col)
         self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.seq_parallel, **kw,
-                                      ops=ops)  # fmt: skip
+                                      ops=ops, overlap=env.tp_comm_overlap)  # fmt: skip
 
     def forward(self, x, fused=True):
-        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h)
         if self.gated:
-            gate_up = (self.gate, self.up)
-            gate_up = fused_column_linear(x, gate_up) if fused else [f(x) for f in gate_up]
-            y = self.ops.swiglu(*gate_up)  # (b, s, f/t)
+            y = self.ops.swiglu(*fused_column_linear(x, (self.gate, self.up), fused))  # (b, s, f/t)
         else:
+            x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h)
             y = self.ops.gelu(self.up(x), **self.gelu_kw)
         return self.down(y)
 

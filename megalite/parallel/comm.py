@@ -224,7 +224,7 @@ class _AlongDim(torch.autograd.Function):
 # torch.compile (--compile, megalite/training/compile.py): a collective ends the graph; dynamo
 # runs it eagerly (the ledger, host timing and torch.distributed call) and resumes after it.
 # A group of one never reaches these, so it breaks nothing.
-def _graph_break(apply):
+def graph_break(apply):
     """`apply`, and under torch.compile `apply` behind torch.compiler.disable, made at its first
     compiled call (torch._disable_dynamo, as torch.optim uses it): importing torch._dynamo costs
     each process about a second, which a run without --compile never needs. (`run`: the lazy
@@ -241,9 +241,9 @@ def _graph_break(apply):
     return call
 
 
-_copy_to_group = _graph_break(_CopyToGroup.apply)
-_reduce_from_group = _graph_break(_ReduceFromGroup.apply)
-_along_dim = _graph_break(_AlongDim.apply)
+_copy_to_group = graph_break(_CopyToGroup.apply)
+_reduce_from_group = graph_break(_ReduceFromGroup.apply)
+_along_dim = graph_break(_AlongDim.apply)
 
 
 def copy_to_group(x, group: Group):
@@ -303,7 +303,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, ctx.in_sizes, ctx.out_sizes), None, None, None
 
 
-_all_to_all_apply = _graph_break(_AllToAll.apply)  # as above
+_all_to_all_apply = graph_break(_AllToAll.apply)  # as above
 
 
 def all_to_all(x, group: Group, out_sizes: list[int], in_sizes: list[int]):

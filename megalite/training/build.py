@@ -114,6 +114,7 @@ def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     env = LayerEnv(
         tp=groups.tp,  # tensor parallelism
         sequence_parallel=shape.sequence_parallel,  # sequence parallelism (tp > 1)
+        tp_comm_overlap=cfg.parallel.tp_comm_overlap,  # its collectives behind the matmuls
         cp=groups.cp,  # context parallelism, its attention exchange
         cp_comm_type=cfg.parallel.cp_comm_type,
         cp_levels=groups.cp_levels,

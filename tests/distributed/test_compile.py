@@ -31,7 +31,7 @@ def _layouts():
     moe = cfg(ep=2)
     m = moe.model
     m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 32
-    return {"tp2-sp": cfg(tp=2, sequence_parallel=True), "cp2": cfg(cp=2),
+    return {"tp2-sp-overlap": cfg(tp=2, sequence_parallel=True, tp_comm_overlap=True), "cp2": cfg(cp=2),
             "dp2-zero3": cfg(zero_stage=3), "moe-ep2": moe}  # fmt: skip
 
 

@@ -175,6 +175,61 @@ def test_model_matches_one_process(world, sp):
     assert all(spawn(_models, world, sp))  # one spawn for every case: processes cost seconds
 
 
+# ---- --tp-comm-overlap: the same computation in pieces -------------------------------------
+
+
+def _overlap(rank, world):
+    """Two llama layers (fused q/k/v and gate/up, row-parallel out and down) at tp=world with
+    sequence parallelism, fp64, b = 2: with --tp-comm-overlap (world pieces per collective)
+    the outputs and every gradient equal the one-piece run's and one process's, its TP bytes
+    are the same and its collectives `world` times as many, but for the fused blocks'
+    backward re-gather and reduce-scatter, which stay whole; and zero-bubble's split backward (I, then W) gives the same gradients."""
+    from megalite.pipeline.split_backward import input_grad
+
+    g = tp_group(world)
+    cfg = ModelConfig(flavour="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
+                      num_query_groups=2, ffn_hidden_size=48, seq_length=16, vocab_size=64)  # fmt: skip
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    kw = {"layers": range(2), "has_embedding": False, "has_head": False}
+    ref = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.float64), **kw)
+    xr = x.clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    runs = {}
+    for overlap in (False, True):
+        env = LayerEnv(tp=g, sequence_parallel=True, tp_comm_overlap=overlap, seed=3,
+                       dtype=torch.float64)  # fmt: skip
+        model = GPTChunk(cfg, env, **kw)
+        mine = shard(x, 1, g).detach().requires_grad_()
+        g.ledger.reset()
+        y = model(mine)
+        y.square().sum().backward()
+        close(y, shard(ref(x), 1, g), f"output overlap={overlap}")
+        close(mine.grad, shard(xr.grad, 1, g), f"input grad overlap={overlap}")
+        grads = [p.grad.clone() for p in model.parameters()]
+        runs[overlap] = grads, g.ledger.bytes["tp"], g.ledger.calls["tp"]
+        for p in model.parameters():  # zero-bubble: the input's gradient, then the weights'
+            p.grad = None
+        mine.grad = None
+        y = model(mine)
+        weights = input_grad(y, 2 * y, mine, list(model.parameters()))
+        close(mine.grad, shard(xr.grad, 1, g), f"split I overlap={overlap}")
+        weights()
+        for a, p in zip(grads, model.parameters()):
+            close(p.grad, a, f"split W overlap={overlap}")
+    (grads0, bytes0, calls0), (grads1, bytes1, calls1) = runs[False], runs[True]
+    for a, c in zip(grads0, grads1):
+        close(a, c, "grads overlap against one piece", tol=1e-12)
+    # per layer: forward 2 gathers + 2 scatters, backward 2 gathers (in pieces) and the fused
+    # blocks' 2 re-gathers + 2 scatters (whole)
+    assert bytes1 == bytes0 and (calls0, calls1) == (2 * 10, 2 * (6 * world + 4)), (calls0, calls1)
+    return True
+
+
+@pytest.mark.parametrize("world", [2])
+def test_tp_comm_overlap_is_the_same_computation(world):
+    assert all(spawn(_overlap, world))
+
+
 # ---- recomputation replays the dropout masks ------------------------------------------------
 
 

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS = 20
 LAYOUTS = {
     "tp2": (2, ["--tp", "2"]),
-    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
+    "tp2-sp-overlap": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]),
     "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),
     "tp2-pp2": (4, ["--tp", "2", "--pp", "2"]),
     "tp2-pp2-dp2-vpp2-zero1": (8, ["--tp", "2", "--pp", "2", "--vpp", "2", "--zero-stage", "1"]),

@@ -140,6 +140,12 @@ BAD = [
         2,
         "--zero-stage 3 does not shard mixture-of-experts models yet; use --zero-stage 2",
     ),
+    (["--tp", "2", "--tp-comm-overlap"], 2, "--tp-comm-overlap overlaps sequence parallelism's"),
+    (
+        ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--fp8-format", "hybrid"],
+        2,
+        "--tp-comm-overlap runs the bf16/fp32 matmuls in pieces; FP8's",
+    ),
 ]
 
 

@@ -52,26 +52,6 @@ def test_gradients_are_f_linears_and_no_joined_weight_is_kept(bias):
         assert (a - b).abs().max().item() <= 1e-12
 
 
-@pytest.mark.parametrize("b", [1, 2])
-def test_sequence_parallel_keeps_a_copy_of_the_local_rows(b):
-    """With a group (x gathered along the sequence over it) forward keeps this rank's s/t rows,
-    a copy: at b = 1 they are a contiguous slice, whose view would keep the whole input."""
-    g = Group("tp", [0, 1], 1)  # forward does not communicate
-    x = torch.randn(b, 8, 4, requires_grad=True)
-    w = torch.randn(6, 4, requires_grad=True)
-    kept = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = (t, t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _JoinedLinear.apply(g, 1, x * 1, w)
-    kept.pop(w.untyped_storage().data_ptr())
-    [(rows, nbytes)] = kept.values()
-    assert nbytes == b * 4 * 4 * 4 and torch.equal(rows.transpose(0, 1), x[:, 4:].detach())
-
-
 def test_a_split_backward_makes_each_gradient_once():
     """Zero-bubble's I computes the input's gradient alone, W the weights' alone."""
     layers = _layers(True)
@@ -81,7 +61,7 @@ def test_a_split_backward_makes_each_gradient_once():
 
     def spy(ctx, g):
         out = backward(ctx, g)
-        calls.append([o is not None for o in out[2:]])  # x, the weights, the bias
+        calls.append([o is not None for o in out[3:]])  # x, the weights, the bias
         return out
 
     _JoinedLinear.backward = staticmethod(spy)
