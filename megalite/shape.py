@@ -435,8 +435,8 @@ def validate(cfg: Config, world_size: int) -> RunShape:
         )
     if p.tp_comm_overlap and cfg.training.fp8_format is not None:
         raise MegaliteError(
-            "--tp-comm-overlap runs the bf16/fp32 matmuls in pieces; FP8's linears gather their "
-            "own quantised input: drop one of --tp-comm-overlap and --fp8-format"
+            "--tp-comm-overlap cuts the bf16/fp32 matmuls into pieces, not FP8's linears: drop "
+            "one of --tp-comm-overlap and --fp8-format"
         )
     if shape.vpp != p.vpp and int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(f"megalite: vpp={shape.vpp} inferred: the {shape.schedule} schedule runs "

@@ -144,7 +144,7 @@ BAD = [
     (
         ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--fp8-format", "hybrid"],
         2,
-        "--tp-comm-overlap runs the bf16/fp32 matmuls in pieces; FP8's",
+        "--tp-comm-overlap cuts the bf16/fp32 matmuls into pieces, not FP8's linears: drop one",
     ),
 ]
 
