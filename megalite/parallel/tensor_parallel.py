@@ -146,7 +146,7 @@ def _wanted(ctx, i: int) -> bool:
         return True
 
 
-def chunks(group: Group, rows: int, overlap: bool) -> int:
+def _pieces(group: Group, rows: int, overlap: bool) -> int:
     """Pieces each sequence-parallel collective is cut into: tp under --tp-comm-overlap (fewer
     where they do not divide this rank's `rows`), else one."""
     return math.gcd(rows, group.size) if overlap else 1
@@ -254,7 +254,7 @@ def fused_column_linear(x: torch.Tensor, layers, fused: bool = True) -> tuple[to
     weights = [layer.weight for layer in layers]
     bias = () if first.bias is None else (torch.cat([layer.bias for layer in layers]),)
     if fused and linear is F.linear and torch.is_grad_enabled() and sp and group.size > 1:
-        n = chunks(group, x.shape[1], first.overlap)
+        n = _pieces(group, x.shape[1], first.overlap)
         y = _joined_linear_gathered(group, n, len(weights), x, *weights, *bias)
         return y.split([w.shape[0] for w in weights], dim=-1)
     x = enter_tp_region(x, group, sp)
@@ -345,7 +345,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         g = self.group
-        n = chunks(g, x.shape[1] // g.size, self.overlap) if self.sequence_parallel else 1
+        n = _pieces(g, x.shape[1] // g.size, self.overlap) if self.sequence_parallel else 1
         if n > 1 and self.ops.linear is F.linear:  # --tp-comm-overlap
             y = _row_scattered(g, n, x, self.weight)
         else:
