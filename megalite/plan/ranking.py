@@ -6,10 +6,11 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   modules) where it holds them (stages.py; an uneven split evens them out);
 - every group's bytes go over NVLink inside a node and the network across nodes as links.py
   splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
-- TP traffic is on the critical path (exposed whole; TP stays inside a node), but for the
-  fused layers' backward re-gathers, which run behind their input gradient's matmul
-  (`memory.fused_blocks`: their share of a dense layer's TP bytes); so are the experts'
-  all-to-alls (ep) and context parallelism's attention (cp);
+- TP traffic is on the critical path (TP stays inside a node) but for what runs behind a
+  matmul (`_tp_exposed`): with SP each fused block's backward re-gather of its input and
+  reduce-scatter of its input gradient, and with --tp-comm-overlap all but one chunk of the
+  other collectives of the fused and row-parallel layers; never more than the busiest rank's
+  compute. Exposed whole: the experts' all-to-alls (ep) and context parallelism's attention (cp);
 - pipeline p2p is hidden in the steady state, exposed on the hops of warm-up and cool-down:
   2(p-1), or 2(pv-1) interleaved (every boundary between virtual stages on two ranks);
 - each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
@@ -78,7 +79,6 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     e = 2 if t.precision in ("bf16", "fp16") else 4
     b, s, h = lay.hidden_shape  # what a stage sends: (b, s/cp, h), /tp with SP
     message = b * s * h * e
-    tp = seconds("tp") * (1 - _hidden_tp(cfg, lay))
     # the first micro-batch's forward and the last one's backward cross every boundary between
     # virtual stages on different ranks: p - 1 each way, p·v - 1 interleaved (less a V's turn)
     part = lay.partition
@@ -114,19 +114,36 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     # the pipeline moves at its busiest rank's pace: its layers, and the output layer and the MTP
     # modules where it holds them (stages.py: their share of the FLOPs, recomputed under full)
     slowest = stages.slowest(lay.partition, *stages.shares(cfg, flops_per_token))
+    tp = _tp_exposed(cfg, lay, seconds("tp"), compute * slowest)
     return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble, "tp": tp,
             "pp": pp, "cp": cp, "ep": ep, "embed": embed, "dp": exposed}  # fmt: skip
 
 
-def _hidden_tp(cfg: Config, lay) -> float:
-    """The share of TP bytes overlapped with compute: with SP, each fused block's re-gather in
-    backward (tensor_parallel._JoinedLinear), n of a dense layer's 8 + n collectives (12 + n
-    under full recompute; MoE layers counted as dense ones, the head's bytes as a layer's);
-    none with FP8, whose layers do not re-gather."""
+def _tp_exposed(cfg: Config, lay, seconds: float, compute: float) -> float:
+    """The seconds of the TP traffic's `seconds` on the critical path, next to the busiest
+    rank's `compute`. Counted in a dense layer's collectives with SP (traffic.comm_bytes): 8 + n,
+    n its fused blocks (memory.fused_blocks: each gathers its input again in backward), 12 + n
+    under full recompute (the forward's 4 again). Hidden: each fused block's backward re-gather
+    (behind the input gradient's matmul) and reduce-scatter of its input gradient (behind the
+    weight gradient's), 2n; with --tp-comm-overlap, all but one of the tp chunks along the
+    sequence of the forward all-gather into each fused block, the forward reduce-scatter out
+    of both row-parallel layers and the backward all-gather of their output gradient (the
+    forward ones twice under full recompute), each chunk's transfer behind another chunk's
+    matmul. Exposed whole: an unfused column block's all-gather and reduce-scatter (a
+    non-gated MLP's up, MLA's projections), the embedding's and the head's; MoE layers are
+    counted as dense ones, the head's bytes as a layer's. Nothing hidden without SP or with
+    FP8 (its fused layers keep the gathered input; their chunking is not modelled). What is
+    hidden cannot outlast the compute it runs behind: at least `seconds - compute` shows."""
     n = fused_blocks(cfg.model)
-    if not lay.sequence_parallel or lay.tp == 1 or cfg.training.fp8_format is not None or not n:
-        return 0.0
-    return n / ((12 if cfg.training.recompute == "full" else 8) + n)
+    if not lay.sequence_parallel or lay.tp == 1 or cfg.training.fp8_format is not None:
+        return seconds
+    full = cfg.training.recompute == "full"
+    total = (12 if full else 8) + n
+    hidden = 2 * n
+    if cfg.parallel.tp_comm_overlap:
+        chunked = (n + 4) + (n + 2 if full else 0)
+        hidden += chunked * (1 - 1 / lay.tp)
+    return max(seconds * (1 - hidden / total), seconds - compute)
 
 
 def _ring_step(lay, cluster: Cluster) -> float:
