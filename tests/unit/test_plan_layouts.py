@@ -146,3 +146,22 @@ def test_micro_batch_sizes_searched_per_layout():
                                            lay.sequence_parallel), cluster)  # fmt: skip
             assert p.step_time <= step_time(c, other, cluster, f) * (1 + 1e-12)
     assert {p.layout.micro_batch_size for p in layouts.search(cfg, cluster, f)} == {1}
+
+
+def test_cli_searches_micro_batch_sizes_unless_given(monkeypatch, tmp_path):
+    """tools/plan.py hands the search MICRO_BATCH_SIZES, or none (cfg's only) where
+    --micro-batch-size is given on the command line or in --config's YAML."""
+    from pathlib import Path
+
+    from megalite.cli import plan as cli
+
+    asked = []
+    monkeypatch.setattr(cli, "print_plan", lambda *a, **kw: asked.append(kw["micro_batch_sizes"]))
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # sets it: 2
+    no_mbs = tmp_path / "no_mbs.yaml"
+    no_mbs.write_text("".join(line for line in tiny.read_text().splitlines(keepends=True)
+                              if "micro_batch_size" not in line))  # fmt: skip
+    for argv in ([], ["--micro-batch-size", "4"], ["--mbs", "4"], ["--config", str(tiny)],
+                 ["--config", str(no_mbs)]):  # fmt: skip
+        cli.main(["--gpus", "8", *argv])
+    assert asked == [layouts.MICRO_BATCH_SIZES, None, None, None, layouts.MICRO_BATCH_SIZES]
