@@ -7,7 +7,9 @@
 
 Model and training flags are pretrain_gpt.py's; the layout flags (--tp --pp --vpp, --zero-stage,
 --sequence-parallel) describe the layout printed first (where it can run on --gpus; the search
-does not depend on it). The layouts that fit are ranked by an
+does not depend on it). The search tries micro-batch sizes 1, 2, 4 and 8 for each layout
+unless --micro-batch-size is given (on the command line or in --config's YAML): then only it.
+The layouts that fit are ranked by an
 estimated step time (--mfu, --peak-tflops, --intra-node-gbps, --inter-node-gbps set its
 assumptions). Needs no GPU and no process group.
 """
@@ -18,7 +20,7 @@ import sys
 from megalite.config_read import parse_args
 from megalite.errors import MegaliteError, run_main
 from megalite.parallel.zero import ZERO
-from megalite.plan.layouts import check_model
+from megalite.plan.layouts import MICRO_BATCH_SIZES, check_model
 from megalite.plan.ranking import Cluster
 from megalite.shape import validate
 from megalite.training.dry_run import print_plan
@@ -63,7 +65,8 @@ def main(argv):
             "--gpus, --gpus-per-node, --gpu-memory, --peak-tflops and the bandwidths must be "
             "positive, and --mfu in (0, 1]"
         )
-    cfg = parse_args(rest)
+    given = set()
+    cfg = parse_args(rest, given)
     check_model(cfg)  # what no layout fixes; the layout given (default: dp = all GPUs) may not run
     try:
         shape = validate(cfg, ns.gpus)
@@ -74,7 +77,9 @@ def main(argv):
                       inter_node_gbps=ns.inter_node_gbps)  # fmt: skip
     if any(z not in ZERO for z in ns.search_zero_stages or ()):
         raise MegaliteError(f"--search-zero-stages takes stages of {sorted(ZERO)}")
-    print_plan(cfg, shape, cluster, top=ns.top, zero_stages=ns.search_zero_stages)
+    sizes = None if "training.micro_batch_size" in given else MICRO_BATCH_SIZES
+    print_plan(cfg, shape, cluster, top=ns.top, zero_stages=ns.search_zero_stages,
+               micro_batch_sizes=sizes)  # fmt: skip
 
 
 def cli():

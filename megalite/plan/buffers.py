@@ -31,7 +31,7 @@ from megalite.pipeline.actions import (
     I,
     W,
 )
-from megalite.plan.memory import BYTES, chunk_specs
+from megalite.plan.memory import BYTES, chunk_specs, fp8_layer, fused_blocks
 from megalite.shape import RunShape
 
 # what each send or receive holds: the tensor's name (a chunk's input or output, or the gradient)
@@ -102,9 +102,11 @@ class P2PBuffers:
 def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
     """Bytes one backward of this chunk holds on top of the kept activations, at its widest
     layer: the layer's weight gradients as autograd makes them, before the gradient buffer adds
-    them in (one layer's parameters), and the gradient of its widest activation (the MLP's or
-    each expert's intermediate); at the head, the logits' gradient and the output weight's; at
-    the embedding its weight's (what a stage without layers holds: issue 47's fake world)."""
+    them in (one layer's parameters), and at the widest moment of its blocks the gradient of the
+    block's widest activation (the MLP's or each expert's intermediate; attention's q/k/v) and,
+    with sequence parallelism, a fused block's input gathered again, (b, s, h) (outside FP8:
+    tensor_parallel._JoinedLinear); at the head, the logits' gradient and the output weight's;
+    at the embedding its weight's (what a stage without layers holds: issue 47's fake world)."""
     m, t = cfg.model, cfg.training
     e, tp = BYTES[t.precision], shape.tp
     tokens = m.seq_length // shape.cp * t.micro_batch_size
@@ -114,13 +116,22 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
             per_layer[layer] = per_layer.get(layer, 0) + numel
+    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+    qkv = tokens * (m.num_attention_heads * m.head_dim // tp + 2 * kv) * e  # their gradient
+    gathered = tokens * m.hidden_size * e if shape.sequence_parallel and tp > 1 else 0
+    attention = int(not m.features.latent_attention)  # a fused block (fused_blocks)
     widest = 0.0
     for i, numel in per_layer.items():
-        if m.is_moe_layer(i):  # each token's k assignments (tokens / tp on this rank, balanced)
+        moe = m.is_moe_layer(i)
+        if moe:  # each token's k assignments (tokens / tp on this rank, balanced)
             act = tokens / tp * m.moe_router_topk * m.moe_ffn
         else:
             act = tokens * m.ffn / tp
-        widest = max(widest, numel * e + act * e * (2 if m.features.gated_mlp else 1))
+        regather = 0 if fp8_layer(cfg, m, i) else gathered
+        mlp = act * e * (2 if m.features.gated_mlp else 1)
+        mlp += regather * (fused_blocks(m, moe) - attention)  # gate/up (a shared expert's)
+        attn = (qkv + regather) * attention
+        widest = max(widest, numel * e + max(mlp, attn))
     vocab = m.padded_vocab_size(tp) // tp
     if kw["has_head"]:
         widest = max(widest, (tokens * vocab + vocab * m.hidden_size) * e)

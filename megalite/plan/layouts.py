@@ -21,6 +21,7 @@ from megalite.shape import RunShape, derive, validate
 SPLITS_TRIED = 3  # per layout, best first, until one fits (stages.splits)
 MIN_CP_TOKENS = 8192  # the fewest tokens of a sequence per context-parallel rank (cp_sizes)
 VPPS = (1, 2, 4, 8)  # interleaving degrees tried (pp > 1; at least a layer per chunk)
+MICRO_BATCH_SIZES = (1, 2, 4, 8)  # tools/plan.py's search, where --micro-batch-size is not given
 
 
 @dataclass
@@ -62,8 +63,10 @@ def layout(cfg: Config, tp=1, pp=1, dp=1, vpp=1, zero=0, sequence_parallel=False
     if name and t.global_batch_size % (t.micro_batch_size * dp) == 0:
         if check_shape(name, pp, vpp, t.global_batch_size // (t.micro_batch_size * dp)):
             name = None
+    # --tp-comm-overlap where it applies (SP, tp > 1): the user's choice for the layouts it fits
+    overlap = cfg.parallel.tp_comm_overlap and sequence_parallel and tp > 1
     par = replace(cfg.parallel, vpp=vpp, sequence_parallel=sequence_parallel,
-                  pp_schedule=name, **sizes)  # fmt: skip
+                  pp_schedule=name, tp_comm_overlap=overlap, **sizes)  # fmt: skip
     return derive(
         replace(cfg, parallel=par, optimizer=replace(cfg.optimizer, zero_stage=zero)), world
     )
@@ -90,7 +93,8 @@ def plan(
         mem = state_memory(cfg, shape, r, bs)
         # the activations and, at the worst moment, what the p2p tensors and a backward's
         # working memory add: the same at every ZeRO stage (the search's memo keeps them)
-        key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r)
+        key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r,
+               shape.micro_batch_size)  # fmt: skip
         if key not in memo:
             acts, with_buffers = peaks(cfg, shape, r, mb)
             memo[key] = acts, with_buffers - acts
@@ -120,6 +124,7 @@ def search(
     limit=None,
     zero_stages=None,
     misses: list | None = None,
+    micro_batch_sizes=None,
 ) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
     the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
@@ -132,12 +137,17 @@ def search(
     refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
     then the lower memory. `misses`: a list given receives the layouts planned that did not fit
     (the least memory first), to say how far the nearest is when none fits. With ZeRO, hybrid
-    sharding is tried too: the shard group filling a node (`_replicates`)."""
+    sharding is tried too: the shard group filling a node (`_replicates`). `micro_batch_sizes`:
+    those tried (default: cfg's), each layout keeping its fastest that fits (its plan's
+    `layout.micro_batch_size`); one that does not split the batch over dp is skipped."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
     layer, head = stages.shares(cfg, flops_per_token)
     plans, memo = [], {}
+    t = cfg.training
+    cfgs = [replace(cfg, training=replace(t, micro_batch_size=b))
+            for b in micro_batch_sizes or (t.micro_batch_size,)]  # fmt: skip
     for cp in cp_sizes(cfg, cluster.gpus):
         n = cluster.gpus // cp
         divisors = [d for d in range(1, n + 1) if n % d == 0]
@@ -149,11 +159,19 @@ def search(
                     splits = stages.splits(cfg.model.num_layers, pp, vpp, layer, head)
                     for zero in zeros:
                         for rep in _replicates(dp, tp * cp, zero, cluster.gpus_per_node):
-                            p = _first_fit(cfg, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
-                                           vpp, zero, cp, memo, misses, rep)  # fmt: skip
-                            if p is not None:
-                                p.step_time = step_time(cfg, p, cluster, flops_per_token)
-                                plans.append(p)
+                            best = None
+                            for c in cfgs:
+                                if t.global_batch_size % (c.training.micro_batch_size * dp):
+                                    continue
+                                p = _first_fit(c, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
+                                               vpp, zero, cp, memo, misses, rep)  # fmt: skip
+                                if p is None:
+                                    continue
+                                p.step_time = step_time(c, p, cluster, flops_per_token)
+                                if best is None or p.step_time < best.step_time:
+                                    best = p
+                            if best is not None:
+                                plans.append(best)
     if misses is not None:
         misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
@@ -193,7 +211,11 @@ def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
             shape = layout(c, tp, pp, dp, vpp, zero.stage, tp > 1, **({"cp": cp} if cp > 1 else {}))
         except MegaliteError:
             continue
-        if not _state_fits(c, shape, cluster):  # before walking schedules
+        # before walking schedules; the same at every micro-batch size
+        key = ("state", split, tp, pp, dp, vpp, zero.stage, cp, replicate)
+        if key not in memo:
+            memo[key] = _state_fits(c, shape, cluster)
+        if not memo[key]:
             continue
         p = plan(c, shape, cluster, all_stages=False, memo=memo)
         p.split = split

@@ -6,18 +6,22 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   modules) where it holds them (stages.py; an uneven split evens them out);
 - every group's bytes go over NVLink inside a node and the network across nodes as links.py
   splits them (ring, all-to-all or p2p; the slower link sets a group's pace);
-- TP traffic is on the critical path (exposed whole; TP stays inside a node), but for the
-  fused layers' backward re-gathers, which run behind their input gradient's matmul
-  (`memory.fused_blocks`: their share of a dense layer's TP bytes); so are the experts'
-  all-to-alls (ep) and context parallelism's attention (cp);
+- TP traffic is on the critical path (TP stays inside a node) but for what runs behind a
+  matmul (`_tp_exposed`): with SP each fused block's backward re-gather of its input and
+  reduce-scatter of its input gradient, and with --tp-comm-overlap all but one chunk of the
+  other collectives of the fused and row-parallel layers; never more than the busiest rank's
+  compute. Exposed whole: the experts' all-to-alls (ep) and context parallelism's attention (cp);
 - pipeline p2p is hidden in the steady state, exposed on the hops of warm-up and cool-down:
   2(p-1), or 2(pv-1) interleaved (every boundary between virtual stages on two ranks);
 - each gradient reduction the ZeRO stage makes (`ZeroStage.collectives`) runs behind one
-  micro-batch's backward: at stages 0/1 the last micro-batch's (the buckets fill only then), at
-  stage 2 each one's; the all-gather of the updated shards behind the next step's first forward
-  (--overlap-param-gather); ZeRO-3's gathers behind the whole compute. What outlasts its window
-  is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds its
-  n - 1 steps of latency (the slowest hop's).
+  micro-batch's backward: at stages 0/1 the last micro-batch's (the buckets fill only then),
+  at stage 2 each one's; the all-gather of the updated shards behind the next step's first
+  forward (--overlap-param-gather); ZeRO-3's gathers behind the whole compute. A bucket never
+  spans two chunks: an interleaved rank reduces each chunk's buckets once its last backward
+  starts, behind the backwards that follow, and needs each chunk's gathered shards by the end
+  of its first forward, after the forwards that precede (`chunk_windows`). What outlasts its
+  window is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds
+  its n - 1 steps of latency (the slowest hop's).
 
 A crude model (no GEMM efficiency by shape, latency for the data-parallel rings only, one
 bandwidth per link kind), but one that orders layouts by what they cost rather than by memory
@@ -26,9 +30,13 @@ alone; docs/planner.md checks it against the layouts of Narayanan et al. 2021, T
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from megalite.config import Config
+from megalite.pipeline.actions import B, F, I, W, compute_seconds
+from megalite.pipeline.schedules import schedule
 from megalite.plan import links, stages
+from megalite.plan.activations import schedule_steps
 from megalite.plan.memory import fused_blocks
 
 GiB = 2**30
@@ -78,7 +86,6 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     e = 2 if t.precision in ("bf16", "fp16") else 4
     b, s, h = lay.hidden_shape  # what a stage sends: (b, s/cp, h), /tp with SP
     message = b * s * h * e
-    tp = seconds("tp") * (1 - _hidden_tp(cfg, lay))
     # the first micro-batch's forward and the last one's backward cross every boundary between
     # virtual stages on different ranks: p - 1 each way, p·v - 1 interleaved (less a V's turn)
     part = lay.partition
@@ -100,10 +107,17 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     # at 16,384 GPUs a 25 MB bucket's ring over 1,024 replicas is latency-bound
     step = _ring_step(lay, cluster) * p.buckets
     reduce = dp * grads / (grads + params) / rounds + step * (2 if "all_reduce" in calls else 1)
-    exposed = rounds * _exposed(reduce, 2 / 3 * per_mb)
-    window = per_mb / 3 if cfg.optimizer.overlap_param_gather else 0.0
+    forward, backward = chunk_windows(lay.schedule, lay.pp, lay.vpp, p.microbatches)
+    unit = per_mb / (3 * lay.vpp)  # one chunk's forward of one micro-batch
+    if rounds == 1:  # once a step: each chunk's buckets behind the rest of the step's backward
+        exposed = _queued(reduce, [w * unit for w in backward])
+    else:
+        exposed = rounds * _exposed(reduce, 2 / 3 * per_mb)
     gather = dp * params / (grads + params) + step * calls.get("all_gather", 0)
-    exposed += _exposed(gather, window)
+    if cfg.optimizer.overlap_param_gather:  # chunk by chunk, each by the end of its first forward
+        exposed += _queued(gather, [w * unit for w in forward])
+    else:
+        exposed += gather
     # ZeRO-3's parameter gathers run behind every micro-batch's compute
     exposed += _exposed(seconds("dp_gather"), compute)
     # --dp-replicate: each reduced shard all-reduced over its copies once, after the backward
@@ -114,19 +128,77 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     # the pipeline moves at its busiest rank's pace: its layers, and the output layer and the MTP
     # modules where it holds them (stages.py: their share of the FLOPs, recomputed under full)
     slowest = stages.slowest(lay.partition, *stages.shares(cfg, flops_per_token))
+    tp = _tp_exposed(cfg, lay, seconds("tp"), compute * slowest)
     return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble, "tp": tp,
             "pp": pp, "cp": cp, "ep": ep, "embed": embed, "dp": exposed}  # fmt: skip
 
 
-def _hidden_tp(cfg: Config, lay) -> float:
-    """The share of TP bytes overlapped with compute: with SP, each fused block's re-gather in
-    backward (tensor_parallel._JoinedLinear), n of a dense layer's 8 + n collectives (12 + n
-    under full recompute; MoE layers counted as dense ones, the head's bytes as a layer's);
-    none with FP8, whose layers do not re-gather."""
+def _tp_exposed(cfg: Config, lay, seconds: float, compute: float) -> float:
+    """The seconds of the TP traffic's `seconds` on the critical path, next to the busiest
+    rank's `compute`. Counted in a dense layer's collectives with SP (traffic.comm_bytes): 8 + n,
+    n its fused blocks (memory.fused_blocks: each gathers its input again in backward), 12 + n
+    under full recompute (the forward's 4 again). Hidden: each fused block's backward re-gather
+    (behind the input gradient's matmul) and reduce-scatter of its input gradient (behind the
+    weight gradient's), 2n; with --tp-comm-overlap, all but one of the tp chunks along the
+    sequence of the forward all-gather into each fused block, the forward reduce-scatter out
+    of both row-parallel layers and the backward all-gather of their output gradient (the
+    forward ones twice under full recompute), each chunk's transfer behind another chunk's
+    matmul. Exposed whole: an unfused column block's all-gather and reduce-scatter (a
+    non-gated MLP's up, MLA's projections), the embedding's and the head's; MoE layers are
+    counted as dense ones, the head's bytes as a layer's. Nothing hidden without SP or with
+    FP8 (its fused layers keep the gathered input; their chunking is not modelled). What is
+    hidden cannot outlast the compute it runs behind: at least `seconds - compute` shows."""
     n = fused_blocks(cfg.model)
-    if not lay.sequence_parallel or lay.tp == 1 or cfg.training.fp8_format is not None or not n:
-        return 0.0
-    return n / ((12 if cfg.training.recompute == "full" else 8) + n)
+    if not lay.sequence_parallel or lay.tp == 1 or cfg.training.fp8_format is not None:
+        return seconds
+    full = cfg.training.recompute == "full"
+    total = (12 if full else 8) + n
+    hidden = 2 * n
+    if cfg.parallel.tp_comm_overlap:
+        chunked = (n + 4) + (n + 2 if full else 0)
+        hidden += chunked * (1 - 1 / lay.tp)
+    return max(seconds * (1 - hidden / total), seconds - compute)
+
+
+def _queued(seconds: float, windows: list) -> float:
+    """What shows of a transfer of `seconds` made of one equal share per chunk, the shares sent
+    one after another on one communicator, each with the window of compute it may take
+    (`windows`, ascending: the first sent has the smallest). The queue's worst overrun is
+    exposed, and at least a tenth (the last bucket of a backward, the first of a forward). One
+    chunk: `_exposed`."""
+    share, queued, worst = seconds / len(windows), 0.0, 0.0
+    for window in windows:
+        queued += share
+        worst = max(worst, queued - window)
+    return max(0.1 * seconds, worst)
+
+
+@lru_cache(maxsize=4096)
+def chunk_windows(name: str, pp: int, vpp: int, microbatches: int) -> tuple:
+    """(forward, backward): per chunk of pipeline rank 0 (the first virtual stage's, whose
+    backward ends the step), ascending, in units of one chunk's forward of one micro-batch (the
+    schedule's costs: F 1, B 2, I and W 1). Forward: the rank's compute from the start of the
+    step to the end of the chunk's first forward (its gathered parameters needed by then, the
+    shares gathered in forward order). Backward: from the start of the chunk's last backward
+    (B, or W of a split backward: its weight gradients) to the end of the rank's actions (its
+    buckets reduced behind them, a bucket never spanning two chunks; the latest launched has
+    the smallest). The rank's compute only: the same as the timed schedule's
+    (`timed.compute_times`) for 1F1B and interleaved, shorter where another rank ends the step
+    (zbv). Interleaved 1F1B: chunk c has c pp + 1 and 2 (c pp + 1); one chunk: 1 and 2."""
+    sched = schedule(name)
+    costs = []  # (chunk, kind, seconds) of each compute
+    for kind, chunk, _ in schedule_steps(name, pp, vpp, microbatches, 0):
+        if kind in (F, B, I, W):
+            v = sched.placement(pp, vpp, 0, chunk)
+            costs.append((chunk, kind, compute_seconds(kind, v, sched.cost)))
+    forward, backward = {}, {}
+    for out, kinds, order in ((forward, (F,), costs), (backward, (B, W), costs[::-1])):
+        elapsed = 0.0
+        for chunk, kind, seconds in order:
+            if kind in kinds and chunk not in out:
+                out[chunk] = elapsed + seconds
+            elapsed += seconds
+    return tuple(sorted(forward.values())), tuple(sorted(backward.values()))
 
 
 def _ring_step(lay, cluster: Cluster) -> float:

@@ -71,11 +71,12 @@ def format_ranking(plans: list[Plan], cluster: Cluster, misses: list | None = No
     head += f"({cluster.gpus_per_node} per node), fastest first,"
     head += f" at {cluster.mfu:.0%} MFU of {cluster.peak_tflops:g} TFLOP/s, "
     head += f"{cluster.intra_node_gbps:g}/{cluster.inter_node_gbps:g} GB/s in/across nodes:"
-    rows = [head, f"  {'#':>2}  {'layout':<34}  {'step (est.)':>11}  {'memory':>10}  {'bubble':>6}"
-                  f"  {'tp bytes':>9}  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
+    rows = [head, f"  {'#':>2}  {'layout':<34}  {'mbs':>3}  {'step (est.)':>11}  {'memory':>10}"
+                  f"  {'bubble':>6}  {'tp bytes':>9}  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
     for i, p in enumerate(plans, 1):
         rows.append(
-            f"  {i:>2}  {str(p.layout):<34}  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
+            f"  {i:>2}  {str(p.layout):<34}  {p.layout.micro_batch_size:>3}"
+            f"  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
             f"  {p.bubble:>6.1%}  "
             + "  ".join(f"{_bytes(p.comm.get(k, 0)):>9}" for k in ("tp", "pp", "dp"))
         )
@@ -103,7 +104,7 @@ def launch_flags(p: Plan) -> str:
     out += f" --context-parallel-size {lay.cp}" if lay.cp > 1 else ""
     out += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}" if lay.vpp > 1 else ""
     out += " --sequence-parallel" if lay.sequence_parallel else ""
-    out += f" --zero-stage {lay.zero.stage}"
+    out += f" --zero-stage {lay.zero.stage} --micro-batch-size {lay.micro_batch_size}"
     out += f" --dp-replicate {lay.dpr}" if lay.dpr > 1 else ""
     split = flag_text(p.split)
     return out + (f" {split}" if split else "")

@@ -33,10 +33,12 @@ def print_plan(
     cluster: Cluster | None = None,
     top: int = 8,
     zero_stages=None,
+    micro_batch_sizes=None,
 ):
     """The plan of `shape` (`validate`'s: the layout given), then the best layouts for as many
     GPUs. `shape` may instead be the sentence why the layout given cannot run on the cluster
-    (tools/plan.py): the search still runs. `zero_stages`: those the search tries (layouts.search)."""
+    (tools/plan.py): the search still runs. `zero_stages`, `micro_batch_sizes`: those the search
+    tries (layouts.search)."""
     # the built-in tokenizer's vocabulary is known before it is trained
     vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
@@ -48,5 +50,5 @@ def print_plan(
         p = plan(cfg, shape, cluster)
         print(format_plan(p, cluster, step_time(cfg, p, cluster, flops)))
     misses = []  # what was planned and did not fit: the nearest is named when none fits
-    plans = search(cfg, cluster, flops, top, zero_stages, misses)
+    plans = search(cfg, cluster, flops, top, zero_stages, misses, micro_batch_sizes)
     print(format_ranking(plans, cluster, misses), flush=True)

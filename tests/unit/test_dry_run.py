@@ -42,8 +42,7 @@ def test_plan_searches_layouts_the_default_one_cannot_split(capsys):
     assert out.startswith("the layout given does not run on 1024 GPUs: global_batch_size=1536")
     ranking = out.split("fastest first")[1].splitlines()
     first = ranking[2].split()
-    # tp 4 fits since the fused layers keep the input's local rows only (tp 8 did before)
-    assert first[:2] == ["1", "tp=4"] and int(first[2].removeprefix("pp=")) > 1  # PP across
+    assert first[0] == "1" and int(first[2].removeprefix("pp=")) > 1  # PP across nodes
     assert len([r for r in ranking if "zero=" in r]) == 3
     main(["--gpus", "1024", "--gpu-memory", "80"])  # no model flags: the defaults plan too
     out = capsys.readouterr().out

@@ -133,3 +133,41 @@ def test_latent_attention_and_expert_activations_match_saved_tensors():
         measured = saved_bytes(chunk, x, None)
         estimate, _ = activations.chunk_activations(cfg, layout(cfg), kw)
         assert abs(estimate / measured - 1) < 0.05, (list(layers), estimate, measured)
+
+
+def test_backward_working_counts_the_regathered_input(monkeypatch):
+    """With sequence parallelism a fused block's backward gathers its input again
+    (tensor_parallel._JoinedLinear): the planner's backward working memory grows by the tensor
+    that backward allocates for it, (b, s, h), against the same layout without SP. The gather
+    is stood in for (one process): this rank's rows twice."""
+    import types
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megalite.parallel import comm, tensor_parallel
+    from megalite.plan.buffers import backward_working
+
+    def gather(out, t, group, async_op=False):
+        out.copy_(torch.cat([t] * group.size))
+        return types.SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(comm, "all_gather", gather)
+    cfg = tiny("llama")  # fp32, micro-batch 2 of 64 tokens, h 64
+    b, s, h = 2, 64, 64
+    x = torch.randn(b, s, h, requires_grad=True)
+    weights = [torch.randn(32, h, requires_grad=True) for _ in range(3)]  # q, k, v on a rank
+    y = tensor_parallel._joined_linear(comm.Group("tp", [0, 1], 0), 3, x, *weights)
+    made = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.new_empty.default:
+                made.append(out.nbytes)
+            return out
+
+    with Allocations():
+        y.backward(torch.ones_like(y))
+    kw = {"layers": range(2), "has_embedding": False, "has_head": False}
+    sp = backward_working(cfg, layout(cfg, tp=2, sequence_parallel=True), kw)
+    assert made == [b * s * h * 4] and sp - backward_working(cfg, layout(cfg, tp=2), kw) == made[0]

@@ -120,3 +120,48 @@ def test_hybrid_sharding_is_searched_and_keeps_its_shards_in_a_node():
     assert p.links["dp"]["network"] == 0 < p.links["dp"]["nvlink"]
     assert p.links["dpr"]["nvlink"] == 0 < p.links["dpr"]["network"]
     assert f"--dp-replicate {p.layout.dpr}" in launch_flags(p)
+
+
+def test_micro_batch_sizes_searched_per_layout():
+    """With `micro_batch_sizes` each layout is planned once, at its fastest size that splits the
+    batch (48 sequences over dp 8: 1, 2 or 3 per rank, so 4 and 8 never) and fits; without it,
+    at cfg's only."""
+    from megalite.plan.ranking import step_time
+
+    cfg = big("gpt2", 12, 768, 12, 1024, 50257, mbs=1, gbs=48)
+    cluster = Cluster(8)
+    f = flops(cfg)
+    plans = layouts.search(cfg, cluster, f, micro_batch_sizes=(1, 2, 4, 8))
+    keys = [(str(p.layout), p.layout.dp * p.layout.dpr) for p in plans]
+    assert len(set(keys)) == len(keys)
+    assert all(48 % (p.layout.micro_batch_size * p.layout.data) == 0 for p in plans)
+    assert {p.layout.micro_batch_size for p in plans if p.layout.data == 8} <= {1, 2}
+    assert max(p.layout.micro_batch_size for p in plans) > 1
+    for p in plans[:4]:
+        lay = p.layout
+        for b in (1, 2):
+            c = replace(cfg, training=replace(cfg.training, micro_batch_size=b),
+                        parallel=replace(cfg.parallel, **dict(p.split)))  # fmt: skip
+            other = layouts.plan(c, layout(c, lay.tp, lay.pp, lay.dp, lay.vpp, lay.zero.stage,
+                                           lay.sequence_parallel), cluster)  # fmt: skip
+            assert p.step_time <= step_time(c, other, cluster, f) * (1 + 1e-12)
+    assert {p.layout.micro_batch_size for p in layouts.search(cfg, cluster, f)} == {1}
+
+
+def test_cli_searches_micro_batch_sizes_unless_given(monkeypatch, tmp_path):
+    """tools/plan.py hands the search MICRO_BATCH_SIZES, or none (cfg's only) where
+    --micro-batch-size is given on the command line or in --config's YAML."""
+    from pathlib import Path
+
+    from megalite.cli import plan as cli
+
+    asked = []
+    monkeypatch.setattr(cli, "print_plan", lambda *a, **kw: asked.append(kw["micro_batch_sizes"]))
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"  # sets it: 2
+    no_mbs = tmp_path / "no_mbs.yaml"
+    no_mbs.write_text("".join(line for line in tiny.read_text().splitlines(keepends=True)
+                              if "micro_batch_size" not in line))  # fmt: skip
+    for argv in ([], ["--micro-batch-size", "4"], ["--mbs", "4"], ["--config", str(tiny)],
+                 ["--config", str(no_mbs)]):  # fmt: skip
+        cli.main(["--gpus", "8", *argv])
+    assert asked == [layouts.MICRO_BATCH_SIZES, None, None, None, layouts.MICRO_BATCH_SIZES]

@@ -11,8 +11,20 @@ from megalite.plan.ranking import Cluster
 from tests.unit.plan_configs import big, flops
 
 
+def _key(p) -> tuple:
+    return p.layout.tp, p.layout.cp, p.layout.pp
+
+
+def distinct(plans) -> list:
+    """The fastest plan of each (tp, cp, pp), fastest first: a published run names only those;
+    vpp, the ZeRO stage, the pipeline split and the micro-batch size are the planner's choices
+    for one layout."""
+    seen = set()
+    return [p for p in plans if _key(p) not in seen and not seen.add(_key(p))]
+
+
 def top3(plans) -> list[tuple]:
-    return [(p.layout.tp, p.layout.cp, p.layout.pp) for p in plans[:3]]
+    return [_key(p) for p in distinct(plans)[:3]]
 
 
 def llama3_405b(seq: int, gbs: int):
@@ -43,10 +55,8 @@ def test_llama3_405b_at_128k():
     whose bubble is smaller) and 4% behind the first (pp2 dp64): estimates this close are ties
     for the model (docs/planner.md); with 25 MB buckets it is 3rd."""
     cfg = llama3_405b(131072, 128)
-    plans = layouts.search(cfg, Cluster(16384), flops(cfg))
-    paper = next(
-        i for i, p in enumerate(plans) if (p.layout.tp, p.layout.cp, p.layout.pp) == (8, 16, 16)
-    )
+    plans = distinct(layouts.search(cfg, Cluster(16384), flops(cfg)))
+    paper = next(i for i, p in enumerate(plans) if _key(p) == (8, 16, 16))
     assert paper < 5 and plans[paper].step_time <= 1.01 * plans[2].step_time, [
         (str(p.layout), round(p.step_time, 2)) for p in plans[: paper + 1]]  # fmt: skip
     cfg.optimizer.bucket_size_mb = 25.0
@@ -56,8 +66,8 @@ def test_llama3_405b_at_128k():
 # Megatron-LM's README ("Training speed and scalability", images/model_table.png): GPT models,
 # vocabulary 131,072, sequence 4096, H100 80 GB, dp 48 each: name, heads, hidden, layers, tp,
 # pp, GPUs, batch. Untied embeddings (the parameter counts need both), the distributed optimizer
-# (ZeRO-1, --overlap-grad-reduce --overlap-param-gather), bf16, no recompute (MFU 41-48%), and
-# micro-batch size 1 (the table gives none).
+# (ZeRO-1, --overlap-grad-reduce --overlap-param-gather), --tp-comm-overlap, bf16, no recompute
+# (MFU 41-48%); the table gives no micro-batch size: 1, 2, 4 and 8 are searched.
 README = [
     ("1.7B", 16, 2048, 24, 1, 1, 48, 192),
     ("7.1B", 32, 4096, 30, 2, 1, 96, 192),
@@ -74,42 +84,52 @@ README = [
 def readme_cfg(layers, h, heads, batch, recompute="none"):
     cfg = big("gpt2", layers, h, heads, 4096, 131072, mbs=1, gbs=batch, recompute=recompute)
     cfg.model.untie_embeddings_and_output_weights = True
+    cfg.parallel.tp_comm_overlap = True
     return cfg
+
+
+def readme_search(row, recompute="none", usable=None) -> list:
+    """The layouts of a README row at its GPUs and batch, the fastest of each (tp, cp, pp);
+    `usable`: the share of the GPU's memory planned (Cluster's default)."""
+    name, heads, h, layers, tp, pp, gpus, batch = row
+    cfg = readme_cfg(layers, h, heads, batch, recompute)
+    cluster = Cluster(gpus) if usable is None else Cluster(gpus, usable=usable)
+    mbs = layouts.MICRO_BATCH_SIZES
+    return distinct(layouts.search(cfg, cluster, flops(cfg), zero_stages=[1],
+                                   micro_batch_sizes=mbs))  # fmt: skip
 
 
 @pytest.mark.slow
 def test_megatron_lm_readme_table():
-    """Each row at its GPUs and batch: where the paper's tp/pp is not among the three fastest,
-    how far behind the fastest it is. The planner prefers less tensor parallelism than the
-    table for 32B-119B (its exposed TP and data-parallel time at tp8 and dp48, docs/planner.md)
-    and more stages for 314B; every row fits without recompute since the fused q/k/v keep only
-    their local rows of the input and no weight copy (314B and 462B fitted only with full
-    recompute before)."""
+    """Each row at its GPUs and batch: the paper's tp/pp among the three fastest, but for 314B,
+    bounded behind the fastest (docs/planner.md, "Against production": 8 stages fit no
+    interleaving in 90% of 80 GiB, and its 22% bubble loses to 12 interleaved stages; the
+    README's 48% MFU says the run interleaved). With 92% usable pp8 vpp4 fits and ties the
+    fastest. Every row fits without recompute since the fused q/k/v keep only their local rows
+    of the input and no weight copy."""
     missed, unfit = {}, []
-    for name, heads, h, layers, tp, pp, gpus, batch in README:
-        cfg = readme_cfg(layers, h, heads, batch)
-        plans = layouts.search(cfg, Cluster(gpus), flops(cfg), zero_stages=[1])
+    for row in README:
+        name, tp, pp = row[0], row[4], row[5]
+        plans = readme_search(row)
         if (tp, 1, pp) in top3(plans):
             continue
-        paper = [p for p in plans if (p.layout.tp, p.layout.pp) == (tp, pp)]
+        paper = [p for p in plans if _key(p) == (tp, 1, pp)]
         if not paper:
             unfit.append(name)
             continue
-        missed[name] = round(paper[0].step_time / plans[0].step_time - 1, 2)
+        missed[name] = round(paper[0].step_time / plans[0].step_time - 1, 3)
     assert unfit == [], (unfit, missed)
-    assert set(missed) <= {"32B", "70B", "119B", "314B"}, missed
-    assert max(missed.values()) < 0.35 and missed.get("119B", 0) < 0.08, missed
-    assert missed.get("70B", 0) < 0.15 and missed.get("314B", 0) < 0.15, missed
+    assert set(missed) <= {"314B"} and missed.get("314B", 0) < 0.18, missed
+    roomier = readme_search(README[7], usable=0.92)
+    paper = next(p for p in roomier if _key(p) == (8, 1, 8))
+    assert (8, 1, 8) in top3(roomier) and paper.layout.vpp > 1, top3(roomier)
 
 
 def test_megatron_lm_readme_largest_with_full_recompute():
     """314B on 3,072 and 462B on 6,144 GPUs with full recompute: the paper's tp8 pp8 / tp8 pp16
-    within 5% of the fastest layout."""
-    for name, heads, h, layers, tp, pp, gpus, batch in README[-2:]:
-        cfg = readme_cfg(layers, h, heads, batch, recompute="full")
-        plans = layouts.search(cfg, Cluster(gpus), flops(cfg), zero_stages=[1])
-        paper = next(p for p in plans if (p.layout.tp, p.layout.pp) == (tp, pp))
-        assert paper.step_time / plans[0].step_time < 1.05, (
-            name,
-            [str(p.layout) for p in plans[:3]],
-        )
+    among the three fastest (3rd each: with recompute interleaving fits everywhere, and fewer
+    stages with more replicas, the DP reduction hidden behind the chunks' backwards, come 4-5%
+    ahead)."""
+    for row in README[-2:]:
+        plans = readme_search(row, recompute="full")
+        assert (row[4], 1, row[5]) in top3(plans), (row[0], top3(plans))
