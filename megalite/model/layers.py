@@ -34,7 +34,6 @@ from megalite.parallel.specs import mark
 from megalite.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    enter_tp_region,
     fused_column_linear,
     shard_spec,
 )
@@ -229,8 +228,8 @@ class MLP(nn.Module):
         if self.gated:
             y = self.ops.swiglu(*fused_column_linear(x, (self.gate, self.up), fused))  # (b, s, f/t)
         else:
-            x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h)
-            y = self.ops.gelu(self.up(x), **self.gelu_kw)
+            (up,) = fused_column_linear(x, (self.up,), fused)
+            y = self.ops.gelu(up, **self.gelu_kw)
         return self.down(y)
 
 

@@ -217,7 +217,8 @@ class _JoinedLinear(torch.autograd.Function):
             x = x.transpose(0, 1)
         gx = None
         if _wanted(ctx, 0):  # the joined weight again, for this matmul only
-            gx = (g2 @ torch.cat(weights)).view(bsz, -1, weights[0].shape[1])  # (b, s, h)
+            w = weights[0] if ctx.n == 1 else torch.cat(weights)
+            gx = (g2 @ w).view(bsz, -1, w.shape[1])  # (b, s, h)
             if group is not None:  # summed over TP, this rank's rows kept: behind gw's matmuls
                 full, gx = (
                     gx.transpose(0, 1),
@@ -243,7 +244,8 @@ _joined_linear_gathered = comm.graph_break(_JoinedLinear.apply)
 
 def fused_column_linear(x: torch.Tensor, layers, fused: bool = True) -> tuple[torch.Tensor, ...]:
     """The outputs of column-parallel layers that read the same input x, the block's input not
-    yet entered into the TP region (q, k, v; gate, up), each keeping its own logical parameter.
+    yet entered into the TP region (q, k, v; gate, up; a GeLU MLP's up alone), each keeping its
+    own logical parameter.
     `fused` (training): one matmul, its output split into views; with `ops.linear` F.linear
     (the torch and Triton ops) and autograd on, backward keeps the weights themselves and, with
     sequence parallelism, this rank's rows of x only (`_JoinedLinear`). Another linear (FP8's,
@@ -258,12 +260,12 @@ def fused_column_linear(x: torch.Tensor, layers, fused: bool = True) -> tuple[to
         y = _joined_linear_gathered(group, n, len(weights), x, *weights, *bias)
         return y.split([w.shape[0] for w in weights], dim=-1)
     x = enter_tp_region(x, group, sp)
-    if not fused:
-        return [layer(x) for layer in layers]
-    if linear is F.linear and torch.is_grad_enabled():
+    if fused and linear is F.linear and torch.is_grad_enabled():
         y = _joined_linear(None, 1, len(weights), x, *weights, *bias)
-    else:
+    elif fused and len(layers) > 1:
         y = linear(x, getattr(linear, "concat", torch.cat)(weights), *bias)
+    else:
+        return [layer(x) for layer in layers]
     return y.split([w.shape[0] for w in weights], dim=-1)
 
 

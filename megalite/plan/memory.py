@@ -114,12 +114,12 @@ def fp8_weights(cfg: Config, shape: RunShape, layers, head: bool = False) -> dic
 
 def fused_blocks(m: ModelConfig, moe: bool = False) -> int:
     """How many blocks of a layer run fused column-parallel layers
-    (tensor_parallel.fused_column_linear): the attention's q/k/v (not MLA's), a gated MLP's
-    gate/up (in an MoE layer the shared expert's, if any). Outside FP8 they keep no weight copy
-    and, of the block's all-gathered input, only this rank's rows, gathered again in backward
-    (with sequence parallelism)."""
-    gated = m.features.gated_mlp and (not moe or bool(m.moe_shared_expert_intermediate_size))
-    return int(not m.features.latent_attention) + int(gated)
+    (tensor_parallel.fused_column_linear): the attention's q/k/v (not MLA's), the MLP's gate/up
+    or GeLU up (in an MoE layer the shared expert's, if any). Outside FP8 they keep no weight
+    copy and, of the block's all-gathered input, only this rank's rows, gathered again in
+    backward (with sequence parallelism)."""
+    mlp = not moe or bool(m.moe_shared_expert_intermediate_size)
+    return int(not m.features.latent_attention) + int(mlp)
 
 
 def fp8_layer(cfg: Config, m: ModelConfig, i: int) -> bool:

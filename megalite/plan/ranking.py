@@ -143,8 +143,8 @@ def _tp_exposed(cfg: Config, lay, seconds: float, compute: float) -> float:
     sequence of the forward all-gather into each fused block, the forward reduce-scatter out
     of both row-parallel layers and the backward all-gather of their output gradient (the
     forward ones twice under full recompute), each chunk's transfer behind another chunk's
-    matmul. Exposed whole: an unfused column block's all-gather and reduce-scatter (a
-    non-gated MLP's up, MLA's projections), the embedding's and the head's; MoE layers are
+    matmul. Exposed whole: an unfused column block's all-gather and reduce-scatter (MLA's
+    projections), the embedding's and the head's; MoE layers are
     counted as dense ones, the head's bytes as a layer's. Nothing hidden without SP or with
     FP8 (its fused layers keep the gathered input; their chunking is not modelled). What is
     hidden cannot outlast the compute it runs behind: at least `seconds - compute` shows."""

@@ -99,10 +99,10 @@ def tp_case(sp: bool):
     got = step(groups, chunks, opt)
     t, e = 2, 4
     bsh = B * S * H * e
-    # per micro-batch: 8 (t-1)/t bsh per layer (with SP 9: the fused q/k/v gather their input
-    # again in backward; gpt2's MLP is not fused), 2 (t-1)/t bsh for the embedding and for the
+    # per micro-batch: 8 (t-1)/t bsh per layer (with SP 10: the fused q/k/v and GeLU's up
+    # gather their input again in backward), 2 (t-1)/t bsh for the embedding and for the
     # head, 2 (t-1)/t of 3 b s fp32 values for the vocab-parallel loss (max, then two sums)
-    blocks = 9 if sp else 8
+    blocks = 10 if sp else 8
     per_mb = (
         L * blocks * (t - 1) / t * bsh + 2 * 2 * (t - 1) / t * bsh + 2 * (t - 1) / t * 3 * B * S * 4
     )

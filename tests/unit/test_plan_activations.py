@@ -138,8 +138,10 @@ def test_latent_attention_and_expert_activations_match_saved_tensors():
 def test_backward_working_counts_the_regathered_input(monkeypatch):
     """With sequence parallelism a fused block's backward gathers its input again
     (tensor_parallel._JoinedLinear): the planner's backward working memory grows by the tensor
-    that backward allocates for it, (b, s, h), against the same layout without SP. The gather
-    is stood in for (one process): this rank's rows twice."""
+    that backward allocates for it, (b, s, h), against the same layout without SP (the input
+    gradient's reduce-scatter then fills this rank's rows, as the layer without SP fills the
+    whole gradient). The collectives are stood in for (one process): the gather repeats this
+    rank's rows, the reduce-scatter keeps the first."""
     import types
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -151,12 +153,17 @@ def test_backward_working_counts_the_regathered_input(monkeypatch):
         out.copy_(torch.cat([t] * group.size))
         return types.SimpleNamespace(wait=lambda: None)
 
+    def scatter(out, t, group, async_op=False):
+        out.copy_(t[: out.shape[0]])
+        return types.SimpleNamespace(wait=lambda: None)
+
     monkeypatch.setattr(comm, "all_gather", gather)
+    monkeypatch.setattr(comm, "reduce_scatter", scatter)
     cfg = tiny("llama")  # fp32, micro-batch 2 of 64 tokens, h 64
     b, s, h = 2, 64, 64
-    x = torch.randn(b, s, h, requires_grad=True)
+    x = torch.randn(b, s // 2, h, requires_grad=True)  # this rank's rows
     weights = [torch.randn(32, h, requires_grad=True) for _ in range(3)]  # q, k, v on a rank
-    y = tensor_parallel._joined_linear(comm.Group("tp", [0, 1], 0), 3, x, *weights)
+    y = tensor_parallel._joined_linear(comm.Group("tp", [0, 1], 0), 1, 3, x, *weights)
     made = []
 
     class Allocations(TorchDispatchMode):
@@ -170,4 +177,5 @@ def test_backward_working_counts_the_regathered_input(monkeypatch):
         y.backward(torch.ones_like(y))
     kw = {"layers": range(2), "has_embedding": False, "has_head": False}
     sp = backward_working(cfg, layout(cfg, tp=2, sequence_parallel=True), kw)
-    assert made == [b * s * h * 4] and sp - backward_working(cfg, layout(cfg, tp=2), kw) == made[0]
+    assert made == [b * s * h * 4, b * s // 2 * h * 4]  # the rows again; the gradient's rows
+    assert sp - backward_working(cfg, layout(cfg, tp=2), kw) == made[0]

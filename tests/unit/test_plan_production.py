@@ -88,12 +88,11 @@ def readme_cfg(layers, h, heads, batch, recompute="none"):
     return cfg
 
 
-def readme_search(row, recompute="none", usable=None) -> list:
-    """The layouts of a README row at its GPUs and batch, the fastest of each (tp, cp, pp);
-    `usable`: the share of the GPU's memory planned (Cluster's default)."""
+def readme_search(row, recompute="none") -> list:
+    """The layouts of a README row at its GPUs and batch, the fastest of each (tp, cp, pp)."""
     name, heads, h, layers, tp, pp, gpus, batch = row
     cfg = readme_cfg(layers, h, heads, batch, recompute)
-    cluster = Cluster(gpus) if usable is None else Cluster(gpus, usable=usable)
+    cluster = Cluster(gpus)
     mbs = layouts.MICRO_BATCH_SIZES
     return distinct(layouts.search(cfg, cluster, flops(cfg), zero_stages=[1],
                                    micro_batch_sizes=mbs))  # fmt: skip
@@ -101,28 +100,16 @@ def readme_search(row, recompute="none", usable=None) -> list:
 
 @pytest.mark.slow
 def test_megatron_lm_readme_table():
-    """Each row at its GPUs and batch: the paper's tp/pp among the three fastest, but for 314B,
-    bounded behind the fastest (docs/planner.md, "Against production": 8 stages fit no
-    interleaving in 90% of 80 GiB, and its 22% bubble loses to 12 interleaved stages; the
-    README's 48% MFU says the run interleaved). With 92% usable pp8 vpp4 fits and ties the
-    fastest. Every row fits without recompute since the fused q/k/v keep only their local rows
-    of the input and no weight copy."""
-    missed, unfit = {}, []
+    """Each row at its GPUs and batch: the paper's tp/pp among the three fastest (docs/planner.md,
+    "Against production", has each row's estimates). Every row fits without recompute since the
+    fused column blocks (q/k/v; gate/up or GeLU's up) keep only their local rows of the input
+    and no weight copy: 314B's pp8 interleaves in 90% of 80 GiB."""
+    ranks = {}
     for row in README:
-        name, tp, pp = row[0], row[4], row[5]
-        plans = readme_search(row)
-        if (tp, 1, pp) in top3(plans):
-            continue
-        paper = [p for p in plans if _key(p) == (tp, 1, pp)]
-        if not paper:
-            unfit.append(name)
-            continue
-        missed[name] = round(paper[0].step_time / plans[0].step_time - 1, 3)
-    assert unfit == [], (unfit, missed)
-    assert set(missed) <= {"314B"} and missed.get("314B", 0) < 0.18, missed
-    roomier = readme_search(README[7], usable=0.92)
-    paper = next(p for p in roomier if _key(p) == (8, 1, 8))
-    assert (8, 1, 8) in top3(roomier) and paper.layout.vpp > 1, top3(roomier)
+        keys = [_key(p) for p in readme_search(row)]
+        want = (row[4], 1, row[5])
+        ranks[row[0]] = keys.index(want) + 1 if want in keys else None
+    assert all(r is not None and r <= 3 for r in ranks.values()), ranks
 
 
 def test_megatron_lm_readme_largest_with_full_recompute():

@@ -22,12 +22,11 @@ def _tp_parts(cfg, cluster, overlap: bool) -> tuple[float, float, float]:
 @pytest.mark.parametrize(
     "flavour, without, overlapped",
     [
-        # a gated MLP: both blocks fused (n = 2) of 10 collectives per layer; 2n hidden always,
-        # the other 6 chunked: 1/8 of them exposed with --tp-comm-overlap
+        # both blocks fused (n = 2: q/k/v, and gate/up or GeLU's up alone) of 10 collectives
+        # per layer; 2n hidden always, the other 6 chunked: 1/8 of them exposed with
+        # --tp-comm-overlap
         ("llama", 6 / 10, 6 / 8 / 10),
-        # GeLU's up is no fused block (n = 1, 9 collectives): its all-gather and reduce-scatter
-        # stay exposed, 5 of the other 7 chunked
-        ("gpt2", 7 / 9, (2 + 5 / 8) / 9),
+        ("gpt2", 6 / 10, 6 / 8 / 10),
     ],
 )
 def test_tp_exposed_share(flavour, without, overlapped):
