@@ -169,6 +169,11 @@ def _sequence_rows(buf: torch.Tensor, t: int) -> torch.Tensor:
     return buf.unflatten(0, (t, -1)).movedim(2, 0)
 
 
+def _joined(weights) -> torch.Tensor:
+    """The fused layers' weights as one (sum of out, in) matrix: a copy, unless there is one."""
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
 def _matmul_gathered(x: torch.Tensor, w: torch.Tensor, b, group: Group, n: int) -> torch.Tensor:
     """F.linear(x gathered along the sequence over group, w, b): x (b, s/t, h) -> (b, s, out),
     its n pieces' matmuls each behind the next piece's all-gather."""
@@ -196,7 +201,7 @@ class _JoinedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, pieces, n, x, *params):  # params: n weights, then the joined bias
         weights, b = params[:n], (params[n] if len(params) > n else None)
-        w = weights[0] if n == 1 else torch.cat(weights)
+        w = _joined(weights)
         if group is None:
             y = F.linear(x, w, b)
         else:
@@ -217,13 +222,11 @@ class _JoinedLinear(torch.autograd.Function):
             x = x.transpose(0, 1)
         gx = None
         if _wanted(ctx, 0):  # the joined weight again, for this matmul only
-            w = weights[0] if ctx.n == 1 else torch.cat(weights)
+            w = _joined(weights)
             gx = (g2 @ w).view(bsz, -1, w.shape[1])  # (b, s, h)
             if group is not None:  # summed over TP, this rank's rows kept: behind gw's matmuls
-                full, gx = (
-                    gx.transpose(0, 1),
-                    gx.new_empty((gx.shape[1] // group.size, bsz, gx.shape[2])),
-                )
+                full = gx.transpose(0, 1)  # (s, b, h)
+                gx = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
                 scatter = comm.reduce_scatter(gx, full, group, async_op=True)
         if gather is not None:
             gather.wait()
@@ -255,12 +258,13 @@ def fused_column_linear(x: torch.Tensor, layers, fused: bool = True) -> tuple[to
     group, sp, linear = first.group, first.sequence_parallel, first.ops.linear
     weights = [layer.weight for layer in layers]
     bias = () if first.bias is None else (torch.cat([layer.bias for layer in layers]),)
-    if fused and linear is F.linear and torch.is_grad_enabled() and sp and group.size > 1:
+    joined = fused and linear is F.linear and torch.is_grad_enabled()  # `_JoinedLinear`
+    if joined and sp and group.size > 1:
         n = _pieces(group, x.shape[1], first.overlap)
         y = _joined_linear_gathered(group, n, len(weights), x, *weights, *bias)
         return y.split([w.shape[0] for w in weights], dim=-1)
     x = enter_tp_region(x, group, sp)
-    if fused and linear is F.linear and torch.is_grad_enabled():
+    if joined:
         y = _joined_linear(None, 1, len(weights), x, *weights, *bias)
     elif fused and len(layers) > 1:
         y = linear(x, getattr(linear, "concat", torch.cat)(weights), *bias)
@@ -297,7 +301,7 @@ class _RowScattered(torch.autograd.Function):
         group, t, n = ctx.group, ctx.group.size, ctx.pieces
         pieces = _gather_pieces(g, group, n)  # each (t * r, b, out)
         xs = x.unflatten(1, (t, n, -1))
-        gx = torch.empty_like(xs) if _wanted(ctx, 0) else None
+        gx = x.new_empty(xs.shape) if _wanted(ctx, 0) else None
         for j, (work, buf) in enumerate(pieces):
             work.wait()
             if gx is not None:

@@ -11,7 +11,7 @@ from megalite.config import Config, ModelConfig
 from megalite.pipeline.actions import B, F, I, W
 from megalite.pipeline.schedules import get_schedule
 from megalite.plan.buffers import P2PBuffers, backward_working
-from megalite.plan.memory import BYTES, fp8_layer, fp8_saved, fused_blocks
+from megalite.plan.memory import BYTES, fp8_layer, fp8_saved, fused_blocks, kv_features
 from megalite.shape import RunShape
 
 
@@ -86,8 +86,7 @@ def _projection_outputs(m: ModelConfig, tp: int) -> float:
         heads, dqk = m.num_attention_heads / tp, m.qk_nope_head_dim + m.qk_rope_head_dim
         latents = 2 * (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank
         return latents + heads * (dqk + m.qk_nope_head_dim + m.v_head_dim)
-    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
-    return m.num_attention_heads * m.head_dim / tp + 2 * kv
+    return m.num_attention_heads * m.head_dim / tp + 2 * kv_features(m, tp)
 
 
 def pending_weight_grads(cfg: Config, shape: RunShape, kw: dict) -> float:
@@ -135,7 +134,7 @@ def layer_activations(
     s, h, f, a = m.seq_length, m.hidden_size, m.ffn, m.num_attention_heads
     rms, gated = m.features.rms_norm, m.features.gated_mlp
     rows = s * b / (t if sp else 1)  # tokens of a sequence-sharded tensor on this rank
-    kv = m.heads_kv * m.head_dim // t if m.heads_kv % t == 0 else m.heads_kv * m.head_dim
+    kv = kv_features(m, t)
     if recompute == "full":  # only the layer's input
         return rows * h * e
     norm_e = max(e, 4) if torch_ops else e

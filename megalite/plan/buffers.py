@@ -31,7 +31,7 @@ from megalite.pipeline.actions import (
     I,
     W,
 )
-from megalite.plan.memory import BYTES, chunk_specs, fp8_layer, fused_blocks
+from megalite.plan.memory import BYTES, chunk_specs, fp8_layer, fused_blocks, kv_features
 from megalite.shape import RunShape
 
 # what each send or receive holds: the tensor's name (a chunk's input or output, or the gradient)
@@ -116,8 +116,8 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
             per_layer[layer] = per_layer.get(layer, 0) + numel
-    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
-    qkv = tokens * (m.num_attention_heads * m.head_dim // tp + 2 * kv) * e  # their gradient
+    # q/k/v's gradient
+    qkv = tokens * (m.num_attention_heads * m.head_dim // tp + 2 * kv_features(m, tp)) * e
     gathered = tokens * m.hidden_size * e if shape.sequence_parallel and tp > 1 else 0
     attention = int(not m.features.latent_attention)  # a fused block (fused_blocks)
     widest = 0.0

@@ -112,6 +112,12 @@ def fp8_weights(cfg: Config, shape: RunShape, layers, head: bool = False) -> dic
     return {p + n: (p, k) for p in prefixes for k, names in enumerate(groups) for n in names}
 
 
+def kv_features(m: ModelConfig, tp: int) -> int:
+    """A TP rank's k (or v) projection width: its share of the k/v heads, or all of them when tp
+    does not divide them (every rank keeps them: model/layers.py `Attention.split_kv`)."""
+    return m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+
+
 def fused_blocks(m: ModelConfig, moe: bool = False) -> int:
     """How many blocks of a layer run fused column-parallel layers
     (tensor_parallel.fused_column_linear): the attention's q/k/v (not MLA's), the MLP's gate/up
@@ -149,7 +155,7 @@ def fp8_saved(cfg: Config, m: ModelConfig, tp: int, layers) -> float:
     if not RECIPES[t.fp8_recipe].transposable:
         return 0.0
     e, n, h, f = BYTES[t.precision], m.seq_length * t.micro_batch_size, m.hidden_size, m.ffn
-    kv = m.heads_kv * m.head_dim // tp if m.heads_kv % tp == 0 else m.heads_kv * m.head_dim
+    kv = kv_features(m, tp)
     qkv, up = h / tp + 2 * kv, f / tp * (2 if m.features.gated_mlp else 1)  # output features
     copies = n * h + qkv * h + n * h / tp + h * h / tp  # attention: q/k/v fused, out
     copies += n * h + up * h + n * f / tp + h * f / tp + 4 * 2 * 4  # MLP; 8 scales (fp32)

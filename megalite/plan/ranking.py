@@ -164,8 +164,7 @@ def _queued(seconds: float, windows: list) -> float:
     """What shows of a transfer of `seconds` made of one equal share per chunk, the shares sent
     one after another on one communicator, each with the window of compute it may take
     (`windows`, ascending: the first sent has the smallest). The queue's worst overrun is
-    exposed, and at least a tenth (the last bucket of a backward, the first of a forward). One
-    chunk: `_exposed`."""
+    exposed, and at least a tenth (the last bucket of a backward, the first of a forward)."""
     share, queued, worst = seconds / len(windows), 0.0, 0.0
     for window in windows:
         queued += share
@@ -217,4 +216,4 @@ def _exposed(seconds: float, behind: float) -> float:
     """What of a transfer of `seconds` shows next to `behind` seconds of compute it overlaps:
     what outlasts it, and at least a tenth (the last bucket of a backward, the first of a
     forward)."""
-    return max(0.1 * seconds, seconds - behind)
+    return _queued(seconds, [behind])
