@@ -342,6 +342,14 @@ class CheckpointConfig:
     )
     load_optim: bool = opt(True, "load the optimizer state (--no-load-optim: a fresh one)")
     load_rng: bool = opt(True, "restore the RNG states (--no-load-rng: re-seed)")
+    ckpt_format: str = opt(
+        "megalite",
+        "torch_dist (or torch: legacy files at this run's layout): each save also writes "
+        "Megatron-LM's files (weights, iteration, consumed samples) into its directory, so "
+        "Megatron --loads --save (with --no-load-optim --no-load-rng); --load reads Megatron "
+        "checkpoints whatever this says",
+        choices=("megalite", "torch_dist", "torch"),
+    )
     use_checkpoint_args: bool = opt(
         False,
         "accepted for Megatron compatibility: the model architecture is always taken from the "
