@@ -92,8 +92,7 @@ class MegatronCheckpoint:
             "config": saved_config(model),
         }
         self.load_note = (
-            "; its Megatron optimizer state is not mapped: a fresh optimizer, as with "
-            "--no-load-optim"
+            "; its Megatron optimizer state is not mapped (as with --no-load-optim)"
             if facts["optimizer"]
             else ""
         )
