@@ -107,7 +107,9 @@ class Checkpointer:
         self.last_saved = None  # iteration of the newest checkpoint in --save
         self._background = BackgroundSave()  # --async-save: the save in flight
         self._host = {}  # --async-save: host buffers reused from save to save
-        if cfg.checkpoint.save and cfg.checkpoint.ckpt_format != "megalite":
+        # --ckpt-format torch_dist|torch: Megatron's files beside each save's (None: megalite's only)
+        self.megatron_form = megatron_direct.FORMATS.get(cfg.checkpoint.ckpt_format)
+        if cfg.checkpoint.save and self.megatron_form:
             megatron_direct.check_exportable(shape.model, cfg)  # one line, now
 
     # ---- loading ----------------------------------------------------------------------------
@@ -347,7 +349,7 @@ class Checkpointer:
             index = {**meta, "rng": [p.rng for p in parts], "files": files,
                      "tensors": fmt.merge_entries([p.entries for p in parts])}  # fmt: skip
             fmt.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
-            if c.ckpt_format != "megalite":  # Megatron's files too, in the same directory
+            if self.megatron_form:  # Megatron's files too, in the same directory
                 megatron_direct.write_beside(tmp, self.cfg)
             old = final.with_name(f".{final.name}.old")
             if final.exists():  # the same iteration saved again: keep the old one until replaced
@@ -356,7 +358,7 @@ class Checkpointer:
             tmp.rename(final)
             fmt.fsync_dir(final.parent)
             fmt.write_atomic(final.parent / fmt.LATEST, final.name)
-            if c.ckpt_format != "megalite":
+            if self.megatron_form:
                 megatron_direct.write_tracker(final.parent, meta["iteration"])
             shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
