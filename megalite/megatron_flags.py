@@ -237,8 +237,9 @@ MEGATRON = {
     "--apply-layernorm-1p": note(
         "megalite keeps each norm's weight itself (initialised to 1), not its offset from 1: "
         "the same function and, with no weight decay on norms, the same updates (up to rounding)"),
-    "--moe-layer-freq": meaning("an integer as megalite's; [0]*3+[1]*58 as --moe-dense-layers",
-                                _moe_layer_freq, 1),
+    "--moe-layer-freq": meaning(
+        "an integer: the same; Megatron's list form [0]*3+[1]*58 becomes --moe-dense-layers",
+        _moe_layer_freq, 1),
     # ---- MoE ----
     "--moe-router-load-balancing-type": meaning(
         "aux_loss: megalite's auxiliary loss (--moe-aux-loss-coeff); none: coefficient 0",
@@ -303,8 +304,9 @@ MEGATRON = {
     # ---- data ----
     "--mock-data": note("megalite trains on its built-in corpus (no --data-path) instead of "
                         "random tokens"),
-    "--tokenizer-type": meaning("NullTokenizer with --mock-data: the built-in corpus' "
-                                "tokenizer; else megalite's --tokenizer-type", _tokenizer_type, 1),
+    "--tokenizer-type": meaning(
+        "megalite's types as they are; NullTokenizer with --mock-data: the built-in corpus' "
+        "tokenizer", _tokenizer_type, 1),
     "--tiktoken-pattern": note("megalite uses no tiktoken tokenizer here", 1),
     "--no-create-attention-mask-in-dataloader": note(
         "megalite's attention is causal without a mask tensor"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.config_read import build_parser
+from megalite.config_read import build_parser, parse_args
 from megalite.errors import MegaliteError
 from megalite.megatron_flags import MEGATRON
 from megalite.megatron_translate import Translation
@@ -45,6 +45,16 @@ REFUSED = {
 DRY_RUN_REFUSED = {
     "deepseek_v3_fsdp": "--zero-stage 3 does not shard mixture-of-experts models yet",
     "gptoss_20b": "Megatron's architecture flags",
+}
+
+# The layout each plans (the first line of --dry-run's plan) and the flavour its flags describe
+PLANNED = {
+    "docs_custom_llama": ("layout tp=1 pp=1 dp=8 zero=0:", "gpt2"),
+    "docs_gpt3": ("layout tp=2 pp=2 dp=2 zero=0:", "gpt2"),
+    "gpt3_175b": ("layout tp=2 pp=4 dp=1 zero=0:", "gpt2"),
+    "llama3_8b_fp8": ("layout tp=1 pp=1 dp=8 zero=1:", "llama"),
+    "llama3_8b_fsdp_fp8": ("layout tp=1 pp=1 dp=8 zero=3:", "llama"),
+    "mixtral_8x7b": ("layout tp=1 pp=2 dp=4 ep=4 zero=1:", "llama"),
 }
 
 
@@ -114,15 +124,15 @@ def test_the_script_passes_dry_run(name, tmp_path, monkeypatch, capsys):
         return
     main([*kept, "--dry-run"])
     out = capsys.readouterr()
-    assert out.out.startswith("layout ")
+    layout, flavour = PLANNED[name]
+    assert out.out.startswith(layout), out.out.splitlines()[0]
+    assert parse_args(kept).model.flavour == flavour
     assert all(line.startswith("megalite:") for line in out.err.splitlines()), out.err
 
 
 def test_swiglu_and_profile_reach_their_own_meaning(tmp_path):
     """Flags are matched whole: --swiglu is not --swiglu-limit, --profile not --profile-steps,
     and a prefix of a flag is unknown."""
-    from megalite.config_read import parse_args
-
     cfg = parse_args(["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
                       "rope", "--disable-bias-linear", "--hidden-size", "96", "--profile"])  # fmt: skip
     assert cfg.model.flavour == "llama" and cfg.model.swiglu_limit == 7.0
@@ -156,3 +166,11 @@ def test_llama3_fp8_script_trains(tmp_path):
     assert min(losses[-3:]) < losses[0] - 0.3, losses
     assert (tmp_path / "prof" / "trace-rank0.json").stat().st_size > 0
     assert "megalite: note: --apply-layernorm-1p" in proc.stderr
+
+
+def test_the_docs_table_says_what_the_flag_table_does():
+    """docs/megatron.md gives each flag of megatron_flags.MEGATRON its handling and its words."""
+    text = (ROOT / "docs" / "megatron.md").read_text()
+    for flag, h in MEGATRON.items():
+        row = f"| `{flag}` | {h.kind} | {h.doc.replace('|', chr(92) + '|')} |"
+        assert row in text, row
