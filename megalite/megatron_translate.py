@@ -43,6 +43,10 @@ def resolve_flavour(asked: dict) -> str:
     )
 
 
+# FP8 flags that only delayed scaling reads: given without --fp8-recipe, they ask for it
+DELAYED_ONLY = ("--fp8-amax-history-len", "--fp8-amax-compute-algo")
+
+
 class Translation:
     """One command line's Megatron flags turned into megalite's, with their notes."""
 
@@ -109,6 +113,11 @@ class Translation:
         elif self.zero_from:
             zero = self.zero_from
         extra += ["--zero-stage", zero] if self.zero_from else []
+        delayed = [f for f in DELAYED_ONLY if f in out]
+        if delayed and "--fp8-format" in out and "--fp8-recipe" not in out:
+            extra += ["--fp8-recipe", "delayed"]  # Megatron's default recipe, which they tune
+            self.notes.append(f"{delayed[0]}: delayed scaling, Megatron's default recipe "
+                              "(megalite's default without these flags: tensorwise)")  # fmt: skip
         if self.fp8_param_gather and (zero == "3" or not self.zero_from):  # megalite's own
             extra.append("--fp8-param-gather")
         elif self.fp8_param_gather:

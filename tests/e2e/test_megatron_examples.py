@@ -150,7 +150,8 @@ def test_swiglu_and_profile_reach_their_own_meaning(tmp_path):
 @pytest.mark.slow
 def test_llama3_fp8_script_trains(tmp_path):
     """examples/llama/train_llama3_8b_h100_fp8.sh's flags, tiny, 20 steps on 2 CPU ranks (dp 2
-    where the script has 8): the loss is finite and falls; --profile writes its trace."""
+    where the script has 8), with its FP8 flags as megalite's FP8 (hybrid formats, delayed
+    scaling, emulated on CPU): the loss is finite and falls; --profile writes its trace."""
     argv = script("llama3_8b_fp8", tmp_path)
     replace = {"--global-batch-size": "4", "--eval-interval": "0", "--save-interval": "0",
                "--lr": "3e-3", "--min-lr": "3e-4", "--profile-step-start": "2",
@@ -166,6 +167,7 @@ def test_llama3_fp8_script_trains(tmp_path):
     assert min(losses[-3:]) < losses[0] - 0.3, losses
     assert (tmp_path / "prof" / "trace-rank0.json").stat().st_size > 0
     assert "megalite: note: --apply-layernorm-1p" in proc.stderr
+    assert "megalite: note: --fp8-amax-history-len: delayed scaling" in proc.stderr
 
 
 def test_the_docs_table_says_what_the_flag_table_does():

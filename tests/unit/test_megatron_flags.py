@@ -106,3 +106,13 @@ def test_torch_profile_traces_megatrons_steps(tmp_path):
     assert written == [None, None, path, None, None]
     trace = open(path).read()
     assert '"step2"' in trace and '"step3"' in trace and '"step1"' not in trace
+
+
+def test_megatrons_delayed_fp8_knobs_ask_for_delayed_scaling():
+    """Megatron's default FP8 recipe is delayed scaling, whose amax history its scripts set."""
+    t = parse_args(["--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]).training
+    assert (t.fp8_recipe, t.fp8_amax_history_len) == ("delayed", 16)
+    t = parse_args(["--fp8-format", "hybrid", "--fp8-amax-compute-algo", "max",
+                    "--fp8-recipe", "tensorwise"]).training  # fmt: skip
+    assert t.fp8_recipe == "tensorwise"
+    assert parse_args(["--fp8-format", "hybrid"]).training.fp8_recipe == "tensorwise"
