@@ -295,6 +295,17 @@ class TrainingConfig:
         choices=("cpu", "cuda"),
     )
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
+    profile: bool = opt(
+        False,
+        "torch.profiler traces (Chrome JSON) of the steps after --profile-step-start up to "
+        "--profile-step-end (Megatron's numbering: steps done), one per rank of --profile-ranks",
+    )
+    profile_step_start: int = opt(10, "--profile: steps done when the trace starts")
+    profile_step_end: int = opt(12, "--profile: steps done when the trace stops")
+    profile_ranks: list[int] = opt(lambda: [0], "--profile: the ranks that trace")
+    profile_dir: str | None = opt(
+        None, "where --profile writes trace-rank<R>.json (default: --tensorboard-dir, else profile)"
+    )
     debug: bool = opt(False, "show full tracebacks on errors")
     exit_duration_in_mins: float | None = opt(
         None,

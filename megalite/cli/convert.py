@@ -311,7 +311,7 @@ def megalite_to_megalite(src: Path, dst: Path, args):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
     p.add_argument("--to", choices=("hf", "megalite", "megatron"), required=True)

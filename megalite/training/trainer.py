@@ -39,6 +39,7 @@ from megalite.training.logger import Logger
 from megalite.training.manual_gc import ManualGC
 from megalite.training.preemption import Preemption
 from megalite.training.timeline import Timeline
+from megalite.training.torch_profile import TorchProfile
 
 
 class Trainer:
@@ -73,6 +74,7 @@ class Trainer:
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
+        self.profile = TorchProfile.from_config(cfg, groups.rank, groups.device)  # --profile
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
@@ -337,7 +339,13 @@ class Trainer:
         log = evaluate or it % t.log_interval == 0 or it == t.train_iters
         first = "first step" not in self.launch.seconds
         t0 = time.perf_counter()
+        if self.profile:
+            self.profile.before_step(it - 1)
         metrics = self.train_step(log)  # (returns after the step's read of the device)
+        if self.profile and self.profile.after_step(it):
+            print(
+                f"rank {self.groups.rank}: profile trace written to {self.profile.path}", flush=True
+            )
         if first:
             self.launch.add("first step", time.perf_counter() - t0)
         self.gc.after_step(it)
