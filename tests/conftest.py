@@ -4,7 +4,6 @@ import sys
 import pytest
 import torch
 
-
 if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on CPU; it must be set before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
