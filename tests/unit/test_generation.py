@@ -22,7 +22,7 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
-from megalite.generation import generate
+from megalite.generation import generate, generate_scored
 from megalite.model.env import LOCAL, LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
@@ -135,6 +135,36 @@ def test_stops_at_eos_a_stop_condition_and_the_context(pair):
     assert len(generate([chunk], GROUPS, [[7] * (SEQ - 4)], NEW)[0]) == 5
     with pytest.raises(MegaliteError, match="has 33 tokens but the model's context is 32"):
         generate([chunk], GROUPS, [[7] * (SEQ + 1)], NEW)
+
+
+def _whole(chunk, ids):
+    """log_softmax of a whole-sequence forward (no cache): (len(ids), vocab)."""
+    with torch.no_grad():
+        return torch.log_softmax(chunk(torch.tensor([ids])), -1)[0]
+
+
+def test_scores_are_the_whole_forward_log_softmax(pair):
+    _, chunk, _ = pair
+    k = 3
+    r = generate_scored([chunk], GROUPS, PROMPTS, NEW, logprobs=k, echo=True)
+    assert r.tokens == generate([chunk], GROUPS, PROMPTS, NEW)
+    for p, new, lp, top, plp, ptop in zip(PROMPTS, r.tokens, r.logprobs, r.top,
+                                          r.prompt_logprobs, r.prompt_top):  # fmt: skip
+        ids = p + new
+        ref = _whole(chunk, ids)
+        want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert len(plp) == len(p) - 1 and len(lp) == len(new)
+        torch.testing.assert_close(plp + lp, want, rtol=0, atol=1e-10)
+        best = ref[:-1].topk(k, -1)
+        for (row_ids, row_lp), (i, v) in zip([zip(*t) for t in ptop + top],
+                                             zip(best.indices.tolist(), best.values.tolist())):  # fmt: skip
+            assert list(row_ids) == i
+            torch.testing.assert_close(list(row_lp), v, rtol=0, atol=1e-10)
+    # max_new_tokens 0 with echo: the prompts' scores alone (lm-eval's log-likelihood request)
+    only = generate_scored([chunk], GROUPS, PROMPTS, 0, logprobs=0, echo=True)
+    assert only.tokens == [[], [], []] and only.logprobs == [[], [], []]
+    assert only.prompt_logprobs == [[v for v in row] for row in r.prompt_logprobs]
+    assert only.prompt_top == [[[]] * (len(p) - 1) for p in PROMPTS]
 
 
 def test_sharded_sampling_helpers_pick_what_the_whole_vocabulary_does():
