@@ -216,36 +216,61 @@ def encode_with_specials(tok, text: str) -> list[int]:
 # ---- responses ------------------------------------------------------------------------------
 
 
-def token_texts(tok, ids, before=()) -> list[str]:
-    """Each token's text in context: what it adds to the decoded text of the few before it
-    (`before`: ids preceding the first), so pieces that carry a space or merge bytes read as
-    they do in the whole text."""
+def _text_in(tok, ctx, t) -> str:
+    """What token t adds to the decoded text of `ctx` (a few ids before it): pieces that carry
+    a space or merge bytes read as they do in the whole text."""
+    head, whole = tok.decode(ctx), tok.decode([*ctx, t])
+    return whole[len(head) :] if whole.startswith(head) else tok.decode([t])
+
+
+def _piece(tok, t) -> str:
+    """The tokenizer's own name of a token (a byte piece's, where its text is no character)."""
+    if hasattr(tok, "sp"):
+        return tok.sp.IdToPiece(t)
+    return tok.tok.id_to_token(t) if hasattr(tok, "tok") else str(t)
+
+
+def _scored(tok, ids, tops, before):
+    """Per token: (its text, [(candidate name, logprob)]): each candidate named by the text it
+    would add at that place, or by its piece when that is no whole character (or is taken)."""
     ctx, out = list(before)[-4:], []
-    for t in ids:
-        head = tok.decode(ctx)
-        whole = tok.decode([*ctx, t])
-        out.append(whole[len(head) :] if whole.startswith(head) else tok.decode([t]))
+    for t, top in zip(ids, tops):
+        named = []
+        if top is not None:
+            seen = set()
+            for i, v in top:
+                name = _text_in(tok, ctx, i)
+                if "\ufffd" in name or name in seen:
+                    name = _piece(tok, i)
+                seen.add(name)
+                named.append((i, name, v))
+        out.append((_text_in(tok, ctx, t), None if top is None else named))
         ctx = [*ctx[-3:], t]
     return out
 
 
+def token_texts(tok, ids, before=()) -> list[str]:
+    """Each token's text in context (`before`: the ids preceding the first)."""
+    return [text for text, _ in _scored(tok, ids, [None] * len(ids), before)]
+
+
 def completion_logprobs(tok, ids, lps, tops, start, before=(), first_null=False) -> dict:
-    """OpenAI's completions logprobs for tokens `ids` (their logprobs `lps`, top pairs `tops`)
-    whose text starts at offset `start`; `first_null`: the first token has no logprob."""
-    texts = token_texts(tok, ids, before)
-    offsets, at = [], start
-    for t in texts:
+    """OpenAI's completions logprobs for tokens `ids` (their logprobs `lps`, top (id, logprob)
+    pairs `tops`) whose text starts at offset `start`; `first_null`: the first token has no
+    logprob. The chosen token is always among top_logprobs (as OpenAI's)."""
+    pre = [None] if first_null else []
+    lps, tops = pre + list(lps), pre + list(tops)
+    texts, offsets, top_dicts, at = [], [], [], start
+    for t, lp, (text, named) in zip(ids, lps, _scored(tok, ids, tops, before)):
+        texts.append(text)
         offsets.append(at)
-        at += len(t)
-    lps, tops = ([None] if first_null else []) + list(lps), ([None] if first_null else []) + tops
-    top_dicts = []
-    for text, lp, top in zip(texts, lps, tops):
-        if top is None:
+        at += len(text)
+        if named is None:
             top_dicts.append(None)
             continue
-        names = token_texts(tok, [i for i, _ in top], ())
-        d = {name: v for name, (_, v) in zip(names, top)}
-        d.setdefault(text, lp)  # the chosen token is always there
+        d = {name: v for _, name, v in named}
+        if t not in [i for i, _, _ in named]:
+            d.setdefault(text, lp)
         top_dicts.append(d)
     return {"tokens": texts, "token_logprobs": lps, "top_logprobs": top_dicts,
             "text_offset": offsets}  # fmt: skip
@@ -254,11 +279,10 @@ def completion_logprobs(tok, ids, lps, tops, start, before=(), first_null=False)
 def chat_logprobs(tok, ids, lps, tops, before=()) -> dict:
     """OpenAI's chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
     rows = []
-    for text, lp, top in zip(token_texts(tok, ids, before), lps, tops):
-        names = token_texts(tok, [i for i, _ in top], ())
+    for lp, (text, named) in zip(lps, _scored(tok, ids, tops, before)):
         rows.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                      "top_logprobs": [{"token": n, "logprob": v, "bytes": list(n.encode())}
-                                      for n, (_, v) in zip(names, top)]})  # fmt: skip
+                                      for _, n, v in named]})  # fmt: skip
     return {"content": rows}
 
 

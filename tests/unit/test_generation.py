@@ -261,7 +261,69 @@ def test_server_answers_and_shuts_down(pair, tokenizer):
         assert status == 200 and out["text"] == ["def f(x):" + want]
         status, out = call("PUT", "/api", {"prompts": ["a"], "top_k": "many"})
         assert status == 400 and "'top_k' must be int" in out["error"]
+        _openai_requests(call, model, chunk, url)
     finally:
         server.stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def _openai_requests(call, model, chunk, url):
+    """The OpenAI fields (tests/e2e/test_openai_api.py runs the clients): echo and logprobs
+    against generate_scored, stop strings streamed, token-id batches with n, errors' shape."""
+    tok = model.tok
+    ids = tok.encode("def f(x):")
+    ref = generate_scored([chunk], GROUPS, [ids], 5, logprobs=2, echo=True)
+    status, out = call("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 5,
+                                                   "temperature": 0, "logprobs": 2, "echo": True})  # fmt: skip
+    lp = out["choices"][0]["logprobs"]
+    assert status == 200 and out["model"] == "megalite"
+    assert lp["token_logprobs"] == [None, *ref.prompt_logprobs[0], *ref.logprobs[0]]
+    assert (
+        "".join(lp["tokens"])
+        == out["choices"][0]["text"]
+        == "def f(x):" + tok.decode(ref.tokens[0])
+    )
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids) + 5)]
+    top = lp["top_logprobs"][len(ids)]  # the first new token's: its 2 likeliest (one is it)
+    assert len(top) == 2 and max(top.values()) == lp["token_logprobs"][len(ids)]
+    # lm-eval's log-likelihood request: ids, max_tokens 0 with echo (or 1: one token more)
+    status, out = call("POST", "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 0,
+                                                   "logprobs": 1, "echo": True})  # fmt: skip
+    assert [c["logprobs"]["token_logprobs"] for c in out["choices"]] == [
+        [None, *ref.prompt_logprobs[0]], [None, *ref.prompt_logprobs[0][:2]]]  # fmt: skip
+    # n = 2 of two token-id prompts: choice i * n + j
+    status, out = call("POST", "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 3,
+                                                   "n": 2, "temperature": 0})  # fmt: skip
+    short = tok.decode(generate([chunk], GROUPS, [ids[:3]], 3)[0])
+    want = [tok.decode(ref.tokens[0][:3])] * 2 + [short] * 2
+    assert [c["text"] for c in out["choices"]] == want and out["usage"]["completion_tokens"] == 12
+    # a stop string: the text ends before it, streamed or not
+    text = tok.decode(ref.tokens[0])
+    stop = text[2:4]
+    body = {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0, "stop": [stop]}
+    status, out = call("POST", "/v1/completions", body)
+    assert out["choices"][0]["text"] == text[: text.index(stop)]
+    assert out["choices"][0]["finish_reason"] == "stop"
+    req = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True})
+                                 .encode(), method="POST")  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and r.headers["Content-Type"] == "text/event-stream"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # errors: OpenAI's shape and status
+    status, out = call("POST", "/v1/completions", {"prompt": [tok.vocab_size + 3]})
+    assert status == 400 and out["error"]["param"] == "prompt"
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert "outside the vocabulary" in out["error"]["message"]
+    status, out = call("POST", "/v1/completions", {"prompt": "a", "presence_penalty": 0.5})
+    assert status == 400 and out["error"]["param"] == "presence_penalty"
+    status, out = call("POST", "/v1/nope", {})
+    assert status == 404 and out["error"]["code"] == "unknown_url"
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["megalite"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url + "/other", timeout=60)
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "unknown_url"
