@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(checkpoint dir, tokenizer, one-process greedy ids of PROMPT): a random HF GPT-2."""
-    from megalite.generation import generate
+    from megalite.generation import generate, generate_scored
     from megalite.parallel.groups import single_process_groups
     from tests.unit.test_checkpoint_hf import convert, hf_model
     from tests.unit.test_generation import gen_tool, train_tokenizer
@@ -34,7 +34,8 @@ def model(tmp_path_factory):
     ids = t.encode(PROMPT)
     with torch.no_grad():
         new = generate([chunk], single_process_groups(), [ids], 6)[0]
-    return str(d / "ml"), tok, ids, new, t.decode(new)
+        scored = generate_scored([chunk], single_process_groups(), [ids], 6, logprobs=2, echo=True)
+    return str(d / "ml"), tok, ids, new, t.decode(new), scored
 
 
 PROMPT = "def f(x):"
@@ -46,7 +47,7 @@ def _torchrun(tool, *args):
 
 
 def test_generate_and_serve_under_torchrun(model):
-    path, tok, ids, new, text = model
+    path, tok, ids, new, text, scored = model
     flags = ["--load", path, "--tokenizer-model", tok, "--tp", "2", "--dtype", "fp64"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
@@ -66,6 +67,22 @@ def test_generate_and_serve_under_torchrun(model):
         req = urllib.request.Request(url + "/v1/completions", body, method="POST")
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert json.loads(resp.read())["choices"][0]["text"] == text
+        # log-probabilities over the vocabulary shards of tp=2, the prompt's too (echo)
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            lp = json.loads(resp.read())["choices"][0]["logprobs"]
+        want = [*scored.prompt_logprobs[0], *scored.logprobs[0]]
+        assert lp["token_logprobs"][0] is None
+        torch.testing.assert_close(lp["token_logprobs"][1:], want, rtol=0, atol=1e-10)
+        # streamed: the chunks' texts joined are the text
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            events = [e for e in resp.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == text
         os.kill(pid, signal.SIGTERM)  # rank 0 releases rank 1; both exit 0, so torchrun does
         assert server.wait(timeout=120) == 0, server.stderr.read()[-4000:]
         assert "megalite serve: stopped" in server.stderr.read()
