@@ -1,6 +1,8 @@
-"""Serve generation over HTTP: Megatron's `PUT /api` and an OpenAI-style `POST /v1/completions`.
+"""Serve generation over HTTP: the OpenAI API (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`; megalite/cli/openai_api.py) and Megatron's `PUT /api`.
 
     python tools/serve.py --load DIR [--host 127.0.0.1] [--port 5000] [--tokenizer-model M]
+        [--served-model-name NAME] [--chat-template FILE]
     torchrun --nproc_per_node N tools/serve.py --load DIR --tp T --pp P [--ep E] [--port 5000]
 
     curl -s -X POST localhost:5000/v1/completions -H 'Content-Type: application/json' \\
@@ -10,7 +12,8 @@ Every rank keeps its part of the model loaded (tools/generate.py's loading: any 
 tp x pp, an MoE model's experts over --ep). Rank 0 answers HTTP with the standard library, one
 request at a time: it checks and tokenizes a request, then broadcasts it to the other ranks
 (JSON in a byte tensor, over the world group: nothing from the network is unpickled), and all
-run the same generation. When idle,
+run the same generation (with log-probabilities when asked: generation.generate_scored); a
+streamed answer is written by rank 0 step by step (megalite/cli/openai_responses.py). When idle,
 rank 0 broadcasts a heartbeat, so the others never reach the process-group timeout while they
 wait. SIGINT or SIGTERM on rank 0 (Ctrl-C; torchrun passes it on) ends the loop within half a
 second; a stop message releases the other ranks and every rank exits 0. `--port 0` picks a free
