@@ -58,3 +58,14 @@ def test_without_an_installed_kernels_the_import_fails_as_if_absent():
         "ModuleNotFoundError: No module named 'kernels' (the repository's kernels/ is "
         "megalite.kernels)"
     )
+
+
+def test_no_other_name_of_the_root_hides_an_installed_one():
+    """What the root provides as top-level modules (packages with __init__.py, *.py files) and
+    installed distributions also provide: only `kernels`, which hands over (above)."""
+    from importlib.metadata import packages_distributions
+
+    installed = packages_distributions()
+    ours = {p.parent.name for p in ROOT.glob("*/__init__.py")} | {p.stem for p in ROOT.glob("*.py")}
+    clashes = {n: installed[n] for n in ours if set(installed.get(n, [])) - {"megalite"}}
+    assert set(clashes) <= {"kernels"}, clashes
