@@ -327,3 +327,23 @@ def _openai_requests(call, model, chunk, url):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(url + "/other", timeout=60)
     assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "unknown_url"
+
+
+def test_chat_template_is_found_rendered_and_its_special_tokens_encoded(tokenizer, tmp_path):
+    from megalite.cli.openai_api import ChatTemplate, encode_with_specials, find_chat_template
+
+    assert find_chat_template(None, [tmp_path]) is None
+    conf = {"chat_template": [{"name": "tool_use", "template": "x"},
+                              {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"}]}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    source = find_chat_template(None, [tmp_path / "none", tmp_path])
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert find_chat_template(None, [tmp_path]) == "{{ messages[0]['content'] }}!"  # .jinja first
+    assert find_chat_template(str(tmp_path / "tokenizer_config.json"), []) == source
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_chat_template(str(tmp_path / "missing.jinja"), [tmp_path])
+    tok = Tokenizer(tokenizer)
+    text = ChatTemplate(source, tok.special_tokens).render([{"role": "user", "content": "def"}])
+    assert text == "<s>def"
+    assert encode_with_specials(tok, text) == [tok.bos_id, *tok.encode("def")]
+    assert tok.encode(text) != encode_with_specials(tok, text)  # as plain text, <s> is 3 pieces
