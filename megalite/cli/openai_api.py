@@ -73,7 +73,7 @@ def _sampling(body, default_max) -> dict:
     return {
         "max_new": _get(body, "max_tokens", (int,), default_max, lambda n: n >= 0),
         "temperature": _get(body, "temperature", (float,), 1.0, lambda t: t >= 0),
-        "top_k": _get(body, "top_k", (int,), 0, lambda k: k >= 0),  # -1 (vLLM's off) refused
+        "top_k": max(_get(body, "top_k", (int,), 0, lambda k: k >= -1), 0),  # -1: off (vLLM's)
         "top_p": _get(body, "top_p", (float,), 1.0, lambda p: 0 < p <= 1),
         "n": _get(body, "n", (int,), 1, lambda n: 1 <= n <= 128),
         "seed": _get(body, "seed", (int,), None),

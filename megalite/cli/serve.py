@@ -126,6 +126,8 @@ class Server:
         m = self.model
         sampling = Sampling(msg["temperature"], msg["top_k"], msg["top_p"])
         g = torch.Generator().manual_seed(msg["seed"])
+        if on_step is not None:  # rank 0's writer: a failure there must not stop this rank's
+            on_step = _guarded(on_step)  # generation while the others go on with theirs
         return generate_scored(m.chunks, m.groups, msg["prompts"], msg["max_new"], sampling, g,
                                m.tok.eos_id, gen.stop_at(m.tok, msg["stop"]),
                                logprobs=msg.get("logprobs"), echo=msg.get("echo", False),
@@ -180,7 +182,7 @@ class Server:
         if not req["texts"]:
             raise BadRequest("no prompt given")
         req = {**req, "prompts": [([tok.bos_id] if req["bos"] else []) + gen.encode(tok, t)
-                                  for t in req["texts"]], "max_new": req["max_new"]}  # fmt: skip
+                                  for t in req["texts"]]}  # fmt: skip
         prompts, r = self.generate(req)
         return [(*gen.finish(tok, ids, tok.eos_id, req["stop"]), len(p), len(ids))
                 for p, ids in zip(prompts, r.tokens)]  # fmt: skip
@@ -190,6 +192,22 @@ class Server:
         if name is not None and name != self.model_id:
             raise ApiError(f"the model {name!r} does not exist; this server serves "
                            f"{self.model_id!r}", "model", 404, code="model_not_found")  # fmt: skip
+
+
+def _guarded(fn):
+    """fn, its first exception logged and then no more calls."""
+    failed = []
+
+    def call(*args):
+        if failed:
+            return
+        try:
+            fn(*args)
+        except Exception:
+            failed.append(True)
+            traceback.print_exc()
+
+    return call
 
 
 def _handler(server: Server):
