@@ -105,9 +105,10 @@ def _lm_eval(tmp_path, model, model_args):
     return results, samples
 
 
-def test_lm_eval_local_completions_scores_equal_its_hf_backend(served, tmp_path, monkeypatch):
+def assert_lm_eval_matches_hf(url, export, tmp_path, monkeypatch):
+    """lm-eval's local-completions against the server at `url` (.../v1) scores the local task
+    as its hf backend scores `export` (the served model in transformers, fp64)."""
     pytest.importorskip("lm_eval")
-    _, url, export = served
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")  # nothing from the network: local data and tokenizer
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -123,3 +124,8 @@ def test_lm_eval_local_completions_scores_equal_its_hf_backend(served, tmp_path,
             (lp_a, greedy_a), (lp_h, greedy_h) = choice_a[0], choice_h[0]
             assert lp_a == pytest.approx(lp_h, abs=1e-9) and greedy_a == greedy_h
     assert json.dumps(a["megalite_tiny_gen"]) != json.dumps([[[""]]] * 4)  # text was made
+
+
+def test_lm_eval_local_completions_scores_equal_its_hf_backend(served, tmp_path, monkeypatch):
+    _, url, export = served
+    assert_lm_eval_matches_hf(url, export, tmp_path, monkeypatch)

@@ -3,10 +3,12 @@ request, a clean shutdown. The tokens must be the one-process generation's (fp64
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,9 @@ def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     tok = train_tokenizer(d)
     hf_model("gpt2", seed=2).save_pretrained(d / "hf", safe_serialization=True)
+    shutil.copy(tok, d / "hf" / "tokenizer.model")  # carried by the checkpoint, then exported
     convert.main([str(d / "hf"), str(d / "ml"), "--to", "megalite"])
+    convert.main([str(d / "ml"), str(d / "export"), "--to", "hf"])
     chunk, t = gen_tool.load(d / "ml", tok)
     chunk = chunk.double()
     ids = t.encode(PROMPT)
@@ -46,7 +50,7 @@ def _torchrun(tool, *args):
             f"tools/{tool}.py", *args]  # fmt: skip
 
 
-def test_generate_and_serve_under_torchrun(model):
+def test_generate_and_serve_under_torchrun(model, tmp_path, monkeypatch):
     path, tok, ids, new, text, scored = model
     flags = ["--load", path, "--tokenizer-model", tok, "--tp", "2", "--dtype", "fp64"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -57,7 +61,8 @@ def test_generate_and_serve_under_torchrun(model):
     assert r.returncode == 0, r.stderr[-3000:]
     (line,) = r.stdout.splitlines()  # printed once, by rank 0
     assert json.loads(line)["new_ids"] == new
-    server = subprocess.Popen(_torchrun("serve", *flags, "--port", "0"), cwd=ROOT, env=env,
+    serve = _torchrun("serve", *flags, "--port", "0", "--served-model-name", "tiny")
+    server = subprocess.Popen(serve, cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         first = server.stdout.readline()  # "serving on http://127.0.0.1:PORT (pid N: ...)"
@@ -83,6 +88,11 @@ def test_generate_and_serve_under_torchrun(model):
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
         assert "".join(c["text"] for c in chunks) == text
+        # lm-eval against the tp=2 server scores as its hf backend on the exported model
+        from tests.e2e.test_openai_api import assert_lm_eval_matches_hf
+
+        export = Path(path).parent / "export"
+        assert_lm_eval_matches_hf(url + "/v1", export, tmp_path, monkeypatch)
         os.kill(pid, signal.SIGTERM)  # rank 0 releases rank 1; both exit 0, so torchrun does
         assert server.wait(timeout=120) == 0, server.stderr.read()[-4000:]
         assert "megalite serve: stopped" in server.stderr.read()
