@@ -73,6 +73,14 @@ def test_openai_client_completions_streamed_and_chat(served):
     same = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
     assert chat.choices[0].message.content == same.choices[0].text
     assert chat.usage.prompt_tokens == len(ids)
+    scored = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                            temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    lp = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                   logprobs=2).choices[0].logprobs  # fmt: skip
+    content = scored.choices[0].logprobs.content
+    assert [c.logprob for c in content] == lp.token_logprobs
+    assert [c.token for c in content] == lp.tokens
+    assert all(len(c.top_logprobs) == 2 for c in content)
     parts = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
                                                 temperature=0, stream=True))  # fmt: skip
     assert parts[0].choices[0].delta.role == "assistant"

@@ -305,12 +305,15 @@ def _openai_requests(call, model, chunk, url):
     status, out = call("POST", "/v1/completions", body)
     assert out["choices"][0]["text"] == text[: text.index(stop)]
     assert out["choices"][0]["finish_reason"] == "stop"
-    req = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True})
-                                 .encode(), method="POST")  # fmt: skip
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(streamed).encode(),
+                                 method="POST")  # fmt: skip
     with urllib.request.urlopen(req, timeout=60) as r:
         events = r.read().decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and r.headers["Content-Type"] == "text/event-stream"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    *chunks, last = chunks  # the usage chunk: no choices
+    assert last["choices"] == [] and last["usage"] == out["usage"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     # errors: OpenAI's shape and status
