@@ -30,21 +30,19 @@ it was built with (`GPTChunk(ops=...)`), so `override(ops, linear=fp8_linear)` o
 if __name__ == "kernels":  # the repository root is on sys.path (python -c, a REPL, a notebook)
     # This folder is megalite.kernels; as the top-level `kernels` it would hide the PyPI
     # package of that name (which transformers imports). Hand the import over to the installed
-    # one, or fail as if this folder were not there.
+    # one; without one, be what a folder without __init__.py is: an empty namespace package
+    # (no __file__, nothing to import from it), which transformers reads as "not installed".
     import importlib.machinery
     import importlib.util
     import os
     import sys
 
-    def _installed(name: str):
+    def _installed(name: str) -> bool:
         here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
         path = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None:
-            raise ModuleNotFoundError(
-                f"No module named {name!r} (the repository's kernels/ is megalite.kernels)",
-                name=name,
-            )
+            return False
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # what the import statement returns
         try:
@@ -52,8 +50,10 @@ if __name__ == "kernels":  # the repository root is on sys.path (python -c, a RE
         except BaseException:
             del sys.modules[name]
             raise
+        return True
 
-    _installed(__name__)
+    if not _installed(__name__):
+        __file__, __path__ = None, []
 else:
     from types import SimpleNamespace
 

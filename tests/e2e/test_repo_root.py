@@ -1,9 +1,12 @@
 """Python started in the repository root (`python -c`, a REPL, a notebook) has the root on
 sys.path, where kernels/ (installed as megalite.kernels) would hide the installed package named
-`kernels` that transformers imports: kernels/__init__.py hands such an import over to it."""
+`kernels` that transformers imports: kernels/__init__.py hands such an import over to it, or
+without one is an empty namespace package, as a folder without __init__.py would be."""
 
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -51,13 +54,32 @@ def test_an_installed_kernels_package_wins(tmp_path):
     assert r.stdout.split() == ["installed", "select"]
 
 
-def test_without_an_installed_kernels_the_import_fails_as_if_absent():
-    r = _python("import kernels", "-S")  # -S: no site-packages, so no installed `kernels`
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: No module named 'kernels' (the repository's kernels/ is "
-        "megalite.kernels)"
+def test_without_an_installed_kernels_it_is_as_if_absent(tmp_path):
+    """This environment's packages but `kernels` (links to each, `python -S` adding them): from
+    the root, `kernels` is an empty namespace package, as the folder would be without its
+    __init__.py, and transformers finds no kernels, as it does elsewhere."""
+    pytest.importorskip("transformers")
+    site = Path(sysconfig.get_paths()["purelib"])
+    farm = tmp_path / "site"
+    farm.mkdir()
+    for p in site.iterdir():
+        if p.name != "kernels" and not p.name.startswith("kernels-"):
+            (farm / p.name).symlink_to(p)
+    setup = f"import site; site.addsitedir({str(farm)!r}); "
+    code = setup + (
+        "import kernels; print(kernels.__file__, list(kernels.__path__))\n"
+        "try:\n    from kernels import select\nexcept ImportError:\n    print('ImportError')"
     )
+    r = _python(code, "-S")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["None", "[]", "ImportError"]
+    check = (
+        setup + "from transformers.utils import import_utils as u; print(u.is_kernels_available())"
+    )
+    here = _python(check, "-S")
+    elsewhere = subprocess.run([sys.executable, "-S", "-c", check], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert here.stdout.split() == elsewhere.stdout.split() == ["False"], here.stderr[-3000:]
 
 
 def test_no_other_name_of_the_root_hides_an_installed_one():
