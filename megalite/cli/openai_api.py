@@ -20,6 +20,8 @@ import re
 import time
 from pathlib import Path
 
+from megalite.errors import MegaliteError
+
 MAX_LOGPROBS = 20
 
 
@@ -175,6 +177,7 @@ class ChatTemplate:
     `messages`, `add_generation_prompt`, the tokenizer's `bos_token` / `eos_token`."""
 
     def __init__(self, source: str, special_tokens: dict):
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -184,11 +187,20 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent)
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda f: time.strftime(f))  # fmt: skip
-        self.template, self.special = env.from_string(source), special_tokens
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise MegaliteError(f"the chat template does not parse: {e}") from None
+        self.special = special_tokens
 
     def render(self, messages) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True, tools=None,
-                                    **self.special)  # fmt: skip
+        from jinja2 import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        tools=None, **self.special)  # fmt: skip
+        except TemplateError as e:
+            raise ApiError(f"chat template: {e}", "messages") from None
 
 
 @functools.lru_cache(maxsize=4)
