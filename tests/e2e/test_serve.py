@@ -97,5 +97,9 @@ def test_generate_and_serve_under_torchrun(model, tmp_path, monkeypatch):
         assert server.wait(timeout=120) == 0, server.stderr.read()[-4000:]
         assert "megalite serve: stopped" in server.stderr.read()
     finally:
-        if server.poll() is None:
-            server.kill()
+        if server.poll() is None:  # a failed check: torchrun passes SIGTERM on to its ranks
+            server.terminate()  # (a SIGKILL to torchrun alone would leave them running)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
