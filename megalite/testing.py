@@ -278,9 +278,9 @@ def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[f
     and optimizer state in flat (DP-sharded) buffers and runs the micro-batches through the
     pipeline schedule (pp=1: F0 B0 F1 B1 ...)."""
     from megalite.data.sampler import get_batch
+    from megalite.lr_schedule import LRSchedule
     from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
-    from megalite.optim.lr_schedule import lr_at
     from megalite.parallel.specs import spec_of
 
     m, t, o = cfg.model, cfg.training, cfg.optimizer
@@ -307,8 +307,9 @@ def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[f
             (loss / micro).backward()  # the gradient of the step's mean loss
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        rates = LRSchedule.from_config(cfg).rates(step * t.global_batch_size)  # no skips
         for group in adam.param_groups:
-            group["lr"] = lr_at(step, o, t.train_iters)
+            group["lr"] = rates.lr
         adam.step()
         losses.append(total / micro)
     return losses, {n: p.detach() for n, p in model.named_parameters()}

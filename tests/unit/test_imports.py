@@ -14,6 +14,7 @@ LAYERS = [
     ["model_config"],
     ["config"],
     ["config_read"],
+    ["lr_schedule"],
     ["kernels"],
     ["parallel"],
     ["pipeline"],
