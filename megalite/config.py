@@ -290,6 +290,10 @@ class TrainingConfig:
     precision: str = opt("fp32", "parameter/compute precision", choices=("fp32", "bf16", "fp16"))
     bf16: bool = opt(False, "Megatron's name for --precision bf16")
     fp16: bool = opt(False, "Megatron's name for --precision fp16 (dynamic loss scaling)")
+    grad_reduce_in_bf16: bool = opt(
+        False, "Megatron's bf16 gradient buffers: refused, megalite accumulates and reduces "
+        "bf16 runs' gradients in fp32 (Megatron's default)",
+    )  # fmt: skip
     fp8_format: str | None = opt(
         None,
         "FP8 GEMMs in the transformer layers' linears (off when unset): e4m3 everywhere, or "
