@@ -368,6 +368,10 @@ class DistributedOptimizer:
         return {"step": self.step_count, "schedule_samples": self.schedule_samples,
                 **(self.scaler.state_dict() if self.scaler else {})}  # fmt: skip
 
+    def resume_schedule(self, samples: int):
+        """Place the learning-rate schedule at `samples` (a resume without its position)."""
+        self.schedule_samples = max(0, samples)
+
     def load_scalar_state(self, d: dict):
         self.step_count = int(d["step"])
         self.schedule_samples = int(d.get("schedule_samples", self.step_count * self._batch))

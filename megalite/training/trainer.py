@@ -112,6 +112,11 @@ class Trainer:
             if self.sampler is not None:
                 self.sampler.consumed_samples = state.consumed_samples
             self.skipped_total = state.skipped_steps
+            if state.iteration and not self.opt.schedule_samples:
+                # no schedule position came with the optimizer (a converted checkpoint, or
+                # --no-load-optim): the samples of the steps that updated, at the full batch
+                g = self.cfg.training.global_batch_size
+                self.opt.resume_schedule(state.consumed_samples - state.skipped_steps * g)
             if state.rng is not None:
                 set_rng_state(state.rng, self.chunks, self.groups.device)
             self.logger.resume(state.run_ids, state.iteration)  # the same W&B run, TB dir

@@ -165,3 +165,28 @@ def test_rampup_decoupled_lr_and_weight_decay_train_as_the_reference():
     for n, p in params.items():
         atol = 1e-5 if n.endswith("k.bias") else 1e-6
         torch.testing.assert_close(ours[n], p, rtol=1e-4, atol=atol, msg=n)
+
+
+def test_rampup_schedule_resumes_exactly(tmp_path):
+    """Saved in the middle of a batch ramp-up and warmup, a resumed run continues with the
+    losses of the run that did not stop (the schedule's position comes with the optimizer)."""
+    from megalite.testing import tiny_trainer
+
+    def run(steps, save=None):
+        cfg = tiny_config()
+        t, o = cfg.training, cfg.optimizer
+        t.kernels, t.global_batch_size, t.micro_batch_size = "torch", 6, 2
+        t.train_samples, t.rampup_batch_size = 40, [2, 2, 8]
+        o.lr, o.lr_warmup_samples = 3e-3, 12
+        cfg.checkpoint.save = save
+        tr = tiny_trainer(cfg, world=1)
+        tr.resume()
+        losses = [tr.train_step(log=True)["loss"] for _ in range(steps)]
+        return tr, losses
+
+    _, whole = run(6)
+    first, _ = run(3, str(tmp_path / "ckpt"))
+    first.save()
+    second, rest = run(3, str(tmp_path / "ckpt"))
+    assert second.iteration == 6 and second.opt.schedule_samples == 2 + 2 + 4 + 3 * 6
+    assert rest == pytest.approx(whole[3:], rel=1e-6)
