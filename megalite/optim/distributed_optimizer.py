@@ -55,6 +55,9 @@ class StepReport:
     skipped: bool  # no update: not finite, or a spike
     loss_scale: float  # after this step's update of the scaler (1.0 without fp16)
     flags: dict[str, float] = field(default_factory=dict)  # the caller's, summed over the world
+    # an fp16 overflow the dynamic loss scaler still answers by backing off (Megatron skips
+    # such steps at the start of every fp16 run: they are not errors)
+    backing_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,10 +180,12 @@ class DistributedOptimizer:
         found_inf = nonfinite > 0
         spike = not found_inf and guard is not None and guard(summed)
         scale = self.loss_scale
+        backing_off = found_inf and self.scaler is not None and self.scaler.can_back_off()
         norm = (math.sqrt(sumsq) if sumsq >= 0 else sumsq) / scale
         if self.scaler and not spike:
             self.scaler.update(found_inf)
-        report = StepReport(norm, not found_inf, spike, found_inf or spike, self.loss_scale, summed)
+        report = StepReport(norm, not found_inf, spike, found_inf or spike, self.loss_scale, summed,
+                            backing_off)  # fmt: skip
         if report.skipped:
             return report
         factor = clip_coefficient(norm, o.clip_grad) / scale

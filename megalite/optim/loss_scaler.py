@@ -27,6 +27,10 @@ class LossScaler:
         self.good_steps = 0
         self.hysteresis_left = hysteresis
 
+    def can_back_off(self) -> bool:
+        """An overflow now is the scaler's to answer (the scale is not yet at its floor)."""
+        return self.scale > self.min_scale
+
     def update(self, found_inf: bool):
         if found_inf:
             self.good_steps = 0
@@ -59,6 +63,9 @@ class ConstantLossScaler:
 
     def __init__(self, scale: float):
         self.scale = float(scale)
+
+    def can_back_off(self) -> bool:
+        return False
 
     def update(self, found_inf: bool):
         pass

@@ -283,8 +283,10 @@ class Trainer:
         if not stats.skipped:
             self.skipped_in_a_row = 0
             return
-        self.skipped_in_a_row += 1
         self.skipped_total += 1
+        if stats.backing_off:  # fp16's loss scaler finding its scale: not counted as a failure
+            return
+        self.skipped_in_a_row += 1
         limit = self.cfg.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
             spike = (

@@ -190,3 +190,22 @@ def test_rampup_schedule_resumes_exactly(tmp_path):
     second, rest = run(3, str(tmp_path / "ckpt"))
     assert second.iteration == 6 and second.opt.schedule_samples == 2 + 2 + 4 + 3 * 6
     assert rest == pytest.approx(whole[3:], rel=1e-6)
+
+
+def test_fp16_starts_at_megatrons_scale_and_skipped_steps_hold_the_schedule():
+    """--fp16 starts the loss scale at Megatron's 2^32: the first steps overflow and are
+    skipped while the scaler backs off (not counted against --max-skipped-steps 5), and, as in
+    Megatron, a skipped step does not advance the learning-rate schedule."""
+    from megalite.testing import tiny_trainer
+
+    cfg = tiny_config()
+    cfg.training.kernels, cfg.training.fp16, cfg.training.train_iters = "torch", True, 30
+    cfg.optimizer.lr_warmup_iters = 10
+    tr = tiny_trainer(cfg, world=1)
+    rows = [tr.train_step(log=True) for _ in range(30)]
+    skipped = sum(r["skipped"] for r in rows)
+    assert 5 < skipped < 30 and rows[0]["loss_scale"] == 2.0**32  # (hysteresis 2: kept once)
+    assert tr.opt.schedule_samples == (30 - skipped) * 4
+    first = next(k for k, r in enumerate(rows) if not r["skipped"])
+    assert {r["lr"] for r in rows[: first + 1]} == {0.0}  # warmup's first step, held
+    assert rows[first + 1]["lr"] == cfg.optimizer.lr / 10
