@@ -291,8 +291,8 @@ class TrainingConfig:
     bf16: bool = opt(False, "Megatron's name for --precision bf16")
     fp16: bool = opt(False, "Megatron's name for --precision fp16 (dynamic loss scaling)")
     grad_reduce_in_bf16: bool = opt(
-        False, "Megatron's bf16 gradient buffers: refused, megalite accumulates and reduces "
-        "bf16 runs' gradients in fp32 (Megatron's default)",
+        False, "with --bf16: accumulate and reduce gradients in bf16 (Megatron's bf16 main_grad; "
+        "default fp32), the optimizer's norm, clipping and update on fp32 copies",
     )  # fmt: skip
     fp8_format: str | None = opt(
         None,

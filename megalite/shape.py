@@ -427,9 +427,8 @@ def _check_schedule(cfg: Config, shape: RunShape) -> str | None:
         return "give one of --bf16 and --fp16, not both"
     if (t.bf16 or t.fp16) and t.precision != ("bf16" if t.bf16 else "fp16"):
         return f"--{'bf16' if t.bf16 else 'fp16'} contradicts --precision {t.precision}"
-    if t.grad_reduce_in_bf16:
-        return ("--grad-reduce-in-bf16 is not supported: megalite accumulates and reduces the "
-                "gradients of bf16 runs in fp32 (Megatron's default); drop the flag")  # fmt: skip
+    if t.grad_reduce_in_bf16 and t.precision != "bf16":
+        return "--grad-reduce-in-bf16 needs --bf16 (it keeps bf16 parameters' gradients in bf16)"
     o = cfg.optimizer
     if (
         o.hysteresis < 1

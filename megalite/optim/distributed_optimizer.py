@@ -170,6 +170,10 @@ class DistributedOptimizer:
         buf, o = self.buffer, self.opt_cfg
         buf.wait_params()  # (normally done already: the forward waited for every bucket)
         grads = [b.shard_grad for b in buf.buckets]
+        if self.masters and grads and grads[0].dtype != self.masters[0].dtype:
+            # --grad-reduce-in-bf16: the norm, clipping and update on fp32 copies (Megatron's
+            # main_param.grad = main_grad.float())
+            grads = [g.float() for g in grads]
         counted = [g[lo:hi] for g, segs in zip(grads, self._norm) for lo, hi in segs]
         rest = [g[lo:hi] for g, segs in zip(grads, self._rest) for lo, hi in segs]
         names = list(flags or {})

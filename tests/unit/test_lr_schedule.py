@@ -89,7 +89,7 @@ def test_rampup_batch_sizes():
     ({"train_iters": None, "train_samples": 800, "rampup_batch_size": [3, 2, 10]},
      {"lr_warmup_iters": 0}, "below --global-batch-size 8 by a multiple"),
     ({"bf16": True, "fp16": True}, {}, "one of --bf16 and --fp16"),
-    ({"bf16": True, "grad_reduce_in_bf16": True}, {}, "--grad-reduce-in-bf16 is not supported"),
+    ({"grad_reduce_in_bf16": True}, {}, "--grad-reduce-in-bf16 needs --bf16"),
     ({}, {"loss_scale": 8.0}, "--loss-scale=8.0 needs a positive scale and --fp16 or --bf16"),
 ])  # fmt: skip
 def test_validate_refuses_in_one_line(t, o, message):
