@@ -275,6 +275,11 @@ class TrainingConfig:
         "START INCR SAMPLES: the global batch starts at START and grows by INCR over SAMPLES "
         "samples to --global-batch-size (needs --train-samples)",
     )
+    step_batch_size_schedule: str | None = opt(
+        None,
+        '"THRESHOLD:SIZE ...": the global batch is SIZE from THRESHOLD tokens on (suffixes K M '
+        "B T; the first threshold 0, the last SIZE --global-batch-size)",
+    )
     eval_interval: int = opt(0, "evaluate every N steps (0: never)")
     eval_iters: int = opt(2, "batches per evaluation")
     log_interval: int = opt(1, "console/metrics line every N steps")
@@ -351,6 +356,17 @@ class TrainingConfig:
         choices=("cpu", "cuda"),
     )
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
+    profile: bool = opt(
+        False,
+        "torch.profiler traces (Chrome JSON) of the steps after --profile-step-start up to "
+        "--profile-step-end (Megatron's numbering: steps done), one per rank of --profile-ranks",
+    )
+    profile_step_start: int = opt(10, "--profile: steps done when the trace starts")
+    profile_step_end: int = opt(12, "--profile: steps done when the trace stops")
+    profile_ranks: list[int] = opt(lambda: [0], "--profile: the ranks that trace")
+    profile_dir: str | None = opt(
+        None, "where --profile writes trace-rank<R>.json (default: --tensorboard-dir, else profile)"
+    )
     debug: bool = opt(False, "show full tracebacks on errors")
     exit_duration_in_mins: float | None = opt(
         None,
@@ -405,6 +421,14 @@ class CheckpointConfig:
     )
     load_optim: bool = opt(True, "load the optimizer state (--no-load-optim: a fresh one)")
     load_rng: bool = opt(True, "restore the RNG states (--no-load-rng: re-seed)")
+    ckpt_format: str = opt(
+        "megalite",
+        "torch_dist (or torch: legacy files at this run's layout): each save also writes "
+        "Megatron-LM's files (weights, iteration, consumed samples) into its directory, so "
+        "Megatron --loads --save (with --no-load-optim --no-load-rng); --load reads Megatron "
+        "checkpoints whatever this says",
+        choices=("megalite", "torch_dist", "torch"),
+    )
     use_checkpoint_args: bool = opt(
         False,
         "accepted for Megatron compatibility: the model architecture is always taken from the "

@@ -48,29 +48,89 @@ class RampUp:
         return list(range(self.start, self.final + 1, self.increment))
 
 
-def ramp_up(t: TrainingConfig) -> RampUp | None:
+@dataclass(frozen=True)
+class StepSizes:
+    """--step-batch-size-schedule "THRESHOLD:SIZE ...": the global batch is SIZE from THRESHOLD
+    tokens on (Megatron-LM's StepBatchsizeNumMicroBatchesCalculator; its training passes the
+    sequence length, so thresholds count tokens: K, M, B, T suffixes), as (first sample, size)."""
+
+    steps: tuple
+
+    def batch_size(self, consumed: int) -> int:
+        size = self.steps[0][1]
+        for threshold, s in self.steps:
+            if consumed < threshold:
+                break
+            size = s
+        return size
+
+    def sizes(self) -> list[int]:
+        return sorted({s for _, s in self.steps})
+
+
+def _count(text: str) -> int:
+    """A threshold or size of a step schedule: 2.4K, 250B, 16 (Megatron's parse)."""
+    text = text.strip().upper()
+    scale = {"T": 10**12, "B": 10**9, "M": 10**6, "K": 10**3}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def step_sizes(text: str, seq_length: int) -> StepSizes:
+    """The parsed schedule, or ValueError naming what is wrong with it."""
+    steps = []
+    for entry in text.strip().replace(",", " ").split():
+        if ":" not in entry:
+            raise ValueError(f'entry "{entry}" is not THRESHOLD:BATCH_SIZE')
+        threshold, size = entry.split(":", 1)
+        steps.append((_count(threshold) // seq_length, _count(size)))
+    steps.sort(key=lambda x: x[0])
+    if not steps or steps[0][0] != 0:
+        raise ValueError("its first threshold must be 0")
+    if any(a[0] >= b[0] for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"its thresholds (in samples of {seq_length} tokens) must increase")
+    if any(size < 1 for _, size in steps):
+        raise ValueError("its batch sizes must be positive")
+    return StepSizes(tuple(steps))
+
+
+def batch_plan(t: TrainingConfig, seq_length: int) -> RampUp | StepSizes | None:
+    """How the global batch grows (--rampup-batch-size, --step-batch-size-schedule), or None."""
+    if t.step_batch_size_schedule is not None:
+        return step_sizes(t.step_batch_size_schedule, seq_length)
     r = t.rampup_batch_size
     return None if r is None else RampUp(r[0], r[1], r[2], t.global_batch_size)
 
 
-def batch_size(t: TrainingConfig, consumed: int) -> int:
-    """The global batch size of the step after `consumed` samples (constant without ramp-up)."""
-    r = ramp_up(t)
-    return t.global_batch_size if r is None else r.batch_size(consumed)
+def batch_size(t: TrainingConfig, seq_length: int, consumed: int) -> int:
+    """The global batch size of the step after `consumed` samples (constant without a plan)."""
+    plan = batch_plan(t, seq_length)
+    return t.global_batch_size if plan is None else plan.batch_size(consumed)
 
 
-def train_iters(t: TrainingConfig) -> int:
-    """The run's optimizer steps: --train-iters, else counted from --train-samples."""
+def batch_sizes(t: TrainingConfig, seq_length: int) -> list[int]:
+    """Every global batch size the run steps with."""
+    plan = batch_plan(t, seq_length)
+    return [t.global_batch_size] if plan is None else plan.sizes()
+
+
+def train_iters(t: TrainingConfig, seq_length: int) -> int:
+    """The run's optimizer steps: --train-iters, else counted from --train-samples (Megatron's
+    update_train_iters: a ramp-up's partial last batch dropped, a step schedule's kept)."""
     if t.train_samples is None:
         return DEFAULT_TRAIN_ITERS if t.train_iters is None else t.train_iters
-    r = ramp_up(t)
-    if r is None:
+    plan = batch_plan(t, seq_length)
+    if plan is None:
         return t.train_samples // t.global_batch_size
-    iterations = consumed = 0  # the ramp-up's steps, then whole batches of the final size
-    while consumed <= r.samples and consumed <= t.train_samples:
-        consumed += r.batch_size(consumed)
+    iterations = consumed = 0
+    if isinstance(plan, StepSizes):
+        while consumed < t.train_samples:
+            consumed += plan.batch_size(consumed)
+            iterations += 1
+        return iterations
+    while consumed <= plan.samples and consumed <= t.train_samples:  # the ramp-up's steps
+        consumed += plan.batch_size(consumed)
         iterations += 1
-    if t.train_samples > consumed:
+    if t.train_samples > consumed:  # then whole batches of the final size
         iterations += (t.train_samples - consumed) // t.global_batch_size
     return iterations
 
@@ -108,10 +168,10 @@ class LRSchedule:
     @classmethod
     def from_config(cls, cfg: Config) -> "LRSchedule":
         o, t = cfg.optimizer, cfg.training
-        g = t.global_batch_size
+        g, iters = t.global_batch_size, train_iters(t, cfg.model.seq_length)
         if t.train_samples is None:  # iteration-based: Megatron's lengths times G
-            decay = (train_iters(t) if o.lr_decay_iters is None else o.lr_decay_iters) * g
-            wd_incr = train_iters(t) * g
+            decay = (iters if o.lr_decay_iters is None else o.lr_decay_iters) * g
+            wd_incr = iters * g
             wsd = None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * g
             warmup = o.lr_warmup_iters * g
         else:
@@ -214,7 +274,11 @@ def problem(cfg: Config, data: int) -> str | None:
         reason = _rampup_problem(cfg, data, by_samples)
         if reason:
             return reason
-    if train_iters(t) < 1:
+    if t.step_batch_size_schedule is not None:
+        reason = _steps_problem(cfg, data)
+        if reason:
+            return reason
+    if train_iters(t, cfg.model.seq_length) < 1:
         return f"--train-samples={t.train_samples} is less than one global batch"
     if not 0 <= o.lr_warmup_init <= o.lr:
         return f"--lr-warmup-init={o.lr_warmup_init} must be in [0, lr={o.lr}]"
@@ -261,8 +325,27 @@ def _rampup_problem(cfg: Config, data: int, by_samples: bool) -> str | None:
         return (f"--rampup-batch-size {start} {incr} {samples}: the start must be below "
                 f"--global-batch-size {t.global_batch_size} by a multiple of the increment")  # fmt: skip
     unit = t.micro_batch_size * data
-    for size in ramp_up(t).sizes():
+    for size in batch_sizes(t, cfg.model.seq_length):
         if size % unit:
             return (f"--rampup-batch-size: global batch {size} is not divisible by micro-batch "
                     f"size {t.micro_batch_size} x data-parallel size {data} = {unit}")  # fmt: skip
+    return None
+
+
+def _steps_problem(cfg: Config, data: int) -> str | None:
+    t, flag = cfg.training, "--step-batch-size-schedule"
+    if t.rampup_batch_size is not None:
+        return f"give one of --rampup-batch-size and {flag}, not both"
+    try:
+        plan = step_sizes(t.step_batch_size_schedule, cfg.model.seq_length)
+    except ValueError as e:
+        return f'{flag} "{t.step_batch_size_schedule}": {e}'
+    if plan.steps[-1][1] != t.global_batch_size:
+        return (f"{flag}'s last batch size {plan.steps[-1][1]} must be --global-batch-size "
+                f"({t.global_batch_size}): the run's full batch")  # fmt: skip
+    unit = t.micro_batch_size * data
+    for size in plan.sizes():
+        if size % unit:
+            return (f"{flag}: global batch {size} is not divisible by micro-batch size "
+                    f"{t.micro_batch_size} x data-parallel size {data} = {unit}")  # fmt: skip
     return None

@@ -440,13 +440,13 @@ def _check_schedule(cfg: Config, shape: RunShape) -> str | None:
     if o.loss_scale is not None and (o.loss_scale <= 0 or t.precision == "fp32"):
         return f"--loss-scale={o.loss_scale} needs a positive scale and --fp16 or --bf16"
     reason = lr_schedule.problem(cfg, shape.data)
-    if reason or t.rampup_batch_size is None:
+    if reason or (t.rampup_batch_size is None and t.step_batch_size_schedule is None):
         return reason
     unit = t.micro_batch_size * shape.data
-    for size in lr_schedule.ramp_up(t).sizes():  # each count the ramp-up runs the schedule with
+    for size in lr_schedule.batch_sizes(t, cfg.model.seq_length):  # each count it runs with
         reason = schedules.check_shape(shape.schedule, shape.pp, shape.vpp, size // unit)
         if reason:
-            return f"--rampup-batch-size's global batch {size}: {reason}"
+            return f"the global batch {size} of the batch-size ramp-up: {reason}"
     return None
 
 

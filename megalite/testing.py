@@ -299,7 +299,7 @@ def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[f
     for _ in range(steps):
         # the next global batch is the rows [consumed, consumed + G) in order (data/sampler.py);
         # G grows during a batch ramp-up (--rampup-batch-size)
-        g = batch_size(t, consumed)
+        g = batch_size(t, m.seq_length, consumed)
         micro = g // t.micro_batch_size  # micro-batches of this step (dp = 1)
         rows = [[consumed + k * t.micro_batch_size + j for j in range(t.micro_batch_size)]
                 for k in range(micro)]  # fmt: skip

@@ -244,7 +244,7 @@ def _openai_response(req, out) -> dict:
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000, help="0: any free port")

@@ -86,11 +86,11 @@ def split_sequences(num_sequences: int, fractions: list[float]) -> list[tuple[in
     return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
-def split_sizes(training) -> list[int]:
+def split_sizes(training, seq_length: int | None = None) -> list[int]:
     """Samples each split is built for, as Megatron sizes them: train_iters * G for training,
     enough validation for every evaluation (train_iters // eval_interval + 1 of eval_iters
     batches; one with --eval-interval 0) and eval_iters batches of test."""
-    g, t, iters = training.global_batch_size, training, train_iters(training)
+    g, t, iters = training.global_batch_size, training, train_iters(training, seq_length)
     evaluations = iters // t.eval_interval + 1 if t.eval_interval > 0 else 1
     return [iters * g, evaluations * t.eval_iters * g, t.eval_iters * g]
 

@@ -172,8 +172,8 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
-    r, unit = lr_schedule.ramp_up(cfg.training), shape.micro_batch_size * shape.data
-    ramp = tuple(size // unit for size in r.sizes()) if r else ()
+    unit, seq = shape.micro_batch_size * shape.data, cfg.model.seq_length
+    ramp = tuple(size // unit for size in lr_schedule.batch_sizes(cfg.training, seq))
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
                      DTYPES[cfg.training.precision], groups, shape.placement,
                      get_schedule(*order, forward_only=True),

@@ -39,6 +39,7 @@ from megalite.training.logger import Logger
 from megalite.training.manual_gc import ManualGC
 from megalite.training.preemption import Preemption
 from megalite.training.timeline import Timeline
+from megalite.training.torch_profile import TorchProfile
 
 
 class Trainer:
@@ -64,7 +65,7 @@ class Trainer:
         # Megatron's schedule (lr_schedule.py): its position is the optimizer's
         # `schedule_samples`; the steps of --train-iters, or counted from --train-samples
         self.lr_schedule = lr_schedule.LRSchedule.from_config(cfg)
-        self.train_iters = lr_schedule.train_iters(t)
+        self.train_iters = lr_schedule.train_iters(t, cfg.model.seq_length)
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.spikes_total = 0
@@ -78,6 +79,7 @@ class Trainer:
         self.logger = Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
+        self.profile = TorchProfile.from_config(cfg, groups.rank, groups.device)  # --profile
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
@@ -146,7 +148,8 @@ class Trainer:
 
     def train_step(self, log: bool = True) -> dict | None:
         """One optimizer step (`step`) on the train split's next global batch."""
-        g = lr_schedule.batch_size(self.cfg.training, self.sampler.consumed_samples)  # (ramp-up)
+        seq, consumed = self.cfg.model.seq_length, self.sampler.consumed_samples
+        g = lr_schedule.batch_size(self.cfg.training, seq, consumed)  # (a batch-size ramp-up)
         return self.step(self._microbatches(self.data.train, self.sampler.next_batch(g)), log)
 
     def step(self, batch, log: bool = True) -> dict | None:
@@ -353,7 +356,13 @@ class Trainer:
         log = evaluate or it % t.log_interval == 0 or it == self.train_iters
         first = "first step" not in self.launch.seconds
         t0 = time.perf_counter()
+        if self.profile:
+            self.profile.before_step(it - 1)
         metrics = self.train_step(log)  # (returns after the step's read of the device)
+        if self.profile and self.profile.after_step(it):
+            print(
+                f"rank {self.groups.rank}: profile trace written to {self.profile.path}", flush=True
+            )
         if first:
             self.launch.add("first step", time.perf_counter() - t0)
         self.gc.after_step(it)

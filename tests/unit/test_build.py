@@ -141,25 +141,35 @@ def test_the_reference_step_is_megalites_one_process_step():
         torch.testing.assert_close(ours[n], p, rtol=1e-4, atol=atol, msg=n)
 
 
-def test_rampup_decoupled_lr_and_weight_decay_train_as_the_reference():
-    """A batch ramp-up (2, 2, 4, then 6 samples a step), warmup by fraction, WSD, a weight-decay
-    increment and --decoupled-lr: the trainer's steps (their micro-batch counts changing) give
-    the losses and parameters of reference_steps, which writes Megatron's meaning out."""
+@pytest.mark.parametrize("plan", ["rampup", "steps"])
+def test_rampup_decoupled_lr_and_weight_decay_train_as_the_reference(plan):
+    """A batch ramp-up (2, 2, 4, then 6 samples a step; or a step schedule of 2 then 4 from
+    sample 4 then 6 from sample 8), warmup by fraction, WSD, a weight-decay increment and
+    --decoupled-lr: the trainer's steps (their micro-batch counts changing) give the losses and
+    parameters of reference_steps, which writes Megatron's meaning out."""
     from megalite.testing import reference_steps, tiny_trainer
 
     cfg = tiny_config()
     t, o = cfg.training, cfg.optimizer
     t.kernels, t.global_batch_size, t.micro_batch_size = "torch", 6, 2
-    t.train_samples, t.rampup_batch_size = 40, [2, 2, 8]
+    t.train_samples = 40
+    if plan == "rampup":
+        t.rampup_batch_size = [2, 2, 8]
+    else:  # thresholds in tokens: 16 a sample
+        t.step_batch_size_schedule = "0:2 64:4 128:6"
     o.lr, o.min_lr, o.lr_warmup_fraction, o.lr_decay_style = 3e-3, 1e-4, 0.2, "WSD"
     o.lr_wsd_decay_samples, o.decoupled_lr, o.decoupled_min_lr = 20, 1e-2, 0.0
     o.weight_decay_incr_style, o.start_weight_decay, o.end_weight_decay = "linear", 0.0, 0.5
     tr = tiny_trainer(cfg, world=1)
     steps = tr.train_iters
-    assert steps == 8  # 2, 2, 4, 6 (to 14 samples), then (40 - 14) // 6 of 6
+    # ramp-up: 2, 2, 4, 6 (to 14 samples), then (40 - 14) // 6 of 6; steps: 2, 2, 4, then six
+    # of 6 past the 40th sample, the last batch whole (Megatron's counts)
+    assert steps == (8 if plan == "rampup" else 9)
     want, params = reference_steps(cfg, tr.data.train, steps)
     got = [tr.train_step(log=True)["loss"] for _ in range(steps)]
-    assert tr.sampler.consumed_samples == tr.opt.schedule_samples == 38
+    assert (
+        tr.sampler.consumed_samples == tr.opt.schedule_samples == (38 if plan == "rampup" else 44)
+    )
     assert got == pytest.approx(want, rel=1e-5)
     ours = dict(tr.chunks[0].named_parameters())
     for n, p in params.items():

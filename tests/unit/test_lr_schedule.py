@@ -53,7 +53,7 @@ def test_samples_and_iterations_give_the_same_schedule():
     """--train-samples 800 at G=8 is --train-iters 100: the same rates at every step."""
     a = cfg(lr_warmup_iters=10)
     b = cfg({"train_iters": None, "train_samples": 800}, lr_warmup_iters=0, lr_warmup_samples=80)
-    assert train_iters(b.training) == 100
+    assert train_iters(b.training, 1) == 100
     assert lrs(a, range(101)) == lrs(b, range(101))
 
 
@@ -70,9 +70,17 @@ def test_rampup_batch_sizes():
     c = cfg({"train_iters": None, "train_samples": 100, "rampup_batch_size": [2, 2, 30],
              "global_batch_size": 8})  # fmt: skip
     # 3 increments over 30 samples: one every 10
-    assert [batch_size(c.training, n) for n in (0, 9, 10, 19, 20, 30, 31)] == [2, 2, 4, 4, 6, 8, 8]
+    assert [batch_size(c.training, 1, n) for n in (0, 9, 10, 19, 20, 30, 31)] == [
+        2,
+        2,
+        4,
+        4,
+        6,
+        8,
+        8,
+    ]
     # ramp-up steps at 2, 2, 2, 2, 2, 4, 4, 4, 6, 6 (to 32 samples), then (100 - 32) // 8
-    assert train_iters(c.training) == 10 + 8
+    assert train_iters(c.training, 1) == 10 + 8
 
 
 @pytest.mark.parametrize("t,o,message", [

@@ -6,8 +6,11 @@ training.py builds them from its flags (get_optimizer_param_scheduler, update_tr
 train_step's `increment`); megatron-core's classes run unchanged (the scaler on CPU: its module's
 `torch.tensor` gets no device)."""
 
+import importlib.util
 import random
+import subprocess
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,7 +184,7 @@ def test_schedule_matches_megatron_core_step_for_step(case):
         del groups[1]["min_lr"]
     calc = calculator(args)
     iters = megatron_train_iters(args, calc)
-    assert lr_schedule.train_iters(cfg.training) == iters
+    assert lr_schedule.train_iters(cfg.training, 1) == iters
     ref = megatron_scheduler(args, groups)
     mine = lr_schedule.LRSchedule.from_config(cfg)
     skips = random.Random(case).sample(range(iters), k=3)  # steps whose update is skipped
@@ -189,7 +192,7 @@ def test_schedule_matches_megatron_core_step_for_step(case):
     for step in range(iters):
         calc.update(consumed, consistency_check=True)
         g = calc.get_current_global_batch_size()
-        assert lr_schedule.batch_size(cfg.training, consumed) == g, step
+        assert lr_schedule.batch_size(cfg.training, 1, consumed) == g, step
         rates = mine.rates(position)
         assert rates.lr == groups[0]["lr"], step
         assert rates.weight_decay == groups[0]["weight_decay"], step
@@ -211,7 +214,7 @@ def test_rampup_microbatch_counts_match_megatron_core_at_dp():
     consumed = 0
     while consumed < 5000:
         calc.update(consumed, consistency_check=True)
-        g = lr_schedule.batch_size(cfg.training, consumed)
+        g = lr_schedule.batch_size(cfg.training, 1, consumed)
         assert g == calc.get_current_global_batch_size()
         assert g // (2 * 4) == calc.get()
         consumed += g
@@ -279,3 +282,64 @@ def test_static_loss_scale_is_megatron_cores_constant_scaler(cpu_scaler):
     fp16 = Config()
     fp16.training.fp16 = True
     assert scaler_for("fp16", fp16.optimizer).scale == 2.0**32
+
+
+MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+
+
+@pytest.fixture(scope="module")
+def megatron_lm(tmp_path_factory):
+    """Megatron-LM's own num_microbatches_calculator.py (main, with the step schedule that
+    megatron-core 0.16.1 lacks), read from the fetched Megatron-LM repository."""
+    try:
+        text = subprocess.run(["git", "-C", str(MIRROR), "show",
+                               "HEAD:megatron/core/num_microbatches_calculator.py"],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("Megatron-LM's source is not fetched here (the step schedule's oracle)")
+    path = tmp_path_factory.mktemp("megatron_lm") / "megatron_lm_calculators.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("megatron_lm_calculators", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("schedule,train_samples", [
+    ("0:8 2.4K:16", 400),  # examples/gpt3's, scaled (seq 64: 2400 tokens are sample 37)
+    ("0:4, 1K:8 3.3K:12 5K:24", 700),
+    ("0:24", 100),
+])  # fmt: skip
+def test_step_batch_size_schedule_matches_megatron_lm(megatron_lm, schedule, train_samples):
+    """--step-batch-size-schedule (thresholds in tokens, as Megatron-LM's training passes the
+    sequence length): each step's global batch and micro-batch count as Megatron-LM's
+    StepBatchsizeNumMicroBatchesCalculator, the run's length as its update_train_iters, and the
+    lr schedule then still megatron-core's."""
+    mlm = megatron_lm
+    last = int(schedule.split(":")[-1])
+    cfg = config({"train_samples": train_samples, "global_batch_size": last,
+                  "micro_batch_size": 2, "step_batch_size_schedule": schedule},
+                 {"lr_warmup_fraction": 0.1, "lr_decay_style": "linear"})  # fmt: skip
+    cfg.model.seq_length = 64
+    assert lr_schedule.problem(cfg, data=2) is None
+    calc = mlm.StepBatchsizeNumMicroBatchesCalculator(2, 2, False, 0, schedule, seq_length=64)
+    iterations = consumed = 0  # update_train_iters with a step schedule
+    while consumed < train_samples:
+        calc.update(consumed, consistency_check=False)
+        consumed += calc.get_current_global_batch_size()
+        iterations += 1
+    assert lr_schedule.train_iters(cfg.training, 64) == iterations
+    args = Args(cfg)
+    groups = [{}]
+    ref, mine = megatron_scheduler(args, groups), lr_schedule.LRSchedule.from_config(cfg)
+    consumed = 0
+    for step in range(iterations):
+        calc.update(consumed, consistency_check=True)
+        g = lr_schedule.batch_size(cfg.training, 64, consumed)
+        assert g == calc.get_current_global_batch_size() and g // 4 == calc.get(), step
+        assert mine.rates(consumed).lr == groups[0]["lr"], step
+        ref.step(increment=calc.get() * 2 * 2)
+        consumed += g
+    cfg.training.global_batch_size = 8
+    if last != 8:
+        assert "must be --global-batch-size (8)" in lr_schedule.problem(cfg, data=2)
