@@ -1,13 +1,14 @@
 """The run's progress as Megatron counts it, in samples: pure arithmetic (no torch), checked by
 `shape.validate()` before any process group exists and read by the trainer and the optimizer.
 
-- **Iterations.** `--train-iters N`, or `--train-samples S`: S // G iterations, or with a batch
-  ramp-up as many as Megatron's `update_train_iters` counts (the ramp-up steps, then the rest
-  at the full G, a partial last batch dropped).
-- **Batch ramp-up** (`--rampup-batch-size START INCR SAMPLES`): the global batch starts at START
-  and grows by INCR every SAMPLES / ((G - START) / INCR) consumed samples until it is G, as
-  megatron-core's RampupBatchsizeNumMicroBatchesCalculator; every size must split into whole
-  micro-batches over the data-parallel ranks.
+- **Iterations.** `--train-iters N`, or `--train-samples S`: S // G iterations, or with a
+  growing batch as many as Megatron's `update_train_iters` counts.
+- **A growing batch** (`batch_plan`): `--rampup-batch-size START INCR SAMPLES` starts the global
+  batch at START and grows it by INCR every SAMPLES / ((G - START) / INCR) consumed samples
+  until it is G, as megatron-core's RampupBatchsizeNumMicroBatchesCalculator;
+  `--step-batch-size-schedule "THRESHOLD:SIZE ..."` sets it by consumed tokens, as Megatron-LM
+  main's StepBatchsizeNumMicroBatchesCalculator. Every size must split into whole micro-batches
+  over the data-parallel ranks; the trainer runs each step's own micro-batch count.
 - **Learning rate and weight decay** (`LRSchedule`): megatron-core's OptimizerParamScheduler.
   Its position counts the samples of the *successful* steps (a skipped step does not advance
   it); iteration-based flags are converted to samples (iters x G), so both kinds of run share
