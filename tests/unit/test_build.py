@@ -240,3 +240,23 @@ def test_grad_reduce_in_bf16_keeps_bf16_gradients(zero):
 
     low, high = losses(True), losses(False)
     assert low == pytest.approx(high, rel=2e-2) and low != high
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_decoupled_lr_reaches_exactly_the_embedding_and_output(optimizer):
+    """--decoupled-lr 0 (and its minimum 0) holds the word embedding and the untied output
+    layer still while every other parameter trains, under AdamW and under Muon's AdamW part."""
+    from megalite.testing import tiny_trainer
+
+    cfg = tiny_config()
+    cfg.model.untie_embeddings_and_output_weights = True
+    cfg.training.kernels, cfg.training.train_iters = "torch", 2
+    o = cfg.optimizer
+    o.optimizer, o.lr, o.decoupled_lr, o.decoupled_min_lr = optimizer, 3e-3, 0.0, 0.0
+    tr = tiny_trainer(cfg, world=1)
+    before = {n: p.detach().clone() for n, p in tr.chunks[0].named_parameters()}
+    for _ in range(2):
+        tr.train_step(log=False)
+    moved = {n for n, p in tr.chunks[0].named_parameters() if not torch.equal(p, before[n])}
+    held = {"embedding.word.weight", "output.weight"}
+    assert held <= set(before) and moved == set(before) - held
