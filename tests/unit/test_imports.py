@@ -15,6 +15,7 @@ LAYERS = [
     ["config", "megatron_flags"],
     ["megatron_translate"],
     ["config_read"],
+    ["lr_schedule"],
     ["kernels"],
     ["parallel"],
     ["pipeline"],
