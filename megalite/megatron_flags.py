@@ -197,6 +197,16 @@ def _recompute_modules(values, tr):
     return []
 
 
+def _ckpt_format(values, tr):
+    if values[0] != "fsdp_dtensor":
+        return ["--ckpt-format", values[0]]
+    tr.notes.append(
+        "--ckpt-format fsdp_dtensor: megalite saves its own topology-free checkpoints, which any "
+        "layout loads (--ckpt-format torch_dist writes Megatron's format beside them)"
+    )
+    return []
+
+
 NOTE_FUSION = "megalite fuses what its kernels fuse (--kernels), whatever this flag says"
 MEGATRON = {
     # ---- architecture ----
@@ -339,6 +349,14 @@ MEGATRON = {
     "--no-check-for-nan-in-loss-and-grad": note(
         "megalite skips a non-finite step and stops after --max-skipped-steps in a row"),
     "--enable-experimental": note("megalite has no experimental switch"),
+    "--ckpt-format": meaning(
+        "torch_dist and torch: Megatron's files at each save beside megalite's; fsdp_dtensor: a "
+        "note (megalite's own checkpoints only)", _ckpt_format, 1),
+    "--auto-detect-ckpt-format": note(
+        "megalite reads its own, Megatron's legacy and torch_dist checkpoints, whichever --load "
+        "holds"),
+    "--dist-ckpt-strictness": note(
+        "megalite loads strictly: a tensor missing from the checkpoint is refused in one line", 1),
     # ---- not Megatron-LM flags (its parser refuses them too) ----
     "--enable-gpt-oss": refused(
         "--enable-gpt-oss is not a Megatron-LM flag (Megatron-LM refuses it too): use "

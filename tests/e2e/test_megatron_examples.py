@@ -19,14 +19,6 @@ from tests.e2e.conftest import ROOT, pretrain
 EXAMPLES = Path(__file__).parent / "megatron_examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.txt"))
 
-# Flags whose handling another branch adds (the optimizer/precision/schedule flags: helper
-# "sched"; Megatron checkpoints: helper "mckpt"), with their value counts. Removed from the
-# command lines until they merge: DELETE THIS SET AT MERGE.
-OWNED_ELSEWHERE = {
-    "--ckpt-format": 1, "--auto-detect-ckpt-format": 0,
-    "--dist-ckpt-strictness": 1,
-}  # fmt: skip
-
 # What each script is refused (the first words of each line), pinned: a flag newly refused, or
 # one no longer refused, shows here.
 REFUSED = {
@@ -57,14 +49,7 @@ PLANNED = {
 
 def script(name: str, tmp: Path) -> list[str]:
     text = (EXAMPLES / f"{name}.txt").read_text().replace("$TMP", str(tmp))
-    argv, out, i = shlex.split(text, comments=True), [], 0
-    while i < len(argv):
-        if argv[i] in OWNED_ELSEWHERE:
-            i += 1 + OWNED_ELSEWHERE[argv[i]]
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
+    return shlex.split(text, comments=True)
 
 
 def documented_refusals() -> set[str]:
