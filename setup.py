@@ -46,9 +46,9 @@ setup(
         "tqdm",
     ],
     # Optional, imported only when used (a clear error names the package when it is missing):
-    # Hugging Face tokenizers and Parquet inputs; TensorBoard event files.
+    # Hugging Face tokenizers, Parquet and .zst inputs; TensorBoard event files.
     extras_require={
-        "hf": ["tokenizers", "pyarrow", "regex"],
+        "hf": ["tokenizers", "pyarrow", "regex", "zstandard"],
         "tensorboard": ["tensorboard"],
         "test": [
             "pytest",
@@ -61,6 +61,7 @@ setup(
             "tokenizers",
             "pyarrow",
             "regex",
+            "zstandard",
             "tensorboard",
         ],
         "lint": ["ruff"],
