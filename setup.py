@@ -25,6 +25,7 @@ setup(
         "console_scripts": [
             "megalite-train = megalite.cli.train:cli",
             "megalite-preprocess = megalite.cli.preprocess:cli",
+            "megalite-merge-datasets = megalite.cli.merge_datasets:cli",
             "megalite-convert = megalite.cli.convert:cli",
             "megalite-generate = megalite.cli.generate:cli",
             "megalite-plan = megalite.cli.plan:cli",
