@@ -29,99 +29,155 @@ from megalite.data.gpt2_bpe import cache_dir
 
 _HEAD = r"""
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Samples [start, end) of the blend: the dataset of each (ds) and its sample id there (local),
-   written from index 0 of the outputs; counts[n] in/out, the samples taken so far. */
+   written from index 0 of the outputs; c[n] in/out, the samples taken so far (as doubles). */
 
-/* Any n: four interleaved scans (k = j mod 4), each keeping its first largest, merged with
-   the lower index kept on a tie, so the chain of dependent compares is n/4 long. */
-static void blend_any(const double *w, int n, int64_t start, int64_t end, double *c,
-                      int16_t *ds, int64_t *local)
+/* Any n: Megatron's scan with the counts kept as doubles. */
+static void blend_scan(const double *restrict w, int n, int64_t start, int64_t end,
+                       double *restrict c, int16_t *restrict ds, int64_t *restrict local)
 {
     for (int64_t i = start; i < end; ++i) {
         const double x = i > 0 ? (double)i : 1.0;
-        double m[4];
-        int id[4];
-        for (int j = 0; j < 4; ++j) { m[j] = w[j] * x - c[j]; id[j] = j; }
-        int k = 4;
-        for (; k + 4 <= n; k += 4) {
-            for (int j = 0; j < 4; ++j) {
-                const double e = w[k + j] * x - c[k + j];
-                const int gt = e > m[j];
-                m[j] = gt ? e : m[j];
-                id[j] = gt ? k + j : id[j];
-            }
-        }
-        for (; k < n; ++k) {
+        double best_e = w[0] * x - c[0];
+        int best = 0;
+        for (int k = 1; k < n; ++k) {
             const double e = w[k] * x - c[k];
-            const int j = k & 3, gt = e > m[j];
-            m[j] = gt ? e : m[j];
-            id[j] = gt ? k : id[j];
-        }
-        double best_e = m[0];
-        int best = id[0];
-        for (int j = 1; j < 4; ++j) {
-            const int better = m[j] > best_e || (m[j] == best_e && id[j] < best);
-            best_e = better ? m[j] : best_e;
-            best = better ? id[j] : best;
+            if (e > best_e) { best_e = e; best = k; }
         }
         ds[i - start] = (int16_t)best;
         local[i - start] = (int64_t)c[best];
         c[best] += 1.0;
     }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX2_PATH 1
+typedef double v4d __attribute__((vector_size(32)));
+typedef int64_t v4i __attribute__((vector_size(32)));
+
+/* Many datasets on a CPU with AVX2: eight lanes (two vectors of four), lane j keeping the
+   first largest of the k = j mod 8, the lanes merged with the lower index kept on a tie.
+   Padding datasets have weight 0 and count +inf: a deficit of -inf, never picked. */
+__attribute__((target("avx2"))) static int blend_lanes(
+    const double *w_in, int n, int64_t start, int64_t end, double *c_io, int16_t *ds,
+    int64_t *local)
+{
+    const int groups = (n + 7) / 8, m = groups * 8;
+    v4d *w = aligned_alloc(32, m * sizeof(double)), *c = aligned_alloc(32, m * sizeof(double));
+    if (!w || !c) { free(w); free(c); return 0; }
+    double *wd = (double *)w, *cd = (double *)c;
+    for (int k = 0; k < m; ++k) {
+        wd[k] = k < n ? w_in[k] : 0.0;
+        cd[k] = k < n ? c_io[k] : __builtin_inf();
+    }
+    const v4i lane0 = {0, 1, 2, 3}, lane1 = {4, 5, 6, 7};
+    for (int64_t i = start; i < end; ++i) {
+        const double xs = i > 0 ? (double)i : 1.0;
+        const v4d x = {xs, xs, xs, xs};
+        v4d m0 = w[0] * x - c[0], m1 = w[1] * x - c[1];
+        v4i i0 = lane0, i1 = lane1;
+        for (int g = 1; g < groups; ++g) {
+            const v4d e0 = w[2 * g] * x - c[2 * g], e1 = w[2 * g + 1] * x - c[2 * g + 1];
+            const v4i g0 = e0 > m0, g1 = e1 > m1, k0 = lane0 + 8 * g, k1 = lane1 + 8 * g;
+            m0 = (v4d)(((v4i)e0 & g0) | ((v4i)m0 & ~g0));
+            m1 = (v4d)(((v4i)e1 & g1) | ((v4i)m1 & ~g1));
+            i0 = (k0 & g0) | (i0 & ~g0);
+            i1 = (k1 & g1) | (i1 & ~g1);
+        }
+        double best_e = m0[0];
+        int64_t best = i0[0];
+        for (int j = 1; j < 8; ++j) {
+            const double e = j < 4 ? m0[j] : m1[j - 4];
+            const int64_t id = j < 4 ? i0[j] : i1[j - 4];
+            const int better = (e > best_e) | ((e == best_e) & (id < best));
+            best_e = better ? e : best_e;
+            best = better ? id : best;
+        }
+        ds[i - start] = (int16_t)best;
+        local[i - start] = (int64_t)cd[best];
+        cd[best] += 1.0;
+    }
+    for (int k = 0; k < n; ++k) c_io[k] = cd[k];
+    free(w);
+    free(c);
+    return 1;
+}
+#endif
+
+/* Two datasets: every count an integer in a register, the pick a select on one compare. */
+static void blend_2(const double *restrict w, int64_t start, int64_t end, double *restrict c,
+                    int16_t *restrict ds, int64_t *restrict local)
+{
+    const double w0 = w[0], w1 = w[1];
+    int64_t c0 = (int64_t)c[0], c1 = (int64_t)c[1];
+    for (int64_t i = start; i < end; ++i) {
+        const double x = i > 0 ? (double)i : 1.0;
+        const double e0 = w0 * x - (double)c0, e1 = w1 * x - (double)c1;
+        const int64_t g = -(int64_t)(e1 > e0);
+        ds[i - start] = (int16_t)(g & 1);
+        local[i - start] = c0 ^ ((c0 ^ c1) & g);
+        c0 += !g;
+        c1 += g & 1;
+    }
+    c[0] = (double)c0;
+    c[1] = (double)c1;
+}
 """
 
 
 def _blend_n(n: int) -> str:
-    """C of the loop for n datasets, every weight and count a local (a register), no branch:
-    the argmax is a tree of pairwise picks, the lower indices always on the left and kept on a
-    tie (the first of the largest, as a scan keeps it), log2(n) steps deep instead of n - 1;
-    each pick an integer select on one compare and the larger value (maxsd: which of two equal
-    values it keeps does not matter, a later compare sees them alike)."""
+    """C of the loop for n datasets, every weight and count a local (a register): the argmax is
+    a tree of pairwise picks, the lower indices always on the left and kept on a tie (the first
+    of the largest, as a scan keeps it), log2(n) steps deep instead of n - 1, each an integer
+    select on one compare beside the larger value (maxsd: which of two equal values it keeps
+    does not matter, a later compare sees them alike). A count grows by a table's 0.0 or 1.0."""
     ks = range(n)
-    body = [f"const double w{k} = w[{k}]; int64_t c{k} = (int64_t)c[{k}];" for k in ks]
-    loop = ["const double x = i > 0 ? (double)i : 1.0;"]
-    loop += [f"const double e_{k} = w{k} * x - (double)c{k}; const int64_t v_{k} = c{k}, d_{k} = {k};"
-             for k in ks]  # fmt: skip
+    out = [f"static void blend_{n}(const double *restrict w, int64_t start, int64_t end,",
+           "    double *restrict c, int16_t *restrict ds, int64_t *restrict local)", "{",
+           "static const double step[2] = {0.0, 1.0};", f"int64_t taken[{n}];"]  # fmt: skip
+    out += [f"const double w{k} = w[{k}]; double c{k} = c[{k}]; taken[{k}] = (int64_t)c{k};"
+            for k in ks]  # fmt: skip
+    out += ["for (int64_t i = start; i < end; ++i) {", "const double x = i > 0 ? (double)i : 1.0;"]
+    out += [f"const double e_{k} = w{k} * x - c{k}; const int d_{k} = {k};" for k in ks]
     nodes = [str(k) for k in ks]
     while len(nodes) > 1:
-        nxt = []
-        for a, b in zip(nodes[::2], nodes[1::2]):
-            t = f"{a}_{b}"
-            loop.append(f"const int64_t g{t} = -(int64_t)(e_{b} > e_{a});")
-            loop.append(f"const double e_{t} = e_{a} > e_{b} ? e_{a} : e_{b};")
-            loop.append(f"const int64_t v_{t} = v_{a} ^ ((v_{a} ^ v_{b}) & g{t});")
-            loop.append(f"const int64_t d_{t} = d_{a} ^ ((d_{a} ^ d_{b}) & g{t});")
-            nxt.append(t)
-        nodes = nxt + ([nodes[-1]] if len(nodes) % 2 else [])
+        pairs = list(zip(nodes[::2], nodes[1::2]))
+        for a, b in pairs:
+            out.append(f"const int d_{a}_{b} = e_{b} > e_{a} ? d_{b} : d_{a};")
+            out.append(f"const double e_{a}_{b} = e_{a} > e_{b} ? e_{a} : e_{b};")
+        nodes = [f"{a}_{b}" for a, b in pairs] + ([nodes[-1]] if len(nodes) % 2 else [])
     r = nodes[0]
-    loop += [f"ds[i - start] = (int16_t)d_{r};", f"local[i - start] = v_{r};"]
-    loop += [f"c{k} += d_{r} == {k};" for k in ks]
-    return "\n".join(
-        [f"static void blend_{n}(const double *w, int64_t start, int64_t end, double *c,",
-         "                       int16_t *ds, int64_t *local)", "{", *body,
-         "for (int64_t i = start; i < end; ++i) {", *loop, "}",
-         *[f"c[{k}] = (double)c{k};" for k in ks], "}", ""]
-    )  # fmt: skip
+    out += [f"ds[i - start] = (int16_t)d_{r};", f"local[i - start] = taken[d_{r}]++;"]
+    out += [f"c{k} += step[d_{r} == {k}];" for k in ks]
+    out += ["}", *[f"c[{k}] = c{k};" for k in ks], "}", ""]
+    return "\n".join(out)
 
 
-SPECIALISED = 16  # n up to this gets its own loop
+SPECIALISED = (1, *range(3, 21))  # n with a loop of its own (2: blend_2; past 20: lanes/scan)
 
 
 def source() -> str:
-    cases = "".join(f"case {n}: blend_{n}(w, start, end, c, ds, local); break;\n"
-                    for n in range(1, SPECIALISED + 1))  # fmt: skip
+    cases = "".join(f"case {n}: blend_{n}(w, start, end, c, ds, local); return;\n"
+                    for n in SPECIALISED)  # fmt: skip
     return "".join([
-        _HEAD, *map(_blend_n, range(1, SPECIALISED + 1)),
+        _HEAD, *map(_blend_n, SPECIALISED),
         "void megalite_blend(const double *w, int32_t n, int64_t start, int64_t end, double *c,\n"
         "                    int16_t *ds, int64_t *local)\n{\nswitch (n) {\n", cases,
-        "default: blend_any(w, n, start, end, c, ds, local);\n}\n}\n",
+        "case 2: blend_2(w, start, end, c, ds, local); return;\n}\n",
+        "#ifdef HAVE_AVX2_PATH\n",
+        "if (__builtin_cpu_supports(\"avx2\") && blend_lanes(w, n, start, end, c, ds, local))\n"
+        "    return;\n#endif\n",
+        "blend_scan(w, n, start, end, c, ds, local);\n}\n",
+        "void megalite_blend_scan(const double *w, int32_t n, int64_t start, int64_t end,\n"
+        "                         double *c, int16_t *ds, int64_t *local)\n"
+        "{\nblend_scan(w, n, start, end, c, ds, local);\n}\n",  # for the tests: the plain scan
     ])  # fmt: skip
 
 
 SOURCE = source()
-FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=c99"]
+FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 _loaded: list = []  # [the function, or None and why not], once per process
 
 
@@ -162,21 +218,29 @@ def _load():
     if why:
         return None, why
     try:
-        fn = ctypes.CDLL(str(path)).megalite_blend
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, f"cannot load {path} ({e})"
-    fn.restype = None
     dbl, i64 = ctypes.POINTER(ctypes.c_double), ctypes.c_int64
-    fn.argtypes = [dbl, ctypes.c_int32, i64, i64, dbl, ctypes.POINTER(ctypes.c_int16),
-                   ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
-    return fn, None
+    for fn in (lib.megalite_blend, lib.megalite_blend_scan):
+        fn.restype = None
+        fn.argtypes = [dbl, ctypes.c_int32, i64, i64, dbl, ctypes.POINTER(ctypes.c_int16),
+                       ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
+    return lib, None
 
 
 def load():
     """(the compiled function, None), or (None, why not): tried once per process."""
     if not _loaded:
         _loaded.extend(_load())
-    return tuple(_loaded)
+    lib, why = _loaded
+    return (lib.megalite_blend if lib else None), why
+
+
+def scan_function():
+    """The compiled plain scan (what CPUs without AVX2 run past 20 datasets), for the tests."""
+    lib = load()[0] and _loaded[0]
+    return lib.megalite_blend_scan if lib else None
 
 
 def blend_into(fn, weights: np.ndarray, counts: np.ndarray, start: int, ds: np.ndarray,

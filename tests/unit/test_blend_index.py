@@ -25,7 +25,7 @@ def weight_sets():
     fixed = [[1.0], [0.5, 0.5], [0.5, 0.25, 0.25], [0.25] * 4, order.normalise([1, 1, 1]),
              order.normalise([5, 1, 1]), order.normalise([1] * 7), order.normalise([3, 1e-6, 2]),
              [0.1, 0.2, 0.3, 0.4], order.normalise([2, 1] * 9)]  # fmt: skip
-    randoms = [order.normalise(rng.dirichlet(np.ones(n))) for n in [*range(2, 18), 23, 40, 100]]
+    randoms = [order.normalise(rng.dirichlet(np.ones(n))) for n in [*range(2, 25), 40, 100]]
     # integers normalised: the shares' float rounding ties some deficits and not others
     ints = [order.normalise(rng.integers(1, 5, n)) for n in (3, 6, 12, 20)]
     return fixed + randoms + ints
@@ -44,6 +44,17 @@ def test_equals_megatrons_helper(size):
         assert got[0].dtype == np.int16 and got[1].dtype == np.int64
         assert np.array_equal(got[0], want[0]), (weights, size)
         assert np.array_equal(got[1], want[1]), (weights, size)
+
+
+def test_the_plain_scan_equals_megatrons_helper():
+    """The loop a CPU without AVX2 runs past 20 datasets (here, any number of them)."""
+    scan = blend_native.scan_function()
+    for weights in weight_sets()[::3]:
+        want = megatron(weights, 20_000)
+        ds, local = np.empty(20_000, np.int16), np.empty(20_000, np.int64)
+        w = np.asarray(weights, np.float64)
+        blend_native.blend_into(scan, w, np.zeros(len(w)), 0, ds, local)
+        assert np.array_equal(ds, want[0]) and np.array_equal(local, want[1]), weights
 
 
 def test_blocks_join_into_the_index():
