@@ -23,6 +23,7 @@ run moved from Megatron sees the same tokens at every step. Written from the alg
 """
 
 import math
+import mmap
 import sys
 from typing import NamedTuple
 
@@ -230,9 +231,23 @@ def blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.nd
     IEEE double as megatron-core's helper computes it. Each pick depends on every count before
     it, so no numpy expression gives it: the loop is C (blend_native), a few ns a sample;
     without a C compiler, Python (0.4-0.8 µs a sample), said once."""
-    ds, local = np.empty(size, dtype=np.int16), np.empty(size, dtype=np.int64)
+    ds, local = _populated(size, np.int16), _populated(size, np.int64)
     _blend_into(np.asarray(weights, dtype=np.float64), np.zeros(len(weights)), 0, ds, local)
     return ds, local
+
+
+def _populated(size: int, dtype) -> np.ndarray:
+    """np.empty, its pages mapped at once (MAP_POPULATE) where the OS can: one call instead of a
+    page fault for every 4 KiB written, 3-5x less time to make 1 GB of fresh memory here."""
+    nbytes = size * np.dtype(dtype).itemsize
+    flags = getattr(mmap, "MAP_POPULATE", 0)
+    if not flags or nbytes < 1 << 20:
+        return np.empty(size, dtype=dtype)
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    except OSError:
+        return np.empty(size, dtype=dtype)
+    return np.frombuffer(buf, dtype=dtype)  # the array keeps the mapping; unmapped with it
 
 
 def blending_blocks(weights: list[float], size: int, block: int = 1 << 20):
