@@ -132,6 +132,8 @@ def blend_child(side: str, n: int, samples: int, out: str | None, digest: bool) 
         build_small = lambda: helpers.build_blending_indices(  # noqa: E731
             np.zeros(WARM, np.int16), np.zeros(WARM, np.int64), weights, n, WARM, False)  # fmt: skip
     else:
+        import torch  # noqa: F401  (as in a training process: the heap megatron-core's side has)
+
         from megalite.data import index_cache
         from megalite.data import sample_order as order
 
