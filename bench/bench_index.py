@@ -13,6 +13,19 @@ once the data is open, so imports are not counted: megatron-core brings torch). 
 the last round are compared element for element, so the samples are equal. Targets (issue 44):
 megalite's time (the median of the rounds' ratios) and peak <= 1.0x megatron-core's. Needs
 megatron-core (a dev dependency); without it only megalite's side runs. The directory is removed afterwards unless --keep.
+
+    python bench/bench_index.py --blend [--samples 100000000] [--datasets 2,4,10,32] [--rounds 3]
+
+The blend index instead (which dataset, and which of its samples, each blend sample is), for
+blends of each --datasets count (fixed weights: 0.3/0.7, 0.1..0.4, else Dirichlet draws of a
+fixed seed): megatron-core's compiled helper (`build_blending_indices` into the two arrays its
+BlendedDataset allocates) against megalite's `blending_indices` (blend_native's compiled loop),
+each in its own process, sides alternating, VmHWM reset after the imports and one tiny warm-up
+call (the helpers loaded, megalite's compiled once into its cache beforehand). Then the same
+into the cache: Megatron's arrays + np.save (its BlendedDataset with a cache path) against
+megalite's BlendedDataset build (blocks straight to the .npy files). The arrays of the last
+round are compared by digest. Targets (issue 54): time (median of the rounds' ratios) and peak
+<= 1.0x megatron-core's, arrays equal.
 """
 
 import argparse
@@ -33,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from bench._common import figure, machine, write_summary  # noqa: E402
 
 NAMES = ("document_index", "sample_index", "shuffle_index")
+WARM = 1 << 20  # --blend: the warm-up call's samples (the large-array paths taken once)
 
 
 def make_dataset(prefix: Path, docs: int, mean: int) -> int:
@@ -92,6 +106,114 @@ def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int)
             "base": base, "samples": len(ds)}  # fmt: skip
 
 
+def blend_weights(n: int) -> list[float]:
+    from megalite.data.sample_order import normalise
+
+    fixed = {2: [0.3, 0.7], 4: [0.1, 0.2, 0.3, 0.4]}
+    return normalise(fixed.get(n, np.random.default_rng(n).dirichlet(np.ones(n))))
+
+
+def blend_child(side: str, n: int, samples: int, out: str | None, digest: bool) -> dict:
+    """One side's blend index of `samples` over n datasets (into `out` when given)."""
+    import hashlib
+
+    weights = blend_weights(n)
+    if side == "megatron":
+        from megatron.core.datasets import helpers
+
+        def build():
+            ds, local = np.zeros(samples, np.int16), np.zeros(samples, np.int64)
+            helpers.build_blending_indices(ds, local, weights, n, samples, False)
+            if out:  # what its BlendedDataset does with a cache path
+                np.save(Path(out) / "dataset_index.npy", ds, allow_pickle=True)
+                np.save(Path(out) / "dataset_sample_index.npy", local, allow_pickle=True)
+            return ds, local
+
+        build_small = lambda: helpers.build_blending_indices(  # noqa: E731
+            np.zeros(WARM, np.int16), np.zeros(WARM, np.int64), weights, n, WARM, False)  # fmt: skip
+    else:
+        import torch  # noqa: F401  (as in a training process: the heap megatron-core's side has)
+
+        from megalite.data import index_cache
+        from megalite.data import sample_order as order
+
+        def build():
+            if not out:
+                return order.blending_indices(weights, samples)
+            names, dtypes = ("dataset_index", "dataset_sample_index"), (np.int16, np.int64)
+            blocks = order.blending_blocks(weights, samples)
+            index_cache.save_block_pairs(Path(out), names, samples, dtypes, blocks)
+            return None
+
+        build_small = lambda: order.blending_indices(weights, WARM)  # noqa: E731
+    build_small()  # the compiled helpers loaded (megalite's compiled into its cache once)
+    build_small()  # and twice: the first large arrays leave a page more (both sides alike)
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    base = _memory()["VmRSS"]
+    start, cpu = time.perf_counter(), _cpu()
+    arrays = build()
+    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
+    peak = _memory()["VmHWM"] - base
+    if out and arrays is None or out and digest:
+        arrays = [np.load(Path(out) / f"{a}.npy", mmap_mode="r")
+                  for a in ("dataset_index", "dataset_sample_index")]  # fmt: skip
+    sums = [hashlib.sha1(np.ascontiguousarray(a)).hexdigest() for a in arrays] if digest else None
+    return {"side": side, "seconds": seconds, "cpu": cpu, "peak": peak, "base": base,
+            "digest": sums}  # fmt: skip
+
+
+def blend_main(a) -> None:
+    sides = ["megalite", "megatron"] if _megatron_version() else ["megalite"]
+    print(f"{machine()}\nmegatron-core {_megatron_version()}; blend index of {a.samples:,} samples")
+    work = Path(a.dir or tempfile.mkdtemp(prefix="bench-blend-"))
+    figures, lines = [], []
+    try:
+        for mode in ("memory", "cache"):
+            for n in map(int, a.datasets.split(",")):
+                res = {s: [] for s in sides}
+                for r in range(a.rounds):
+                    for side in sides if r % 2 == 0 else sides[::-1]:
+                        out = work / f"{side}-{n}"
+                        shutil.rmtree(out, ignore_errors=True)
+                        out.mkdir(parents=True)
+                        cmd = [sys.executable, __file__, "--samples", str(a.samples),
+                               "--blend-child", side, str(n), str(out) if mode == "cache" else "",
+                               str(int(r == a.rounds - 1))]  # fmt: skip
+                        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                        if p.returncode:
+                            sys.exit(f"{side}'s blend failed:\n{p.stderr[-3000:]}")
+                        res[side].append(json.loads(p.stdout.strip().splitlines()[-1]))
+                        shutil.rmtree(out, ignore_errors=True)
+                        x = res[side][-1]
+                        print(f"{mode:6s} n={n:<3d} round {r} {side:9s} {x['seconds']:6.2f} s "
+                              f"({x['cpu']:.2f} CPU-s) peak {x['peak'] / 2**20:8.1f} MiB", flush=True)  # fmt: skip
+                if len(sides) < 2:
+                    continue
+                rounds = list(zip(res["megalite"], res["megatron"]))
+                t = float(np.median([x["seconds"] / y["seconds"] for x, y in rounds]))
+                c = float(np.median([x["cpu"] / y["cpu"] for x, y in rounds]))
+                m = _mean(res["megalite"], "peak") / max(_mean(res["megatron"], "peak"), 1)
+                same = rounds[-1][0]["digest"] == rounds[-1][1]["digest"]
+                lines.append(f"{mode:6s} n={n:<3d} time {t:.2f}x (CPU {c:.2f}x; megalite "
+                             f"{_mean(res['megalite'], 'seconds'):.2f} s, megatron-core "
+                             f"{_mean(res['megatron'], 'seconds'):.2f} s), peak {m:.3f}x "
+                             f"({_mean(res['megalite'], 'peak') / 2**20:.0f} vs "
+                             f"{_mean(res['megatron'], 'peak') / 2**20:.0f} MiB), arrays "
+                             f"{'equal' if same else 'DIFFER'}")  # fmt: skip
+                what = f"blend index ({mode}), {n} datasets, vs megatron-core"
+                figures += [figure(f"{what}: time", round(t, 2), "x", "<= 1.0", t <= 1.0),
+                            figure(f"{what}: peak RSS", round(m, 3), "x", "<= 1.0", m <= 1.0),
+                            figure(f"{what}: equal", same, "", "True", same)]  # fmt: skip
+        print("megalite / megatron-core (median of the rounds' time ratios):")
+        print("\n".join(lines))
+        write_summary(a.summary, "bench_index", figures, " ".join(sys.argv))
+        if not all(f["met"] for f in figures if "equal" in f["what"]):
+            sys.exit("the blend indices differ from megatron-core's")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _cpu() -> float:
     """CPU seconds of this process so far, all threads, user and system."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -126,7 +248,16 @@ def main():
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--summary", default=None)
     p.add_argument("--child", nargs=2, metavar=("SIDE", "CACHE"), help=argparse.SUPPRESS)
+    p.add_argument("--blend", action="store_true", help="the blend index instead (see above)")
+    p.add_argument("--datasets", default="2,4,10,32", help="--blend: dataset counts")
+    p.add_argument("--blend-child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.blend_child:
+        side, n, out, digest = a.blend_child
+        print(json.dumps(blend_child(side, int(n), a.samples, out or None, digest == "1")))
+        return
+    if a.blend:
+        return blend_main(a)
     if a.child:
         side, cache = a.child
         print(json.dumps(child(side, a.dir, cache, a.samples, a.seq, a.seed)))
