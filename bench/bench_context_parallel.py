@@ -40,7 +40,7 @@ from megalite.plan import activations, layouts, traffic  # noqa: E402
 from megalite.shape import validate  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
 from megalite.training import timeline  # noqa: E402
-from megalite.training.build import build_chunks  # noqa: E402
+from megalite.training.build import parallelize  # noqa: E402
 
 
 def _model_cfg(a) -> ModelConfig:
@@ -71,7 +71,8 @@ def _rank(rank, world, a):
     run.model, run.parallel.cp, run.parallel.cp_comm_type = _model_cfg(a), world, a.comm
     run.training.micro_batch_size, run.training.global_batch_size = 1, 1
     run.training.kernels, run.training.seed = "torch", 1
-    (model,) = build_chunks(run, validate(run, world), groups)  # s/cp tokens of each sequence
+    # s/cp tokens of each sequence
+    (model,), _ = parallelize(run, validate(run, world), groups, data_parallel=False)
     cfg = run.model
     _saved_bytes.model = model
     g = torch.Generator().manual_seed(0)

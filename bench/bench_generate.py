@@ -35,14 +35,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import figure, write_summary  # noqa: E402
+from bench._common import figure, timed, write_summary  # noqa: E402
 from megalite.checkpoint.hf import from_hf, model_config_from_hf  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.generation import generate  # noqa: E402
@@ -51,7 +50,7 @@ from megalite.parallel.groups import build_groups, single_process_groups  # noqa
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.shape import validate  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
-from megalite.training.build import build_chunks  # noqa: E402
+from megalite.training.build import parallelize  # noqa: E402
 
 
 def hf_model(a):
@@ -114,11 +113,11 @@ def one_process(a, m, cfg, state) -> list:
         names = list(runs)
         for r in range(a.rounds + 1):
             for k in names[r % 3 :] + names[: r % 3]:
-                t0, c0 = time.perf_counter(), time.process_time()
-                out[k] = runs[k]()
+                with timed() as t:
+                    out[k] = runs[k]()
                 if r:  # round 0 warms up
-                    wall[k].append(time.perf_counter() - t0)
-                    cpu[k].append(time.process_time() - c0)
+                    wall[k].append(t.wall)
+                    cpu[k].append(t.cpu)
         same = out["megalite"] == out["transformers"] == out["no-cache"]
         print(f"\n## One process, batch {b}: prompt {a.prompt}, {a.new} new tokens "
               f"(tokens equal: {'yes' if same else 'NO'})\n")  # fmt: skip
@@ -144,7 +143,8 @@ def _parallel(rank, world, a, cfg, state):
     run = Config(model=cfg)
     run.parallel.tp, run.parallel.pp, run.training.kernels = 2, 2, "torch"
     run.training.micro_batch_size, run.training.global_batch_size = 1, 2
-    chunks = build_chunks(run, validate(run, world), groups)  # this stage's layers
+    # this stage's layers
+    chunks, _ = parallelize(run, validate(run, world), groups, data_parallel=False)
     for c in chunks:
         c.load_full_state(state)
     res = {}
@@ -155,9 +155,9 @@ def _parallel(rank, world, a, cfg, state):
             for r in range(a.rounds + 1):
                 t = []
                 for steps in (1, 1 + n):
-                    t0 = time.perf_counter()
-                    generate(chunks, groups, ids.tolist(), steps, use_cache=cache)
-                    t.append(time.perf_counter() - t0)
+                    with timed() as one:
+                        generate(chunks, groups, ids.tolist(), steps, use_cache=cache)
+                    t.append(one.wall)
                 if r:
                     per.append((t[1] - t[0]) / n)
             res[(cache, ctx)] = per

@@ -20,8 +20,8 @@ A step is one schedule (forward and backward of every micro-batch, with the p2p 
 zeroing the gradients; no optimizer (the same for both). The variants take turns, one step each
 per round (1 warm-up round, then --steps rounds), so that all see the same machine; a step's
 time is the slowest rank's. For each megalite run the first stage's measured idle share of
-the step (`PipelineResult.idle_share`) is given beside its schedule's theory as a share
-of the step ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; torch's rows show that formula),
+the step (`executor.idle_share` of its `first_stage_times`) is given beside its schedule's
+theory as a share of the step ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; torch's rows show that formula),
 and, from a `megalite.training.timeline.Timeline` recorded during the timed steps, its exposed
 communication: the share of the first stage's schedule spent blocked in p2p waits (the
 receives it waited for and the sends still in flight at the end). Prints markdown tables.
@@ -50,7 +50,7 @@ from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline.executor import run_schedule  # noqa: E402
+from megalite.pipeline.executor import first_stage_times, idle_share, run_schedule  # noqa: E402
 from megalite.pipeline.partition import rank_chunks  # noqa: E402
 from megalite.pipeline.schedules import (  # noqa: E402
     SCHEDULES,
@@ -228,7 +228,9 @@ def _worker(rank, a, tmp):
             if timed:
                 times[i].append(elapsed)
                 # every pp rank reads the result: its figures are one all-reduce over pp
-                bubbles[i].append(None if r is None else r.idle_share)
+                bubbles[i].append(
+                    None if r is None else idle_share(*first_stage_times([r], groups.pp))
+                )
                 waits[i].append(None if r is None else r.wait_s / max(r.step_s, 1e-12))
     rows = []
     for (label, vpp, _), t, b, w in zip(runs, times, bubbles, waits):
