@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._common import memory  # noqa: E402
+
 LLAMA_3B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
     "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
@@ -108,22 +110,12 @@ def write_models(root: Path) -> tuple[Path, Path]:
 # ---- one measurement, in its own process ------------------------------------------------------
 
 
-def _rss() -> dict:
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key = line.split(":")[0]
-            if key in ("VmHWM", "RssAnon"):
-                out[key] = int(line.split()[1]) * 1024
-    return out
-
-
 def child(kind: str, path: str, t0: float):
     peak_anon = [0]
 
     def poll():
         while True:
-            peak_anon[0] = max(peak_anon[0], _rss()["RssAnon"])
+            peak_anon[0] = max(peak_anon[0], memory()["RssAnon"])
             time.sleep(0.02)
 
     threading.Thread(target=poll, daemon=True).start()
@@ -150,8 +142,8 @@ def child(kind: str, path: str, t0: float):
         chunks = gen_tool.load_chunks(ckpt, cfg, gen_tool.layout(ckpt, 1), groups)
         token = generate(chunks, groups, [PROMPT], 1)[0][0]
     ttft = time.time() - t0
-    peak_anon[0] = max(peak_anon[0], _rss()["RssAnon"])
-    print(json.dumps({"ttft_s": ttft, "peak_rss": _rss()["VmHWM"], "peak_anon": peak_anon[0],
+    peak_anon[0] = max(peak_anon[0], memory()["RssAnon"])
+    print(json.dumps({"ttft_s": ttft, "peak_rss": memory()["VmHWM"], "peak_anon": peak_anon[0],
                       "token": token}), flush=True)  # fmt: skip
 
 

@@ -17,12 +17,10 @@ megatron-core (a dev dependency); without it only megalite's side runs. The dire
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, memory, reset_peak, timed, write_summary  # noqa: E402
 
 NAMES = ("document_index", "sample_index", "shuffle_index")
 
@@ -46,12 +44,6 @@ def make_dataset(prefix: Path, docs: int, mean: int) -> int:
     with open(f"{prefix}.bin", "wb") as fh:
         fh.truncate(2 * tokens)  # uint16 tokens; never read by an index build
     return tokens
-
-
-def _memory() -> dict[str, int]:
-    with open("/proc/self/status") as fh:
-        fields = dict(line.split(":", 1) for line in fh)
-    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
 
 
 def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int) -> dict:
@@ -82,20 +74,12 @@ def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int)
         def build():
             return GPTDataset(seqs, 0, len(seqs.lengths), seq, seed, samples, cache, "gpt-train")
 
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset VmHWM to the current RSS: the peak from here on is the build's
-    base = _memory()["VmRSS"]
-    start, cpu = time.perf_counter(), _cpu()
-    ds = build()
-    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
-    return {"side": side, "seconds": seconds, "cpu": cpu, "peak": _memory()["VmHWM"] - base,
+    reset_peak()  # the peak from here on is the build's
+    base = memory()["VmRSS"]
+    with timed() as t:  # CPU seconds: all threads, user and system
+        ds = build()
+    return {"side": side, "seconds": t.wall, "cpu": t.cpu, "peak": memory()["VmHWM"] - base,
             "base": base, "samples": len(ds)}  # fmt: skip
-
-
-def _cpu() -> float:
-    """CPU seconds of this process so far, all threads, user and system."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def arrays(side: str, cache: Path) -> dict[str, Path]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._common import seconds  # noqa: E402
 from megalite import kernels  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
@@ -87,14 +88,9 @@ def loop_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def timed(fn, x, g, device) -> float:
+    """Seconds of one forward and backward of `fn` on `x`."""
     x = x.detach().requires_grad_(True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(x).backward(g)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return seconds(lambda: fn(x).backward(g), device)
 
 
 def part1(a) -> dict:

@@ -40,7 +40,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.data.gpt_dataset import prepare_builtin  # noqa: E402
 from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
@@ -243,10 +242,10 @@ def profile(side, n: int):
     from bench.profile_tp import BUCKETS, buckets
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            side.iteration()
-        wall = time.perf_counter() - t0
+        with timed() as t:
+            for _ in range(n):
+                side.iteration()
+        wall = t.wall
     b = buckets(prof.events(), wall)
     cells = " | ".join(f"{1e3 * b[k] / n:.2f} ({b[k] / wall:.0%})" for k in BUCKETS)
     print(f"| {side.name} | {cells} | {1e3 * wall / n:.2f} |")
@@ -331,10 +330,10 @@ def main():
         n = min(a.block, a.iters - r * a.block)
         got = {}
         for s in sides if r % 2 == 0 else sides[::-1]:  # A B, B A, ...
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(n):
-                s.iteration()
-            got[s.name] = ((time.perf_counter() - t0) / n, (time.process_time() - c0) / n)
+            with timed() as t:
+                for _ in range(n):
+                    s.iteration()
+            got[s.name] = (t.wall / n, t.cpu / n)
         for k, v in got.items():
             times[k].append(v[0])
         if r > 0:  # the first block warms up

@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.clock import Clock  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
@@ -76,11 +75,6 @@ def _data(a, device):
          torch.randint(a.vocab, shape, generator=g).to(device))
         for _ in range(a.microbatches)
     ]  # fmt: skip
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _megalite(a, groups, rank, name, vpp):
@@ -218,14 +212,12 @@ def _worker(rank, a, tmp):
     times, bubbles, waits = ([[] for _ in runs] for _ in range(3))
     for rnd in range(a.warmup + a.steps):
         for i, (label, _, step) in enumerate(runs):
-            timed = rnd >= a.warmup
-            tl = timelines[label].at(rnd + 1) if timed and label.startswith("megalite") else None
-            dist.barrier()
-            t0 = time.perf_counter()
-            r = step(tl)
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if timed:
+            measured = rnd >= a.warmup
+            tl = timelines[label].at(rnd + 1) if measured and label.startswith("megalite") else None
+            with timed(device, barrier=dist.barrier) as t:
+                r = step(tl)
+            elapsed = t.wall
+            if measured:
                 times[i].append(elapsed)
                 # every pp rank reads the result: its figures are one all-reduce over pp
                 bubbles[i].append(

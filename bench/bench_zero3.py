@@ -33,7 +33,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 # before any process starts: freed blocks of 64 KiB and more are unmapped at once, so the peak
 # RSS sees what each side really holds (spawned processes inherit it)
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, memory, reset_peak, timed, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
@@ -143,17 +142,12 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith(key))
-
-
 def run(rank, world, a, method):
     from torch.distributed.fsdp import fully_shard  # noqa: F401  (both sides: the same imports)
 
     torch.manual_seed(0)
     m = model_config(a)
-    before = _status_kb("VmRSS:")  # before the model exists
+    before = memory()["VmRSS"] // 1024  # kB, before the model exists
     step = {"megalite": megalite_side, "fsdp2": fsdp2_side}[method](a, m)
     batches = _batches(a, m, rank, a.steps + 1)
     loss = step(batches[0])  # warm-up (and the loss both sides must agree on)
@@ -162,16 +156,15 @@ def run(rank, world, a, method):
         dist.all_reduce(t)
         loss = t.item() / a.dp
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # VmHWM := VmRSS: the peak from here on
-    base = _status_kb("VmRSS:")
+    reset_peak()  # VmHWM := VmRSS: the peak from here on
+    base = memory()["VmRSS"] // 1024
     times = []
     for batch in batches[1:]:
         dist.barrier()
-        t0 = time.perf_counter()
-        step(batch)
-        times.append(time.perf_counter() - t0)
-    peak = _status_kb("VmHWM:")
+        with timed() as t:
+            step(batch)
+        times.append(t.wall)
+    peak = memory()["VmHWM"] // 1024
     return {"loss": loss, "times": _slowest(times), "peak_kb": peak, "base_kb": base,
             "before_kb": before}  # fmt: skip
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench import bench_dp  # noqa: E402
+from bench._common import timed  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
@@ -141,12 +142,11 @@ def contention(rank, world, a):
     times = {k: [] for k in runs}
     for it in range(a.contention_iters + 1):
         for k, fn in runs.items():
-            dist.barrier(groups.dp.pg)
-            t = time.perf_counter()
-            for _ in range(4):
-                fn()
+            with timed(barrier=lambda: dist.barrier(groups.dp.pg)) as t:
+                for _ in range(4):
+                    fn()
             if it:  # (the first round warms up)
-                times[k].append((time.perf_counter() - t) / 4 * 1e3)
+                times[k].append(t.wall / 4 * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}, n * 4
 
 
