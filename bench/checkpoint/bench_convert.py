@@ -1,6 +1,6 @@
 """Checkpoint conversion at real size: wall time, peak RSS and anonymous RSS, beside transformers.
 
-    python bench/bench_convert.py [--scratch DIR] [--layers 28 --hidden 3072 ...] [--summary PATH]
+    python bench/checkpoint/bench_convert.py [--scratch DIR] [--layers 28 --hidden 3072 ...] [--summary PATH]
 
 A random Hugging Face Llama of Llama-3.2-3B's shape (28 layers, h 3072, ffn 8192, 24 heads, 8
 key/value heads, the 128,256-token vocabulary, tied, llama3 RoPE scaling, bf16: 6.4 GB) is
@@ -18,7 +18,7 @@ peak RSS; RssAnon: the anonymous part, i.e. without the mapped files' pages):
 Every round trip is checked tensor for tensor (byte-equal), and the Megatron files' sizes
 against the bytes of the tensors they hold. Ratios are against the peer of the same run. The
 files go under --scratch and are deleted at the end. Generation at real size is
-bench/bench_generate.py's.
+bench/model/bench_generate.py's.
 """
 
 import argparse
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import machine, measured_run, timed, write_summary  # noqa: E402

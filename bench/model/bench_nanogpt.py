@@ -1,6 +1,6 @@
 """One process against nanoGPT's CPU recipe: ms per iteration and the validation loss reached.
 
-    .venv/bin/python bench/bench_nanogpt.py [--iters 300] [--block 25] [--threads 1]
+    .venv/bin/python bench/model/bench_nanogpt.py [--iters 300] [--block 25] [--threads 1]
         [--log-interval 1] [--peer-adamw single|foreach] [--megalite-flavour nanogpt|gpt2]
         [--peer-bias] [--peer-gelu none|tanh] [--megalite-compile] [--profile N] [--summary PATH]
 
@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
@@ -238,8 +238,8 @@ def splits(cache: str):
 
 
 def profile(side, n: int):
-    """Op-level buckets of `n` iterations (bench/profile_tp.py's), and the top ops."""
-    from bench.profile_tp import BUCKETS, buckets
+    """Op-level buckets of `n` iterations (bench/parallel/profile_tp.py's), and the top ops."""
+    from bench.parallel.profile_tp import BUCKETS, buckets
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with timed() as t:
@@ -314,7 +314,7 @@ def main():
           f"{a.peer_adamw}); {a.iters} iterations, blocks of {a.block}, {len(train):,} train "
           "tokens")  # fmt: skip
     if a.profile:
-        from bench.profile_tp import BUCKETS
+        from bench.parallel.profile_tp import BUCKETS
 
         print(f"\nms per iteration by bucket ({a.profile} profiled iterations per side):")
         print("| side | " + " | ".join(BUCKETS) + " | profiled iteration |")

@@ -5,7 +5,7 @@ A random Llama-3.2-3B-shaped bf16 model (3.21B parameters, 128,256-token vocabul
 rope scaling, tied embeddings) is written straight to safetensors twice, tensor by tensor
 (a 64 MB pool of N(0, 0.02) values repeated: nothing of model size is ever in memory): as a
 Hugging Face directory and as a megalite checkpoint (index.json with its sha256). Each
-measurement is a fresh process (`python bench/_load_at_size.py child KIND DIR T0`), so its
+measurement is a fresh process (`python bench/model/_load_at_size.py child KIND DIR T0`), so its
 peak RSS (VmHWM) is its own; a thread polls its anonymous RSS (RssAnon). Time to the first
 token is from the parent's spawn (T0: interpreter, imports, load, prefill of a 16-token prompt
 and one sampled token), so both pay their imports. megalite loads as tools/generate.py does
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import memory  # noqa: E402

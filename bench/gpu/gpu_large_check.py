@@ -1,7 +1,7 @@
 """What only a GPU can show: kernels in bf16 at production sizes, and memory against the planner.
 
-    python bench/gpu_large_check.py kernels [--smoke] [--out DIR]
-    python bench/gpu_large_check.py memory --metrics FILE [--smoke] [pretrain flags...]
+    python bench/gpu/gpu_large_check.py kernels [--smoke] [--out DIR]
+    python bench/gpu/gpu_large_check.py memory --metrics FILE [--smoke] [pretrain flags...]
 
 Run by bench/gpu_check.sh on a lent GPU; `--smoke` runs the same code at tiny sizes on CPU
 (tests/unit/test_gpu_check.py), where the Triton ops fall back to their references, so only
@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import timed  # noqa: E402
 

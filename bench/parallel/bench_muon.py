@@ -3,7 +3,7 @@ megalite did before: the update all-gathered over dp, then tp, one Newton-Schulz
 against one owner per matrix (optim/muon_owners.py: its update sent to the owner, the result's
 pieces back).
 
-    .venv/bin/python bench/bench_muon.py [--layers 2] [--hidden 384] [--ffn 1536]
+    .venv/bin/python bench/parallel/bench_muon.py [--layers 2] [--hidden 384] [--ffn 1536]
         [--steps 5] [--repeats 3] [--summary PATH]
 
 Two gloo processes on CPU (one thread each) per layout, dp2 at ZeRO-1 and tp2: a llama-flavour
@@ -23,7 +23,7 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402

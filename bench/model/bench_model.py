@@ -1,6 +1,6 @@
 """Single-process CPU training throughput: megalite's GPT against transformers, same shape.
 
-    .venv/bin/python bench/bench_model.py [--threads 1] [--shapes tiny tiny-llama gpt2-124m]
+    .venv/bin/python bench/model/bench_model.py [--threads 1] [--shapes tiny tiny-llama gpt2-124m]
         [--rounds 20] [--rounds-124m 3] [--seq-124m 1024] [--mbs-124m 1] [--micro-124m 4]
         [--hf-adamw foreach] [--profile] [--summary PATH]
 
@@ -39,7 +39,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 from bench._common import figure, machine, timed, write_summary  # noqa: E402

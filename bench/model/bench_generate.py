@@ -1,7 +1,7 @@
 """Generation speed: megalite's KV cache against transformers `generate` and the old no-cache loop,
 and at tp2*pp2 the time per new token at a short and a long context.
 
-    .venv/bin/python bench/bench_generate.py [--flavour llama] [--layers 4] [--hidden 256]
+    .venv/bin/python bench/model/bench_generate.py [--flavour llama] [--layers 4] [--hidden 256]
         [--heads 8] [--groups 4] [--vocab 8192] [--seq 1024] [--prompt 64] [--new 64]
         [--batch 1 4] [--rounds 5] [--threads 1] [--contexts 64 512] [--skip-parallel]
 
@@ -20,7 +20,7 @@ megalite's speed-up: the median of the per-round ratios variant time / megalite 
 megalite is faster). The tokens of the three are compared (fp32: a near-tie could differ; the
 tests compare in fp64).
 
-Real size (--real-size, bench/_load_at_size.py): a random Llama-3.2-3B-shaped bf16 model
+Real size (--real-size, bench/model/_load_at_size.py): a random Llama-3.2-3B-shaped bf16 model
 written to safetensors (HF and megalite, under --scratch, deleted after); time to the first
 token and peak RSS of `load_chunks` + one token against transformers' `from_pretrained` + one
 `generate` step, each a fresh process, alternated over --real-rounds rounds (medians).
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, timed, write_summary  # noqa: E402
 from megalite.checkpoint.hf import from_hf, model_config_from_hf  # noqa: E402
@@ -183,11 +183,11 @@ def parallel(a, cfg, state) -> list:
 
 
 def real_size(a) -> list:
-    """Time to first token and peak RSS at the Llama-3.2-3B shape (bench/_load_at_size.py)."""
+    """Time to first token and peak RSS at the Llama-3.2-3B shape (bench/model/_load_at_size.py)."""
     import shutil
     import tempfile
 
-    from bench import _load_at_size as big
+    from bench.model import _load_at_size as big
 
     root = Path(tempfile.mkdtemp(prefix="bench_generate_", dir=a.scratch))
     try:

@@ -1,6 +1,6 @@
 """ZeRO-3 side by side: megalite `--zero-stage 3` against torch FSDP2 (`fully_shard`).
 
-    .venv/bin/python bench/bench_zero3.py [--dp 2] [--layers 8] [--hidden 384] [--heads 6]
+    .venv/bin/python bench/parallel/bench_zero3.py [--dp 2] [--layers 8] [--hidden 384] [--heads 6]
         [--seq 256] [--vocab 4096] [--gbs 8] [--mbs 2] [--steps 4] [--summary PATH]
 
 --dp gloo processes on CPU (megalite/testing.py, one thread each) train the same `GPTChunk` (llama
@@ -41,7 +41,7 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
@@ -221,7 +221,7 @@ def main(argv=None):
     print(f"megalite / fsdp2: tokens/s x{speed:.2f}, peak memory (above the RSS before the model) "
           f"x{memory:.2f}, peak RSS x{ours['peak'] / theirs['peak']:.2f}, peak above the step's "
           f"start x{ours['above'] / max(theirs['above'], 1):.2f}")  # fmt: skip
-    cmd = "bench/bench_zero3.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "bench/parallel/bench_zero3.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_summary(a.summary, "zero3", [
         figure("ZeRO-3 tokens/s, megalite / FSDP2", round(speed, 3), how=f"dp={a.dp}, median step"),
         figure("ZeRO-3 peak memory, megalite / FSDP2", round(memory, 3),

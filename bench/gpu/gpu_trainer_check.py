@@ -1,7 +1,7 @@
 """The trainer on one GPU: host syncs per step, and tp/pp/dp ranks sharing the GPU over gloo.
 
-    python bench/gpu_trainer_check.py syncs [--device cuda] [--steps 5] [--out DIR]
-    python bench/gpu_trainer_check.py multirank [--device cuda] [--steps 3] [--out DIR]
+    python bench/gpu/gpu_trainer_check.py syncs [--device cuda] [--steps 5] [--out DIR]
+    python bench/gpu/gpu_trainer_check.py multirank [--device cuda] [--steps 3] [--out DIR]
 
 Run by bench/gpu_check.sh on a lent GPU; both also run on CPU (`--device cpu`, what
 `make bench` does) so the code does not rot between GPU loans.
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import timed  # noqa: E402
 

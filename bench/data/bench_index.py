@@ -1,6 +1,6 @@
 """The sample-order index build (document, sample and shuffle indices) beside megatron-core's.
 
-    python bench/bench_index.py --dir DIR \\
+    python bench/data/bench_index.py --dir DIR \\
         [--samples 100000000] [--seq 2048] [--docs 2000000] [--rounds 3]
 
 One dataset in Megatron's format (`--docs` documents of 1..2*`--mean` tokens, lengths from a
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import figure, machine, memory, reset_peak, timed, write_summary  # noqa: E402

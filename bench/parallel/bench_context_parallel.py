@@ -1,6 +1,6 @@
 """Context parallelism side by side: activation memory per rank and throughput at cp = 1, 2, 4.
 
-    .venv/bin/python bench/bench_context_parallel.py [--seq 4096] [--layers 2] [--hidden 256]
+    .venv/bin/python bench/parallel/bench_context_parallel.py [--seq 4096] [--layers 2] [--hidden 256]
         [--heads 8] [--groups 4] [--comm p2p] [--cps 1,2,4] [--rounds 3] [--summary PATH]
 
 One long sequence (micro-batch of 1) through a llama-flavoured `GPTChunk` (torch reference ops,
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402

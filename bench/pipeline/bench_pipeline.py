@@ -1,6 +1,6 @@
 """Pipeline schedules side by side, and megalite's 1F1B and interleaved 1F1B next to torch's.
 
-    python bench/bench_pipeline.py [--pp 2] [--microbatches 8] [--micro-batch 4] [--seq 256]
+    python bench/pipeline/bench_pipeline.py [--pp 2] [--microbatches 8] [--micro-batch 4] [--seq 256]
         [--layers 8] [--hidden 256] [--vocab 2048] [--steps 5] [--summary PATH]
         [--timeline-dir DIR] [--only LABEL ...]
 
@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.clock import Clock  # noqa: E402

@@ -1,6 +1,6 @@
 """A trainer's checkpoint save against `torch.save` of the same state on the same disk.
 
-    .venv/bin/python bench/bench_save.py [--layers 6] [--hidden 1024] [--vocab 32000]
+    .venv/bin/python bench/checkpoint/bench_save.py [--layers 6] [--hidden 1024] [--vocab 32000]
         [--rounds 4] [--dir DIR] [--summary PATH]
 
 One process trains one step of a llama model (fp32, AdamW: weights and two moments, about
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, timed, write_summary  # noqa: E402
 from megalite.checkpoint import format as fmt  # noqa: E402

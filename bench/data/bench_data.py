@@ -3,7 +3,7 @@ sentencepiece model and a Hugging Face byte-level BPE (tokenizer.json) of the sa
 side by side, and the cost of fetching a training sample; then GPT-2's BPE on a large generated
 corpus beside Megatron-LM's own tools/preprocess_data.py.
 
-    python bench/bench_data.py [--repeats 5] [--json out.json] [--summary PATH]
+    python bench/data/bench_data.py [--repeats 5] [--json out.json] [--summary PATH]
         [--corpus-mb 1024] [--scratch DIR] [--megatron-lm PATH/TO/Megatron-LM]
 
 The first part runs on the built-in corpus, prepared in a temporary directory. Each figure is the
@@ -11,7 +11,7 @@ best of --repeats runs (the machine may be shared; the best run is the least dis
 The Hugging Face rows need the tokenizers package (megalite[hf]); without it they are skipped.
 
 The second part (skipped with --corpus-mb 0) writes a corpus of --corpus-mb MiB whose words
-recur as in real text (bench/text_corpus.py) and a GPT-2-style vocab.json + merges.txt trained on
+recur as in real text (bench/data/text_corpus.py) and a GPT-2-style vocab.json + merges.txt trained on
 more of it, under --scratch (kept for the next run), and preprocesses it with Megatron's
 offline command line (--tokenizer-type GPT2BPETokenizer --legacy-tokenizer --append-eod) at 1
 and 2 workers. With --megatron-lm (a checkout of Megatron-LM, never a dependency: it is run, with
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # text_corpus
 
 from bench._common import figure, machine, measured_run, timed, write_summary  # noqa: E402
@@ -44,7 +44,7 @@ from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.sampler import get_batch
 from megalite.data.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def best(fn, repeats):

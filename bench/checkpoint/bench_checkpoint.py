@@ -1,6 +1,6 @@
 """Checkpoint save/load throughput: megalite's format against torch.distributed.checkpoint.
 
-    .venv/bin/python bench/bench_checkpoint.py [--out DIR] [--layers 12] [--hidden 768]
+    .venv/bin/python bench/checkpoint/bench_checkpoint.py [--out DIR] [--layers 12] [--hidden 768]
         [--summary PATH]
 
 Two gloo processes on CPU (megalite/testing.py, one thread each) hold a GPT-2-124M-shaped model
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, seconds, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402

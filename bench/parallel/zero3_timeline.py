@@ -1,7 +1,7 @@
 """Where ZeRO-3's parameter gathers wait: one step's per-unit timeline on both ranks, and
 whether a gather in flight slows the compute beside it.
 
-    .venv/bin/python bench/zero3_timeline.py [bench_dp.py's shape flags] [--steps 2]
+    .venv/bin/python bench/parallel/zero3_timeline.py [bench_dp.py's shape flags] [--steps 2]
         [--keep] [--full] [--contention-iters 6]
 
 Timeline: bench_dp.py's megalite ZeRO-3 side (with --keep: --zero3-keep-params) at dp=2, two
@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench import bench_dp  # noqa: E402
 from bench._common import timed  # noqa: E402
+from bench.parallel import bench_dp  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402

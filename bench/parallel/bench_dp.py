@@ -1,6 +1,6 @@
 """Data parallelism side by side: megalite ZeRO 0/1/2 against torch DDP and FSDP2 at dp=2.
 
-    .venv/bin/python bench/bench_dp.py [--layers 8] [--hidden 256] [--heads 4] [--seq 256]
+    .venv/bin/python bench/parallel/bench_dp.py [--layers 8] [--hidden 256] [--heads 4] [--seq 256]
         [--vocab 2048] [--gbs 32] [--mbs 4] [--bucket-mb 4] [--rounds 5] [--block 2]
         [--methods ddp zero0 zero1 zero2 fsdp2] [--summary PATH]
 
@@ -51,7 +51,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Compiled transformer blocks (--compile) against eager, one CPU process, side by side.
 
-    .venv/bin/python bench/bench_compile.py [--layers 4] [--hidden 256] [--heads 8] [--seq 256]
+    .venv/bin/python bench/model/bench_compile.py [--layers 4] [--hidden 256] [--heads 8] [--seq 256]
         [--vocab 2048] [--mbs 2] [--micro 4] [--flavour gpt2] [--rounds 8] [--warmup 2]
         [--threads N] [--summary PATH]
 
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402

@@ -1,6 +1,6 @@
 """The training stall of a checkpoint save, synchronous against --async-save, side by side.
 
-    .venv/bin/python bench/bench_async_save.py [--layers 12] [--hidden 768] [--seq 128]
+    .venv/bin/python bench/checkpoint/bench_async_save.py [--layers 12] [--hidden 768] [--seq 128]
         [--steps 12] [--every 4] [--zero 0 1] [--repeat 1]
 
 Two gloo processes on CPU (megalite/testing.py, one thread each) train a GPT-2-124M-shaped model
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import seconds, timed  # noqa: E402
 from megalite.config import Config  # noqa: E402

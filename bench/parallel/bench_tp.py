@@ -1,6 +1,6 @@
 """Tensor parallelism side by side: megalite at tp=2 against torch DTensor TP, same model.
 
-    .venv/bin/python bench/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
+    .venv/bin/python bench/parallel/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
         [--vocab 2048] [--seq 256] [--mbs 4] [--micro 8] [--rounds 5] [--summary PATH]
 
 Two gloo processes on CPU (megalite/testing.py: forkserver, file:// rendezvous, one thread each) run
@@ -42,12 +42,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import figure, machine, tcp_bytes, timed, write_summary  # noqa: E402
-from bench._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
+from bench.parallel._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
