@@ -230,15 +230,6 @@ def _whole(state, name):
     return state[name]
 
 
-def from_megatron(state: dict, cfg: ModelConfig, where: str = "the Megatron checkpoint") -> dict:
-    """A Megatron state (global tensors, local names) -> megalite's logical tensors, the
-    vocabulary padding stripped (what megalite's format stores)."""
-    if not isinstance(state, State):
-        state = State({k: partial(_whole, state, k) for k in state},
-                      {k: tuple(v.shape) for k, v in state.items()})  # fmt: skip
-    return dict(from_megatron_lazy(state, cfg, where).items())
-
-
 def from_megatron_lazy(state: State, cfg: ModelConfig, where: str) -> State:
     """{megalite name: a function that computes it from `state`} (reading only the Megatron
     tensors it needs): a conversion computes, writes and frees one tensor at a time. Where the

@@ -1,9 +1,9 @@
 """Where a data-parallel or a pipeline step goes: megalite against torch's DDP, FSDP2 and
 Schedule1F1B, profiled op by op into profile_tp.py's buckets.
 
-    .venv/bin/python bench/profile_peers.py dp [bench_dp.py's flags] [--profile-steps 2]
-    .venv/bin/python bench/profile_peers.py ds [bench_dp.py's flags] [--profile-steps 2]
-    .venv/bin/python bench/profile_peers.py pp|zb [bench_pipeline.py's flags] [--profile-steps 2]
+    .venv/bin/python bench/parallel/profile_peers.py dp [bench_dp.py's flags] [--profile-steps 2]
+    .venv/bin/python bench/parallel/profile_peers.py ds [bench_dp.py's flags] [--profile-steps 2]
+    .venv/bin/python bench/parallel/profile_peers.py pp|zb [bench_pipeline.py's flags] [--profile-steps 2]
 
 dp: megalite ZeRO-0 and DDP, megalite ZeRO-2 and FSDP2 (reshard_after_forward=False), built by
 bench_dp.py (same model, weights, batches and foreach AdamW) at dp=2. ds: megalite ZeRO-1/2/3
@@ -41,11 +41,12 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench import bench_dp, bench_pipeline  # noqa: E402
 from bench._common import machine  # noqa: E402
-from bench.profile_tp import _labelled, buckets, label_comm, profile, table  # noqa: E402
+from bench.parallel import bench_dp  # noqa: E402
+from bench.parallel.profile_tp import _labelled, buckets, label_comm, profile, table  # noqa: E402
+from bench.pipeline import bench_pipeline  # noqa: E402
 from megalite.parallel import p2p  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
@@ -73,7 +74,7 @@ def _sides(kind, a, rank, world):
     if kind == "ds":
         import deepspeed
 
-        from bench import bench_deepspeed
+        from bench.parallel import bench_deepspeed
 
         m = bench_dp.model_config(a)
         groups = build_groups(Topology(dp=world), torch.device("cpu"))
@@ -214,7 +215,7 @@ def run(rank, world, kind, a):
 def main():
     kind, rest = sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2:]
     if kind == "ds" and importlib.util.find_spec("deepspeed") is None:
-        from bench import bench_deepspeed
+        from bench.parallel import bench_deepspeed
 
         peers = bench_deepspeed.ensure_peers()
         os.execv(str(peers), [str(peers), *sys.argv])

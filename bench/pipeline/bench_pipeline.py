@@ -1,6 +1,6 @@
 """Pipeline schedules side by side, and megalite's 1F1B and interleaved 1F1B next to torch's.
 
-    python bench/bench_pipeline.py [--pp 2] [--microbatches 8] [--micro-batch 4] [--seq 256]
+    python bench/pipeline/bench_pipeline.py [--pp 2] [--microbatches 8] [--micro-batch 4] [--seq 256]
         [--layers 8] [--hidden 256] [--vocab 2048] [--steps 5] [--summary PATH]
         [--timeline-dir DIR] [--only LABEL ...]
 
@@ -20,8 +20,8 @@ A step is one schedule (forward and backward of every micro-batch, with the p2p 
 zeroing the gradients; no optimizer (the same for both). The variants take turns, one step each
 per round (1 warm-up round, then --steps rounds), so that all see the same machine; a step's
 time is the slowest rank's. For each megalite run the first stage's measured idle share of
-the step (`PipelineResult.idle_share`) is given beside its schedule's theory as a share
-of the step ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; torch's rows show that formula),
+the step (`executor.idle_share` of its `first_stage_times`) is given beside its schedule's
+theory as a share of the step ((pp-1)/(vpp*m + pp-1) for 1F1B and interleaved; torch's rows show that formula),
 and, from a `megalite.training.timeline.Timeline` recorded during the timed steps, its exposed
 communication: the share of the first stage's schedule spent blocked in p2p waits (the
 receives it waited for and the sends still in flight at the end). Prints markdown tables.
@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,16 +40,16 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.clock import Clock  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.parallel.topology import Topology  # noqa: E402
-from megalite.pipeline.executor import run_schedule  # noqa: E402
+from megalite.pipeline.executor import first_stage_times, idle_share, run_schedule  # noqa: E402
 from megalite.pipeline.partition import rank_chunks  # noqa: E402
 from megalite.pipeline.schedules import (  # noqa: E402
     SCHEDULES,
@@ -76,11 +75,6 @@ def _data(a, device):
          torch.randint(a.vocab, shape, generator=g).to(device))
         for _ in range(a.microbatches)
     ]  # fmt: skip
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _megalite(a, groups, rank, name, vpp):
@@ -218,17 +212,17 @@ def _worker(rank, a, tmp):
     times, bubbles, waits = ([[] for _ in runs] for _ in range(3))
     for rnd in range(a.warmup + a.steps):
         for i, (label, _, step) in enumerate(runs):
-            timed = rnd >= a.warmup
-            tl = timelines[label].at(rnd + 1) if timed and label.startswith("megalite") else None
-            dist.barrier()
-            t0 = time.perf_counter()
-            r = step(tl)
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if timed:
+            measured = rnd >= a.warmup
+            tl = timelines[label].at(rnd + 1) if measured and label.startswith("megalite") else None
+            with timed(device, barrier=dist.barrier) as t:
+                r = step(tl)
+            elapsed = t.wall
+            if measured:
                 times[i].append(elapsed)
                 # every pp rank reads the result: its figures are one all-reduce over pp
-                bubbles[i].append(None if r is None else r.idle_share)
+                bubbles[i].append(
+                    None if r is None else idle_share(*first_stage_times([r], groups.pp))
+                )
                 waits[i].append(None if r is None else r.wait_s / max(r.step_s, 1e-12))
     rows = []
     for (label, vpp, _), t, b, w in zip(runs, times, bubbles, waits):

@@ -1,6 +1,6 @@
 """Compiled transformer blocks (--compile) against eager, one CPU process, side by side.
 
-    .venv/bin/python bench/bench_compile.py [--layers 4] [--hidden 256] [--heads 8] [--seq 256]
+    .venv/bin/python bench/model/bench_compile.py [--layers 4] [--hidden 256] [--heads 8] [--seq 256]
         [--vocab 2048] [--mbs 2] [--micro 4] [--flavour gpt2] [--rounds 8] [--warmup 2]
         [--threads N] [--summary PATH]
 
@@ -18,13 +18,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import single_process_groups  # noqa: E402
 from megalite.shape import validate  # noqa: E402
@@ -53,11 +52,11 @@ def batch(cfg, seed):
 
 def step(parts, b) -> tuple[float, float]:
     """One optimizer step on `b`: (loss, seconds)."""
-    t0 = time.perf_counter()
-    parts.opt.zero_grad(len(b))
-    loss = parts.run(b).loss
-    parts.opt.step(3e-4)
-    return loss, time.perf_counter() - t0
+    with timed() as t:
+        parts.opt.zero_grad(len(b))
+        loss = parts.run(b).loss
+        parts.opt.step(3e-4)
+    return loss, t.wall
 
 
 def main(argv=None):

@@ -3,7 +3,7 @@ megalite did before: the update all-gathered over dp, then tp, one Newton-Schulz
 against one owner per matrix (optim/muon_owners.py: its update sent to the owner, the result's
 pieces back).
 
-    .venv/bin/python bench/bench_muon.py [--layers 2] [--hidden 384] [--ffn 1536]
+    .venv/bin/python bench/parallel/bench_muon.py [--layers 2] [--hidden 384] [--ffn 1536]
         [--steps 5] [--repeats 3] [--summary PATH]
 
 Two gloo processes on CPU (one thread each) per layout, dp2 at ZeRO-1 and tp2: a llama-flavour
@@ -19,14 +19,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.optim import muon  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
@@ -119,10 +118,10 @@ def _run(rank, world, args, layout):
         for b, g in zip(opt.buffer.buckets, grads):
             b.shard_grad.copy_(g)
         opt.muon.step = ways[way]
-        t0 = time.perf_counter()
-        opt.step(1e-3)
-        opt.wait_params()  # (ZeRO-1's parameter gather, the same for both)
-        return time.perf_counter() - t0
+        with timed() as t:
+            opt.step(1e-3)
+            opt.wait_params()  # (ZeRO-1's parameter gather, the same for both)
+        return t.wall
 
     start = [p.detach().clone() for p in params]
     state = [t.clone() for t in opt.muon.tensors()]

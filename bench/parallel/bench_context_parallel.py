@@ -1,6 +1,6 @@
 """Context parallelism side by side: activation memory per rank and throughput at cp = 1, 2, 4.
 
-    .venv/bin/python bench/bench_context_parallel.py [--seq 4096] [--layers 2] [--hidden 256]
+    .venv/bin/python bench/parallel/bench_context_parallel.py [--seq 4096] [--layers 2] [--hidden 256]
         [--heads 8] [--groups 4] [--comm p2p] [--cps 1,2,4] [--rounds 3] [--summary PATH]
 
 One long sequence (micro-batch of 1) through a llama-flavoured `GPTChunk` (torch reference ops,
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, machine, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
@@ -40,7 +40,7 @@ from megalite.plan import activations, layouts, traffic  # noqa: E402
 from megalite.shape import validate  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
 from megalite.training import timeline  # noqa: E402
-from megalite.training.build import build_chunks  # noqa: E402
+from megalite.training.build import parallelize  # noqa: E402
 
 
 def _model_cfg(a) -> ModelConfig:
@@ -71,7 +71,8 @@ def _rank(rank, world, a):
     run.model, run.parallel.cp, run.parallel.cp_comm_type = _model_cfg(a), world, a.comm
     run.training.micro_batch_size, run.training.global_batch_size = 1, 1
     run.training.kernels, run.training.seed = "torch", 1
-    (model,) = build_chunks(run, validate(run, world), groups)  # s/cp tokens of each sequence
+    # s/cp tokens of each sequence
+    (model,), _ = parallelize(run, validate(run, world), groups, data_parallel=False)
     cfg = run.model
     _saved_bytes.model = model
     g = torch.Generator().manual_seed(0)

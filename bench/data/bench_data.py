@@ -3,7 +3,7 @@ sentencepiece model and a Hugging Face byte-level BPE (tokenizer.json) of the sa
 side by side, and the cost of fetching a training sample; then GPT-2's BPE on a large generated
 corpus beside Megatron-LM's own tools/preprocess_data.py.
 
-    python bench/bench_data.py [--repeats 5] [--json out.json] [--summary PATH]
+    python bench/data/bench_data.py [--repeats 5] [--json out.json] [--summary PATH]
         [--corpus-mb 1024] [--scratch DIR] [--megatron-lm PATH/TO/Megatron-LM]
 
 The first part runs on the built-in corpus, prepared in a temporary directory. Each figure is the
@@ -11,7 +11,7 @@ best of --repeats runs (the machine may be shared; the best run is the least dis
 The Hugging Face rows need the tokenizers package (megalite[hf]); without it they are skipped.
 
 The second part (skipped with --corpus-mb 0) writes a corpus of --corpus-mb MiB whose words
-recur as in real text (bench/text_corpus.py) and a GPT-2-style vocab.json + merges.txt trained on
+recur as in real text (bench/data/text_corpus.py) and a GPT-2-style vocab.json + merges.txt trained on
 more of it, under --scratch (kept for the next run), and preprocesses it with Megatron's
 offline command line (--tokenizer-type GPT2BPETokenizer --legacy-tokenizer --append-eod) at 1
 and 2 workers. With --megatron-lm (a checkout of Megatron-LM, never a dependency: it is run, with
@@ -26,28 +26,25 @@ import filecmp
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # text_corpus
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, measured_run, timed, write_summary  # noqa: E402
 from megalite.data import corpus
 from megalite.data.gpt_dataset import GPTDataset, Sequences
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.sampler import get_batch
 from megalite.data.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def best(fn, repeats):
@@ -58,9 +55,9 @@ def plain_encode_seconds(jsonl, model):
     """The baseline: one process, sentencepiece's own encode, one document at a time."""
     docs = list(corpus.iter_documents([str(jsonl)]))
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    t = time.perf_counter()
-    tokens = sum(len(sp.encode(d)) + 1 for d in docs)  # + EOS, as the tool counts
-    return time.perf_counter() - t, tokens
+    with timed() as t:
+        tokens = sum(len(sp.encode(d)) + 1 for d in docs)  # + EOS, as the tool counts
+    return t.wall, tokens
 
 
 def plain_hf_seconds(jsonl, tokenizer_json, batch=False):
@@ -71,12 +68,13 @@ def plain_hf_seconds(jsonl, tokenizer_json, batch=False):
     docs = list(corpus.iter_documents([str(jsonl)]))
     tok = HF.from_file(str(tokenizer_json))
     tok.encode_special_tokens = True  # as megalite encodes documents
-    t = time.perf_counter()
-    if batch:
-        tokens = sum(len(e.ids) + 1 for e in tok.encode_batch_fast(docs, add_special_tokens=False))
-    else:
-        tokens = sum(len(tok.encode(d, add_special_tokens=False).ids) + 1 for d in docs)
-    return time.perf_counter() - t, tokens
+    with timed() as t:
+        if batch:
+            encoded = tok.encode_batch_fast(docs, add_special_tokens=False)
+            tokens = sum(len(e.ids) + 1 for e in encoded)
+        else:
+            tokens = sum(len(tok.encode(d, add_special_tokens=False).ids) + 1 for d in docs)
+    return t.wall, tokens
 
 
 def train_hf_bpe(jsonl, out, vocab_size):
@@ -108,65 +106,18 @@ def tool_seconds(jsonl, model, prefix, workers):
 
 def fetch_us(dataset, n=20_000):
     idx = np.random.default_rng(0).integers(0, len(dataset), n)
-    t = time.perf_counter()
-    for i in idx:
-        dataset[int(i)]
-    return (time.perf_counter() - t) / n * 1e6
+    with timed() as t:
+        for i in idx:
+            dataset[int(i)]
+    return t.wall / n * 1e6
 
 
 def batch_us(dataset, mbs=8, n=2_000):
     idx = np.random.default_rng(0).integers(0, len(dataset), (n, mbs)).tolist()
-    t = time.perf_counter()
-    for ids in idx:
-        get_batch(dataset, ids)
-    return (time.perf_counter() - t) / n * 1e6
-
-
-def _tree_rss(root: int) -> int:
-    """Resident bytes of `root` and all its descendants, from /proc."""
-    children, rss = {}, {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(d))
-            rss[int(d)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            continue
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += rss.get(pid, 0)
-        todo += children.get(pid, [])
-    return total
-
-
-def measured_run(cmd, env=None) -> dict:
-    """Run `cmd`; its wall seconds, CPU seconds (the process tree's, reaped children included)
-    and peak resident bytes (the tree's sum, sampled)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak, done = [0], threading.Event()
-
-    def sample():
-        while not done.wait(0.2):
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    err = proc.stderr.read().decode(errors="replace")
-    proc.wait()
-    wall = time.perf_counter() - t
-    done.set()
-    sampler.join()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{err[-3000:]}")
-    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return {"wall_s": wall, "cpu_s": cpu, "peak_rss": peak[0]}
+    with timed() as t:
+        for ids in idx:
+            get_batch(dataset, ids)
+    return t.wall / n * 1e6
 
 
 def preprocess_vs_megatron(args) -> tuple[dict, list]:
@@ -199,7 +150,7 @@ def preprocess_vs_megatron(args) -> tuple[dict, list]:
             for name, (cmd, env) in tools.items():
                 prefix = scratch / f"out_{name}_{w}w"
                 full = cmd + common + ["--output-prefix", str(prefix), "--workers", str(w)]
-                m = measured_run(full, env)
+                m = measured_run(full, env=env, every=0.2)
                 out = Path(f"{prefix}_text_document")
                 m["tokens"] = out.with_suffix(".bin").stat().st_size // 2  # uint16 ids
                 runs.setdefault((name, w), []).append(m)
@@ -274,14 +225,14 @@ def small_corpus(args) -> tuple[dict, list]:
     out = {"cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        t = time.perf_counter()
-        jsonl = corpus.build_corpus(tmp)
-        out["corpus_s"] = time.perf_counter() - t
+        with timed() as t:
+            jsonl = corpus.build_corpus(tmp)
+        out["corpus_s"] = t.wall
         out["corpus_files"] = len(corpus.stdlib_files())
         out["corpus_mb"] = sum(f.stat().st_size for f in corpus.stdlib_files()) / 2**20
-        t = time.perf_counter()
-        model = Tokenizer.train([str(jsonl)], tmp / "tok", args.vocab_size)
-        out["tokenizer_train_s"] = time.perf_counter() - t
+        with timed() as t:
+            model = Tokenizer.train([str(jsonl)], tmp / "tok", args.vocab_size)
+        out["tokenizer_train_s"] = t.wall
 
         try:
             import tokenizers  # noqa: F401
@@ -289,9 +240,9 @@ def small_corpus(args) -> tuple[dict, list]:
             hf_model = None
             print("tokenizers is not installed: the Hugging Face rows are skipped", file=sys.stderr)
         else:
-            t = time.perf_counter()
-            hf_model = train_hf_bpe(jsonl, tmp / "tokenizer.json", args.vocab_size)
-            out["hf_tokenizer_train_s"] = time.perf_counter() - t
+            with timed() as t:
+                hf_model = train_hf_bpe(jsonl, tmp / "tokenizer.json", args.vocab_size)
+            out["hf_tokenizer_train_s"] = t.wall
 
         # Interleaved rounds: a burst of load from other users hits every method alike.
         # (name, tokenizer, how): plain loops in this process, or the tool with 1 or 2 workers

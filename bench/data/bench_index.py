@@ -1,6 +1,6 @@
 """The sample-order index build (document, sample and shuffle indices) beside megatron-core's.
 
-    python bench/bench_index.py --dir DIR \\
+    python bench/data/bench_index.py --dir DIR \\
         [--samples 100000000] [--seq 2048] [--docs 2000000] [--rounds 3]
 
 One dataset in Megatron's format (`--docs` documents of 1..2*`--mean` tokens, lengths from a
@@ -14,7 +14,7 @@ the last round are compared element for element, so the samples are equal. Targe
 megalite's time (the median of the rounds' ratios) and peak <= 1.0x megatron-core's. Needs
 megatron-core (a dev dependency); without it only megalite's side runs. The directory is removed afterwards unless --keep.
 
-    python bench/bench_index.py --blend [--samples 100000000] [--datasets 2,4,10,32] [--rounds 3]
+    python bench/data/bench_index.py --blend [--samples 100000000] [--datasets 2,4,10,32] [--rounds 3]
 
 The blend index instead (which dataset, and which of its samples, each blend sample is), for
 blends of each --datasets count (fixed weights: 0.3/0.7, 0.1..0.4, else Dirichlet draws of a
@@ -30,20 +30,18 @@ round are compared by digest. Targets (issue 54): time (median of the rounds' ra
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, memory, reset_peak, timed, write_summary  # noqa: E402
 
 NAMES = ("document_index", "sample_index", "shuffle_index")
 WARM = 1 << 20  # --blend: the warm-up call's samples (the large-array paths taken once)
@@ -60,12 +58,6 @@ def make_dataset(prefix: Path, docs: int, mean: int) -> int:
     with open(f"{prefix}.bin", "wb") as fh:
         fh.truncate(2 * tokens)  # uint16 tokens; never read by an index build
     return tokens
-
-
-def _memory() -> dict[str, int]:
-    with open("/proc/self/status") as fh:
-        fields = dict(line.split(":", 1) for line in fh)
-    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
 
 
 def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int) -> dict:
@@ -96,13 +88,11 @@ def child(side: str, prefix: str, cache: str, samples: int, seq: int, seed: int)
         def build():
             return GPTDataset(seqs, 0, len(seqs.lengths), seq, seed, samples, cache, "gpt-train")
 
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset VmHWM to the current RSS: the peak from here on is the build's
-    base = _memory()["VmRSS"]
-    start, cpu = time.perf_counter(), _cpu()
-    ds = build()
-    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
-    return {"side": side, "seconds": seconds, "cpu": cpu, "peak": _memory()["VmHWM"] - base,
+    reset_peak()  # the peak from here on is the build's
+    base = memory()["VmRSS"]
+    with timed() as t:  # CPU seconds: all threads, user and system
+        ds = build()
+    return {"side": side, "seconds": t.wall, "cpu": t.cpu, "peak": memory()["VmHWM"] - base,
             "base": base, "samples": len(ds)}  # fmt: skip
 
 
@@ -148,13 +138,12 @@ def blend_child(side: str, n: int, samples: int, out: str | None, digest: bool) 
         build_small = lambda: order.blending_indices(weights, WARM)  # noqa: E731
     build_small()  # the compiled helpers loaded (megalite's compiled into its cache once)
     build_small()  # and twice: the first large arrays leave a page more (both sides alike)
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    base = _memory()["VmRSS"]
-    start, cpu = time.perf_counter(), _cpu()
-    arrays = build()
-    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
-    peak = _memory()["VmHWM"] - base
+    reset_peak()
+    base = memory()["VmRSS"]
+    with timed() as t:
+        arrays = build()
+    seconds, cpu = t.wall, t.cpu
+    peak = memory()["VmHWM"] - base
     if out and arrays is None or out and digest:
         arrays = [np.load(Path(out) / f"{a}.npy", mmap_mode="r")
                   for a in ("dataset_index", "dataset_sample_index")]  # fmt: skip
@@ -212,12 +201,6 @@ def blend_main(a) -> None:
             sys.exit("the blend indices differ from megatron-core's")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _cpu() -> float:
-    """CPU seconds of this process so far, all threads, user and system."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def arrays(side: str, cache: Path) -> dict[str, Path]:

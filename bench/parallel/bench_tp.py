@@ -1,6 +1,6 @@
 """Tensor parallelism side by side: megalite at tp=2 against torch DTensor TP, same model.
 
-    .venv/bin/python bench/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
+    .venv/bin/python bench/parallel/bench_tp.py [--layers 8] [--hidden 256] [--heads 4] [--groups 4]
         [--vocab 2048] [--seq 256] [--mbs 4] [--micro 8] [--rounds 5] [--summary PATH]
 
 Two gloo processes on CPU (megalite/testing.py: forkserver, file:// rendezvous, one thread each) run
@@ -42,12 +42,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench._common import figure, machine, tcp_bytes, write_summary  # noqa: E402
-from bench._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
+from bench._common import figure, machine, tcp_bytes, timed, write_summary  # noqa: E402
+from bench.parallel._tp_torch import TorchGPT, clip, parallelize  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
@@ -198,10 +198,9 @@ def run(rank, world, a):
     for r in range(a.warmup + a.rounds):
         k = r % len(order)
         for name in order[k:] + order[:k]:  # rotate the order each round
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[name](batches[r % 2])
-            t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+            with timed(barrier=dist.barrier) as one:
+                steps[name](batches[r % 2])
+            t = torch.tensor(one.wall, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's step
             if r >= a.warmup:
                 times[name].append(t.item())

@@ -5,7 +5,7 @@ A random Llama-3.2-3B-shaped bf16 model (3.21B parameters, 128,256-token vocabul
 rope scaling, tied embeddings) is written straight to safetensors twice, tensor by tensor
 (a 64 MB pool of N(0, 0.02) values repeated: nothing of model size is ever in memory): as a
 Hugging Face directory and as a megalite checkpoint (index.json with its sha256). Each
-measurement is a fresh process (`python bench/_load_at_size.py child KIND DIR T0`), so its
+measurement is a fresh process (`python bench/model/_load_at_size.py child KIND DIR T0`), so its
 peak RSS (VmHWM) is its own; a thread polls its anonymous RSS (RssAnon). Time to the first
 token is from the parent's spawn (T0: interpreter, imports, load, prefill of a 16-token prompt
 and one sampled token), so both pay their imports. megalite loads as tools/generate.py does
@@ -23,8 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench._common import memory  # noqa: E402
 
 LLAMA_3B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
@@ -108,22 +110,12 @@ def write_models(root: Path) -> tuple[Path, Path]:
 # ---- one measurement, in its own process ------------------------------------------------------
 
 
-def _rss() -> dict:
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key = line.split(":")[0]
-            if key in ("VmHWM", "RssAnon"):
-                out[key] = int(line.split()[1]) * 1024
-    return out
-
-
 def child(kind: str, path: str, t0: float):
     peak_anon = [0]
 
     def poll():
         while True:
-            peak_anon[0] = max(peak_anon[0], _rss()["RssAnon"])
+            peak_anon[0] = max(peak_anon[0], memory()["RssAnon"])
             time.sleep(0.02)
 
     threading.Thread(target=poll, daemon=True).start()
@@ -150,8 +142,8 @@ def child(kind: str, path: str, t0: float):
         chunks = gen_tool.load_chunks(ckpt, cfg, gen_tool.layout(ckpt, 1), groups)
         token = generate(chunks, groups, [PROMPT], 1)[0][0]
     ttft = time.time() - t0
-    peak_anon[0] = max(peak_anon[0], _rss()["RssAnon"])
-    print(json.dumps({"ttft_s": ttft, "peak_rss": _rss()["VmHWM"], "peak_anon": peak_anon[0],
+    peak_anon[0] = max(peak_anon[0], memory()["RssAnon"])
+    print(json.dumps({"ttft_s": ttft, "peak_rss": memory()["VmHWM"], "peak_anon": peak_anon[0],
                       "token": token}), flush=True)  # fmt: skip
 
 

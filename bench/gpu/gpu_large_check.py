@@ -1,7 +1,7 @@
 """What only a GPU can show: kernels in bf16 at production sizes, and memory against the planner.
 
-    python bench/gpu_large_check.py kernels [--smoke] [--out DIR]
-    python bench/gpu_large_check.py memory --metrics FILE [--smoke] [pretrain flags...]
+    python bench/gpu/gpu_large_check.py kernels [--smoke] [--out DIR]
+    python bench/gpu/gpu_large_check.py memory --metrics FILE [--smoke] [pretrain flags...]
 
 Run by bench/gpu_check.sh on a lent GPU; `--smoke` runs the same code at tiny sizes on CPU
 (tests/unit/test_gpu_check.py), where the Triton ops fall back to their references, so only
@@ -28,10 +28,13 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import replace
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bench._common import timed  # noqa: E402
 
 # largest |kernel - fp32 reference| allowed, by what is compared (bf16 outputs round to ~2^-8)
 TOLERANCE = {"loss": 2e-3, "grad": 1.6e-2, "out": 3e-2}
@@ -125,13 +128,13 @@ def kernels(a) -> dict:
     }
     out, ok = {}, True
     for name, run in checks.items():
-        t0 = time.perf_counter()
-        try:
-            r = run()
-            r["ok"] = within(r["err"])
-        except Exception as e:  # a crash (an overflowed offset: an illegal address) is a failure
-            r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        r["seconds"] = round(time.perf_counter() - t0, 2)
+        with timed() as t:
+            try:
+                r = run()
+                r["ok"] = within(r["err"])
+            except Exception as e:  # a crash (an overflowed offset: an illegal address): a failure
+                r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r["seconds"] = round(t.wall, 2)
         ok &= r["ok"]
         out[name] = r
         print(f"{name}: {'ok' if r['ok'] else 'FAILED'} {json.dumps(r)}", flush=True)

@@ -1,6 +1,6 @@
 """Checkpoint save/load throughput: megalite's format against torch.distributed.checkpoint.
 
-    .venv/bin/python bench/bench_checkpoint.py [--out DIR] [--layers 12] [--hidden 768]
+    .venv/bin/python bench/checkpoint/bench_checkpoint.py [--out DIR] [--layers 12] [--hidden 768]
         [--summary PATH]
 
 Two gloo processes on CPU (megalite/testing.py, one thread each) hold a GPT-2-124M-shaped model
@@ -40,7 +40,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,9 +48,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, seconds, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.shape import validate  # noqa: E402
@@ -90,11 +89,8 @@ def _trainer(root, layers, hidden):
 
 
 def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
+    """Seconds of `fn()` on the slower rank: both start together and wait for each other."""
+    return seconds(lambda: (fn(), dist.barrier()), barrier=dist.barrier)
 
 
 def _rchar() -> int:

@@ -1,6 +1,6 @@
 """Single-process CPU training throughput: megalite's GPT against transformers, same shape.
 
-    .venv/bin/python bench/bench_model.py [--threads 1] [--shapes tiny tiny-llama gpt2-124m]
+    .venv/bin/python bench/model/bench_model.py [--threads 1] [--shapes tiny tiny-llama gpt2-124m]
         [--rounds 20] [--rounds-124m 3] [--seq-124m 1024] [--mbs-124m 1] [--micro-124m 4]
         [--hf-adamw foreach] [--profile] [--summary PATH]
 
@@ -35,15 +35,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.checkpoint.hf import hf_config, to_hf  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.parallel import groups as pg  # noqa: E402
@@ -168,12 +167,12 @@ def make_batches(m: ModelConfig, mbs: int, micro: int, n: int, seed=0):
 # ---- measurement ------------------------------------------------------------------------------
 
 
-def timed(side, batch) -> tuple[float, float]:
+def timed_step(side, batch) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one step: with one thread per side the
     CPU time is the steadier measure on a machine that other jobs load."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    side.step(batch)
-    return time.perf_counter() - t0, time.process_time() - c0
+    with timed() as t:
+        side.step(batch)
+    return t.wall, t.cpu
 
 
 def check_same(ml: Megalite, hf: HF, batch, m: ModelConfig):
@@ -225,7 +224,7 @@ def run_shape(name, m, mbs, micro, args, groups):
     for r in range(warm + rounds):
         batch = batches[r % len(batches)]
         order = (ml, hf) if r % 2 == 0 else (hf, ml)  # A B, B A, ...
-        got = {s.name: timed(s, batch) for s in order}
+        got = {s.name: timed_step(s, batch) for s in order}
         if r >= warm:
             for k, v in got.items():
                 t[k].append(v[0])

@@ -1,7 +1,7 @@
 """Exit stress: run the tiny tp=2 and pp=2 jobs (with checkpoint saves) many times under
 torchrun and count the runs that fail: a non-zero exit, or "terminate called" in the output.
 
-    .venv/bin/python bench/stress_exit.py [--runs 50] [--jobs tp pp] [--hidden-size 64]
+    .venv/bin/python bench/parallel/stress_exit.py [--runs 50] [--jobs tp pp] [--hidden-size 64]
         [--wandb-mode disabled] [--load 0]
 
 A finished run used to abort now and then at interpreter exit, more often on a loaded machine
@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOBS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"]}
 
 

@@ -1,8 +1,8 @@
 """Where a tp=2 step goes: megalite against torch DTensor TP, profiled op by op.
 
-    .venv/bin/python bench/profile_tp.py [bench_tp.py's model flags] [--steps 2]
+    .venv/bin/python bench/parallel/profile_tp.py [bench_tp.py's model flags] [--steps 2]
 
-The same four variants as bench/bench_tp.py (same model, weights, batches and optimizers), two
+The same four variants as bench/parallel/bench_tp.py (same model, weights, batches and optimizers), two
 gloo processes of one thread each. Each variant runs one warm-up step, then `--steps` steps
 under `torch.profiler` (CPU activities), and every event recorded on the training thread is put
 in one bucket:
@@ -36,15 +36,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import machine  # noqa: E402
-from bench.bench_tp import make_batches, model_args, model_config, variants  # noqa: E402
+from bench._common import machine, timed  # noqa: E402
+from bench.parallel.bench_tp import make_batches, model_args, model_config, variants  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
 
@@ -121,16 +120,15 @@ def profile(steps: dict, n: int, skip: tuple = (), digest=None) -> dict:
     out = {}
     for name, step in steps.items():
         step()  # warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        plain = time.perf_counter() - t0
+        with timed(barrier=dist.barrier) as t:
+            step()
+        plain = t.wall
         dist.barrier()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            wall = time.perf_counter() - t0
+            with timed() as t:
+                for _ in range(n):
+                    step()
+            wall = t.wall
         got = (digest or (lambda ev, w: {"buckets": buckets(ev, w, skip)}))(prof.events(), wall)
         out[name] = {k: {x: y / n for x, y in v.items()} for k, v in got.items()}
         out[name].update(wall=wall / n, plain=plain)

@@ -1,7 +1,7 @@
 """Generation speed: megalite's KV cache against transformers `generate` and the old no-cache loop,
 and at tp2*pp2 the time per new token at a short and a long context.
 
-    .venv/bin/python bench/bench_generate.py [--flavour llama] [--layers 4] [--hidden 256]
+    .venv/bin/python bench/model/bench_generate.py [--flavour llama] [--layers 4] [--hidden 256]
         [--heads 8] [--groups 4] [--vocab 8192] [--seq 1024] [--prompt 64] [--new 64]
         [--batch 1 4] [--rounds 5] [--threads 1] [--contexts 64 512] [--skip-parallel]
 
@@ -20,7 +20,7 @@ megalite's speed-up: the median of the per-round ratios variant time / megalite 
 megalite is faster). The tokens of the three are compared (fp32: a near-tie could differ; the
 tests compare in fp64).
 
-Real size (--real-size, bench/_load_at_size.py): a random Llama-3.2-3B-shaped bf16 model
+Real size (--real-size, bench/model/_load_at_size.py): a random Llama-3.2-3B-shaped bf16 model
 written to safetensors (HF and megalite, under --scratch, deleted after); time to the first
 token and peak RSS of `load_chunks` + one token against transformers' `from_pretrained` + one
 `generate` step, each a fresh process, alternated over --real-rounds rounds (medians).
@@ -35,14 +35,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, write_summary  # noqa: E402
+from bench._common import figure, timed, write_summary  # noqa: E402
 from megalite.checkpoint.hf import from_hf, model_config_from_hf  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.generation import generate  # noqa: E402
@@ -51,7 +50,7 @@ from megalite.parallel.groups import build_groups, single_process_groups  # noqa
 from megalite.parallel.topology import Topology  # noqa: E402
 from megalite.shape import validate  # noqa: E402
 from megalite.testing import spawn  # noqa: E402
-from megalite.training.build import build_chunks  # noqa: E402
+from megalite.training.build import parallelize  # noqa: E402
 
 
 def hf_model(a):
@@ -114,11 +113,11 @@ def one_process(a, m, cfg, state) -> list:
         names = list(runs)
         for r in range(a.rounds + 1):
             for k in names[r % 3 :] + names[: r % 3]:
-                t0, c0 = time.perf_counter(), time.process_time()
-                out[k] = runs[k]()
+                with timed() as t:
+                    out[k] = runs[k]()
                 if r:  # round 0 warms up
-                    wall[k].append(time.perf_counter() - t0)
-                    cpu[k].append(time.process_time() - c0)
+                    wall[k].append(t.wall)
+                    cpu[k].append(t.cpu)
         same = out["megalite"] == out["transformers"] == out["no-cache"]
         print(f"\n## One process, batch {b}: prompt {a.prompt}, {a.new} new tokens "
               f"(tokens equal: {'yes' if same else 'NO'})\n")  # fmt: skip
@@ -144,7 +143,8 @@ def _parallel(rank, world, a, cfg, state):
     run = Config(model=cfg)
     run.parallel.tp, run.parallel.pp, run.training.kernels = 2, 2, "torch"
     run.training.micro_batch_size, run.training.global_batch_size = 1, 2
-    chunks = build_chunks(run, validate(run, world), groups)  # this stage's layers
+    # this stage's layers
+    chunks, _ = parallelize(run, validate(run, world), groups, data_parallel=False)
     for c in chunks:
         c.load_full_state(state)
     res = {}
@@ -155,9 +155,9 @@ def _parallel(rank, world, a, cfg, state):
             for r in range(a.rounds + 1):
                 t = []
                 for steps in (1, 1 + n):
-                    t0 = time.perf_counter()
-                    generate(chunks, groups, ids.tolist(), steps, use_cache=cache)
-                    t.append(time.perf_counter() - t0)
+                    with timed() as one:
+                        generate(chunks, groups, ids.tolist(), steps, use_cache=cache)
+                    t.append(one.wall)
                 if r:
                     per.append((t[1] - t[0]) / n)
             res[(cache, ctx)] = per
@@ -183,11 +183,11 @@ def parallel(a, cfg, state) -> list:
 
 
 def real_size(a) -> list:
-    """Time to first token and peak RSS at the Llama-3.2-3B shape (bench/_load_at_size.py)."""
+    """Time to first token and peak RSS at the Llama-3.2-3B shape (bench/model/_load_at_size.py)."""
     import shutil
     import tempfile
 
-    from bench import _load_at_size as big
+    from bench.model import _load_at_size as big
 
     root = Path(tempfile.mkdtemp(prefix="bench_generate_", dir=a.scratch))
     try:

@@ -1,6 +1,6 @@
 """megalite ZeRO-1/2/3 against DeepSpeed's ZeRO stages 1/2/3 at dp=2, in one pair of processes.
 
-    .venv/bin/python bench/bench_deepspeed.py [bench_dp.py's shape flags: --layers 8
+    .venv/bin/python bench/parallel/bench_deepspeed.py [bench_dp.py's shape flags: --layers 8
         --hidden 256 --heads 4 --seq 256 --vocab 2048 --gbs 32 --mbs 4 --bucket-mb 4]
         [--rounds 3] [--block 2] [--methods zero1 ds1 zero2 ds2 zero3 zero3k ds3] [--summary PATH]
 
@@ -47,7 +47,7 @@ import warnings
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+ROOT = BENCH.parents[1]
 PEERS = ROOT / ".venv-peers"  # (not under bench/: tests walk its files)
 DEEPSPEED = "deepspeed==0.19.8"  # the version docs/bench_dp.md's figures were measured with
 # zero3k: megalite ZeRO-3 with --zero3-keep-params (each layer gathered once per micro-batch,
@@ -89,8 +89,8 @@ sys.path.insert(0, str(ROOT))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench import bench_dp  # noqa: E402
 from bench._common import figure, write_summary  # noqa: E402
+from bench.parallel import bench_dp  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402

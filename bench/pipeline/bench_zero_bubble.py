@@ -1,6 +1,6 @@
 """Zero-bubble schedules side by side with 1F1B and interleaved 1F1B, on stages that sleep.
 
-    .venv/bin/python bench/bench_zero_bubble.py [--pp 4] [--microbatches 8] [--t 0.05] [--rounds 3]
+    .venv/bin/python bench/pipeline/bench_zero_bubble.py [--pp 4] [--microbatches 8] [--t 0.05] [--rounds 3]
 
 Every stage sleeps t per forward and t for each half of its backward (the input gradient I and
 the weight gradients W: a full backward sleeps 2t), so the step time is set by the schedule
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

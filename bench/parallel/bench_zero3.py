@@ -1,6 +1,6 @@
 """ZeRO-3 side by side: megalite `--zero-stage 3` against torch FSDP2 (`fully_shard`).
 
-    .venv/bin/python bench/bench_zero3.py [--dp 2] [--layers 8] [--hidden 384] [--heads 6]
+    .venv/bin/python bench/parallel/bench_zero3.py [--dp 2] [--layers 8] [--hidden 384] [--heads 6]
         [--seq 256] [--vocab 4096] [--gbs 8] [--mbs 2] [--steps 4] [--summary PATH]
 
 --dp gloo processes on CPU (megalite/testing.py, one thread each) train the same `GPTChunk` (llama
@@ -33,7 +33,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 # before any process starts: freed blocks of 64 KiB and more are unmapped at once, so the peak
 # RSS sees what each side really holds (spawned processes inherit it)
@@ -42,11 +41,11 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, memory, reset_peak, timed, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
@@ -143,17 +142,12 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith(key))
-
-
 def run(rank, world, a, method):
     from torch.distributed.fsdp import fully_shard  # noqa: F401  (both sides: the same imports)
 
     torch.manual_seed(0)
     m = model_config(a)
-    before = _status_kb("VmRSS:")  # before the model exists
+    before = memory()["VmRSS"] // 1024  # kB, before the model exists
     step = {"megalite": megalite_side, "fsdp2": fsdp2_side}[method](a, m)
     batches = _batches(a, m, rank, a.steps + 1)
     loss = step(batches[0])  # warm-up (and the loss both sides must agree on)
@@ -162,16 +156,15 @@ def run(rank, world, a, method):
         dist.all_reduce(t)
         loss = t.item() / a.dp
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # VmHWM := VmRSS: the peak from here on
-    base = _status_kb("VmRSS:")
+    reset_peak()  # VmHWM := VmRSS: the peak from here on
+    base = memory()["VmRSS"] // 1024
     times = []
     for batch in batches[1:]:
         dist.barrier()
-        t0 = time.perf_counter()
-        step(batch)
-        times.append(time.perf_counter() - t0)
-    peak = _status_kb("VmHWM:")
+        with timed() as t:
+            step(batch)
+        times.append(t.wall)
+    peak = memory()["VmHWM"] // 1024
     return {"loss": loss, "times": _slowest(times), "peak_kb": peak, "base_kb": base,
             "before_kb": before}  # fmt: skip
 
@@ -228,7 +221,7 @@ def main(argv=None):
     print(f"megalite / fsdp2: tokens/s x{speed:.2f}, peak memory (above the RSS before the model) "
           f"x{memory:.2f}, peak RSS x{ours['peak'] / theirs['peak']:.2f}, peak above the step's "
           f"start x{ours['above'] / max(theirs['above'], 1):.2f}")  # fmt: skip
-    cmd = "bench/bench_zero3.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "bench/parallel/bench_zero3.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_summary(a.summary, "zero3", [
         figure("ZeRO-3 tokens/s, megalite / FSDP2", round(speed, 3), how=f"dp={a.dp}, median step"),
         figure("ZeRO-3 peak memory, megalite / FSDP2", round(memory, 3),

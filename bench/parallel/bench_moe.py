@@ -1,7 +1,7 @@
 """The MoE layer side by side: megalite's grouped path, a plain torch loop over experts, the dense
 MLP of equal active FLOPs; and the all-to-all share of an expert-parallel layer.
 
-    .venv/bin/python bench/bench_moe.py [--hidden 256] [--ffn 512] [--experts 8] [--topk 2]
+    .venv/bin/python bench/parallel/bench_moe.py [--hidden 256] [--ffn 512] [--experts 8] [--topk 2]
         [--tokens 2048] [--rounds 7] [--kernels auto] [--summary PATH]
 
 Part 1, one process: forward + backward of one layer on the same tokens (llama flavour: SwiGLU
@@ -34,8 +34,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench._common import seconds  # noqa: E402
 from megalite import kernels  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
@@ -87,14 +88,9 @@ def loop_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def timed(fn, x, g, device) -> float:
+    """Seconds of one forward and backward of `fn` on `x`."""
     x = x.detach().requires_grad_(True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(x).backward(g)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return seconds(lambda: fn(x).backward(g), device)
 
 
 def part1(a) -> dict:

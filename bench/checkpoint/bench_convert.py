@@ -1,6 +1,6 @@
 """Checkpoint conversion at real size: wall time, peak RSS and anonymous RSS, beside transformers.
 
-    python bench/bench_convert.py [--scratch DIR] [--layers 28 --hidden 3072 ...] [--summary PATH]
+    python bench/checkpoint/bench_convert.py [--scratch DIR] [--layers 28 --hidden 3072 ...] [--summary PATH]
 
 A random Hugging Face Llama of Llama-3.2-3B's shape (28 layers, h 3072, ffn 8192, 24 heads, 8
 key/value heads, the 128,256-token vocabulary, tied, llama3 RoPE scaling, bf16: 6.4 GB) is
@@ -18,27 +18,28 @@ peak RSS; RssAnon: the anonymous part, i.e. without the mapped files' pages):
 Every round trip is checked tensor for tensor (byte-equal), and the Megatron files' sizes
 against the bytes of the tensors they hold. Ratios are against the peer of the same run. The
 files go under --scratch and are deleted at the end. Generation at real size is
-bench/bench_generate.py's.
+bench/model/bench_generate.py's.
 """
 
 import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import machine, write_summary  # noqa: E402
+from bench._common import machine, measured_run, timed, write_summary  # noqa: E402
 
 GIB = 2**30
 PEER = """
-import sys, torch
+import os, sys
+# not the repository root (the cwd): its kernels/ would shadow the package transformers imports
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.getcwd()]
+import torch
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
 m.save_pretrained(sys.argv[2])
@@ -56,54 +57,6 @@ def config(a) -> dict:
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     }  # fmt: skip
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as fh:
-                    todo += [int(c) for c in fh.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _rss(pid: int) -> tuple[int, int]:
-    rss = anon = 0
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("RssAnon:"):
-                anon = int(line.split()[1]) * 1024
-    return rss, anon
-
-
-def measure(argv: list) -> dict:
-    """Run argv; wall seconds and the peaks of the tree's summed VmRSS and RssAnon."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = anon = 0
-    while proc.poll() is None:
-        rss = [0, 0]
-        for p in _tree(proc.pid):
-            try:
-                r, a = _rss(p)
-            except (OSError, ValueError):
-                continue
-            rss[0] += r
-            rss[1] += a
-        peak, anon = max(peak, rss[0]), max(anon, rss[1])
-        time.sleep(0.05)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode()
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(map(str, argv))} failed:\n{err[-3000:]}")
-    return {"wall_s": wall, "peak": peak, "anon": anon}
 
 
 def _same(a: dict, b: dict, what: str) -> bool:
@@ -141,10 +94,10 @@ def main(argv=None):
     shutil.rmtree(root, ignore_errors=True)
     print(machine())
     try:
-        t0 = time.perf_counter()
-        hf = write_random_hf(root / "hf", config(a), torch.bfloat16)
+        with timed() as t:
+            hf = write_random_hf(root / "hf", config(a), torch.bfloat16)
         size = (hf / "model.safetensors").stat().st_size
-        print(f"wrote {size / 1e9:.2f} GB of random weights in {time.perf_counter() - t0:.0f} s")
+        print(f"wrote {size / 1e9:.2f} GB of random weights in {t.wall:.0f} s")
         conv = [sys.executable, "tools/convert_checkpoint.py"]
         mt = ["--to", "megatron", "--tp", "2", "--pp", "2", "--format"]
         ops = {
@@ -158,10 +111,10 @@ def main(argv=None):
         }  # fmt: skip
         rows = {}
         for what, cmd in ops.items():
-            rows[what] = measure([str(c) for c in cmd])
+            rows[what] = measured_run(cmd, cwd=ROOT)
             r = rows[what]
-            print(f"  {what}: {r['wall_s']:.0f} s, peak {r['peak'] / GIB:.2f} GiB "
-                  f"(anon {r['anon'] / GIB:.2f})", flush=True)  # fmt: skip
+            print(f"  {what}: {r['wall_s']:.0f} s, peak {r['peak_rss'] / GIB:.2f} GiB "
+                  f"(anon {r['peak_anon'] / GIB:.2f})", flush=True)  # fmt: skip
         ok = _same(read_hf_weights(hf), read_hf_weights(root / "hf2"), "hf -> megalite -> hf")
         ml = fmt.Checkpoint(root / "ml")
         want = {n: ml.read(n) for n in ml.names()}
@@ -190,9 +143,9 @@ def main(argv=None):
               f"({bound / GIB:.2f} GiB) |\n| --- | --- | --- | --- | --- |")  # fmt: skip
         figures = []
         for what, r in rows.items():
-            ratio = r["peak"] / peer["peak"]
-            print(f"| {what} | {r['wall_s']:.0f} s | {r['peak'] / GIB:.2f} GiB "
-                  f"({r['anon'] / GIB:.2f}) | {ratio:.2f}x | {'yes' if r['anon'] <= bound else 'no'} |")  # fmt: skip
+            ratio = r["peak_rss"] / peer["peak_rss"]
+            print(f"| {what} | {r['wall_s']:.0f} s | {r['peak_rss'] / GIB:.2f} GiB "
+                  f"({r['peak_anon'] / GIB:.2f}) | {ratio:.2f}x | {'yes' if r['peak_anon'] <= bound else 'no'} |")  # fmt: skip
             if what != "transformers load + save (peer)":
                 figures.append({"what": f"{what}: peak RSS / peer", "value": round(ratio, 2),
                                 "unit": "x", "target": "<= 1.2", "met": ratio <= 1.2})  # fmt: skip

@@ -5,9 +5,9 @@ torch.compile, and Liger-Kernel where it is installed (attention: flash-attn whe
 else PyTorch SDPA restricted to its flash backend). Memory-bound ops report achieved bandwidth
 as a share of HBM bandwidth; attention reports TFLOP/s (causal: half the square).
 
-    python bench/kernels.py                     # all ops, bf16, llama-1B-like shapes, a table
-    python bench/kernels.py --ops rms_norm attention --impls megalite eager --json out.json
-    python bench/kernels.py --dry-run           # list the cases (works without a GPU)
+    python bench/gpu/kernels.py                     # all ops, bf16, llama-1B-like shapes, a table
+    python bench/gpu/kernels.py --ops rms_norm attention --impls megalite eager --json out.json
+    python bench/gpu/kernels.py --dry-run           # list the cases (works without a GPU)
 """
 
 import argparse
@@ -221,7 +221,8 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         print(
-            "bench/kernels.py needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr
+            "bench/gpu/kernels.py needs a CUDA GPU (use --dry-run to list the cases)",
+            file=sys.stderr,
         )
         return 2
     dtype = getattr(torch, DTYPES[a.dtype])

@@ -1,6 +1,6 @@
 """Data parallelism side by side: megalite ZeRO 0/1/2 against torch DDP and FSDP2 at dp=2.
 
-    .venv/bin/python bench/bench_dp.py [--layers 8] [--hidden 256] [--heads 4] [--seq 256]
+    .venv/bin/python bench/parallel/bench_dp.py [--layers 8] [--hidden 256] [--heads 4] [--seq 256]
         [--vocab 2048] [--gbs 32] [--mbs 4] [--bucket-mb 4] [--rounds 5] [--block 2]
         [--methods ddp zero0 zero1 zero2 fsdp2] [--summary PATH]
 
@@ -47,16 +47,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config, ModelConfig  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
@@ -129,12 +128,12 @@ def megalite_side(a, m, groups, stage, keep_params=False):
     def step(batch):
         opt.zero_grad(len(batch))
         r = parts.run(batch)
-        t0 = time.perf_counter()
-        opt.finalise_grads()  # the DP reductions still in flight after backward
-        t1 = time.perf_counter()
-        step.wait_s += t1 - t0
-        opt.step(LR)  # the global norm, clipping, AdamW (and ZeRO-1/2's gather launch)
-        step.opt_s += time.perf_counter() - t1
+        with timed() as t:
+            opt.finalise_grads()  # the DP reductions still in flight after backward
+        step.wait_s += t.wall
+        with timed() as t:
+            opt.step(LR)  # the global norm, clipping, AdamW (and ZeRO-1/2's gather launch)
+        step.opt_s += t.wall
         return r
 
     def persistent():
@@ -187,12 +186,12 @@ def torch_side(a, m, method):
                 loss = fwd(tokens, labels)
                 (loss / len(batch)).backward()
             total += loss.detach()
-        t1 = time.perf_counter()
-        norm = torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        opt.step()
-        step.opt_s += time.perf_counter() - t1
+        with timed() as t:
+            norm = torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            opt.step()
+        step.opt_s += t.wall
         return total / len(batch)
 
     def persistent():
@@ -305,13 +304,12 @@ def timed_rounds(a, steps: dict, batches) -> dict:
         shift = r % len(order)
         for name in order[shift:] + order[:shift]:
             step = steps[name]
-            dist.barrier()
             o0 = getattr(step, "opt_s", 0.0)
-            t0 = time.perf_counter()
-            for i in range(a.block):
-                step(batches[(r + i) % 2])
-            step.finish()  # the block ends when its parameter gathers have landed
-            t = (time.perf_counter() - t0) / a.block
+            with timed(barrier=dist.barrier) as block:
+                for i in range(a.block):
+                    step(batches[(r + i) % 2])
+                step.finish()  # the block ends when its parameter gathers have landed
+            t = block.wall / a.block
             o = (getattr(step, "opt_s", 0.0) - o0) / a.block
             t, o, rest = _slowest(t), _slowest(o), _slowest(t - o)
             if r >= a.warmup:

@@ -1,6 +1,6 @@
 """A trainer's checkpoint save against `torch.save` of the same state on the same disk.
 
-    .venv/bin/python bench/bench_save.py [--layers 6] [--hidden 1024] [--vocab 32000]
+    .venv/bin/python bench/checkpoint/bench_save.py [--layers 6] [--hidden 1024] [--vocab 32000]
         [--rounds 4] [--dir DIR] [--summary PATH]
 
 One process trains one step of a llama model (fp32, AdamW: weights and two moments, about
@@ -25,14 +25,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, write_summary  # noqa: E402
+from bench._common import figure, timed, write_summary  # noqa: E402
 from megalite.checkpoint import format as fmt  # noqa: E402
 from megalite.checkpoint import shard_io  # noqa: E402
 from megalite.testing import tiny_config, tiny_trainer  # noqa: E402
@@ -95,9 +94,9 @@ def main():
             names = list(variants)
             for k in names[r % len(names) :] + names[: r % len(names)]:
                 os.sync()  # every save starts with nothing of the others left dirty
-                start = time.perf_counter()
-                out = variants[k]()
-                times[k].append(time.perf_counter() - start)
+                with timed() as t:
+                    out = variants[k]()
+                times[k].append(t.wall)
                 shutil.rmtree(out) if out.is_dir() else out.unlink()
             print(f"  round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
     finally:

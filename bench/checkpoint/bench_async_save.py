@@ -1,6 +1,6 @@
 """The training stall of a checkpoint save, synchronous against --async-save, side by side.
 
-    .venv/bin/python bench/bench_async_save.py [--layers 12] [--hidden 768] [--seq 128]
+    .venv/bin/python bench/checkpoint/bench_async_save.py [--layers 12] [--hidden 768] [--seq 128]
         [--steps 12] [--every 4] [--zero 0 1] [--repeat 1]
 
 Two gloo processes on CPU (megalite/testing.py, one thread each) train a GPT-2-124M-shaped model
@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,8 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench._common import seconds, timed  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
 from megalite.shape import validate  # noqa: E402
@@ -65,10 +65,8 @@ def _trainer(root, a, zero):
 
 
 def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    """Seconds of `fn()` on this rank, the ranks starting together."""
+    return seconds(fn, barrier=dist.barrier)
 
 
 def _loop(tr, steps, every, mode) -> tuple[float, float, float]:
@@ -77,10 +75,10 @@ def _loop(tr, steps, every, mode) -> tuple[float, float, float]:
     ck = tr.checkpointer
     if mode:
         tr.cfg.checkpoint.async_save = mode == "async"
-    cpu = time.process_time()  # this process's CPU time, every thread (the writer's included)
-    steps_s = _timed(lambda: [_step_and_save(tr, every, mode) for _ in range(steps)])
-    wait_s = _timed(lambda: (ck.wait(), tr.opt.wait_params()))
-    return steps_s, wait_s, time.process_time() - cpu
+    with timed() as whole:  # its CPU time: this process's, every thread (the writer's included)
+        steps_s = _timed(lambda: [_step_and_save(tr, every, mode) for _ in range(steps)])
+        wait_s = _timed(lambda: (ck.wait(), tr.opt.wait_params()))
+    return steps_s, wait_s, whole.cpu
 
 
 def _step_and_save(tr, every, mode):

@@ -8,7 +8,7 @@ Unicode class differs between regular-expression tables), drawn with Zipf-Mandel
 documents get punctuation, digits, paragraphs and now and then a line of code. The same seed
 gives the same bytes.
 
-    python bench/text_corpus.py OUT.jsonl --mb 1024 [--vocab-dir DIR]
+    python bench/data/text_corpus.py OUT.jsonl --mb 1024 [--vocab-dir DIR]
 """
 
 import argparse

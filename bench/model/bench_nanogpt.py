@@ -1,6 +1,6 @@
 """One process against nanoGPT's CPU recipe: ms per iteration and the validation loss reached.
 
-    .venv/bin/python bench/bench_nanogpt.py [--iters 300] [--block 25] [--threads 1]
+    .venv/bin/python bench/model/bench_nanogpt.py [--iters 300] [--block 25] [--threads 1]
         [--log-interval 1] [--peer-adamw single|foreach] [--megalite-flavour nanogpt|gpt2]
         [--peer-bias] [--peer-gelu none|tanh] [--megalite-compile] [--profile N] [--summary PATH]
 
@@ -40,16 +40,15 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench._common import figure, machine, write_summary  # noqa: E402
+from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.data.gpt_dataset import prepare_builtin  # noqa: E402
 from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
@@ -239,14 +238,14 @@ def splits(cache: str):
 
 
 def profile(side, n: int):
-    """Op-level buckets of `n` iterations (bench/profile_tp.py's), and the top ops."""
-    from bench.profile_tp import BUCKETS, buckets
+    """Op-level buckets of `n` iterations (bench/parallel/profile_tp.py's), and the top ops."""
+    from bench.parallel.profile_tp import BUCKETS, buckets
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            side.iteration()
-        wall = time.perf_counter() - t0
+        with timed() as t:
+            for _ in range(n):
+                side.iteration()
+        wall = t.wall
     b = buckets(prof.events(), wall)
     cells = " | ".join(f"{1e3 * b[k] / n:.2f} ({b[k] / wall:.0%})" for k in BUCKETS)
     print(f"| {side.name} | {cells} | {1e3 * wall / n:.2f} |")
@@ -315,7 +314,7 @@ def main():
           f"{a.peer_adamw}); {a.iters} iterations, blocks of {a.block}, {len(train):,} train "
           "tokens")  # fmt: skip
     if a.profile:
-        from bench.profile_tp import BUCKETS
+        from bench.parallel.profile_tp import BUCKETS
 
         print(f"\nms per iteration by bucket ({a.profile} profiled iterations per side):")
         print("| side | " + " | ".join(BUCKETS) + " | profiled iteration |")
@@ -331,10 +330,10 @@ def main():
         n = min(a.block, a.iters - r * a.block)
         got = {}
         for s in sides if r % 2 == 0 else sides[::-1]:  # A B, B A, ...
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(n):
-                s.iteration()
-            got[s.name] = ((time.perf_counter() - t0) / n, (time.process_time() - c0) / n)
+            with timed() as t:
+                for _ in range(n):
+                    s.iteration()
+            got[s.name] = (t.wall / n, t.cpu / n)
         for k, v in got.items():
             times[k].append(v[0])
         if r > 0:  # the first block warms up

@@ -1,7 +1,7 @@
 """Where ZeRO-3's parameter gathers wait: one step's per-unit timeline on both ranks, and
 whether a gather in flight slows the compute beside it.
 
-    .venv/bin/python bench/zero3_timeline.py [bench_dp.py's shape flags] [--steps 2]
+    .venv/bin/python bench/parallel/zero3_timeline.py [bench_dp.py's shape flags] [--steps 2]
         [--keep] [--full] [--contention-iters 6]
 
 Timeline: bench_dp.py's megalite ZeRO-3 side (with --keep: --zero3-keep-params) at dp=2, two
@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
-from bench import bench_dp  # noqa: E402
+from bench._common import timed  # noqa: E402
+from bench.parallel import bench_dp  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
@@ -141,12 +142,11 @@ def contention(rank, world, a):
     times = {k: [] for k in runs}
     for it in range(a.contention_iters + 1):
         for k, fn in runs.items():
-            dist.barrier(groups.dp.pg)
-            t = time.perf_counter()
-            for _ in range(4):
-                fn()
+            with timed(barrier=lambda: dist.barrier(groups.dp.pg)) as t:
+                for _ in range(4):
+                    fn()
             if it:  # (the first round warms up)
-                times[k].append((time.perf_counter() - t) / 4 * 1e3)
+                times[k].append(t.wall / 4 * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}, n * 4
 
 

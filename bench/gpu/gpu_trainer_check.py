@@ -1,7 +1,7 @@
 """The trainer on one GPU: host syncs per step, and tp/pp/dp ranks sharing the GPU over gloo.
 
-    python bench/gpu_trainer_check.py syncs [--device cuda] [--steps 5] [--out DIR]
-    python bench/gpu_trainer_check.py multirank [--device cuda] [--steps 3] [--out DIR]
+    python bench/gpu/gpu_trainer_check.py syncs [--device cuda] [--steps 5] [--out DIR]
+    python bench/gpu/gpu_trainer_check.py multirank [--device cuda] [--steps 3] [--out DIR]
 
 Run by bench/gpu_check.sh on a lent GPU; both also run on CPU (`--device cpu`, what
 `make bench` does) so the code does not rot between GPU loans.
@@ -46,7 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bench._common import timed  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2-zero1": dict(zero=1)}
 
@@ -112,12 +114,10 @@ def _syncs_cuda(trainer, steps):
     for _ in range(steps):
         counts.append(run(False))
     logging_step = run(True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(log=False)
-    torch.cuda.synchronize()
-    return counts, where, logging_step, (time.perf_counter() - t0) / steps
+    with timed("cuda") as t:
+        for _ in range(steps):
+            trainer.train_step(log=False)
+    return counts, where, logging_step, t.wall / steps
 
 
 def _syncs_cpu(trainer, steps):
@@ -137,10 +137,10 @@ def _syncs_cpu(trainer, steps):
     for _ in range(steps):
         counts.append(run(False))
     logging_step = run(True)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(log=False)
-    return counts, where, logging_step, (time.perf_counter() - t0) / steps
+    with timed() as t:
+        for _ in range(steps):
+            trainer.train_step(log=False)
+    return counts, where, logging_step, t.wall / steps
 
 
 SYNCS_PER_STEP = 1  # the design's one: the optimizer's status read
@@ -299,12 +299,11 @@ def _layout(rank, world, tmp, device_name, layout, steps, queue):
         if device.type == "cuda" or os.environ.get("MEGALITE_CHECK_STAGE_P2P"):
             stage_p2p_through_host(force=device.type != "cuda")
         trainer = make_trainer(device, world, **LAYOUTS.get(layout, {}))
-        losses, t0 = [], time.perf_counter()
-        for _ in range(steps):
-            losses.append(trainer.train_step(log=True)["loss"])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        queue.put((rank, {"losses": losses, "s_per_step": (time.perf_counter() - t0) / steps}))
+        losses = []
+        with timed(device) as t:  # (the device drained before the clock starts, too)
+            for _ in range(steps):
+                losses.append(trainer.train_step(log=True)["loss"])
+        queue.put((rank, {"losses": losses, "s_per_step": t.wall / steps}))
         from megalite.parallel import groups as pg
 
         pg.destroy(barrier=True)
