@@ -1,0 +1,86 @@
+"""The local tier's pure parts: where copies go, which iteration a restart agrees on, and that a
+corrupt or partial copy is never offered."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from megalite.checkpoint import format as fmt
+from megalite.checkpoint.local_restore import choose, survey
+from megalite.checkpoint.local_tier import PART, check, copies, peers, rank_dir, replica_dir
+from megalite.errors import MegaliteError
+
+
+def test_copies_go_jump_ranks_apart_and_fit_the_world():
+    assert peers(1, 8, 2, 4) == ([5], [5])
+    assert peers(0, 8, 3, 2) == ([2, 4], [6, 4])
+    assert copies(8, 2, 4) == 2 and copies(4, 2, 4) == 1 and copies(4, 3, 2) == 2
+
+
+def _cfg(**kw):
+    base = dict(non_persistent_save_interval=2, non_persistent_ckpt_type="local",
+                non_persistent_local_ckpt_dir="/tmp/x", replication=True,
+                replication_factor=2, replication_jump=4)  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"non_persistent_ckpt_type": None}, "--non-persistent-ckpt-type local"),
+        ({"non_persistent_local_ckpt_dir": None}, "--non-persistent-local-ckpt-dir"),
+        ({"replication_factor": 0}, ">= 1"),
+    ],
+)
+def test_impossible_flags_fail_with_one_line(kw, words):
+    with pytest.raises(MegaliteError, match=words):
+        check(_cfg(**kw), 8)
+    check(_cfg(), 8)
+    check(_cfg(non_persistent_save_interval=0, non_persistent_ckpt_type=None), 8)
+
+
+def test_choose_the_newest_complete_iteration_above_the_persistent_one():
+    # holders 0..3; a save at world 4 (owners 0..3)
+    node0 = [(6, 0, 4), (6, 1, 4), (6, 2, 4), (6, 3, 4), (4, 0, 4), (4, 1, 4)]
+    node1 = [(4, 2, 4), (4, 3, 4), (6, 2, 4)]
+    got = choose([node0[:3], node0[3:], node1, []], persistent=3)
+    assert got[0] == 6 and got[1] == 4 and got[2][2] == [0, 2]
+    # owner 3's copy of 6 lost: 4 is the newest complete one
+    assert choose([node0[:3], node0[4:], node1, []], persistent=3)[0] == 4
+    # the persistent tier is as new: it wins (no fetch)
+    assert choose([node0[:3], node0[4:], node1, []], persistent=4) is None
+    # a save by a larger world needs all of its owners, wherever they are now
+    assert choose([[(8, o, 8) for o in range(7)]], persistent=-1) is None
+    assert choose([[(8, o, 8) for o in range(8)]], persistent=-1)[:2] == (8, 8)
+
+
+def _part(folder, owner, iteration, world=2, payload=b"x" * 100):
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(payload)
+    files = {"model.safetensors": {"sha256": fmt.sha256_file(folder / "model.safetensors"),
+                                   "bytes": len(payload)}}  # fmt: skip
+    (folder / PART).write_text(json.dumps({"rank": owner, "world": world, "files": files}))
+
+
+def test_survey_offers_only_whole_copies(tmp_path):
+    _part(rank_dir(tmp_path, 0) / "iter_0000004", 0, 4)
+    _part(rank_dir(tmp_path, 0) / "iter_0000002", 0, 2)
+    _part(replica_dir(tmp_path, 0, 1) / "iter_0000004", 1, 4)
+    _part(rank_dir(tmp_path, 3) / "iter_0000004", 3, 4, world=4)  # a rank of a larger world
+    # a flipped byte, a truncated file, a missing part.json, a half-written (.tmp) dir
+    _part(replica_dir(tmp_path, 0, 5) / "iter_0000004", 5, 4, world=8)
+    bad = replica_dir(tmp_path, 0, 5) / "iter_0000004" / "model.safetensors"
+    bad.write_bytes(b"x" * 99 + b"y")
+    _part(replica_dir(tmp_path, 0, 6) / "iter_0000004", 6, 4, world=8)
+    (replica_dir(tmp_path, 0, 6) / "iter_0000004" / "model.safetensors").write_bytes(b"x")
+    (replica_dir(tmp_path, 0, 7) / "iter_0000004").mkdir(parents=True)
+    _part(rank_dir(tmp_path, 0) / ".iter_0000006.tmp", 0, 6)
+    records, where, corrupt = survey(tmp_path, rank=0, world=3, newer_than=2)
+    assert sorted(records) == [(4, 0, 2), (4, 1, 2), (4, 3, 4)] and corrupt == 3
+    assert where[(4, 1)] == replica_dir(tmp_path, 0, 1) / "iter_0000004"
+    # rank 3's folder is read by rank 0 when the world is 3 (3 mod 3), not when it is 4
+    records, _, _ = survey(tmp_path, rank=0, world=3, newer_than=-1)
+    assert (2, 0, 2) in records
+    records, _, _ = survey(tmp_path, rank=0, world=4, newer_than=-1)
+    assert (4, 3, 4) not in records
