@@ -11,7 +11,7 @@
    all-gather), so every rank has the whole index; each rank names the files its load reads
    (`needed_files`: the slices its parameters and their optimizer state cover at the new
    layout, plus those it verifies) and receives those it lacks from a holder over the tier's
-   gloo group, each checked against its sha256 on arrival.
+   world group (p2p, on the device: NCCL on GPUs; no training runs meanwhile).
 4. **Load.** The rank's files (links to its own copies, the fetched ones) and the merged index
    form an ordinary checkpoint directory, which the Checkpointer loads as it loads --save's own:
    any layout, so a restart at a smaller world reshards.
@@ -22,23 +22,12 @@ One line says which tier, which iteration and how many shards came from peers.
 import json
 import shutil
 import time
-from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.local_tier import PART, rank_dir, recv_bytes, send_bytes
 from megalite.checkpoint.regions import all_gather, piece_blocks, rank_params
 from megalite.model.moe import expert_biases
-
-
-def tier_group(cfg, world: int):
-    """The local tier's gloo group over the world (collective: every rank calls it), or None."""
-    if world == 1 or not dist.is_initialized():
-        return None
-    minutes = cfg.parallel.distributed_timeout_minutes
-    return dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
 
 
 def _good(folder: Path) -> dict | None:
@@ -124,8 +113,8 @@ def needed_files(tensors: dict, chunks) -> set[str]:
 class Restart:
     """What a restart resumes from, agreed by every rank (`agree`); `fetch` assembles it."""
 
-    def __init__(self, cfg, groups, persistent_path, group, log=print):
-        self.cfg, self.groups, self.group, self.log = cfg, groups, group, log
+    def __init__(self, cfg, groups, persistent_path, log=print):
+        self.cfg, self.groups, self.log = cfg, groups, log
         self.root = Path(cfg.checkpoint.non_persistent_local_ckpt_dir)
         self.persistent_path = persistent_path
         self.choice = None
@@ -149,6 +138,7 @@ class Restart:
         self.choice = choose([r for r, _, _ in gathered], persistent)
         self.seconds["locate"] = time.perf_counter() - t0
         note = f"; {corrupt} corrupt or partial local copies skipped" if corrupt else ""
+        note += f"; located in {self.seconds['locate']:.2f} s"
         if self.choice is None:
             newest = max((r[0] for rs, _, _ in gathered for r in rs), default=None)
             local = (
@@ -189,24 +179,27 @@ class Restart:
         for f in held:
             (out / f).symlink_to((self._where[(it, owner_of[f])] / f).resolve())
         fetched = 0
+
+        def read(f):
+            return (self._where[(it, owner_of[f])] / f).read_bytes()
+
         for dst, names in enumerate(wants):  # the same order on every rank: no deadlock
             for f in names:
                 src = holders[owner_of[f]][0]
                 fetched += 1
                 if g.rank == src:
-                    for w in send_bytes(
-                        (self._where[(it, owner_of[f])] / f).read_bytes(), dst, self.group
-                    ):
+                    for w in send_bytes(read(f), dst, g.world.pg, g.device):
                         w.wait()
                 elif g.rank == dst:
-                    (out / f).write_bytes(recv_bytes(src, self.group))
+                    (out / f).write_bytes(recv_bytes(src, g.world.pg, g.device))
         index = {**parts[0]["meta"], "rng": [p["rng"] for p in parts], "files": files,
                  "tensors": tensors}  # fmt: skip
         fmt.write_atomic(out / fmt.INDEX, json.dumps(index))
         self._dir = out
         self.seconds["fetch"] = time.perf_counter() - t0
         self.line = (f"restart from the local tier: iteration {it} ({world} ranks' shards, "
-                     f"{fetched} fetched from peers{self._note})")  # fmt: skip
+                     f"{fetched} fetched from peers{self._note}, fetched in "
+                     f"{self.seconds['fetch']:.2f} s)")  # fmt: skip
         return out
 
     def done(self):

@@ -8,11 +8,12 @@ background thread writes the safetensors file with its sha256 (shard_io.write_sh
 fields of the save), into a temporary directory renamed into place last. Nothing is gathered:
 a local save is no collective of the training groups.
 
-With --replication the same thread then sends the directory's two files to the
---replication-factor - 1 ranks --replication-jump apart (rank r's copies go to r + J, r + 2J,
-... mod world: with J the ranks per node, to other nodes) and receives the copies of the ranks
-J, 2J, ... below, over a gloo process group of its own (CPU, never the training stream), where
-they are kept under `replica-<rank>/`. At most one local save is in flight: the next one, a
+With --replication the ranks form groups of --replication-factor F ranks --replication-jump J
+apart (Megatron's replication groups: in each block of J*F ranks, {i, i + J, ..., i + (F-1)J};
+with J the ranks per node, F ranks on F different nodes), and the same thread then sends the
+directory's two files to the other F - 1 members of its group and keeps theirs under
+`replica-<rank>/`, over a gloo process group of just those F ranks (CPU, never the training
+stream; each rank creates only its own). At most one local save is in flight: the next one, a
 stop and the end of training wait for it. Persistent saves (--save-interval) go on as before.
 
 Layout of --non-persistent-local-ckpt-dir (one per node, or shared: each rank its own folder):
@@ -26,9 +27,9 @@ checkpoint's do, so a local checkpoint is topology-free: a restart at another wo
 """
 
 import json
-import math
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -53,11 +54,11 @@ def replica_dir(root, holder: int, owner: int) -> Path:
     return rank_dir(root, holder) / f"replica-{owner:05d}"
 
 
-def peers(rank: int, world: int, factor: int, jump: int) -> tuple[list[int], list[int]]:
-    """(the ranks that keep copies of `rank`'s shard, the ranks whose copies `rank` keeps)."""
-    sends = [(rank + k * jump) % world for k in range(1, factor)]
-    recvs = [(rank - k * jump) % world for k in range(1, factor)]
-    return sends, recvs
+def clique(rank: int, factor: int, jump: int) -> list[int]:
+    """The replication group of `rank`: the `factor` ranks `jump` apart in its block of
+    jump * factor ranks, itself included (each keeps a copy of the others' parts)."""
+    block = rank - rank % (jump * factor)
+    return [block + rank % jump + k * jump for k in range(factor)]
 
 
 def check(c, world: int):
@@ -73,16 +74,16 @@ def check(c, world: int):
             "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (a "
             "node-local disk or /dev/shm)"
         )
-    if c.replication:
-        f, j = c.replication_factor, c.replication_jump
-        if f < 1 or j < 1:
-            raise MegaliteError(f"--replication-factor {f} and --replication-jump {j} must be >= 1")
+    f, j = c.replication_factor, c.replication_jump
+    if c.replication and (f < 1 or j < 1):
+        raise MegaliteError(f"--replication-factor {f} and --replication-jump {j} must be >= 1")
 
 
 def copies(world: int, factor: int, jump: int) -> int:
-    """The copies of a shard that fit on distinct ranks: at most --replication-factor, fewer
-    when the world is too small for it (a restart on fewer nodes keeps its command line)."""
-    return min(factor, world // math.gcd(world, jump))
+    """The copies of a part the world can hold: the largest f <= --replication-factor whose
+    blocks of jump * f ranks tile the world (a restart on fewer nodes keeps its command line
+    and replicates less, or not at all)."""
+    return next(f for f in range(factor, 0, -1) if f == 1 or world % (jump * f) == 0)
 
 
 def _write_dir(final: Path, files: dict[str, bytes | None], write_shard=None):
@@ -105,29 +106,34 @@ def _prune(folder: Path, keep: int = KEEP):
         shutil.rmtree(p, ignore_errors=True)
 
 
-def send_bytes(data: bytes, dst: int, group) -> list:
-    """Queue `data` to `dst` (its length first, then CHUNK-sized pieces); the works to wait."""
+def send_bytes(data: bytes, dst: int, group, device=None) -> list:
+    """Queue `data` to global rank `dst` (its length first, then CHUNK-sized pieces) on
+    `device` (the group's: CUDA for NCCL); the works to wait."""
+    device = device or torch.device("cpu")
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
-    works = [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)]
+    buf = buf.to(device)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    works = [dist.isend(n, dst, group=group)]
     for lo in range(0, len(data), CHUNK):
         works.append(dist.isend(buf[lo : lo + CHUNK], dst, group=group))
     return works
 
 
-def recv_bytes(src: int, group) -> bytes:
-    n = torch.zeros(1, dtype=torch.int64)
+def recv_bytes(src: int, group, device=None) -> bytes:
+    device = device or torch.device("cpu")
+    n = torch.zeros(1, dtype=torch.int64, device=device)
     dist.recv(n, src, group=group)
-    out = torch.empty(int(n), dtype=torch.uint8)
+    out = torch.empty(int(n), dtype=torch.uint8, device=device)
     for lo in range(0, int(n), CHUNK):
         dist.recv(out[lo : lo + CHUNK], src, group=group)
-    return out.numpy().tobytes()
+    return out.cpu().numpy().tobytes()
 
 
 class LocalTier:
-    """The local saves of one rank (collective to build: every rank makes the gloo group)."""
+    """The local saves of one rank (with --replication collective within its replication group,
+    whose gloo group it creates)."""
 
-    def __init__(self, cfg, groups, checkpointer, group, log=print):
-        """`group`: the tier's gloo group over the world (local_restore.tier_group), or None."""
+    def __init__(self, cfg, groups, checkpointer, log=print):
         c = cfg.checkpoint
         check(c, groups.topo.world_size)
         self.cfg, self.groups, self.ckpt, self.log = cfg, groups, checkpointer, log
@@ -141,7 +147,13 @@ class LocalTier:
                 f"world size {groups.topo.world_size}; keeping {self.factor} copies")  # fmt: skip
         self.jump = c.replication_jump
         self.world, self.rank = groups.topo.world_size, groups.rank
-        self.group = group
+        self.peers = [r for r in clique(self.rank, self.factor, self.jump) if r != self.rank]
+        self.group = None
+        if self.peers and dist.is_initialized():  # only this replication group's ranks meet
+            minutes = cfg.parallel.distributed_timeout_minutes
+            self.group = dist.new_group(sorted([self.rank, *self.peers]), backend="gloo",
+                                        timeout=timedelta(minutes=minutes),
+                                        use_local_synchronization=True)  # fmt: skip
         self._background = BackgroundSave()
         self._host = {}
         self.last = None  # (iteration, seconds the step waited, seconds in the background)
@@ -179,7 +191,7 @@ class LocalTier:
                 _prune(own)
             except OSError as e:
                 error = f"could not write the local checkpoint {own / name} ({e})"
-            if self.factor > 1 and self.group is not None:
+            if self.group is not None:
                 error = self._replicate(own / name, name, error) or error
             self.last = (state.iteration, waited, time.perf_counter() - t1)
             return error
@@ -187,9 +199,9 @@ class LocalTier:
         self._background.start(job)
 
     def _replicate(self, mine: Path, name: str, error) -> str | None:
-        """Send this rank's part to its peers, keep theirs (every rank calls it, in the thread).
-        A rank whose own write failed sends nothing usable (empty), which its peers discard."""
-        sends, recvs = peers(self.rank, self.world, self.factor, self.jump)
+        """Send this rank's part to its replication group, keep theirs (each member calls it,
+        in the thread). A rank whose own write failed sends no files, and its peers keep none."""
+        sends = recvs = self.peers
         try:
             blobs = {} if error else {p.name: p.read_bytes() for p in sorted(mine.iterdir())}
             head = json.dumps(list(blobs)).encode()  # the file names, then each file

@@ -12,7 +12,7 @@ import time
 import torch
 
 from megalite.checkpoint.checkpointer import Checkpointer, TrainState, resume_path
-from megalite.checkpoint.local_restore import Restart, tier_group
+from megalite.checkpoint.local_restore import Restart
 from megalite.checkpoint.local_tier import LocalTier
 from megalite.checkpoint.local_tier import check as check_local_tier
 from megalite.config import Config
@@ -61,11 +61,10 @@ class Trainer:
         self.resume_from = resume_path(cfg)
         # node-local checkpoints (checkpoint/local_tier.py): the ranks agree on the newest
         # complete copy, local or persistent (local_restore.py), before the model is built
-        c, tier, self.restart = cfg.checkpoint, None, None
+        c, self.restart = cfg.checkpoint, None
         check_local_tier(c, groups.topo.world_size)
         if c.non_persistent_ckpt_type == "local" and c.non_persistent_local_ckpt_dir:
-            tier = tier_group(cfg, groups.topo.world_size)
-            self.restart = Restart(cfg, groups, self.resume_from, tier).agree()
+            self.restart = Restart(cfg, groups, self.resume_from).agree()
         loading = self.resume_from is not None or bool(self.restart and self.restart.local)
         with self.launch.phase("model build"):  # chunks, optimizer, schedule
             self.parts = build_rank(cfg, shape, groups, loading=loading)
@@ -89,7 +88,7 @@ class Trainer:
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
         self.local = None  # --non-persistent-save-interval: the local saves
         if c.non_persistent_save_interval:
-            self.local = LocalTier(cfg, groups, self.checkpointer, tier, self.logger.print)
+            self.local = LocalTier(cfg, groups, self.checkpointer, self.logger.print)
 
     @property
     def chunks(self):

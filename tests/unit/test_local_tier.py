@@ -8,14 +8,21 @@ import pytest
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.local_restore import choose, survey
-from megalite.checkpoint.local_tier import PART, check, copies, peers, rank_dir, replica_dir
+from megalite.checkpoint.local_tier import PART, check, clique, copies, rank_dir, replica_dir
 from megalite.errors import MegaliteError
 
 
-def test_copies_go_jump_ranks_apart_and_fit_the_world():
-    assert peers(1, 8, 2, 4) == ([5], [5])
-    assert peers(0, 8, 3, 2) == ([2, 4], [6, 4])
-    assert copies(8, 2, 4) == 2 and copies(4, 2, 4) == 1 and copies(4, 3, 2) == 2
+def test_replication_groups_are_jump_apart_and_fit_the_world():
+    # Megatron's groups: in each block of jump * factor ranks, {i, i + J, ...}
+    assert clique(1, 2, 4) == [1, 5] and clique(5, 2, 4) == [1, 5]
+    assert clique(9, 3, 4) == [1, 5, 9] and clique(14, 3, 4) == [14, 18, 22]
+    assert clique(3, 1, 4) == [3]
+    for world, factor, jump in [(16, 2, 4), (24, 3, 4), (8, 2, 1)]:
+        groups = {tuple(clique(r, factor, jump)) for r in range(world)}
+        assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
+        assert all(len({r // jump for r in g}) == factor for g in groups)  # distinct "nodes"
+    assert copies(8, 2, 4) == 2 and copies(4, 2, 4) == 1  # node 0 alone: no copies left
+    assert copies(16, 3, 4) == 2 and copies(24, 3, 4) == 3
 
 
 def _cfg(**kw):
