@@ -164,8 +164,8 @@ class LocalTier:
 
     def save(self, state):
         """Copy this rank's shard to host and write + replicate it in the background."""
+        t0 = time.perf_counter()  # the step's wait: for the previous local save, then the copy
         self.wait()
-        t0 = time.perf_counter()
         tensors, event = host_copy(self.ckpt._local_tensors(), self._host)
         fname = self.ckpt._fname if tensors else None
         part = {"rank": self.rank, "world": self.world, "meta": self.ckpt._meta(state),
@@ -232,3 +232,8 @@ class LocalTier:
         error = self._background.wait()
         if error:
             self.log(f"megalite: warning: {error}; the previous local checkpoint stands")
+        elif self.last is not None:
+            it, waited, background = self.last
+            copies = f", copied to {len(self.peers)} peer(s)" if self.peers else ""
+            self.log(f"local checkpoint of iteration {it} written{copies} in {background:.3f} s "
+                     f"in the background; the step waited {waited:.4f} s")  # fmt: skip

@@ -1,7 +1,7 @@
 """Node-local checkpoints replicated to peers: a restart after a lost "node" resumes from the
 newest local iteration (not the older persistent one) through the peers' replicas, at the
 same world or a smaller one, with the uninterrupted run's losses; a corrupt copy is never
-loaded. Four ranks, tp2: ranks 0-1 play node 0, ranks 2-3 node 1 (--replication-jump 2). The
+loaded (its replica, or the persistent tier, is). Four ranks, tp2: ranks 0-1 play node 0, ranks 2-3 node 1 (--replication-jump 2). The
 two-agent, 8-rank version of the same: bench/bench_recovery.py."""
 
 import shutil
@@ -39,6 +39,12 @@ def _copy(tmp_path, name, lose_node1=True):
     return local, ckpt
 
 
+def _flip(shard):
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # a byte of the last tensor
+    shard.write_bytes(data)
+
+
 def test_lost_node_restarts_from_the_local_tier(tiny_data, tmp_path):
     prefix, model = tiny_data
     base = [*TINY, "--num-layers", "2", "--data-path", prefix, "--tokenizer-model", model,
@@ -65,13 +71,18 @@ def test_lost_node_restarts_from_the_local_tier(tiny_data, tmp_path):
     for it in (5, 6):
         assert abs(got[it] - want[it]) <= 1e-4 * abs(want[it]), (it, got[it], want[it])
 
-    # a flipped byte in rank 0's own copy, and node 1 (which kept its replica) lost: no
+    # a flipped byte in rank 0's own copy, node 1 intact: its replica on rank 2 is taken
+    local, ckpt = _copy(tmp_path, "replica", lose_node1=False)
+    _flip(next((local / "rank00000" / "iter_0000004").glob("*.safetensors")))
+    rows, r = _run(tmp_path, 4, base, local, ckpt)
+    line = _line(r)
+    assert "the local tier: iteration 4 " in line and "1 corrupt" in line, line
+    assert _losses(rows) == {5: want[5], 6: want[6]}
+
+    # the same flipped byte, and node 1 (which kept the replica) lost: no
     # complete local iteration is left, so the persistent tier's iteration 3 is taken
     local, ckpt = _copy(tmp_path, "corrupt")
-    shard = next((local / "rank00000" / "iter_0000004").glob("*.safetensors"))
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 0x10
-    shard.write_bytes(data)
+    _flip(next((local / "rank00000" / "iter_0000004").glob("*.safetensors")))
     rows, r = _run(tmp_path, 4, base, local, ckpt)
     line = _line(r)
     assert "the persistent tier: iteration 3 " in line and "1 corrupt" in line, line
