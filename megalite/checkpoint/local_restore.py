@@ -1,9 +1,10 @@
 """A restart from the newest complete copy: the local tier (local_tier.py) or the persistent one.
 
-1. **Locate.** Each rank lists the local parts it holds (its own folder, its replicas, and the
-   folder of a rank that no longer exists when the world shrank: rank k >= world is read by
-   rank k mod world), newer than the persistent checkpoint, and checks every file against the
-   sha256 its part records; a corrupt or partial copy is left out (and counted).
+1. **Locate.** The ranks of a node share the rank folders of its directory (whichever ranks
+   wrote them: a restart may number the nodes otherwise, or have fewer ranks); each lists the
+   parts in its share (owners' own copies and replicas) newer than the persistent checkpoint
+   and checks every file against the sha256 its part records; a corrupt or partial copy is
+   left out (and counted).
 2. **Agree.** One all-gather of those small records (iteration, owner, the world that saved it)
    and the persistent iteration: every rank computes the same choice (`choose`), the newest
    iteration for which every owner's part has a good copy somewhere; else the persistent tier.
@@ -20,6 +21,7 @@ One line says which tier, which iteration and how many shards came from peers.
 """
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -43,15 +45,16 @@ def _good(folder: Path) -> dict | None:
         return None
 
 
-def survey(root, rank: int, world: int, newer_than: int) -> tuple[list, dict, int]:
-    """([(iteration, owner, saved world)] of the good copies this rank holds, {(iteration,
-    owner): folder}, the number of corrupt or partial copies found)."""
-    bases = [rank_dir(root, rank)]
-    if Path(root).is_dir():  # folders of ranks beyond a smaller world
-        for d in sorted(Path(root).glob("rank*")):
-            k = int(d.name[4:]) if d.name[4:].isdigit() else -1
-            if k >= world and k % world == rank:
-                bases.append(d)
+def survey(
+    root, newer_than: int, local_rank: int = 0, local_world: int = 1
+) -> tuple[list, dict, int]:
+    """([(iteration, owner, saved world)] of the good copies in this node's directory that this
+    rank checks, {(iteration, owner): folder}, the number of corrupt or partial copies found).
+    The node's ranks share its rank folders, whichever ranks wrote them (a restart may number
+    the nodes otherwise, or have fewer ranks): `local_rank` of `local_world` takes every
+    local_world-th folder."""
+    found = sorted(Path(root).glob("rank*")) if Path(root).is_dir() else []
+    bases = [d for d in found if d.name[4:].isdigit()][local_rank::local_world]
     records, where, bad = [], {}, 0
     for base in bases:
         homes = [(int(base.name[4:]), base)]
@@ -131,7 +134,8 @@ class Restart:
         t0 = time.perf_counter()
         g = self.groups
         persistent = fmt.Checkpoint(self.persistent_path).iteration if self.persistent_path else -1
-        records, self._where, bad = survey(self.root, g.rank, g.topo.world_size, persistent)
+        local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        records, self._where, bad = survey(self.root, persistent, *local)
         gathered = all_gather((records, bad, persistent), g.world)
         persistent = gathered[0][2]  # shared storage: rank 0's view
         corrupt = sum(b for _, b, _ in gathered)
