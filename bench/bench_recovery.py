@@ -16,9 +16,10 @@ own --non-persistent-local-ckpt-dir, local saves every 2 steps replicated to the
    - local, 8 ranks: both agents again; node 1's shards come from node 0's replicas;
    - local, 4 ranks: node 0 alone continues at the smaller world (dp 4 -> 2);
    - persistent, 8 ranks: the local directories emptied, so --save's checkpoint is taken.
-   Each restart is timed by phase, from the launch to its first step: start (processes up to
-   the rendezvous), rendezvous, groups, locate + agree, fetch, load (resume minus fetch),
-   first step; and its losses are compared with the reference's (max relative difference);
+   Each restart is timed by phase, from the launch to its first step (`_phases`): start
+   (processes up to the rendezvous), rendezvous, groups, build (data index, model build),
+   locate + agree, fetch, load (resume minus fetch), first step; and its losses are compared
+   with the reference's (max relative difference);
 4. the local saves' cost on the step (`overhead`; --overhead-only runs just this): a wider
    model, --overhead-iters steps with no local save, one every step and one every 5, 8 ranks,
    twice in turn: the mean step time of each (best round), and per save the step's own wait
@@ -103,6 +104,17 @@ def _rows(metrics: Path) -> list[dict]:
 def _restart_line(metrics: Path) -> str:
     log = Path(f"{metrics}.node0.log").read_text()
     return next((x for x in log.splitlines() if "restart from" in x), "(no restart line)")
+
+
+def _phases(launch: dict, to_first: float, fetch: float) -> dict:
+    """A restart's phases from its launch summary (the slowest rank's seconds): start (the
+    processes up to the rendezvous: to_first less the launch's total), rendezvous, groups,
+    build (data index and model build), locate, fetch, load (resume less fetch), first step."""
+    at = {k: v["max"] for k, v in launch.items()}
+    return {"start": to_first - at["total"], "rendezvous": at["rendezvous"], "groups": at["groups"],
+            "build": at.get("data index", 0) + at.get("model build", 0),
+            "locate": at.get("locate", 0), "fetch": fetch, "load": at["resume"] - fetch,
+            "first step": at["first step"]}  # fmt: skip
 
 
 def overhead(a, base, tiers, port) -> list:
@@ -240,11 +252,7 @@ def main():
         line = _restart_line(metrics)
         launch = rows[0]["launch"]
         fetch = float(line.split("fetched in ")[1].split(" s")[0]) if "fetched in" in line else 0.0
-        locate = float(line.split("located in ")[1].split(" s")[0])
-        phases = {"detect": detect, "start": to_first - launch["total"]["max"] - locate,
-                  "rendezvous": launch["rendezvous"]["max"], "groups": launch["groups"]["max"],
-                  "locate": locate, "fetch": fetch, "load": launch["resume"]["max"] - fetch,
-                  "first step": launch["first step"]["max"]}  # fmt: skip
+        phases = {"detect": detect, **_phases(launch, to_first, fetch)}
         resumed = rows[0]["iteration"] - 1
         diff = max(abs(r["loss"] - want[r["iteration"]]) / abs(want[r["iteration"]]) for r in rows)
         results[name] = (phases, resumed, diff, line)
@@ -267,11 +275,8 @@ def main():
     after = [i for i, r in enumerate(rows) if "launch" in r][1]
     launch, line = rows[after]["launch"], _restart_line(m)
     fetch = float(line.split("fetched in ")[1].split(" s")[0])
-    locate = float(line.split("located in ")[1].split(" s")[0])
-    phases = {"detect + agent restart": to_first - launch["total"]["max"] - locate,
-              "rendezvous": launch["rendezvous"]["max"], "groups": launch["groups"]["max"],
-              "locate": locate, "fetch": fetch, "load": launch["resume"]["max"] - fetch,
-              "first step": launch["first step"]["max"]}  # fmt: skip
+    phases = _phases(launch, to_first, fetch)  # to_first counts from the kill here
+    phases = {"detect + agent restart": phases.pop("start"), **phases}
     diff = max(
         abs(r["loss"] - want[r["iteration"]]) / abs(want[r["iteration"]]) for r in rows[after:]
     )

@@ -64,7 +64,8 @@ class Trainer:
         c, self.restart = cfg.checkpoint, None
         check_local_tier(c, groups.topo.world_size)
         if c.non_persistent_ckpt_type == "local" and c.non_persistent_local_ckpt_dir:
-            self.restart = Restart(cfg, groups, self.resume_from).agree()
+            with self.launch.phase("locate"):
+                self.restart = Restart(cfg, groups, self.resume_from).agree()
         loading = self.resume_from is not None or bool(self.restart and self.restart.local)
         with self.launch.phase("model build"):  # chunks, optimizer, schedule
             self.parts = build_rank(cfg, shape, groups, loading=loading)

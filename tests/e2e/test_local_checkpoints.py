@@ -62,6 +62,7 @@ def test_lost_node_restarts_from_the_local_tier(tiny_data, tmp_path):
     assert "the local tier: iteration 4 " in _line(r), _line(r)
     assert "fetched from peers" in _line(r) and " 0 fetched" not in _line(r), _line(r)
     assert _losses(rows) == {5: want[5], 6: want[6]}  # bit for bit: the same layout
+    assert "locate" in rows[0]["launch"]  # the agreement is a launch phase of its own
 
     # node 0 alone (2 ranks: dp 2 -> 1, two micro-batches per rank -> four)
     rows, r = _run(tmp_path, 2, base, *_copy(tmp_path, "small"))
