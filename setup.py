@@ -24,6 +24,7 @@ setup(
     entry_points={
         "console_scripts": [
             "megalite-train = megalite.cli.train:cli",
+            "megalite-run = megalite.cli.run:cli",
             "megalite-preprocess = megalite.cli.preprocess:cli",
             "megalite-merge-datasets = megalite.cli.merge_datasets:cli",
             "megalite-convert = megalite.cli.convert:cli",

@@ -114,13 +114,18 @@ class Checkpointer:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def load(self, path) -> TrainState:
+    def load(self, path, own: bool | None = None) -> TrainState:
         """Load a checkpoint into the chunks and optimizer; --finetune (weights only, from
-        iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own."""
+        iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own
+        (or `own`: the run's local checkpoint, local_restore.py)."""
         g, tp, c = self.groups, self.groups.tp, self.cfg.checkpoint
         # A restart resuming its own --save (another directory than --load) continues in full.
-        own = bool(c.save) and Path(path).resolve() == Path(c.save).resolve() != (
-            Path(c.load).resolve() if c.load else None
+        own = (
+            own
+            or bool(c.save)
+            and Path(path).resolve()
+            == Path(c.save).resolve()
+            != (Path(c.load).resolve() if c.load else None)
         )
         finetune = c.finetune and not own
         start = time.perf_counter()
