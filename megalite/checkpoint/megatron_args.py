@@ -38,9 +38,6 @@ _UNSUPPORTED = (
     ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False)
      and _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
      "both llama3 RoPE scaling and RoPE interpolation"),
-    ("apply_layernorm_1p", lambda a: _get(a, "apply_layernorm_1p", False), "zero-centred gamma"),
-    ("layernorm_zero_centered_gamma",
-     lambda a: _get(a, "layernorm_zero_centered_gamma", False), "zero-centred gamma"),
     ("qk_layernorm", lambda a: _get(a, "qk_layernorm", False), "qk layernorm"),
     ("apply_residual_connection_post_layernorm",
      lambda a: _get(a, "apply_residual_connection_post_layernorm", False), "post-LN residuals"),
@@ -75,6 +72,15 @@ _UNSUPPORTED = (
     ("add_bias_linear", lambda a: _get(a, "num_experts", 0) and _get(a, "add_bias_linear", True),
      "expert biases (megalite's experts have none)"),
 )  # fmt: skip
+
+
+def zero_centred_gamma(args) -> bool:
+    """Whether the checkpoint's norm weights are stored as their offset from 1
+    (--apply-layernorm-1p: megatron-core's layernorm_zero_centered_gamma)."""
+    a = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+    return bool(_get(a, "apply_layernorm_1p", False)) or bool(
+        _get(a, "layernorm_zero_centered_gamma", False)
+    )
 
 
 def _features(args: dict) -> ModelFeatures:
