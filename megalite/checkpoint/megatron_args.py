@@ -15,7 +15,8 @@ from dataclasses import fields
 import torch
 
 from megalite.errors import MegaliteError
-from megalite.model_config import FLAVOURS, ModelConfig, ModelFeatures
+from megalite.megatron_translate import resolve_flavour
+from megalite.model_config import ModelConfig, ModelFeatures
 
 
 def _get(args: dict, name: str, default=None):
@@ -103,21 +104,13 @@ def _features(args: dict) -> ModelFeatures:
 
 
 def _flavour(features: ModelFeatures) -> str:
-    """The megalite flavour with these features (tying and the HF layout aside)."""
-    # Megatron's LayerNorm always has a bias, its GELU is tanh here (exact is refused above)
-    keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias", "norm_bias", "gelu")
-    mine = {k: getattr(features, k) for k in keys}
-    # what megalite's Megatron converter never maps: a row with any of it is not this model
-    mine.update(dict.fromkeys(("qk_norm", "latent_attention", "attention_sinks",
-                               "clamped_swiglu", "moe_bias"), False))  # fmt: skip
-    keys = tuple(mine)
-    for name, row in FLAVOURS.items():
-        if mine == {k: getattr(row, k) for k in keys}:
-            return name
-    what = ", ".join(f"{k}={v}" for k, v in mine.items())
-    raise MegaliteError(
-        f"a Megatron model with {what} has no megalite flavour (megalite.model_config.FLAVOURS)"
-    )
+    """The megalite flavour of the checkpoint's architecture args: the one the same Megatron
+    flags pick on a command line (megatron_translate.resolve_flavour). Megatron's LayerNorm
+    always has a bias; its GELU is tanh here (exact is refused above)."""
+    mlp = "swiglu" if features.gated_mlp else "gelu"
+    asked = {"norm": features.norm, "position": features.position, "mlp": mlp,
+             "linear_bias": features.linear_bias, "qkv_bias": features.qkv_bias}  # fmt: skip
+    return resolve_flavour(asked, "the Megatron checkpoint's args describe")
 
 
 def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
