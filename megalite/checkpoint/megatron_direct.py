@@ -10,8 +10,9 @@ directory (legacy mp_rank_* files or torch_dist, any tp/pp/vpp/ep and uneven sta
 reads it (`megatron.from_megatron_lazy`: the tp shards merged, qkv split, the vocabulary padding
 stripped) -- exactly what `megalite-convert --from megatron --keep-position` would have written.
 The optimizer state is not mapped (Megatron's param groups are not megalite's): the run starts
-a fresh optimizer and says so in its load line, as with --no-load-optim. RNG states re-seed
-(another layout's streams).
+a fresh optimizer and says so in its load line, as with --no-load-optim; the LR/WD schedule
+continues at the position Megatron's scheduler saved (`schedule_samples`). RNG states re-seed
+(another layout's streams). Norm weights saved with --apply-layernorm-1p are read plus 1.
 
 Saving: `export_megatron` writes a megalite checkpoint as Megatron's torch_dist (or legacy) --
 megalite-convert --to megatron runs it too. With `--ckpt-format torch_dist` each save
@@ -19,7 +20,8 @@ megalite-convert --to megatron runs it too. With `--ckpt-format torch_dist` each
 same iter_NNNNNNN directory as megalite's (no name is shared) before it is renamed into place,
 and `latest_checkpointed_iteration.txt` beside megalite's `latest`, so Megatron-LM `--load`s the
 same --save directory (with --no-load-optim --no-load-rng: weights, iteration and consumed
-samples only) and megalite keeps resuming exactly from its own files.
+samples only; the scheduler state written beside them is read by Megatron-LM only with
+optimizer state) and megalite keeps resuming exactly from its own files.
 """
 
 import shutil
@@ -193,10 +195,10 @@ def export_megatron(ckpt: fmt.Checkpoint, dst: Path, form: str = "torch_dist", t
 
 
 def _schedule_extra(ckpt) -> dict:
-    """`opt_param_scheduler` for a checkpoint a training run saved (its schedule position and
-    its config's schedule); nothing for one that holds no position (converted, or fresh)."""
+    """`opt_param_scheduler` for a checkpoint a training run saved (its optimizer's schedule
+    position, its config's schedule); nothing for one without optimizer state (converted)."""
     position = (ckpt.index.get("optimizer") or {}).get("schedule_samples")
-    if position is None or "training" not in ckpt.index.get("config", {}):
+    if position is None:
         return {}
     return {"opt_param_scheduler": scheduler_state(from_dict(ckpt.index["config"]), position)}
 

@@ -25,9 +25,10 @@ from tests.unit import test_megatron_schedule as sched
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
+# (--lr-decay-iters 30: the decay is still under way at iterations 8-10)
 TRAIN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
          "--lr-warmup-iters", "1", "--eval-interval", "0", "--log-interval", "1",
-         "--wandb-mode", "disabled", "--train-iters", "10"]  # fmt: skip
+         "--wandb-mode", "disabled", "--train-iters", "10", "--lr-decay-iters", "30"]  # fmt: skip
 
 
 def test_load_megatron_directly_and_save_back(tiny_data, tmp_path):
@@ -51,13 +52,14 @@ def test_load_megatron_directly_and_save_back(tiny_data, tmp_path):
     # skipped step behind the consumed samples): megatron-core's scheduler built from the run's
     # flags, stepped there, gives every step's lr
     cfg = sched.config({"train_iters": 10, "global_batch_size": 4, "micro_batch_size": 1},
-                       {"lr": 3e-3, "lr_warmup_iters": 1})  # fmt: skip
+                       {"lr": 3e-3, "lr_warmup_iters": 1, "lr_decay_iters": 30})  # fmt: skip
     groups = [{}]
     ref = sched.megatron_scheduler(sched.Args(cfg), groups)
     ref.step(increment=mf.SCHEDULE_SAMPLES)
     for m in direct:
         assert m["lr"] == groups[0]["lr"], m["iteration"]
         ref.step(increment=4)
+    assert direct[0]["lr"] != LRSchedule.from_config(cfg).rates(56).lr  # not the consumed samples
     assert [m["lr"] for m in converted] == [m["lr"] for m in direct]
     legacy = ["--save", str(tmp_path / "run2"), "--ckpt-format", "torch"]
     args = [*TRAIN, *data, "--load", str(mt / "torch_dist"), "--pp", "2", *legacy]
