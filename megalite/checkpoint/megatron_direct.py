@@ -180,13 +180,13 @@ def export_megatron(ckpt: fmt.Checkpoint, dst: Path, form: str = "torch_dist", t
     )  # fmt: skip
     # Megatron-LM takes the data position from the args (args.consumed_train_samples)
     margs["consumed_train_samples"] = int(ckpt.index.get("consumed_samples", 0))
-    extra = _schedule_extra(ckpt)
     # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
     logical = ckpt.lazy()
     if layernorm_1p:
         margs.update(apply_layernorm_1p=True, layernorm_zero_centered_gamma=True)
         logical = mg.shift_norms(logical, -1.0)
     state = mg.to_megatron_lazy(logical, cfg, megatron_args.padded_vocab_size(cfg, tp))
+    extra = _schedule_extra(ckpt)  # the LR scheduler's state (Megatron's opt_param_scheduler)
     if legacy:
         megatron_files.write_legacy(dst, state, margs, *layout, iteration=ckpt.iteration,
                                     transformer_impl=transformer_impl, extra=extra)  # fmt: skip
