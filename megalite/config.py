@@ -429,6 +429,11 @@ class CheckpointConfig:
         "checkpoints whatever this says",
         choices=("megalite", "torch_dist", "torch"),
     )
+    megatron_layernorm_1p: bool = opt(
+        False,
+        "Megatron's files of --ckpt-format saves hold each norm weight as its offset from 1, "
+        "as a Megatron run with --apply-layernorm-1p stores it (megalite keeps the weight)",
+    )
     use_checkpoint_args: bool = opt(
         False,
         "accepted for Megatron compatibility: the model architecture is always taken from the "

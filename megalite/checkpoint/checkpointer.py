@@ -73,6 +73,7 @@ class TrainState:
     skipped_steps: int = 0
     rng: dict | None = None  # this rank's generator states (None: re-seed, another layout)
     run_ids: dict | None = None  # the W&B run and TensorBoard dir a resumed job continues
+    schedule_samples: int | None = None  # a Megatron checkpoint's LR/WD schedule position
 
 
 def resume_path(cfg) -> str | None:
@@ -148,6 +149,8 @@ class Checkpointer:
         state = TrainState(ckpt.iteration, int(idx.get("consumed_samples", 0)),
                            int(idx.get("skipped_steps", 0)), rng and decode_rng(rng),
                            idx.get("run_ids"))  # fmt: skip
+        if idx.get("schedule_samples") is not None and not fresh:  # (as Megatron: with the optim)
+            state.schedule_samples = int(idx["schedule_samples"])
         if finetune:  # weights only: a new run that starts from them
             state = TrainState()
         if c.save and Path(c.save).resolve() == ckpt.dir.parent.resolve() and not finetune:

@@ -36,7 +36,8 @@ Supported (everything else in the args is refused with one line, never dropped):
 - MoE (SequentialMLP local experts, TE/grouped experts by `megatron_files`): top-k softmax
   router (renormalised over the top k, or --moe-router-pre-softmax), optional shared expert,
   dropless (a capacity factor is refused);
-- kv_channels must be hidden/heads; no qk-layernorm, zero-centred gamma, MLA, MTP, post-LN;
+- kv_channels must be hidden/heads; no qk-layernorm, MLA, MTP, post-LN;
+- zero-centred gamma (--apply-layernorm-1p): the norm weights read plus 1 (`shift_norms`);
 - weights only: optimizer and RNG state are not converted (the tool says so).
 """
 
@@ -276,6 +277,23 @@ def _from_megatron(state: State, cfg: ModelConfig) -> dict:
         if name in out:
             out[name] = partial(_rows, out[name], cfg.vocab_size)
     return out
+
+
+# the weights of the norms Megatron's --apply-layernorm-1p (layernorm_zero_centered_gamma) stores
+# as their offset from 1 (its norms compute with weight + 1), by megalite's names
+NORM_WEIGHTS = ("input_norm.weight", "post_attention_norm.weight", "final_norm.weight")
+
+
+def shift_norms(logical: State, delta: float) -> State:
+    """megalite's logical tensors with every norm weight plus `delta`: +1 reads a checkpoint
+    saved with --apply-layernorm-1p (megalite keeps the weight itself), -1 writes one."""
+    out = {k: partial(_plus, f, delta) if k.endswith(NORM_WEIGHTS) else f
+           for k, f in dict.items(logical)}  # fmt: skip
+    return State(out, logical.shapes, logical.dtypes)
+
+
+def _plus(f, delta: float) -> torch.Tensor:
+    return f() + delta
 
 
 def _rows(f, n: int) -> torch.Tensor:

@@ -136,7 +136,9 @@ class Trainer:
             if self.sampler is not None:
                 self.sampler.consumed_samples = state.consumed_samples
             self.skipped_total = state.skipped_steps
-            if state.iteration and not self.opt.schedule_samples:
+            if state.schedule_samples is not None and not self.opt.schedule_samples:
+                self.opt.resume_schedule(state.schedule_samples)  # Megatron's own position
+            elif state.iteration and not self.opt.schedule_samples:
                 # no schedule position came with the optimizer (a converted checkpoint, or
                 # --no-load-optim): the samples of the steps that updated, at the full batch
                 g = self.cfg.training.global_batch_size
