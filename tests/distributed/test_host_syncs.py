@@ -57,8 +57,7 @@ def _count(rank, world, zero=1, pp=2, vpp=2, cp=1):
     trainer.train_step(log=True)  # the first step (and a logging one) outside the count
     clean = _steps(trainer)
     step = trainer.opt.step  # now plant a stray read of a device value in the step
-    trainer.opt.step = lambda lr, flags=None, guard=None: (
-        torch.ones(1).tolist(), step(lr, flags, guard))[1]  # fmt: skip
+    trainer.opt.step = lambda *args, **kw: (torch.ones(1).tolist(), step(*args, **kw))[1]
     planted = _steps(trainer)
     return clean.count, [w for w, _ in clean.where], planted.count
 
