@@ -21,6 +21,7 @@ SINCE = {
     "batch_isend_irecv": (1, 8),
     "isend": (1, 8),
     "irecv": (1, 8),
+    "recv": (1, 0),
     "all_reduce": (1, 8),
     "broadcast": (1, 8),
     "barrier": (1, 8),
