@@ -89,6 +89,23 @@ def resume_path(cfg) -> str | None:
     return None
 
 
+def _own(cfg, path) -> bool:
+    """A restart resuming its own --save (another directory than --load): it continues in full."""
+    c = cfg.checkpoint
+    return bool(c.save) and Path(path).resolve() == Path(c.save).resolve() != (
+        Path(c.load).resolve() if c.load else None
+    )
+
+
+def resumed_run(cfg, path) -> tuple[dict, int]:
+    """(run_ids, iteration) of the TrainState `Checkpointer.load(path)` will return, from the
+    index alone: the launch opens W&B before any process group exists, on the run it continues."""
+    if path is None or not fmt.has_checkpoint(path) or cfg.checkpoint.finetune and not _own(cfg, path):
+        return {}, 0
+    ckpt = Checkpoint(path)
+    return dict(ckpt.index.get("run_ids") or {}), ckpt.iteration
+
+
 # ---- the trainer's checkpointing -----------------------------------------------------------------
 
 
@@ -112,10 +129,7 @@ class Checkpointer:
         """Load a checkpoint into the chunks and optimizer; --finetune (weights only, from
         iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own."""
         g, tp, c = self.groups, self.groups.tp, self.cfg.checkpoint
-        # A restart resuming its own --save (another directory than --load) continues in full.
-        own = bool(c.save) and Path(path).resolve() == Path(c.save).resolve() != (
-            Path(c.load).resolve() if c.load else None
-        )
+        own = _own(self.cfg, path)  # a restart resuming its own --save continues in full
         finetune = c.finetune and not own
         start = time.perf_counter()
         with agreed_errors(g.world):

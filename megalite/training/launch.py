@@ -38,10 +38,53 @@ def planned_world(cfg) -> int:
     return n
 
 
+def set_threads(env=os.environ) -> str:
+    """torch's intra-op threads for this process, and the launch line that says so.
+
+    torchrun sets OMP_NUM_THREADS=1 for every process when it starts several on a node and
+    the variable is unset (torch/distributed/run.py); `python pretrain_gpt.py` (or a launcher
+    other than torchrun) leaves torch on every core, which on a shared or busy machine is many
+    times slower (issue 54: 331 tokens/s against 5,645 with one thread on a busy 2-core VM).
+    So every megalite process gets what torchrun gives each of its processes: one thread, and
+    OMP_NUM_THREADS when the user set it (torch read it at import: it wins as it is)."""
+    import torch
+
+    given = env.get("OMP_NUM_THREADS", "").strip()
+    if given:
+        return (
+            f"launch: {torch.get_num_threads()} intra-op thread(s) per process (OMP_NUM_THREADS={given})"
+        )
+    torch.set_num_threads(1)
+    env["OMP_NUM_THREADS"] = "1"  # what torchrun passes down: processes this one starts agree
+    return (
+        "launch: 1 intra-op thread per process (torchrun's default for each of several "
+        "processes; set OMP_NUM_THREADS=N for more)"
+    )
+
+
+def open_logs(cfg, path, rank: int):
+    """The run's Logger (active on rank 0), with W&B started on the run it continues (`path`:
+    the checkpoint it resumes), so that W&B's output.log holds the launch lines too. Every
+    rank checks the flags first (--wandb-mode online without credentials, --tensorboard-dir
+    without tensorboard), so all of them stop with the same one line."""
+    from megalite.checkpoint.checkpointer import resumed_run
+    from megalite.training import run_settings
+    from megalite.training.logger import Logger
+
+    run_settings.check_wandb_online(cfg.logging)
+    logger = Logger(cfg, enabled=rank == 0)
+    if rank == 0:
+        logger.resume(*resumed_run(cfg, path))
+        logger.open()
+    return logger
+
+
 def main(argv):
     given = set()  # the fields a flag or the YAML set: the checkpoint's model fills the rest
     cfg = parse_args(argv, given)
     c = cfg.checkpoint
+    path = None  # the checkpoint the run resumes
+    rank, world_size, _ = world_from_env()
     if not cfg.training.dry_run and (
         c.load or c.save and os.path.isdir(c.save) or cfg.training.eval_only
     ):
@@ -52,7 +95,6 @@ def main(argv):
             from megalite.checkpoint.args import with_checkpoint_model
 
             cfg = with_checkpoint_model(cfg, given, path)
-    rank, world_size, _ = world_from_env()
     if cfg.training.dry_run and world_size == 1:  # plan the layout given, from a laptop
         world_size = planned_world(cfg)
     shape = validate(cfg, world_size)  # before any process group exists
@@ -71,7 +113,11 @@ def main(argv):
     from megalite.training.launch_phases import LaunchPhases
     from megalite.training.trainer import Trainer
 
+    logger = open_logs(cfg, path, rank)  # W&B before the first line it should hold
     prepare_nccl(cfg)  # NCCL only: before the process group exists
+    threads = set_threads()
+    if rank == 0:
+        print(threads, flush=True)
     launch = LaunchPhases(echo=rank == 0)  # time to the first step, printed phase by phase
     groups = setup(shape, cfg.parallel.distributed_timeout_minutes, launch)
     # However the run ends, its groups' threads are joined before the interpreter finalizes
@@ -80,7 +126,7 @@ def main(argv):
     try:
         if groups.rank == 0:
             print(groups.topo.describe(), flush=True)
-        trainer = Trainer(cfg, shape, groups, launch=launch)
+        trainer = Trainer(cfg, shape, groups, launch=launch, logger=logger)
         with launch.phase("resume"):
             trainer.resume()  # --load, or the latest checkpoint in --save
         if cfg.training.eval_only:

@@ -43,7 +43,7 @@ from megalite.training.timeline import Timeline
 
 class Trainer:
     def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None,
-                 launch: LaunchPhases | None = None):  # fmt: skip
+                 launch: LaunchPhases | None = None, logger: Logger | None = None):  # fmt: skip
         t = cfg.training
         self.cfg, self.groups = cfg, groups
         self.launch = launch or LaunchPhases()  # time to the first step (launch_phases.py)
@@ -70,7 +70,8 @@ class Trainer:
         self.stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
         self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
         self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
-        self.logger = Logger(cfg, enabled=groups.rank == 0)
+        # the launch's, opened before the process groups (W&B then logs every line); else here
+        self.logger = logger or Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
@@ -314,6 +315,7 @@ class Trainer:
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
             f"{self.shape.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
+        self.logger.begin(self.iteration)  # the ETA counts this run's steps
         with self.preemption.catching(), self.gc.running():
             while self.iteration < t.train_iters:
                 try:
@@ -400,7 +402,7 @@ class Trainer:
         metrics = {"iteration": self.iteration, "eval_loss": eval_loss,
                    "eval_ppl": math.exp(min(eval_loss, 50))}  # fmt: skip
         self.logger.print(f"iteration {self.iteration}: eval loss {eval_loss:.4f}")
-        self.logger.write(metrics)
+        self.logger.write(metrics, merge=True)  # beside the training row of its iteration
         self.logger.finish()
 
 
