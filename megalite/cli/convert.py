@@ -201,6 +201,20 @@ HUB_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 GENERATION_CONFIG = "generation_config.json"
 
 
+def hub_fields(ckpt) -> dict:
+    """What a Hugging Face config.json says beyond the model: the checkpoint's record of the
+    model it came from, else the token ids of the tokenizer it carries (none without one)."""
+    hub = dict(ckpt.index.get("huggingface") or {})
+    name = fmt.stored_tokenizer(ckpt.files)
+    if name and not any(k in hub for k in HUB_FIELDS):
+        from megalite.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(ckpt.dir / name)
+        hub.update({k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id))
+                    if v is not None and v >= 0})  # fmt: skip
+    return hub
+
+
 def megalite_to_hf(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     checked = ckpt.verify_while_reading()  # trusted once it is done, before DST is renamed
@@ -281,6 +295,8 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         "rng": None,
         "source": f"megatron:{facts['format']}:iteration {facts['iteration']}",
     }
+    if isinstance(margs.get("huggingface"), dict):  # written by megalite's export
+        meta["huggingface"] = margs["huggingface"]
     # each tensor computed (tp shards merged, qkv split) when its file writes it, in its own bytes
     bar = progress(None, "converting", total=len(lazy))
 
@@ -311,6 +327,10 @@ def megalite_to_megatron(src: Path, dst: Path, args):
         stages=stages if legacy else None,  # (torch_dist is layout-free: its args say pp=1)
     )  # fmt: skip
     # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
+    # not Megatron's own: the token ids (and generation config) of the model, for the way back
+    # to Hugging Face (a Megatron run ignores args it does not know)
+    if hub := hub_fields(ckpt):
+        margs["huggingface"] = hub
     state = mg.to_megatron_lazy(
         ckpt.lazy(), cfg.model, megatron_args.padded_vocab_size(cfg.model, tp)
     )

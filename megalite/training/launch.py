@@ -51,14 +51,29 @@ def set_threads(env=os.environ) -> str:
 
     given = env.get("OMP_NUM_THREADS", "").strip()
     if given:
-        return (
-            f"launch: {torch.get_num_threads()} intra-op thread(s) per process (OMP_NUM_THREADS={given})"
-        )
+        return f"launch: {torch.get_num_threads()} intra-op thread(s) per process (OMP_NUM_THREADS={given})"
     torch.set_num_threads(1)
     env["OMP_NUM_THREADS"] = "1"  # what torchrun passes down: processes this one starts agree
     return (
         "launch: 1 intra-op thread per process (torchrun's default for each of several "
         "processes; set OMP_NUM_THREADS=N for more)"
+    )
+
+
+def builtin_corpus_line(cfg) -> str | None:
+    """The line that says a run trains on the built-in demo corpus (no data path given), and
+    with which tokenizer; None when it has data of its own."""
+    from megalite.data.splits import split_blends
+
+    d = cfg.data
+    if any(b and b.prefixes for b in split_blends(d, cfg.training.eval_only)[0]):
+        return None
+    tok = d.tokenizer_model or ("GPT-2's BPE (--vocab-file)" if d.vocab_file else None)
+    how = f"tokenized by {tok}" if tok else \
+        f"with a {d.tokenizer_vocab_size}-piece tokenizer trained on it"  # fmt: skip
+    return (
+        f"data: no --data-path, so the built-in demo corpus (Python's standard library) {how}; "
+        "pass --data-path and --tokenizer-model to train on your own"
     )
 
 
@@ -83,7 +98,7 @@ def main(argv):
     given = set()  # the fields a flag or the YAML set: the checkpoint's model fills the rest
     cfg = parse_args(argv, given)
     c = cfg.checkpoint
-    path = None  # the checkpoint the run resumes
+    path = note = None  # the checkpoint the run resumes; where its tokenizer came from
     rank, world_size, _ = world_from_env()
     if not cfg.training.dry_run and (
         c.load or c.save and os.path.isdir(c.save) or cfg.training.eval_only
@@ -92,9 +107,10 @@ def main(argv):
 
         path = resume_path(cfg)  # a missing checkpoint fails now, before any process group
         if path is not None:
-            from megalite.checkpoint.args import with_checkpoint_model
+            from megalite.checkpoint.args import with_checkpoint_model, with_checkpoint_tokenizer
 
             cfg = with_checkpoint_model(cfg, given, path)
+            cfg, note = with_checkpoint_tokenizer(cfg, given, path)
     if cfg.training.dry_run and world_size == 1:  # plan the layout given, from a laptop
         world_size = planned_world(cfg)
     shape = validate(cfg, world_size)  # before any process group exists
@@ -114,6 +130,9 @@ def main(argv):
     from megalite.training.trainer import Trainer
 
     logger = open_logs(cfg, path, rank)  # W&B before the first line it should hold
+    for line in (note, builtin_corpus_line(cfg)) if rank == 0 else ():
+        if line:
+            print(line, flush=True)
     prepare_nccl(cfg)  # NCCL only: before the process group exists
     threads = set_threads()
     if rank == 0:
