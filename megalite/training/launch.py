@@ -51,11 +51,11 @@ def set_threads(env=os.environ) -> str:
 
     given = env.get("OMP_NUM_THREADS", "").strip()
     if given:
-        return f"launch: {torch.get_num_threads()} intra-op thread(s) per process (OMP_NUM_THREADS={given})"
+        return f"threads: {torch.get_num_threads()} intra-op thread(s) per process (OMP_NUM_THREADS={given})"
     torch.set_num_threads(1)
     env["OMP_NUM_THREADS"] = "1"  # what torchrun passes down: processes this one starts agree
     return (
-        "launch: 1 intra-op thread per process (torchrun's default for each of several "
+        "threads: 1 intra-op thread per process (torchrun's default for each of several "
         "processes; set OMP_NUM_THREADS=N for more)"
     )
 
@@ -130,13 +130,9 @@ def main(argv):
     from megalite.training.trainer import Trainer
 
     logger = open_logs(cfg, path, rank)  # W&B before the first line it should hold
-    for line in (note, builtin_corpus_line(cfg)) if rank == 0 else ():
-        if line:
-            print(line, flush=True)
     prepare_nccl(cfg)  # NCCL only: before the process group exists
-    threads = set_threads()
-    if rank == 0:
-        print(threads, flush=True)
+    # printed after the phases' first lines (the rendezvous, the groups), with the layout
+    said = [set_threads(), note, builtin_corpus_line(cfg)]
     launch = LaunchPhases(echo=rank == 0)  # time to the first step, printed phase by phase
     groups = setup(shape, cfg.parallel.distributed_timeout_minutes, launch)
     # However the run ends, its groups' threads are joined before the interpreter finalizes
@@ -144,7 +140,7 @@ def main(argv):
     atexit.register(pg.destroy, groups)
     try:
         if groups.rank == 0:
-            print(groups.topo.describe(), flush=True)
+            print(groups.topo.describe(), *filter(None, said), sep="\n", flush=True)
         trainer = Trainer(cfg, shape, groups, launch=launch, logger=logger)
         with launch.phase("resume"):
             trainer.resume()  # --load, or the latest checkpoint in --save

@@ -35,7 +35,7 @@ def test_a_process_takes_one_thread_as_torchrun_gives_each(monkeypatch):
     calls, env = [], {}
     line = set_threads(env)
     assert calls == [1] and env == {"OMP_NUM_THREADS": "1"}
-    assert line.startswith("launch: 1 intra-op thread") and "OMP_NUM_THREADS" in line
+    assert line.startswith("threads: 1 intra-op thread") and "OMP_NUM_THREADS" in line
     calls, env = [], {"OMP_NUM_THREADS": "3"}
     line = set_threads(env)
     assert calls == [] and env == {"OMP_NUM_THREADS": "3"} and "OMP_NUM_THREADS=3" in line
