@@ -44,7 +44,8 @@ def set_threads(env=os.environ) -> str:
     torchrun sets OMP_NUM_THREADS=1 for every process when it starts several on a node and
     the variable is unset (torch/distributed/run.py); `python pretrain_gpt.py` (or a launcher
     other than torchrun) leaves torch on every core, which on a shared or busy machine is many
-    times slower (issue 54: 331 tokens/s against 5,645 with one thread on a busy 2-core VM).
+    times slower (configs/tiny.yaml on a busy 2-core VM: 80-520 tokens/s on both cores,
+    2,100-7,000 on one thread; issue 54 measured 331 against 5,645).
     So every megalite process gets what torchrun gives each of its processes: one thread, and
     OMP_NUM_THREADS when the user set it (torch read it at import: it wins as it is)."""
     import torch
