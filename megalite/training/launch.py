@@ -61,15 +61,17 @@ def set_threads(env=os.environ) -> str:
     )
 
 
-def builtin_corpus_line(cfg) -> str | None:
+def builtin_corpus_line(cfg, checkpoints: bool = False) -> str | None:
     """The line that says a run trains on the built-in demo corpus (no data path given), and
-    with which tokenizer; None when it has data of its own."""
+    with which tokenizer (`checkpoints`: the one the checkpoint carries); None when it has
+    data of its own."""
     from megalite.data.splits import split_blends
 
     d = cfg.data
     if any(b and b.prefixes for b in split_blends(d, cfg.training.eval_only)[0]):
         return None
-    tok = d.tokenizer_model or ("GPT-2's BPE (--vocab-file)" if d.vocab_file else None)
+    tok = "the checkpoint's tokenizer" if checkpoints else d.tokenizer_model
+    tok = tok or ("GPT-2's BPE (--vocab-file)" if d.vocab_file else None)
     how = f"tokenized by {tok}" if tok else \
         f"with a {d.tokenizer_vocab_size}-piece tokenizer trained on it"  # fmt: skip
     return (
@@ -133,7 +135,7 @@ def main(argv):
     logger = open_logs(cfg, path, rank)  # W&B before the first line it should hold
     prepare_nccl(cfg)  # NCCL only: before the process group exists
     # printed after the phases' first lines (the rendezvous, the groups), with the layout
-    said = [set_threads(), note, builtin_corpus_line(cfg)]
+    said = [set_threads(), note, builtin_corpus_line(cfg, note is not None)]
     launch = LaunchPhases(echo=rank == 0)  # time to the first step, printed phase by phase
     groups = setup(shape, cfg.parallel.distributed_timeout_minutes, launch)
     # However the run ends, its groups' threads are joined before the interpreter finalizes

@@ -99,7 +99,7 @@ def test_the_builtin_corpus_is_named_and_uses_the_models_tokenizer(continued, tm
     r = run(args, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("data: ")]
-    assert "built-in demo corpus" in line and "tokenizer.model" in line, line
+    assert "built-in demo corpus" in line and "the checkpoint's tokenizer" in line, line
 
 
 def test_a_model_of_another_vocabulary_is_refused_on_the_builtin_corpus(tmp_path):
