@@ -62,6 +62,8 @@ setup(
             "pyarrow",
             "regex",
             "tensorboard",
+            "openai",  # the OpenAI client against megalite serve (tests/e2e/test_openai_api.py)
+            "lm-eval[api,hf]",  # local-completions against the server, beside its hf backend
         ],
         "lint": ["ruff"],
     },

@@ -193,7 +193,7 @@ METHODS = {"megalite": "megalite", "dcp": "DCP, replicated moments",
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="directory for the checkpoints (default: a temporary one)")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)

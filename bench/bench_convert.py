@@ -115,7 +115,7 @@ def _same(a: dict, b: dict, what: str) -> bool:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument(
         "--scratch",
         default=tempfile.gettempdir(),

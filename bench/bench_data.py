@@ -246,7 +246,7 @@ def preprocess_vs_megatron(args) -> tuple[dict, list]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--corpus-mb", type=int, default=1024, help="0 skips the large corpus")
     ap.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "megalite_bench"))

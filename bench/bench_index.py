@@ -113,7 +113,9 @@ def equal(a: Path, b: Path, rows: int = 1 << 24) -> bool:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--samples", type=int, default=100_000_000)
     p.add_argument("--seq", type=int, default=2048)

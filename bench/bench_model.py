@@ -256,7 +256,7 @@ def run_shape(name, m, mbs, micro, args, groups):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     ap.add_argument("--shapes", nargs="+", default=["tiny", "tiny-llama", "gpt2-124m"])
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds (1 for gpt2-124m)")

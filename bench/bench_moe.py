@@ -157,7 +157,7 @@ def part2(a) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--experts", type=int, default=8)

@@ -151,7 +151,7 @@ def _run(rank, world, args, layout):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--ffn", type=int, default=1536)

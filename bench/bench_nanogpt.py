@@ -254,7 +254,7 @@ def profile(side, n: int):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=300, help="training iterations per side")
     ap.add_argument("--block", type=int, default=25, help="iterations per timed block")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")

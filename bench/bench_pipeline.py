@@ -266,7 +266,7 @@ def _worker(rank, a, tmp):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=4)

@@ -39,7 +39,7 @@ from megalite.testing import tiny_config, tiny_trainer  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)

@@ -177,7 +177,7 @@ def run(rank, world, a, method):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=384)

@@ -58,7 +58,7 @@ def _worker(rank, world, m, t, rounds):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--t", type=float, default=0.05, help="seconds per F, I or W of a stage")

@@ -164,7 +164,7 @@ def run(rank, world, a):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     model_args(ap)
     ap.add_argument("--steps", type=int, default=2, help="profiled steps per variant")
     a = ap.parse_args()

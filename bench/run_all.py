@@ -378,7 +378,7 @@ def _fmt(f: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="+", help="run only these (names as in the table)")
     ap.add_argument("--logs", help="directory for each run's log (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per benchmark")

@@ -48,7 +48,7 @@ def run_once(layout: list[str], args) -> tuple[bool, bool, str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=50, help="runs of each job")
     ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=["tp", "pp"])
     ap.add_argument("--hidden-size", type=int, default=64)

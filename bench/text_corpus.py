@@ -95,7 +95,7 @@ def train_gpt2_files(out_dir: str | os.PathLike, mb: float = 16, vocab_size: int
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--mb", type=float, default=1024)
     ap.add_argument("--seed", type=int, default=0)

@@ -112,14 +112,50 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
+    # The schedule is megatron-core's OptimizerParamScheduler, counted in samples (lr_schedule.py)
     lr: float = opt(3e-4, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of decay")
-    lr_warmup_iters: int = opt(0, "linear warmup steps")
+    lr_warmup_iters: int = opt(
+        0, "linear warmup steps (--lr-warmup-init at step 0, lr at the last)"
+    )
+    lr_warmup_samples: int = opt(0, "with --train-samples: linear warmup over this many samples")
+    lr_warmup_fraction: float | None = opt(
+        None, "warmup over this fraction of the decay (instead of --lr-warmup-iters/-samples)"
+    )
+    lr_warmup_init: float = opt(0.0, "learning rate at the start of warmup")
     lr_decay_iters: int | None = opt(None, "decay steps (default: train_iters)")
+    lr_decay_samples: int | None = opt(
+        None, "with --train-samples: decay over this many samples (default: train_samples)"
+    )
     lr_decay_style: str = opt(
-        "cosine", "decay after warmup", choices=("cosine", "linear", "constant")
+        "cosine",
+        "decay after warmup (WSD: constant, then --lr-wsd-decay-style over the last "
+        "--lr-wsd-decay-iters/-samples)",
+        choices=("cosine", "linear", "constant", "inverse-square-root", "WSD"),
+    )
+    lr_wsd_decay_style: str = opt(
+        "exponential", "WSD's annealing phase",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )  # fmt: skip
+    lr_wsd_decay_iters: int | None = opt(None, "WSD: steps of the annealing phase")
+    lr_wsd_decay_samples: int | None = opt(
+        None, "WSD with --train-samples: samples of the annealing phase"
+    )
+    decoupled_lr: float | None = opt(
+        None, "peak learning rate of the embedding and output layer (default: --lr)"
+    )
+    decoupled_min_lr: float | None = opt(
+        None, "with --decoupled-lr: their minimum learning rate (default: --min-lr)"
     )
     weight_decay: float = opt(0.1, "AdamW weight decay (not applied to norms and biases)")
+    weight_decay_incr_style: str = opt(
+        "constant",
+        "weight decay over the run: constant (--weight-decay), or linear/cosine from "
+        "--start-weight-decay to --end-weight-decay",
+        choices=("constant", "linear", "cosine"),
+    )
+    start_weight_decay: float | None = opt(None, "weight decay at the start (linear/cosine)")
+    end_weight_decay: float | None = opt(None, "weight decay at the end (linear/cosine)")
     adam_beta1: float = opt(0.9, "Adam beta1")
     adam_beta2: float = opt(0.95, "Adam beta2")
     adam_eps: float = opt(1e-8, "Adam epsilon")
@@ -145,9 +181,13 @@ class OptimizerConfig:
         "ZeRO >= 1: gather updated parameters while the next forward runs (each bucket waited "
         "for by the first layer that reads it)",
     )
-    initial_loss_scale: float = opt(2.0**16, "fp16: starting loss scale")
+    initial_loss_scale: float = opt(2.0**32, "fp16: starting loss scale (dynamic)")
     loss_scale_window: int = opt(1000, "fp16: steps without overflow before the scale doubles")
     min_loss_scale: float = opt(1.0, "fp16: the scale never falls below this")
+    hysteresis: int = opt(2, "fp16: overflowing steps in a row before the scale halves")
+    loss_scale: float | None = opt(
+        None, "a static loss scale instead of the dynamic one (fp16, or bf16 if given)"
+    )
     optimizer: str = opt(
         "adamw",
         "adamw, or muon: Newton-Schulz orthogonalised momentum for the hidden matrices, AdamW "
@@ -224,7 +264,22 @@ class DataConfig:
 class TrainingConfig:
     micro_batch_size: int = opt(2, "samples per micro-batch per DP rank", "--mbs")
     global_batch_size: int = opt(8, "samples per optimizer step over all DP ranks", "--gbs")
-    train_iters: int = opt(20, "optimizer steps")
+    train_iters: int | None = opt(
+        None, "optimizer steps (default 20; with --train-samples: counted from it)"
+    )
+    train_samples: int | None = opt(
+        None, "train this many samples (instead of --train-iters; a partial last batch dropped)"
+    )
+    rampup_batch_size: list[int] | None = opt(
+        None,
+        "START INCR SAMPLES: the global batch starts at START and grows by INCR over SAMPLES "
+        "samples to --global-batch-size (needs --train-samples)",
+    )
+    step_batch_size_schedule: str | None = opt(
+        None,
+        '"THRESHOLD:SIZE ...": the global batch is SIZE from THRESHOLD tokens on (suffixes K M '
+        "B T; the first threshold 0, the last SIZE --global-batch-size)",
+    )
     eval_interval: int = opt(0, "evaluate every N steps (0: never)")
     eval_iters: int = opt(2, "batches per evaluation")
     log_interval: int = opt(1, "console/metrics line every N steps")
@@ -238,6 +293,12 @@ class TrainingConfig:
     )
     seed: int = opt(1234, "seed for initialisation, data order and dropout")
     precision: str = opt("fp32", "parameter/compute precision", choices=("fp32", "bf16", "fp16"))
+    bf16: bool = opt(False, "Megatron's name for --precision bf16")
+    fp16: bool = opt(False, "Megatron's name for --precision fp16 (dynamic loss scaling)")
+    grad_reduce_in_bf16: bool = opt(
+        False, "with --bf16: accumulate and reduce gradients in bf16 (Megatron's bf16 main_grad; "
+        "default fp32), the optimizer's norm, clipping and update on fp32 copies",
+    )  # fmt: skip
     fp8_format: str | None = opt(
         None,
         "FP8 GEMMs in the transformer layers' linears (off when unset): e4m3 everywhere, or "
@@ -295,6 +356,17 @@ class TrainingConfig:
         choices=("cpu", "cuda"),
     )
     profile_steps: str | None = opt(None, "A:B records a per-rank timeline of steps A..B-1")
+    profile: bool = opt(
+        False,
+        "torch.profiler traces (Chrome JSON) of the steps after --profile-step-start up to "
+        "--profile-step-end (Megatron's numbering: steps done), one per rank of --profile-ranks",
+    )
+    profile_step_start: int = opt(10, "--profile: steps done when the trace starts")
+    profile_step_end: int = opt(12, "--profile: steps done when the trace stops")
+    profile_ranks: list[int] = opt(lambda: [0], "--profile: the ranks that trace")
+    profile_dir: str | None = opt(
+        None, "where --profile writes trace-rank<R>.json (default: --tensorboard-dir, else profile)"
+    )
     debug: bool = opt(False, "show full tracebacks on errors")
     exit_duration_in_mins: float | None = opt(
         None,
@@ -321,6 +393,13 @@ class TrainingConfig:
     )
     straggler_window: int = opt(3, "consecutive logging steps a straggler must be slow at")
 
+    def __setattr__(self, name, value):
+        # --bf16 / --fp16 (Megatron's switches) set the precision where they are read, so YAML,
+        # flags and dicts agree on it; shape.validate() refuses the two together
+        object.__setattr__(self, name, value)
+        if name in ("bf16", "fp16") and value:
+            object.__setattr__(self, "precision", name)
+
 
 @dataclass
 class CheckpointConfig:
@@ -342,6 +421,14 @@ class CheckpointConfig:
     )
     load_optim: bool = opt(True, "load the optimizer state (--no-load-optim: a fresh one)")
     load_rng: bool = opt(True, "restore the RNG states (--no-load-rng: re-seed)")
+    ckpt_format: str = opt(
+        "megalite",
+        "torch_dist (or torch: legacy files at this run's layout): each save also writes "
+        "Megatron-LM's files (weights, iteration, consumed samples) into its directory, so "
+        "Megatron --loads --save (with --no-load-optim --no-load-rng); --load reads Megatron "
+        "checkpoints whatever this says",
+        choices=("megalite", "torch_dist", "torch"),
+    )
     use_checkpoint_args: bool = opt(
         False,
         "accepted for Megatron compatibility: the model architecture is always taken from the "

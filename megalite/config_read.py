@@ -14,6 +14,7 @@ import yaml
 
 from megalite.config import Config
 from megalite.errors import MegaliteError
+from megalite.megatron_translate import translate
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
@@ -134,6 +135,7 @@ def build_parser(prog="pretrain_gpt.py") -> argparse.ArgumentParser:
         usage="torchrun --nproc_per_node N %(prog)s [--config FILE.yaml] [flags]",
         description="megalite: 3D-parallel GPT pretraining. Flags override the YAML, which overrides defaults.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # a flag is matched whole: --swiglu is never --swiglu-limit
     )
     p.add_argument("--config", help="YAML preset (sections as in configs/tiny.yaml)")
     defaults = Config()
@@ -160,7 +162,7 @@ def build_parser(prog="pretrain_gpt.py") -> argparse.ArgumentParser:
 def parse_args(argv=None, given: set | None = None) -> Config:
     """Defaults, then the YAML of --config, then the flags given. `given`, when passed, receives
     the fields set by the YAML or a flag ("model.hidden_size", ...), as opposed to defaults."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = translate(sys.argv[1:] if argv is None else argv)  # Megatron's flags: megalite's
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:

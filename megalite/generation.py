@@ -22,6 +22,7 @@ Sampling over the head's vocabulary shards is parallel/sampling.py's.
 """
 
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +32,7 @@ from megalite.parallel import comm
 from megalite.parallel.comm import Group
 from megalite.parallel.context_parallel import chunk_positions, ring_attention
 from megalite.parallel.p2p import exchange
-from megalite.parallel.sampling import GREEDY, Sampling, gathered, sample
+from megalite.parallel.sampling import GREEDY, Sampling, gathered, logprobs, sample
 
 # ---- the cache -----------------------------------------------------------------------------
 
@@ -47,6 +48,7 @@ class KVCache:
     """
 
     cp = None  # a CPKVCache's group: attention layers then call its layers' `attend`
+    every_position = False  # the head returns every new position's logits, not the last's
 
     def __init__(self, pad: torch.Tensor, capacity: int, padded: bool = True):
         self.pad, self.capacity, self.padded = pad, capacity, padded  # padded: any pad > 0
@@ -229,6 +231,33 @@ def _cp_group(cfg, groups, use_cache: bool) -> Group:
     return groups.cp
 
 
+@dataclass
+class Generated:
+    """`generate_scored`'s result, per row: the new ids, and with logprobs=k the log-probability
+    of each new token with the k likeliest at its step ((id, logprob) pairs, likeliest first);
+    with echo the same for each prompt token after the first (the first has none)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]] = field(default_factory=list)
+    top: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_top: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+
+
+def _unpack(pack, k: int):
+    """Rows of a (..., 1 + 2k) score pack (logprob, k top logprobs, k top ids) -> lists."""
+    rows = pack.tolist()
+    lp = [[p[0] for p in row] for row in rows]
+    top = [[list(zip(map(int, p[1 + k :]), p[1 : 1 + k])) for p in row] for row in rows]
+    return lp, top
+
+
+def _scores(logits, targets, tp, vocab_size, k):
+    """(..., 1 + 2k) fp64: the targets' logprobs, the top k logprobs and their ids."""
+    chosen, top, ids = logprobs(logits, tp, vocab_size, targets, k)
+    return torch.cat([chosen[..., None], top, ids.to(top.dtype)], -1).double()
+
+
 @torch.no_grad()
 def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
              sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
@@ -242,11 +271,30 @@ def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
     The chunks are put in eval mode without sequence parallelism, and restored after.
     With `groups.cp` of size > 1 the prompt and the cache are split over cp (CPKVCache).
     """
+    return generate_scored(chunks, groups, prompts, max_new_tokens, sampling, generator, eos_id,
+                           stop, use_cache, pad_id).tokens  # fmt: skip
+
+
+@torch.no_grad()
+def generate_scored(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
+                    sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
+                    eos_id: int | None = None, stop=None, use_cache: bool = True,
+                    pad_id: int = 0, logprobs: int | None = None, echo: bool = False,
+                    on_step=None) -> Generated:  # fmt: skip
+    """`generate`, and log-probabilities under the model's own distribution (temperature 1,
+    whatever the sampling): `logprobs`=k (0: only each token's own) for the new tokens; `echo`
+    for the prompts' tokens too (k top ones when logprobs is given), from the prefill's logits
+    at every position (max_new_tokens may be 0). `on_step(step, ids, pack)`: called on every
+    rank after each step with the step's ids (b,) as a list and, with logprobs, its scores
+    (b, 1 + 2k) read to the host (else the scores are read once, at the end)."""
     sampling.check()
     cfg = chunks[0].cfg
     check_prompts(prompts, cfg)
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     tp, pp, cp, device = groups.tp, groups.pp, _cp_group(cfg, groups, use_cache), groups.device
+    if echo and cp.size > 1:
+        raise MegaliteError("prompt log-probabilities (echo) need cp 1")
+    k = -1 if logprobs is None else logprobs  # -1: no scores of new tokens
     route = _route(chunks, pp)
     head = route[-1][0]
     b, longest = len(prompts), max(len(p) for p in prompts)
@@ -258,32 +306,65 @@ def generate(chunks, groups, prompts: list[list[int]], max_new_tokens: int,
     seq = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     h_dtype = next(chunks[0].parameters()).dtype
     out, done = [[] for _ in prompts], [False] * b
+    result, packs = Generated(out), []
+    if k >= 0:
+        result.logprobs, result.top = [[] for _ in prompts], [[] for _ in prompts]
     with ExitStack() as stack:
         for c in chunks:  # restored on the way out, also on an error
             stack.enter_context(c.full_sequences())
             stack.callback(c.train, c.training)
             c.eval()
         if cp.size == 1:
-            caches, new = [KVCache(pad, width + steps - 1, padded) for _ in chunks], seq
+            caches, new = [KVCache(pad, width + max(steps, 1) - 1, padded) for _ in chunks], seq
         else:  # each rank feeds its share of the prompt, then every new token
             caches = [CPKVCache(pad, width, steps, cp) for _ in chunks]
             new = seq[:, caches[0].index[cp.rank]]
-        for step in range(steps):
+        for step in range(max(steps, int(echo))):  # echo: the prefill at least
             if not use_cache:  # the whole context again, into a fresh cache
                 new = seq = seq if step == 0 else torch.cat([seq, new], 1)
                 caches = [KVCache(pad, seq.shape[1], padded) for _ in chunks]
+            for c in caches:
+                c.every_position = echo and step == 0
             logits = _through_pipeline(chunks, route, pp, new, caches, h_dtype)
+            if echo and step == 0:  # the prompt tokens' scores, from the position before each
+                shape = (b, width - 1, 1 + 2 * max(k, 0))
+                if logits is not None:
+                    pack = _scores(logits[:, :-1], seq[:, 1:], tp, cfg.vocab_size, max(k, 0))
+                    logits = logits[:, -1]
+                else:
+                    pack = torch.empty(shape, dtype=torch.float64, device=device)
+                comm.broadcast(pack, head, pp)
+                lp, top = _unpack(pack, max(k, 0))
+                result.prompt_top = [r[p:] for r, p in zip(top, pads)]
+                result.prompt_logprobs = [r[p:] for r, p in zip(lp, pads)]
+                if step == steps:  # max_new_tokens 0: the prompts' scores only
+                    break
             if logits is not None:
                 tokens = sample(logits, tp, cfg.vocab_size, sampling, generator)
                 comm.broadcast(tokens, 0, cp)  # cp rank 0 holds the prompt's last slot
+                if k >= 0:
+                    pack = _scores(logits, tokens, tp, cfg.vocab_size, k)
+                    comm.broadcast(pack, 0, cp)
             else:
                 tokens = torch.empty(b, dtype=torch.int64, device=device)
+                if k >= 0:
+                    pack = torch.empty(b, 1 + 2 * k, dtype=torch.float64, device=device)
             comm.broadcast(tokens, head, pp)
-            for i, t in enumerate(tokens.tolist()):  # the one host read per step
+            if k >= 0:
+                comm.broadcast(pack, head, pp)
+                packs.append(pack)
+            ids = tokens.tolist()  # the one host read per step
+            if on_step is not None:
+                on_step(step, ids, pack.cpu() if k >= 0 else None)
+            for i, t in enumerate(ids):
                 if not done[i]:
                     out[i].append(t)
                     done[i] = t == eos_id or bool(stop and stop(out[i]))
             if all(done):
                 break
             new = tokens[:, None]  # (b, 1)
-    return out
+    if packs:  # each row's scores up to its last token
+        lp, top = _unpack(torch.stack(packs, 1), k)
+        result.logprobs = [r[: len(o)] for r, o in zip(lp, out)]
+        result.top = [r[: len(o)] for r, o in zip(top, out)]
+    return result

@@ -13,6 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from megalite import lr_schedule
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
 from megalite.parallel.axes import AXES, INFERRED, cp_levels, split_batch
@@ -421,6 +422,36 @@ def _check_fp8(cfg: Config, shape: RunShape) -> str | None:
     return device_problem()
 
 
+def _check_schedule(cfg: Config, shape: RunShape) -> str | None:
+    """Why the schedule, ramp-up or precision flags cannot run (megalite/schedule.py), or None."""
+    t = cfg.training
+    if t.bf16 and t.fp16:
+        return "give one of --bf16 and --fp16, not both"
+    if (t.bf16 or t.fp16) and t.precision != ("bf16" if t.bf16 else "fp16"):
+        return f"--{'bf16' if t.bf16 else 'fp16'} contradicts --precision {t.precision}"
+    if t.grad_reduce_in_bf16 and t.precision != "bf16":
+        return "--grad-reduce-in-bf16 needs --bf16 (it keeps bf16 parameters' gradients in bf16)"
+    o = cfg.optimizer
+    if (
+        o.hysteresis < 1
+        or o.loss_scale_window < 1
+        or not 0 < o.min_loss_scale <= o.initial_loss_scale
+    ):
+        return ("fp16 loss scaling needs --hysteresis and --loss-scale-window >= 1 and 0 < "
+                "--min-loss-scale <= --initial-loss-scale")  # fmt: skip
+    if o.loss_scale is not None and (o.loss_scale <= 0 or t.precision == "fp32"):
+        return f"--loss-scale={o.loss_scale} needs a positive scale and --fp16 or --bf16"
+    reason = lr_schedule.problem(cfg, shape.data)
+    if reason or (t.rampup_batch_size is None and t.step_batch_size_schedule is None):
+        return reason
+    unit = t.micro_batch_size * shape.data
+    for size in lr_schedule.batch_sizes(t, cfg.model.seq_length):  # each count it runs with
+        reason = schedules.check_shape(shape.schedule, shape.pp, shape.vpp, size // unit)
+        if reason:
+            return f"the global batch {size} of the batch-size ramp-up: {reason}"
+    return None
+
+
 def validate(cfg: Config, world_size: int) -> RunShape:
     """Reject impossible configs with one sentence; the run's shape. cfg is not changed."""
     _positive(cfg)
@@ -445,6 +476,9 @@ def validate(cfg: Config, world_size: int) -> RunShape:
               f"{shape.vpp} chunks per rank", file=sys.stderr)  # fmt: skip
     if o.min_lr > o.lr:
         raise MegaliteError(f"min_lr={o.min_lr} is larger than lr={o.lr}")
+    reason = _check_schedule(cfg, shape)
+    if reason:
+        raise MegaliteError(reason)
     if not 0 <= o.muon_momentum < 1:
         raise MegaliteError(f"--muon-momentum {o.muon_momentum} must be in [0, 1)")
     if o.muon_ns_steps < 1:

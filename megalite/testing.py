@@ -278,26 +278,30 @@ def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[f
     and optimizer state in flat (DP-sharded) buffers and runs the micro-batches through the
     pipeline schedule (pp=1: F0 B0 F1 B1 ...)."""
     from megalite.data.sampler import get_batch
+    from megalite.lr_schedule import LRSchedule, batch_size
     from megalite.model.env import LayerEnv
     from megalite.model.gpt import GPTChunk
-    from megalite.optim.lr_schedule import lr_at
     from megalite.parallel.specs import spec_of
 
     m, t, o = cfg.model, cfg.training, cfg.optimizer
     model = GPTChunk(m, LayerEnv(seed=t.seed))  # the same initialisation as the trainer's chunk
     params = list(model.parameters())
-    decay = [p for p in params if not spec_of(p).no_weight_decay]
-    plain = [p for p in params if spec_of(p).no_weight_decay]  # norms and biases
-    adam = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0}],
-        lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-    )  # fmt: skip
-    micro = t.global_batch_size // t.micro_batch_size  # micro-batches per step (dp = 1)
+    # Megatron's parameter groups: weight decay or not (norms and biases), and with
+    # --decoupled-lr the embedding and output layer (the vocabulary's tensors) on their own lr
+    own = lambda p: o.decoupled_lr is not None and spec_of(p).vocab_dim is not None  # noqa: E731
+    kinds = [(d, e) for d in (True, False) for e in (False, True)]
+    groups = [{"params": [p for p in params if (not spec_of(p).no_weight_decay, own(p)) == k],
+               "kind": k} for k in kinds]  # fmt: skip
+    adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr,
+                             betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)  # fmt: skip
+    schedule, consumed = LRSchedule.from_config(cfg), 0
     losses = []
-    for step in range(steps):
-        # global batch `step` is the rows [step*G, (step+1)*G) in order (data/sampler.py)
-        first = step * t.global_batch_size
-        rows = [[first + k * t.micro_batch_size + j for j in range(t.micro_batch_size)]
+    for _ in range(steps):
+        # the next global batch is the rows [consumed, consumed + G) in order (data/sampler.py);
+        # G grows during a batch ramp-up (--rampup-batch-size)
+        g = batch_size(t, m.seq_length, consumed)
+        micro = g // t.micro_batch_size  # micro-batches of this step (dp = 1)
+        rows = [[consumed + k * t.micro_batch_size + j for j in range(t.micro_batch_size)]
                 for k in range(micro)]  # fmt: skip
         adam.zero_grad(set_to_none=True)
         total = 0.0
@@ -307,8 +311,12 @@ def reference_steps(cfg: Config, tokens: np.ndarray, steps: int) -> tuple[list[f
             (loss / micro).backward()  # the gradient of the step's mean loss
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+        rates = schedule.rates(consumed)  # its position: the samples so far (no step skipped)
         for group in adam.param_groups:
-            group["lr"] = lr_at(step, o, t.train_iters)
+            decayed, embedding = group["kind"]
+            group["lr"] = rates.embedding_lr if embedding else rates.lr
+            group["weight_decay"] = rates.weight_decay if decayed else 0.0
         adam.step()
         losses.append(total / micro)
+        consumed += g
     return losses, {n: p.detach() for n, p in model.named_parameters()}

@@ -67,7 +67,7 @@ def plot(files: list[str], labels: list[str], columns: list[str], output: str):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", help="metrics files (JSON lines)")
     ap.add_argument("--labels", nargs="+", help="one per file (default: the file's directory)")
     ap.add_argument("--columns", nargs="+", default=["loss", "tokens_per_s", "grad_norm", "lr"])

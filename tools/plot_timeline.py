@@ -13,7 +13,7 @@ from megalite.training.timeline import load, plot_timeline
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("timeline", help="timeline.json")
     ap.add_argument("-o", "--output", default="timeline.png", help="PNG to write [timeline.png]")
     ap.add_argument("--title", help="title (default: the run's)")

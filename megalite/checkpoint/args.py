@@ -76,9 +76,9 @@ def _shape_example(tensors: dict, model: ModelConfig) -> str:
 def with_checkpoint_model(cfg: Config, given: set, path) -> Config:
     """`cfg` with the model fields not in `given` ("model.<field>") taken from the checkpoint at
     `path`; refuses a given field whose value contradicts it. `cfg` itself is not changed."""
-    from megalite.checkpoint.format import Checkpoint
+    from megalite.checkpoint.megatron_direct import open_checkpoint
 
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)  # megalite's own, or a Megatron checkpoint's args
     stored = ckpt.index.get("config", {}).get("model")
     if not isinstance(stored, dict):
         raise MegaliteError(f"{ckpt.dir} records no model config; pass every model flag")

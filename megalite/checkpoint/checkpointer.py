@@ -21,6 +21,8 @@ rank. A rank's bad-input error is shared with all ranks so that every rank stops
 same one line, none waiting in a collective.
 --finetune loads the weights only and starts at iteration 0; --no-load-optim and --no-load-rng
 leave out the optimizer state and the RNG states (not when a restart resumes its own --save).
+--load also reads a Megatron-LM checkpoint, and --ckpt-format torch_dist adds Megatron's files
+to each save (megatron_direct.py).
 """
 
 import dataclasses
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import shard_io
+from megalite.checkpoint import megatron_direct, shard_io
 from megalite.checkpoint.async_save import (
     BackgroundSave,
     Part,
@@ -82,7 +84,7 @@ def resume_path(cfg) -> str | None:
     if c.finetune and c.save and fmt.has_checkpoint(c.save):
         return c.save  # a restarted fine-tuning job continues its own run, not --load again
     if c.load:
-        fmt.resolve(c.load)  # a missing or empty directory fails here, with one line
+        megatron_direct.resolve(c.load)  # a missing or empty directory fails here, with one line
         return c.load
     if c.save and fmt.has_checkpoint(c.save):
         return c.save
@@ -132,6 +134,10 @@ class Checkpointer:
         # what the loaded checkpoint says beyond the run (a converted model's Hugging Face
         # token ids and generation config): carried into every save, for the export back
         self.carried = {}
+        # --ckpt-format torch_dist|torch: Megatron's files beside each save's (None: megalite's only)
+        self.megatron_form = megatron_direct.FORMATS.get(cfg.checkpoint.ckpt_format)
+        if cfg.checkpoint.save and self.megatron_form:
+            megatron_direct.check_exportable(shape.model, cfg)  # one line, now
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -143,7 +149,7 @@ class Checkpointer:
         finetune = c.finetune and not own
         start = time.perf_counter()
         with agreed_errors(g.world):
-            ckpt = Checkpoint(path)
+            ckpt = megatron_direct.open_checkpoint(path)  # megalite's own, or Megatron's
             files = sorted(ckpt.files)
             ckpt.verify(files[g.rank :: g.topo.world_size])  # each file hashed by one rank
             self._check_compatible(ckpt)
@@ -172,6 +178,8 @@ class Checkpointer:
         what = "fine-tuning from its weights at iteration 0" if finetune else what
         rng_note = "" if keep_rng or not same_layout else "; RNG streams re-seeded"
         rng_note = rng_note if same_layout else "; another layout, so RNG streams are re-seeded"
+        if not fresh:  # a Megatron checkpoint's optimizer state, not mapped
+            rng_note += getattr(ckpt, "load_note", "")
         if no_bias:  # written before checkpoints held them
             rng_note += f"; it holds no expert bias ({no_bias[0]}, ...): they start from zero"
         if no_fp8:  # trained without delayed FP8 scaling
@@ -367,6 +375,8 @@ class Checkpointer:
             index = {**meta, "rng": [p.rng for p in parts], "files": files,
                      "tensors": fmt.merge_entries([p.entries for p in parts])}  # fmt: skip
             fmt.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
+            if self.megatron_form:  # Megatron's files too, in the same directory
+                megatron_direct.write_beside(tmp, self.cfg)
             old = final.with_name(f".{final.name}.old")
             if final.exists():  # the same iteration saved again: keep the old one until replaced
                 shutil.rmtree(old, ignore_errors=True)
@@ -374,6 +384,8 @@ class Checkpointer:
             tmp.rename(final)
             fmt.fsync_dir(final.parent)
             fmt.write_atomic(final.parent / fmt.LATEST, final.name)
+            if self.megatron_form:
+                megatron_direct.write_tracker(final.parent, meta["iteration"])
             shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -43,12 +43,12 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files
+from megalite.checkpoint import hf, megatron_args, megatron_direct, megatron_dist, megatron_files
 from megalite.checkpoint import megatron as mg
+from megalite.checkpoint.megatron_direct import saved_config
 from megalite.checkpoint.safetensors_file import MappedSafetensors
 from megalite.config import Config
 from megalite.config_read import from_dict
@@ -97,13 +97,6 @@ def split_flags(args) -> dict:
     given (partition.py reads them)."""
     given = {k: getattr(args, k) for k in megatron_args.PIPELINE_SPLIT_ARGS}
     return {k: v for k, v in given.items() if v}
-
-
-def saved_config(model) -> dict:
-    """The config a converted checkpoint carries: the model's, every other section default."""
-    cfg = Config()
-    cfg.model = model
-    return cfg.to_dict()
 
 
 def shard_bytes(text: str) -> int:
@@ -197,22 +190,8 @@ def hf_to_megalite(src: Path, dst: Path, args):
     fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
 
 
-HUB_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HUB_FIELDS = hf.HUB_FIELDS
 GENERATION_CONFIG = "generation_config.json"
-
-
-def hub_fields(ckpt) -> dict:
-    """What a Hugging Face config.json says beyond the model: the checkpoint's record of the
-    model it came from, else the token ids of the tokenizer it carries (none without one)."""
-    hub = dict(ckpt.index.get("huggingface") or {})
-    name = fmt.stored_tokenizer(ckpt.files)
-    if name and not any(k in hub for k in HUB_FIELDS):
-        from megalite.data.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(ckpt.dir / name)
-        hub.update({k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id))
-                    if v is not None and v >= 0})  # fmt: skip
-    return hub
 
 
 def megalite_to_hf(src: Path, dst: Path, args):
@@ -315,31 +294,11 @@ def megalite_to_megatron(src: Path, dst: Path, args):
     ckpt = fmt.Checkpoint(src)
     checked = ckpt.verify_while_reading()
     cfg = from_dict({"model": ckpt.model_config})
-    legacy = args.format == "legacy"
     stages = split_flags(args)
     check_layout(cfg, args.tp, args.pp, args.vpp, stages)
-    tp = args.tp  # torch_dist is layout-free, but its vocabulary is padded for one tp
-    dtype = getattr(torch, ckpt.tensors[ckpt.names()[0]]["dtype"])
-    layout = (tp, args.pp, args.vpp, args.ep) if legacy else (tp, 1, None, 1)
-    margs = megatron_args.args_from_config(
-        cfg.model, *layout, iteration=ckpt.iteration, dtype=dtype,
-        ckpt_format="torch" if legacy else "torch_dist", transformer_impl=args.transformer_impl,
-        stages=stages if legacy else None,  # (torch_dist is layout-free: its args say pp=1)
-    )  # fmt: skip
-    # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
-    # not Megatron's own: the token ids (and generation config) of the model, for the way back
-    # to Hugging Face (a Megatron run ignores args it does not know)
-    if hub := hub_fields(ckpt):
-        margs["huggingface"] = hub
-    state = mg.to_megatron_lazy(
-        ckpt.lazy(), cfg.model, megatron_args.padded_vocab_size(cfg.model, tp)
-    )
     print(WEIGHTS_ONLY, file=sys.stderr)
-    if legacy:
-        megatron_files.write_legacy(dst, state, margs, *layout, iteration=ckpt.iteration,
-                                    transformer_impl=args.transformer_impl)  # fmt: skip
-    else:
-        megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration, args.transformer_impl)
+    megatron_direct.export_megatron(ckpt, dst, args.format, args.tp, args.pp, args.vpp, args.ep,
+                                    args.transformer_impl, stages)  # fmt: skip
     checked.result()
 
 
@@ -354,7 +313,7 @@ def megalite_to_megalite(src: Path, dst: Path, args):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
     p.add_argument("--to", choices=("hf", "megalite", "megatron"), required=True)

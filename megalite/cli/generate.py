@@ -198,7 +198,7 @@ def generate(chunk, ids, max_new_tokens, eos_id=None, greedy=True, temperature=1
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory")
     p.add_argument("--prompt", action="append", help="text to continue (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -27,7 +27,9 @@ from megalite.training.dry_run import print_plan
 
 
 def main(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__.split("\n")[0], add_help=False
+    )
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     ap.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU [80]")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node [8]")

@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="preprocess_data.py", description=__doc__.split("\n")[0])
+    p = _Parser(allow_abbrev=False, prog="preprocess_data.py", description=__doc__.split("\n")[0])
     p.add_argument(
         "--input", nargs="+", required=True, help="text, JSONL (.gz too), Parquet or directories"
     )

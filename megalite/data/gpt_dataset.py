@@ -238,7 +238,7 @@ def build_datasets(cfg) -> Datasets:
         lengths = [len(p) for p in parts]
         return BlendedDataset(parts, lengths, min(size, sum(lengths)), cache, name)
 
-    sizes = split_sizes(t)
+    sizes = split_sizes(t, cfg.model.seq_length)
     train, valid, test = (b and build(s, b, sizes[s]) for s, b in enumerate(blends))
     return Datasets(train=train, valid=valid, tokenizer=tokenizer, test=test)
 

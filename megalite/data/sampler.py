@@ -38,12 +38,17 @@ class BatchSampler:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
 
-    def next_batch(self) -> list[list[int]]:
-        """This rank's micro-batches of the next global batch; advances `consumed_samples`."""
+    def next_batch(self, global_batch_size: int | None = None) -> list[list[int]]:
+        """This rank's micro-batches of the next global batch (of `global_batch_size` samples
+        during a batch ramp-up, else the sampler's); advances `consumed_samples`."""
+        g = global_batch_size or self.global_batch_size
         mbs, step = self.micro_batch_size, self.micro_batch_size * self.dp_size
+        count = (
+            self.microbatches if g == self.global_batch_size else split_batch(g, mbs, self.dp_size)
+        )
         first = self.consumed_samples + self.dp_rank * mbs
-        starts = range(first, first + self.microbatches * step, step)
-        self.consumed_samples += self.global_batch_size
+        starts = range(first, first + count * step, step)
+        self.consumed_samples += g
         return [[(s + k) % self.num_samples for k in range(mbs)] for s in starts]
 
 

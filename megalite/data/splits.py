@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megalite.errors import MegaliteError
+from megalite.lr_schedule import train_iters
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -85,13 +86,13 @@ def split_sequences(num_sequences: int, fractions: list[float]) -> list[tuple[in
     return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
-def split_sizes(training) -> list[int]:
+def split_sizes(training, seq_length: int | None = None) -> list[int]:
     """Samples each split is built for, as Megatron sizes them: train_iters * G for training,
     enough validation for every evaluation (train_iters // eval_interval + 1 of eval_iters
     batches; one with --eval-interval 0) and eval_iters batches of test."""
-    g, t = training.global_batch_size, training
-    evaluations = t.train_iters // t.eval_interval + 1 if t.eval_interval > 0 else 1
-    return [t.train_iters * g, evaluations * t.eval_iters * g, t.eval_iters * g]
+    g, t, iters = training.global_batch_size, training, train_iters(training, seq_length)
+    evaluations = iters // t.eval_interval + 1 if t.eval_interval > 0 else 1
+    return [iters * g, evaluations * t.eval_iters * g, t.eval_iters * g]
 
 
 def split_blends(data, eval_only: bool) -> tuple[list[Blend | None], list[float] | None]:

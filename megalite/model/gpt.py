@@ -208,7 +208,8 @@ class GPTChunk(nn.Module):
         """Training and whole-sequence inference; with `cache` (a megalite.generation.KVCache),
         inference on the new tokens only: x is their ids (b, s) or hidden states (b, s, h),
         their keys and values join the cache, and the head returns the last position's logits
-        as this rank's vocabulary slice (b, V_padded/t), ungathered. `shard`
+        as this rank's vocabulary slice (b, V_padded/t), ungathered (every position's,
+        (b, s, V_padded/t), when `cache.every_position`). `shard`
         (context_parallel.Shard): this rank's positions, documents and loss mask, when the
         tokens are a context-parallel share or packed documents."""
         if cache is not None:
@@ -241,7 +242,9 @@ class GPTChunk(nn.Module):
             x = self.embed(x, cache.positions)
         for name, layer in self.layers.items():
             x = layer(x, cache.layer(name))
-        return self.logits(x[:, -1]) if self.has_head else x
+        if not self.has_head:
+            return x
+        return self.logits(x if cache.every_position else x[:, -1])  # echo: every position's
 
     @contextmanager
     def full_sequences(self):

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from megalite.config import Config
+from megalite.lr_schedule import Rates
 from megalite.model.moe import update_expert_bias
 from megalite.optim.adamw import adamw, complement
 from megalite.optim.clip_grad import clip_coefficient, step_status
-from megalite.optim.loss_scaler import LossScaler
+from megalite.optim.loss_scaler import scaler_for
 from megalite.optim.muon import muon_state
 from megalite.parallel import comm
 from megalite.parallel.buckets import ParamRange
@@ -54,6 +55,9 @@ class StepReport:
     skipped: bool  # no update: not finite, or a spike
     loss_scale: float  # after this step's update of the scaler (1.0 without fp16)
     flags: dict[str, float] = field(default_factory=dict)  # the caller's, summed over the world
+    # an fp16 overflow the dynamic loss scaler still answers by backing off (Megatron skips
+    # such steps at the start of every fp16 run: they are not errors)
+    backing_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,7 @@ class DistributedOptimizer:
         self.chunks, self.model_cfg = chunks, cfg.model
         self.buffer = buf = buffer
         self._bucket_index = {b: i for i, b in enumerate(buf.buckets)}
-        self.scaler = None
-        if t.precision == "fp16":
-            # (Megatron's hysteresis of 2, LossScaler's default: no flag sets it)
-            self.scaler = LossScaler(o.initial_loss_scale, o.loss_scale_window, o.min_loss_scale)
+        self.scaler = scaler_for(t.precision, o)  # fp16's dynamic one, a static --loss-scale
 
         # Optimizer state for this rank's shard of each bucket.
         low = buf.param_dtype in (torch.bfloat16, torch.float16)
@@ -98,6 +99,9 @@ class DistributedOptimizer:
         shards = [buf.param_shard(b) for b in buf.buckets]
         self.masters = [s.to(state_dtype, copy=True) for s in shards] if low else None
         self.step_count = 0
+        # the learning-rate schedule's position (lr_schedule.py): samples of the successful
+        # steps; a checkpoint without it (older) had a constant batch of this size
+        self.schedule_samples, self._batch = 0, t.global_batch_size
         # --optimizer muon: the matrices' momentum orthogonalised, AdamW for the rest (muon.py)
         decay = lambda r: not spec_of(r.param).no_weight_decay  # noqa: E731
         self.muon = muon_state(o, buf, groups.tp, state_dtype, decay)
@@ -110,11 +114,15 @@ class DistributedOptimizer:
         # Per bucket shard: where weight decay applies, which elements count in the norm.
         self._decay = [[] for _ in buf.buckets]
         self._norm = [[] for _ in buf.buckets]
+        # --decoupled-lr: the embedding and output layer (the vocabulary's tensors) own an lr
+        self._embedding = [[] for _ in buf.buckets]
         for r in buf.ranges:
             b, i, spec = r.bucket, self._bucket_index[r.bucket], spec_of(r.param)
             s = r.shard_slice()
             if s is not None and not spec.no_weight_decay:
                 self._decay[i].append(s[:2])
+            if s is not None and o.decoupled_lr is not None and spec.vocab_dim is not None:
+                self._embedding[i].append(s[:2])
             # Each rank counts its 1/dp of every bucket in the norm, also at stage 0 where it
             # holds all of it: the norm and the inf check can then be summed over the world.
             # With copies of the shard group (--dp-replicate) each copy counts a piece of that
@@ -125,6 +133,7 @@ class DistributedOptimizer:
             if n is not None and spec.counted_in_norm(groups.tp.rank):
                 self._norm[i].append((n[0] - b.shard_start, n[1] - b.shard_start))
         self._decay = [_merge(s) for s in self._decay]
+        self._embedding = [_merge(s) for s in self._embedding]
         self._norm = [_merge(s) for s in self._norm]
         # What the norm does not read is still checked for inf/nan, each element once.
         self._rest = [
@@ -149,8 +158,10 @@ class DistributedOptimizer:
         self.buffer.zero_grad(microbatches)
         self._finalised = False
 
-    def step(self, lr: float, flags: dict | None = None, guard=None) -> StepReport:
-        """Clip and update. `flags` ({name: float, or a 0-d tensor on the device such as the
+    def step(self, lr: Rates | float, flags: dict | None = None, guard=None,
+             samples: int = 0) -> StepReport:  # fmt: skip
+        """Clip and update with `lr` (the schedule's Rates, or one learning rate with
+        --weight-decay); an update advances `schedule_samples` by `samples`. `flags` ({name: float, or a 0-d tensor on the device such as the
         trainer's loss}) are summed over the world in the same reduction as the norm and
         reported by name (the trainer's preemption signal, time limit and loss).
         `guard(flags) -> bool`, when given, decides from them before the update: True skips
@@ -159,6 +170,10 @@ class DistributedOptimizer:
         buf, o = self.buffer, self.opt_cfg
         buf.wait_params()  # (normally done already: the forward waited for every bucket)
         grads = [b.shard_grad for b in buf.buckets]
+        if self.masters and grads and grads[0].dtype != self.masters[0].dtype:
+            # --grad-reduce-in-bf16: the norm, clipping and update on fp32 copies (Megatron's
+            # main_param.grad = main_grad.float())
+            grads = [g.float() for g in grads]
         counted = [g[lo:hi] for g, segs in zip(grads, self._norm) for lo, hi in segs]
         rest = [g[lo:hi] for g, segs in zip(grads, self._rest) for lo, hi in segs]
         names = list(flags or {})
@@ -169,21 +184,24 @@ class DistributedOptimizer:
         found_inf = nonfinite > 0
         spike = not found_inf and guard is not None and guard(summed)
         scale = self.loss_scale
+        backing_off = found_inf and self.scaler is not None and self.scaler.can_back_off()
         norm = (math.sqrt(sumsq) if sumsq >= 0 else sumsq) / scale
         if self.scaler and not spike:
             self.scaler.update(found_inf)
-        report = StepReport(norm, not found_inf, spike, found_inf or spike, self.loss_scale, summed)
+        report = StepReport(norm, not found_inf, spike, found_inf or spike, self.loss_scale, summed,
+                            backing_off)  # fmt: skip
         if report.skipped:
             return report
         factor = clip_coefficient(norm, o.clip_grad) / scale
         if factor != 1.0:
             for g in grads:
                 g.mul_(factor)
-        self._adamw(lr, grads)
+        self._adamw(lr if isinstance(lr, Rates) else Rates(lr, o.weight_decay, lr), grads)
+        self.schedule_samples += samples
         buf.all_gather_params(overlap=o.overlap_param_gather)
         return report
 
-    def _adamw(self, lr: float, grads: list[torch.Tensor]):
+    def _adamw(self, rates: Rates, grads: list[torch.Tensor]):
         """The AdamW update of this rank's shards (optim/adamw.py), into the fp32 masters
         when there are any, copied back to the parameters."""
         o, buf = self.opt_cfg, self.buffer
@@ -191,11 +209,10 @@ class DistributedOptimizer:
         shards = [buf.param_shard(b) for b in buf.buckets]
         weights = self.masters or shards
         if self.muon:
-            self.muon.step(weights, grads, lr, self.step_count)
+            self.muon.step(weights, grads, rates, self.step_count)
         else:
-            adamw(
-                weights, grads, self.exp_avg, self.exp_avg_sq, self._decay, lr, self.step_count, o
-            )
+            adamw(weights, grads, self.exp_avg, self.exp_avg_sq, self._decay, rates,
+                  self.step_count, o, self._embedding)  # fmt: skip
         if self.masters:
             torch._foreach_copy_(shards, self.masters)
 
@@ -357,10 +374,16 @@ class DistributedOptimizer:
                 r.param.copy_(flat(entry["master"])[: r.param.numel()].view(r.param.shape))
 
     def scalar_state(self) -> dict:
-        return {"step": self.step_count, **(self.scaler.state_dict() if self.scaler else {})}
+        return {"step": self.step_count, "schedule_samples": self.schedule_samples,
+                **(self.scaler.state_dict() if self.scaler else {})}  # fmt: skip
+
+    def resume_schedule(self, samples: int):
+        """Place the learning-rate schedule at `samples` (a resume without its position)."""
+        self.schedule_samples = max(0, samples)
 
     def load_scalar_state(self, d: dict):
         self.step_count = int(d["step"])
+        self.schedule_samples = int(d.get("schedule_samples", self.step_count * self._batch))
         if self.scaler and "loss_scale" in d:
             self.scaler.load_state_dict(d)
 

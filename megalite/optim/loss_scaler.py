@@ -1,4 +1,6 @@
-"""Dynamic loss scaling for fp16: keep small gradients representable, back off on overflow."""
+"""Loss scaling for fp16: keep small gradients representable, back off on overflow (Megatron's
+DynamicGradScaler), or a static scale (--loss-scale: its ConstantGradScaler). `scaler_for`
+picks one from the flags; the optimizer unscales with it and the executor scales the loss."""
 
 
 class LossScaler:
@@ -25,6 +27,10 @@ class LossScaler:
         self.good_steps = 0
         self.hysteresis_left = hysteresis
 
+    def can_back_off(self) -> bool:
+        """An overflow now is the scaler's to answer (the scale is not yet at its floor)."""
+        return self.scale > self.min_scale
+
     def update(self, found_inf: bool):
         if found_inf:
             self.good_steps = 0
@@ -49,3 +55,35 @@ class LossScaler:
         self.scale = float(d["loss_scale"])
         self.good_steps = int(d["good_steps"])
         self.hysteresis_left = int(d["hysteresis_left"])
+
+
+class ConstantLossScaler:
+    """--loss-scale S: every step's loss is scaled by S, never adjusted (an overflowing step is
+    still skipped); nothing to checkpoint."""
+
+    def __init__(self, scale: float):
+        self.scale = float(scale)
+
+    def can_back_off(self) -> bool:
+        return False
+
+    def update(self, found_inf: bool):
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict):
+        pass
+
+
+def scaler_for(precision: str, o) -> "LossScaler | ConstantLossScaler | None":
+    """The run's scaler (`o`: the OptimizerConfig), as Megatron chooses it: a static
+    --loss-scale for fp16 or bf16 parameters, else dynamic scaling for fp16, else none."""
+    if precision not in ("fp16", "bf16"):
+        return None
+    if o.loss_scale is not None:
+        return ConstantLossScaler(o.loss_scale)
+    if precision == "fp16":
+        return LossScaler(o.initial_loss_scale, o.loss_scale_window, o.min_loss_scale, o.hysteresis)
+    return None

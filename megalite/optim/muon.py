@@ -32,6 +32,7 @@ import math
 import torch
 
 from megalite.config import OptimizerConfig
+from megalite.lr_schedule import Rates
 from megalite.optim.adamw import adamw
 from megalite.optim.muon_owners import (
     Owners,
@@ -114,7 +115,7 @@ class MuonState:
         self.buffer, self.tp, self.o = buffer, tp, o
         index = {b: i for i, b in enumerate(buffer.buckets)}
         self.matrices = []  # (range, bucket index, shard slice, scale, decay) with a piece here
-        self.adam = []  # (bucket index, lo, hi, offset into exp_avg_sq, decay)
+        self.adam = []  # (bucket index, lo, hi, offset into exp_avg_sq, decay, embedding)
         self._sq_at = {}  # range name -> (bucket index, offset of its piece in exp_avg_sq)
         held = [0] * len(buffer.buckets)
         in_bucket = [[] for _ in buffer.buckets]  # (name, offset, numel, spec) per bucket
@@ -129,7 +130,9 @@ class MuonState:
                 s_ = scale(rows // parts, cols, o.muon_scale)
                 self.matrices.append((r, i, s, s_, decay(r)))
                 continue
-            self.adam.append((i, s[0], s[1], held[i], decay(r)))
+            # (the vocabulary's tensors take --decoupled-lr, as AdamW's embedding and output)
+            emb = o.decoupled_lr is not None and spec.vocab_dim is not None
+            self.adam.append((i, s[0], s[1], held[i], decay(r), emb))
             self._sq_at[r.name] = (i, held[i] - s[0])
             held[i] += s[1] - s[0]
         self.matrices_of = {}  # bucket index -> its entries of self.matrices
@@ -171,7 +174,7 @@ class MuonState:
         """Per kind, per-bucket tensors the size of the shards (the second moment spread out,
         zeros at the matrices' elements), for gathering whole parameters."""
         sq = [torch.zeros_like(m) for m in self.exp_avg]
-        for i, lo, hi, at, _ in self.adam:
+        for i, lo, hi, at, _, _ in self.adam:
             sq[i][lo:hi] = self.exp_avg_sq[i][at : at + hi - lo]
         return {"momentum": self.exp_avg, "exp_avg": self.exp_avg, "exp_avg_sq": sq}
 
@@ -179,18 +182,20 @@ class MuonState:
         return self.exp_avg + self.exp_avg_sq
 
     @torch.no_grad()
-    def step(self, weights, grads, lr: float, step: int):
+    def step(self, weights, grads, rates: Rates, step: int):
         """One update of `weights` (per-bucket shards, the fp32 masters where there are any)
         from `grads` (the reduced, clipped shards). Collective over DP and TP."""
         o = self.o
-        w, g, m, v, decayed = [], [], [], [], []
-        for i, lo, hi, at, decay in self.adam:
+        w, g, m, v, decayed, emb = [], [], [], [], [], []
+        for i, lo, hi, at, decay, e in self.adam:
             w.append(weights[i][lo:hi])
             g.append(grads[i][lo:hi])
             m.append(self.exp_avg[i][lo:hi])
             v.append(self.exp_avg_sq[i][at : at + hi - lo])
             decayed.append([(0, hi - lo)] if decay else [])
-        adamw(w, g, m, v, decayed, lr, step, o)
+            emb.append([(0, hi - lo)] if e else [])
+        adamw(w, g, m, v, decayed, rates, step, o, emb)
+        lr, wd = rates.lr, rates.weight_decay
 
         # Bucket by bucket (in the same order on every member of its group, one bucket's
         # update alive at a time): the Nesterov update of this rank's pieces to each matrix's
@@ -208,8 +213,8 @@ class MuonState:
             result = self._back(self.plans[i], self.shards[i], group, results, update)
             for _, _, (lo, hi, _, _), s, decay in mats:
                 piece = weights[i][lo:hi]
-                if decay and o.weight_decay:
-                    piece.mul_(1 - lr * o.weight_decay)
+                if decay and wd:
+                    piece.mul_(1 - lr * wd)
                 piece.add_(result[lo:hi].to(piece.dtype), alpha=-lr * s)
 
     @staticmethod

@@ -145,7 +145,10 @@ class ParamRange:
         return s[0] - base, s[1] - base, s[2], s[3]
 
 
-def grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+def grad_dtype(param_dtype: torch.dtype, bf16_grads: bool = False) -> torch.dtype:
     """Gradients accumulate in fp32 when parameters are bf16/fp16 (micro-batch sums keep their
-    bits), in the parameters' dtype otherwise."""
+    bits), in the parameters' dtype otherwise; `bf16_grads` (--grad-reduce-in-bf16, Megatron's
+    bf16 main_grad): bf16 parameters accumulate and reduce their gradients in bf16."""
+    if bf16_grads and param_dtype == torch.bfloat16:
+        return param_dtype
     return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype

@@ -80,11 +80,13 @@ class GradBuffer:
         select=lambda name, p: True,
         scale: float | None = None,
         replicate: Group | None = None,
+        bf16_grads: bool = False,
     ):
         """`select(name, p)`: the parameters this buffer holds (default all); `scale`: what
         gradients are multiplied by before the sum over `dp` (default 1/(dp x replicate): a mean
         over the replicas; expert gradients, summed over fewer ranks than the replicas, take
-        1/replicas); `replicate`: the copies of the `dp` group (hybrid sharding; default none)."""
+        1/replicas); `replicate`: the copies of the `dp` group (hybrid sharding; default none);
+        `bf16_grads`: bf16 gradients (--grad-reduce-in-bf16, buckets.grad_dtype)."""
         named, self.param_dtype = trainable(chunks, select)
         params = [x for c in named for x in c]
         self.dp, self.zero = dp, ZERO[zero_stage]
@@ -92,7 +94,7 @@ class GradBuffer:
         if self.zero.shard_params:
             raise ValueError("ZeRO-3 shards the parameters: build a zero3.Zero3Buffer")
         self.scale = 1.0 / (dp.size * self.replicate.size) if scale is None else scale
-        self.grad_dtype = grad_dtype(self.param_dtype)
+        self.grad_dtype = grad_dtype(self.param_dtype, bf16_grads)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         per_bucket = bucket_numel(bucket_size_mb, dp.size, size)
         by_name = dict(params)
@@ -324,18 +326,20 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
     params = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
     o = cfg.optimizer
     zero_stage, bucket_mb = o.zero_stage, o.bucket_size_mb
+    low = cfg.training.grad_reduce_in_bf16  # Megatron's bf16 main_grad (buckets.grad_dtype)
     zero = ZERO[zero_stage]
     if zero.shard_params:
         if any(expert(n, p) for n, p in params):
             raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
         reshard = zero.reshard(groups.pp.size > 1, o.zero3_keep_params)
         fp8_gather = cfg.training.fp8_param_gather
-        return Zero3Buffer(chunks, groups.shard, reshard, own, fp8_gather, groups.replicate)
+        return Zero3Buffer(chunks, groups.shard, reshard, own, fp8_gather, groups.replicate,
+                           bf16_grads=low)  # fmt: skip
     if not any(expert(n, p) for n, p in params):
         return GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own,
-                          replicate=groups.replicate)  # fmt: skip
+                          replicate=groups.replicate, bf16_grads=low)  # fmt: skip
     dense = GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own, replicate=groups.replicate,
-                       select=lambda n, p: not expert(n, p))  # fmt: skip
+                       select=lambda n, p: not expert(n, p), bf16_grads=low)  # fmt: skip
     experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
-                         scale=1.0 / groups.replicas.size)  # fmt: skip
+                         scale=1.0 / groups.replicas.size, bf16_grads=low)  # fmt: skip
     return GradBuffers([dense, experts])

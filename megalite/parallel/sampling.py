@@ -143,3 +143,32 @@ def sample(logits, tp: Group, vocab_size: int, sampling: Sampling, generator) ->
         probs = probs.masked_fill(probs < _nucleus_floor(probs, sampling.top_p, tp), 0.0)
     u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
     return _draw(probs, u.to(logits.device), start, tp)
+
+
+def logprobs(logits, tp: Group, vocab_size: int, targets, k: int):
+    """Log-probabilities under softmax(logits) over every shard, on every TP rank: of `targets`
+    (...,) ids, and the k likeliest tokens (..., k) as (values, ids), likeliest first. `logits`
+    (..., V_padded/t) is this rank's slice; only (..., k) candidates per rank are gathered."""
+    n = logits.shape[-1]
+    start = tp.rank * n
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if start + n > vocab_size:  # padding rows of the vocabulary have no probability
+        real = torch.arange(start, start + n, device=logits.device) < vocab_size
+        logits = logits.masked_fill(~real, float("-inf"))
+    m = logits.max(-1, keepdim=True).values
+    comm.all_reduce(m, tp, op=dist.ReduceOp.MAX)
+    z = (logits - m).exp().sum(-1, keepdim=True)
+    comm.all_reduce(z, tp)
+    lse = (m + z.log())[..., 0]
+    mine = (targets >= start) & (targets < start + n)
+    local = (targets - start).clamp(0, n - 1)[..., None]
+    chosen = torch.where(mine, logits.gather(-1, local)[..., 0], 0.0)
+    comm.all_reduce(chosen, tp)
+    k = min(k, vocab_size)
+    if k == 0:
+        return chosen - lse, logits.new_empty((*lse.shape, 0)), targets.new_empty((*lse.shape, 0))
+    v, i = logits.topk(min(k, n), dim=-1)
+    v, i = gathered(v.contiguous(), tp), gathered((i + start).contiguous(), tp)  # (tp, ..., k')
+    v, i = torch.movedim(v, 0, -2).flatten(-2), torch.movedim(i, 0, -2).flatten(-2)
+    top, at = v.topk(k, dim=-1)  # ties: the lower shard first (stable over the gathered order)
+    return chosen - lse, top - lse[..., None], i.gather(-1, at)

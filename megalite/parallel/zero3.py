@@ -153,7 +153,7 @@ class Zero3Buffer:
 
     def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
                  own_bucket=lambda name, p: False, fp8_gather: bool = False,
-                 replicate: Group | None = None):  # fmt: skip
+                 replicate: Group | None = None, bf16_grads: bool = False):  # fmt: skip
         if reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
         # FP8 weights get a bucket of their own per unit whether or not they travel in FP8: one
@@ -167,7 +167,7 @@ class Zero3Buffer:
         self.scale = 1.0 / (dp.size * self.replicate.size)  # the mean over every replica
         self.gather_group = dataclasses.replace(dp, kind=f"{dp.kind}_gather")
         self.reshard = reshard
-        self.grad_dtype = grad_dtype(self.param_dtype)
+        self.grad_dtype = grad_dtype(self.param_dtype, bf16_grads)  # (--grad-reduce-in-bf16)
         device = params[0][1].device
         layout = unit_layout(
             [[(n, p.numel(), own(n, p)) for n, p in c] for c in named], dp.size * ALIGN

@@ -7,12 +7,12 @@ precision, recompute, sequence and context parallelism, placement and ZeRO stage
 that config.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megalite import kernels
+from megalite import kernels, lr_schedule
 from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.kernels import fp8, fp8_linear
@@ -48,24 +48,42 @@ class RankParts:
     placement: object  # the schedule's (stage, chunk) placement of the virtual stages
 
     eval_actions: list  # the same schedule's forward-only actions (evaluation)
+    # (name, pp, vpp, pp rank) of the schedule, and the other micro-batch counts a batch
+    # ramp-up (--rampup-batch-size) runs it with
+    schedule_key: tuple = ()
+    ramp_counts: tuple = ()
+    _other_counts: dict = field(default_factory=dict)
+
+    def actions_for(self, count: int) -> list:
+        """This rank's actions of a step over `count` micro-batches (the shape's, or during a
+        batch ramp-up (--rampup-batch-size) a smaller count, built once each)."""
+        if count == self.microbatches:
+            return self.actions
+        if count not in self._other_counts:
+            if count not in self.ramp_counts:
+                raise MegaliteError(
+                    f"the step was given {count} micro-batches but its schedule was built for "
+                    f"{self.microbatches} (the run shape's global / (micro-batch size * dp))"
+                )
+            name, pp, vpp, rank = self.schedule_key
+            self._other_counts[count] = get_schedule(name, pp, vpp, count, rank)
+        return self._other_counts[count]
 
     def run(self, batch, forward_only: bool = False, **kw) -> PipelineResult:
         """The schedule over `batch` (this rank's micro-batches), gradients accumulated into
         the optimizer's buffers; `kw` goes to `run_schedule` (timeline, observe, ...). MoE
         auxiliary losses get the main loss's gradient, loss_scale / micro-batches. With
         `forward_only` (evaluation) the forward-only actions run: losses, no gradients."""
-        if len(batch) != self.microbatches:  # the actions were built for the shape's count
-            raise MegaliteError(
-                f"the step was given {len(batch)} micro-batches but its schedule was built for "
-                f"{self.microbatches} (the run shape's global / (micro-batch size * dp))"
-            )
         if forward_only:
+            if len(batch) != self.microbatches:  # (evaluation: the full global batch)
+                raise MegaliteError(f"evaluation was given {len(batch)} micro-batches, not "
+                                    f"{self.microbatches}")  # fmt: skip
             return run_schedule(self.eval_actions, self.chunks, self.groups, batch,
                                 hidden_shape=self.hidden_shape, dtype=self.dtype,
                                 forward_only=True, placement=self.placement, **kw)  # fmt: skip
         scale = self.opt.loss_scale
         with aux_loss_scale(scale / len(batch)):
-            result = run_schedule(self.actions, self.chunks, self.groups, batch,
+            result = run_schedule(self.actions_for(len(batch)), self.chunks, self.groups, batch,
                                   hidden_shape=self.hidden_shape, dtype=self.dtype,
                                   loss_scale=scale, placement=self.placement, **kw)  # fmt: skip
         end_fp8_step(self.chunks, self.groups)
@@ -154,6 +172,9 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
+    unit, seq = shape.micro_batch_size * shape.data, cfg.model.seq_length
+    ramp = tuple(size // unit for size in lr_schedule.batch_sizes(cfg.training, seq))
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
                      DTYPES[cfg.training.precision], groups, shape.placement,
-                     get_schedule(*order, forward_only=True))  # fmt: skip
+                     get_schedule(*order, forward_only=True),
+                     (shape.schedule, shape.pp, shape.vpp, groups.pp.rank), ramp)  # fmt: skip

@@ -298,6 +298,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(
         prog="megalite-diagnose-hang",
+        allow_abbrev=False,
         description="Name the rank a hung run waited on, from its hang-rank*.json reports.",
     )
     p.add_argument("dir", help="the directory holding hang-rank*.json")

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from megalite import lr_schedule
 from megalite.checkpoint.checkpointer import Checkpointer, TrainState, resume_path
 from megalite.config import Config
 from megalite.data.gpt_dataset import build_datasets
@@ -18,7 +19,6 @@ from megalite.data.sampler import BatchSampler, get_batch
 from megalite.errors import MegaliteError
 from megalite.model.moe import moe_metrics
 from megalite.optim.distributed_optimizer import StepReport
-from megalite.optim.lr_schedule import lr_at
 from megalite.parallel import comm
 from megalite.parallel.context_parallel import shard_batch
 from megalite.parallel.groups import ProcessGroups
@@ -39,6 +39,7 @@ from megalite.training.logger import Logger
 from megalite.training.manual_gc import ManualGC
 from megalite.training.preemption import Preemption
 from megalite.training.timeline import Timeline
+from megalite.training.torch_profile import TorchProfile
 
 
 class Trainer:
@@ -61,6 +62,10 @@ class Trainer:
         # --eval-only without a training split: nothing to sample
         self.sampler = self._sampler(self.data.train) if self.data.train is not None else None
         self.iteration = 0
+        # Megatron's schedule (lr_schedule.py): its position is the optimizer's
+        # `schedule_samples`; the steps of --train-iters, or counted from --train-samples
+        self.lr_schedule = lr_schedule.LRSchedule.from_config(cfg)
+        self.train_iters = lr_schedule.train_iters(t, cfg.model.seq_length)
         self.skipped_in_a_row = 0
         self.skipped_total = 0
         self.spikes_total = 0
@@ -70,10 +75,12 @@ class Trainer:
         self.stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
         self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
         self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
+        self._interval_samples = 0
         # the launch's, opened before the process groups (W&B then logs every line); else here
         self.logger = logger or Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
+        self.profile = TorchProfile.from_config(cfg, groups.rank, groups.device)  # --profile
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
@@ -108,6 +115,11 @@ class Trainer:
             if self.sampler is not None:
                 self.sampler.consumed_samples = state.consumed_samples
             self.skipped_total = state.skipped_steps
+            if state.iteration and not self.opt.schedule_samples:
+                # no schedule position came with the optimizer (a converted checkpoint, or
+                # --no-load-optim): the samples of the steps that updated, at the full batch
+                g = self.cfg.training.global_batch_size
+                self.opt.resume_schedule(state.consumed_samples - state.skipped_steps * g)
             if state.rng is not None:
                 set_rng_state(state.rng, self.chunks, self.groups.device)
             self.logger.resume(state.run_ids, state.iteration)  # the same W&B run, TB dir
@@ -137,20 +149,24 @@ class Trainer:
 
     def train_step(self, log: bool = True) -> dict | None:
         """One optimizer step (`step`) on the train split's next global batch."""
-        return self.step(self._microbatches(self.data.train, self.sampler.next_batch()), log)
+        seq, consumed = self.cfg.model.seq_length, self.sampler.consumed_samples
+        g = lr_schedule.batch_size(self.cfg.training, seq, consumed)  # (a batch-size ramp-up)
+        return self.step(self._microbatches(self.data.train, self.sampler.next_batch(g)), log)
 
     def step(self, batch, log: bool = True) -> dict | None:
         """One optimizer step on `batch`: this rank's micro-batches [(tokens, labels, ...)] on
-        its device. It reads the device once (the optimizer's status: norm, skip,
+        its device (fewer than the shape's count during a batch ramp-up). It reads the device once (the optimizer's status: norm, skip,
         preemption, time limit and, with the spike guard, the loss); a logging step (`log`)
         also reads the loss, the timings of the steps since the last logging step and the
         memory, and returns the metrics. With --spike-rerun a spiking step runs once more."""
         t = self.cfg.training
         self.groups.ledger.reset()
-        lr = lr_at(self.iteration, self.cfg.optimizer, t.train_iters)
+        rates = self.lr_schedule.rates(self.opt.schedule_samples)
+        samples = len(batch) * self.shape.micro_batch_size * self.shape.data  # the global batch
+        self._interval_samples += samples
         rerun = self.spikes.on and t.spike_rerun
         rng = rng_state(self.chunks, self.groups.device) if rerun else None
-        result, stats = self._run(batch, lr)
+        result, stats = self._run(batch, rates, samples)
         if stats.spike and rerun:  # the same batch from the same state: the same loss?
 
             def restore():
@@ -158,7 +174,8 @@ class Trainer:
                 self._interval.pop()
 
             result, stats = self.spikes.rerun(self.iteration + 1, restore,
-                                              lambda: self._run(batch, lr), self.logger.print)  # fmt: skip
+                                              lambda: self._run(batch, rates, samples),
+                                              self.logger.print)  # fmt: skip
         self.iteration += 1
         # the flags are summed over the world: every rank stops at the same step
         self.stop = self.preemption.reason(stats.flags, self.iteration)
@@ -166,9 +183,9 @@ class Trainer:
         self._count_skips(stats, result)
         if log:
             self.hang.at(self.iteration, "logging")
-        return self._metrics(result, stats, lr) if log else None
+        return self._metrics(result, stats, rates) if log else None
 
-    def _run(self, batch, lr: float) -> tuple[object, StepReport]:
+    def _run(self, batch, rates, samples: int) -> tuple[object, StepReport]:
         """The schedule over this rank's chunks, then the optimizer step (with its one read)."""
         it = self.iteration + 1
         for c in self.chunks:
@@ -189,12 +206,12 @@ class Trainer:
             def guard(summed):
                 return self.spikes.check(summed["loss"] / heads)
 
-        stats = self.opt.step(lr, flags=flags, guard=guard)
+        stats = self.opt.step(rates, flags=flags, guard=guard, samples=samples)
         if tl:
             tl.record("optimizer", t_opt, tl.clock.mark())
         return result, stats
 
-    def _metrics(self, result, stats: StepReport, lr: float) -> dict:
+    def _metrics(self, result, stats: StepReport, rates) -> dict:
         """What a logging step reports: the loss, and throughput and the pipeline bubble over
         the steps since the last logging step (`first_stage_times` reads their clock marks)."""
         t, shape = self.cfg.training, self.shape
@@ -204,8 +221,9 @@ class Trainer:
         health = self._stragglers(steps)
         now = time.perf_counter()  # after the reads above: the device has caught up
         step_s = (now - self._interval_start) / steps
+        samples, self._interval_samples = self._interval_samples, 0
         self._interval, self._interval_start = [], now
-        tokens_per_s = t.global_batch_size * shape.model.seq_length / step_s
+        tokens_per_s = samples / steps * shape.model.seq_length / step_s
         world = self.groups.topo.world_size
         pipelined = shape.pp > 1
         theory = 0.0
@@ -215,7 +233,7 @@ class Trainer:
             "iteration": self.iteration,
             "loss": loss,
             "grad_norm": stats.grad_norm,
-            "lr": lr,
+            "lr": rates.lr,
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_s,
             "consumed_samples": self.sampler.consumed_samples,
@@ -269,8 +287,10 @@ class Trainer:
         if not stats.skipped:
             self.skipped_in_a_row = 0
             return
-        self.skipped_in_a_row += 1
         self.skipped_total += 1
+        if stats.backing_off:  # fp16's loss scaler finding its scale: not counted as a failure
+            return
+        self.skipped_in_a_row += 1
         limit = self.cfg.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
             spike = (
@@ -310,14 +330,13 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
 
     def train(self):
-        t = self.cfg.training
         self.logger.print(
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
             f"{self.shape.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
         self.logger.begin(self.iteration)  # the ETA counts this run's steps
         with self.preemption.catching(), self.gc.running():
-            while self.iteration < t.train_iters:
+            while self.iteration < self.train_iters:
                 try:
                     if self._iterate():
                         break
@@ -335,11 +354,17 @@ class Trainer:
         """One iteration of the loop: step, evaluation, log, save. True: stop now."""
         t = self.cfg.training
         it = self.iteration + 1
-        evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == t.train_iters)
-        log = evaluate or it % t.log_interval == 0 or it == t.train_iters
+        evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == self.train_iters)
+        log = evaluate or it % t.log_interval == 0 or it == self.train_iters
         first = "first step" not in self.launch.seconds
         t0 = time.perf_counter()
+        if self.profile:
+            self.profile.before_step(it - 1)
         metrics = self.train_step(log)  # (returns after the step's read of the device)
+        if self.profile and self.profile.after_step(it):
+            print(
+                f"rank {self.groups.rank}: profile trace written to {self.profile.path}", flush=True
+            )
         if first:
             self.launch.add("first step", time.perf_counter() - t0)
         self.gc.after_step(it)
@@ -354,7 +379,7 @@ class Trainer:
             if not self.launch.reported:  # the metrics file's first line: every rank reduces
                 metrics["launch"] = self.launch.summary(self.groups.world)
                 self.logger.print(format_summary(metrics["launch"]))
-            self.logger.step(metrics, t.train_iters)
+            self.logger.step(metrics, self.train_iters)
         if self.timeline:
             self.timeline.step_done(it, self.groups, self._timeline_meta(), self.logger.wandb)
         self.hang.at(it, "checkpoint")

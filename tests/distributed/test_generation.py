@@ -23,7 +23,7 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config import ModelConfig
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
-from megalite.generation import generate
+from megalite.generation import generate, generate_scored
 from megalite.model.env import LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import build_groups, single_process_groups
@@ -62,6 +62,29 @@ def _run(chunks, groups, prompts=PROMPTS):
     return greedy, sampled, fed
 
 
+def _scored(chunks, groups, prompts=PROMPTS):
+    """Log-probabilities of the prompts (echo) and of 3 new tokens, with the top 3 (a dict:
+    what a spawned rank returns is loaded with weights_only)."""
+    return vars(generate_scored(chunks, groups, prompts, 3, logprobs=3, echo=True))
+
+
+def _same_scores(a, b, what):
+    """Equal tokens and top ids; log-probabilities within fp64 rounding."""
+
+    def ids(tops):
+        return [[[i for i, _ in t] for t in row] for row in tops]
+
+    def values(tops):
+        return [[v for _, v in t] for row in tops for t in row]
+
+    for key in ("top", "prompt_top"):
+        assert ids(a[key]) == ids(b[key]), (what, key)
+        torch.testing.assert_close(values(a[key]), values(b[key]), rtol=0, atol=1e-10)
+    assert a["tokens"] == b["tokens"], what
+    for key in ("logprobs", "prompt_logprobs"):
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-10, msg=f"{what} {key}")
+
+
 def _chunks(cfg, groups, pp, vpp, sp):
     return [
         GPTChunk(
@@ -82,6 +105,7 @@ def _layouts(rank, world, paths, cp_paths=()):
             out[(str(sizes), path)] = _run(chunks, groups, CP_PROMPTS)
             if (sizes, path) == (CP_LAYOUTS[0], cp_paths[0]):  # without the cache: rank alone
                 out["no cache"] = generate(chunks, groups, CP_PROMPTS, NEW, use_cache=False)
+                out["cp scored"] = vars(generate_scored(chunks, groups, CP_PROMPTS, 3, logprobs=3))
     for tp, pp, vpp in LAYOUTS:
         groups = build_groups(Topology(tp=tp, pp=pp, dp=world // (tp * pp)), torch.device("cpu"))
         for path in paths:
@@ -90,6 +114,7 @@ def _layouts(rank, world, paths, cp_paths=()):
             chunks = _chunks(cfg, groups, pp, vpp, sp=tp > 1)  # as the trainer builds them
             load_model(chunks, groups.tp, ckpt)
             out[(tp, pp, vpp, path)] = _run(chunks, groups)
+            out[(tp, pp, vpp, path, "scored")] = _scored(chunks, groups)
             # the trainer's chunks come back as they were: training mode, sequence parallel
             assert all(c.training and c.sp == (tp > 1) for c in chunks)
     groups = build_groups(Topology(tp=1, pp=2, dp=2), torch.device("cpu"))
@@ -128,11 +153,15 @@ def checkpoints(tmp_path_factory):
     return models[:2], paths[:2], models[2:], paths[2:]
 
 
-def _one_process(cfg, path=None, prompts=PROMPTS):
+def _one_chunk(cfg, path=None):
     chunk = GPTChunk(cfg, LayerEnv(dtype=torch.float64))
     if path:
         load_model([chunk], single_process_groups().tp, fmt.Checkpoint(path))
-    return _run([chunk], single_process_groups(), prompts)
+    return [chunk], single_process_groups()
+
+
+def _one_process(cfg, path=None, prompts=PROMPTS):
+    return _run(*_one_chunk(cfg, path), prompts)
 
 
 def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints):
@@ -144,6 +173,7 @@ def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
         greedy, sampled, _ = _one_process(cfg, path)
         assert greedy == [hf_greedy(m, p, NEW) for p in PROMPTS], path
+        scored = _scored(*_one_chunk(cfg, path))
         for tp, pp, vpp in LAYOUTS:
             for rank in range(4):
                 g, s, fed = results[rank][(tp, pp, vpp, path)]
@@ -151,6 +181,7 @@ def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints
                 assert s == sampled, (tp, pp, rank)
                 # each chunk saw the padded prompts once, then one token per step
                 assert fed == [[max(map(len, PROMPTS))] + [1] * (NEW - 1)], (tp, pp, rank)
+                _same_scores(results[rank][(tp, pp, vpp, path, "scored")], scored, (tp, pp, rank))
     greedy, sampled, _ = _one_process(DEEP)
     for rank in range(4):
         g, s, fed = results[rank]["deep"]
@@ -167,6 +198,9 @@ def test_every_layout_generates_what_one_process_and_transformers_do(checkpoints
                 assert fed == [[8] + [1] * (NEW - 1)], (sizes, path, rank)
         if path == cp_paths[0]:
             assert all(r["no cache"] == greedy for r in results)
+            one = vars(generate_scored(*_one_chunk(cfg, path), CP_PROMPTS, 3, logprobs=3))
+            for rank in range(4):  # new tokens' scores at cp2: from cp rank 0, as the tokens
+                _same_scores(results[rank]["cp scored"], one, ("cp", rank))
 
 
 def test_latent_attention_at_cp_is_refused_in_one_line():

@@ -9,6 +9,7 @@ each, --decoder-last-pipeline-num-layers 4), and saved as Megatron-LM saves it
 megatron`) with Megatron's logits (fp32, 1e-5), also under TransformerEngine's names. Exported
 back at the source layout, every rank file holds Megatron's own tensors and args; exported at
 another layout (both formats), megatron-core loads it on its own ranks with the same logits.
+Read directly (--load MEGATRON_DIR), each gives the import's tensors, bitwise.
 Bad input (args that contradict the tensors, a missing mp_rank directory) is one line and
 writes nothing. Training on from the import at another layout:
 tests/e2e/test_megatron_workflows.py.
@@ -94,6 +95,27 @@ def test_import_gives_megatrons_logits(source, form):
     ckpt = fmt.Checkpoint(root / f"ml-{form}")
     assert ckpt.model_config["vocab_size"] == arch.vocab  # the padding stripped
     assert ckpt.model_config["num_layers"] == arch.num_layers
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_load_reads_megatron_directly_as_the_import(source, form):
+    """--load MEGATRON_DIR (checkpoint/megatron_direct.py) reads what the import wrote: the
+    same model config, tensors (bitwise; any region of them) and, beyond a plain import, the
+    iteration and consumed samples; the optimizer state is not mapped (one note)."""
+    from megalite.checkpoint.megatron_direct import open_checkpoint
+
+    root = source[3]
+    direct, imported = open_checkpoint(root / form), fmt.Checkpoint(root / f"ml-{form}")
+    assert direct.model_config == imported.model_config
+    assert (direct.iteration, direct.index["consumed_samples"]) == (mf.ITERATION, mf.ITERATION * 8)
+    assert direct.index["optimizer"] is None
+    assert ("optimizer state is not mapped" in direct.load_note) == (form == "legacy")
+    assert sorted(direct.names()) == sorted(imported.names())
+    for name in imported.names():
+        assert direct.tensors[name] == {k: imported.tensors[name][k] for k in ("shape", "dtype")}
+        assert torch.equal(direct.read(name), imported.read(name)), name
+        half = [(0, (n + 1) // 2) for n in imported.shape(name)]
+        assert torch.equal(direct.read(name, half), imported.read(name, half)), name
 
 
 def test_transformer_engine_names_import_alike(source, tmp_path):

@@ -589,3 +589,21 @@ def test_keep_position_continues_megatrons_job(megatron, tmp_path):
         convert.main([str(tmp_path / "mt2"), str(tmp_path / "c"), "--to", "megalite",
                       "--keep-position"])  # fmt: skip
     assert not (tmp_path / "c").exists()
+
+
+def test_ckpt_format_refuses_what_megatron_cannot_hold_in_one_line():
+    """--ckpt-format torch_dist|torch checks at startup that every save can be Megatron's."""
+    from megalite.checkpoint.megatron_direct import check_exportable
+
+    model = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": VOCAB}
+    moe = from_dict({"model": {**model, "flavour": "llama", "num_experts": 4},
+                     "parallel": {"tp": 2, "etp": 1}, "checkpoint": {"ckpt_format": "torch"}})  # fmt: skip
+    with pytest.raises(MegaliteError, match="--expert-tensor-parallel-size") as e:
+        check_exportable(moe.model, moe)
+    assert "\n" not in str(e.value)
+    moe.checkpoint.ckpt_format = "torch_dist"  # layout-free: the experts are whole there
+    check_exportable(moe.model, moe)
+    nano = from_dict({"model": {**model, "flavour": "nanogpt"},
+                      "checkpoint": {"ckpt_format": "torch_dist"}})  # fmt: skip
+    with pytest.raises(MegaliteError, match="cannot be exported"):
+        check_exportable(nano.model, nano)

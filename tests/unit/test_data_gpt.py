@@ -22,6 +22,7 @@ from megalite.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from megalite.data.splits import parse_data_path, parse_split, split_sequences
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError
+from megalite.lr_schedule import train_iters
 
 
 def model_vocab(cfg, data) -> int:
@@ -247,7 +248,10 @@ def test_per_split_paths_flags_and_errors(prepared, tmp_path):
     )
     out = build_datasets(cfg)
     assert isinstance(out.train, BlendedDataset) and out.test is None
-    assert len(out.train) >= cfg.training.train_iters * cfg.training.global_batch_size
+    assert (
+        len(out.train)
+        >= train_iters(cfg.training, cfg.model.seq_length) * cfg.training.global_batch_size
+    )
     assert len(list((tmp_path / "idx").glob("gpt-train-*"))) == 2  # the cache was written
     # the valid split is all of b: its samples are b's own windows
     whole_b = GPTDataset(Sequences.of(IndexedDataset(b)), 0, len(IndexedDataset(b)), 16, 1234, 16)

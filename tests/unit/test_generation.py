@@ -22,7 +22,7 @@ from megalite.checkpoint.checkpointer import load_model
 from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer
 from megalite.errors import MegaliteError, run_main
-from megalite.generation import generate
+from megalite.generation import generate, generate_scored
 from megalite.model.env import LOCAL, LayerEnv
 from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
@@ -137,6 +137,36 @@ def test_stops_at_eos_a_stop_condition_and_the_context(pair):
         generate([chunk], GROUPS, [[7] * (SEQ + 1)], NEW)
 
 
+def _whole(chunk, ids):
+    """log_softmax of a whole-sequence forward (no cache): (len(ids), vocab)."""
+    with torch.no_grad():
+        return torch.log_softmax(chunk(torch.tensor([ids])), -1)[0]
+
+
+def test_scores_are_the_whole_forward_log_softmax(pair):
+    _, chunk, _ = pair
+    k = 3
+    r = generate_scored([chunk], GROUPS, PROMPTS, NEW, logprobs=k, echo=True)
+    assert r.tokens == generate([chunk], GROUPS, PROMPTS, NEW)
+    for p, new, lp, top, plp, ptop in zip(PROMPTS, r.tokens, r.logprobs, r.top,
+                                          r.prompt_logprobs, r.prompt_top):  # fmt: skip
+        ids = p + new
+        ref = _whole(chunk, ids)
+        want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert len(plp) == len(p) - 1 and len(lp) == len(new)
+        torch.testing.assert_close(plp + lp, want, rtol=0, atol=1e-10)
+        best = ref[:-1].topk(k, -1)
+        for (row_ids, row_lp), (i, v) in zip([zip(*t) for t in ptop + top],
+                                             zip(best.indices.tolist(), best.values.tolist())):  # fmt: skip
+            assert list(row_ids) == i
+            torch.testing.assert_close(list(row_lp), v, rtol=0, atol=1e-10)
+    # max_new_tokens 0 with echo: the prompts' scores alone (lm-eval's log-likelihood request)
+    only = generate_scored([chunk], GROUPS, PROMPTS, 0, logprobs=0, echo=True)
+    assert only.tokens == [[], [], []] and only.logprobs == [[], [], []]
+    assert only.prompt_logprobs == [[v for v in row] for row in r.prompt_logprobs]
+    assert only.prompt_top == [[[]] * (len(p) - 1) for p in PROMPTS]
+
+
 def test_sharded_sampling_helpers_pick_what_the_whole_vocabulary_does():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 97, generator=g, dtype=torch.float64)
@@ -231,7 +261,92 @@ def test_server_answers_and_shuts_down(pair, tokenizer):
         assert status == 200 and out["text"] == ["def f(x):" + want]
         status, out = call("PUT", "/api", {"prompts": ["a"], "top_k": "many"})
         assert status == 400 and "'top_k' must be int" in out["error"]
+        _openai_requests(call, model, chunk, url)
     finally:
         server.stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def _openai_requests(call, model, chunk, url):
+    """The OpenAI fields (tests/e2e/test_openai_api.py runs the clients): echo and logprobs
+    against generate_scored, stop strings streamed, token-id batches with n, errors' shape."""
+    tok = model.tok
+    ids = tok.encode("def f(x):")
+    ref = generate_scored([chunk], GROUPS, [ids], 5, logprobs=2, echo=True)
+    status, out = call("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 5,
+                                                   "temperature": 0, "logprobs": 2, "echo": True})  # fmt: skip
+    lp = out["choices"][0]["logprobs"]
+    assert status == 200 and out["model"] == "megalite"
+    assert lp["token_logprobs"] == [None, *ref.prompt_logprobs[0], *ref.logprobs[0]]
+    assert (
+        "".join(lp["tokens"])
+        == out["choices"][0]["text"]
+        == "def f(x):" + tok.decode(ref.tokens[0])
+    )
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids) + 5)]
+    top = lp["top_logprobs"][len(ids)]  # the first new token's: its 2 likeliest (one is it)
+    assert len(top) == 2 and max(top.values()) == lp["token_logprobs"][len(ids)]
+    # lm-eval's log-likelihood request: ids, max_tokens 0 with echo (or 1: one token more)
+    status, out = call("POST", "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 0,
+                                                   "logprobs": 1, "echo": True})  # fmt: skip
+    assert [c["logprobs"]["token_logprobs"] for c in out["choices"]] == [
+        [None, *ref.prompt_logprobs[0]], [None, *ref.prompt_logprobs[0][:2]]]  # fmt: skip
+    # n = 2 of two token-id prompts: choice i * n + j
+    status, out = call("POST", "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 3,
+                                                   "n": 2, "temperature": 0})  # fmt: skip
+    short = tok.decode(generate([chunk], GROUPS, [ids[:3]], 3)[0])
+    want = [tok.decode(ref.tokens[0][:3])] * 2 + [short] * 2
+    assert [c["text"] for c in out["choices"]] == want and out["usage"]["completion_tokens"] == 12
+    # a stop string: the text ends before it, streamed or not
+    text = tok.decode(ref.tokens[0])
+    stop = text[2:4]
+    body = {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0, "stop": [stop]}
+    status, out = call("POST", "/v1/completions", body)
+    assert out["choices"][0]["text"] == text[: text.index(stop)]
+    assert out["choices"][0]["finish_reason"] == "stop"
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(streamed).encode(),
+                                 method="POST")  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and r.headers["Content-Type"] == "text/event-stream"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    *chunks, last = chunks  # the usage chunk: no choices
+    assert last["choices"] == [] and last["usage"] == out["usage"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # errors: OpenAI's shape and status
+    status, out = call("POST", "/v1/completions", {"prompt": [tok.vocab_size + 3]})
+    assert status == 400 and out["error"]["param"] == "prompt"
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert "outside the vocabulary" in out["error"]["message"]
+    status, out = call("POST", "/v1/completions", {"prompt": "a", "presence_penalty": 0.5})
+    assert status == 400 and out["error"]["param"] == "presence_penalty"
+    status, out = call("POST", "/v1/nope", {})
+    assert status == 404 and out["error"]["code"] == "unknown_url"
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["megalite"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url + "/other", timeout=60)
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "unknown_url"
+
+
+def test_chat_template_is_found_rendered_and_its_special_tokens_encoded(tokenizer, tmp_path):
+    from megalite.cli.openai_api import ChatTemplate, encode_with_specials, find_chat_template
+
+    assert find_chat_template(None, [tmp_path]) is None
+    conf = {"chat_template": [{"name": "tool_use", "template": "x"},
+                              {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"}]}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    source = find_chat_template(None, [tmp_path / "none", tmp_path])
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert find_chat_template(None, [tmp_path]) == "{{ messages[0]['content'] }}!"  # .jinja first
+    assert find_chat_template(str(tmp_path / "tokenizer_config.json"), []) == source
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_chat_template(str(tmp_path / "missing.jinja"), [tmp_path])
+    tok = Tokenizer(tokenizer)
+    text = ChatTemplate(source, tok.special_tokens).render([{"role": "user", "content": "def"}])
+    assert text == "<s>def"
+    assert encode_with_specials(tok, text) == [tok.bos_id, *tok.encode("def")]
+    assert tok.encode(text) != encode_with_specials(tok, text)  # as plain text, <s> is 3 pieces

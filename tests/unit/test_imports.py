@@ -12,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [
     ["errors", "clock"],
     ["model_config"],
-    ["config"],
+    ["config", "megatron_flags"],
+    ["megatron_translate"],
     ["config_read"],
+    ["lr_schedule"],
     ["kernels"],
     ["parallel"],
     ["pipeline"],
