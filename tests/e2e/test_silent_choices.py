@@ -29,7 +29,8 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_s
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 5,
           "eos_token_id": 6}  # fmt: skip
 GENERATION = {"bos_token_id": 5, "eos_token_id": [6, 7], "temperature": 0.7}
-RUN = TINY[6:]  # the batch and schedule: the model is the checkpoint's (no model flag)
+# the batch and schedule: the model is the checkpoint's (no model flag); no warmup in 1-2 steps
+RUN = [*TINY[6:], "--lr-warmup-iters", "0"]
 assert RUN[0] == "--seq-length"
 
 
