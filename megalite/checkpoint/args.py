@@ -133,13 +133,11 @@ def with_checkpoint_tokenizer(cfg: Config, given: set, path) -> tuple[Config, st
     saves and exports would ship that demo tokenizer as the model's), and a given tokenizer
     larger than the checkpoint's vocabulary (naming where each size came from)."""
     from megalite.checkpoint import format as fmt
-    from megalite.checkpoint.format import Checkpoint
+    from megalite.checkpoint.megatron_direct import open_checkpoint
     from megalite.data.splits import split_blends
     from megalite.data.tokenizer import load_tokenizer
 
-    if not fmt.has_checkpoint(path):  # (another format: nothing of megalite's to take)
-        return cfg, None
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)  # megalite's own, or a Megatron checkpoint (no tokenizer)
     d, vocab = cfg.data, cfg.model.vocab_size
     saved = fmt.stored_tokenizer(ckpt.files)
     from_flag = "model.vocab_size" in given  # else the checkpoint's (with_checkpoint_model)

@@ -6,7 +6,8 @@ the model's context, token ids and generation config. A run continuing that chec
 --data-path and no --tokenizer-model uses the tokenizer the checkpoint carries (and says so);
 without --data-path it trains on the built-in corpus with that tokenizer, and says so. A
 vocabulary mismatch names where each size came from; a model whose vocabulary is not the demo
-tokenizer's, with no tokenizer of its own, is refused on the built-in corpus.
+tokenizer's, with no tokenizer of its own (an HF import without one, a Megatron checkpoint), is
+refused on the built-in corpus.
 """
 
 import json
@@ -106,8 +107,10 @@ def test_the_builtin_corpus_is_named_and_uses_the_models_tokenizer(continued, tm
 def test_a_model_of_another_vocabulary_is_refused_on_the_builtin_corpus(tmp_path):
     src = write_random_hf(tmp_path / "src", {**CONFIG, "vocab_size": 4096})
     convert(src, tmp_path / "ml", "--to", "megalite")
-    r = run([*RUN, "--load", tmp_path / "ml", "--train-iters", "1"], tmp_path)
-    assert r.returncode != 0
-    (line,) = r.stderr.strip().splitlines()
-    assert "vocabulary of 4096" in line and "holds no tokenizer" in line, line
-    assert "--data-path" in line and "--tokenizer-model" in line
+    convert(tmp_path / "ml", tmp_path / "mt", "--to", "megatron")  # --load reads it as it is
+    for ckpt in ("ml", "mt"):
+        r = run([*RUN, "--load", tmp_path / ckpt, "--train-iters", "1"], tmp_path)
+        assert r.returncode != 0
+        (line,) = r.stderr.strip().splitlines()
+        assert "vocabulary of 4096" in line and "holds no tokenizer" in line, line
+        assert "--data-path" in line and "--tokenizer-model" in line
