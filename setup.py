@@ -24,7 +24,9 @@ setup(
     entry_points={
         "console_scripts": [
             "megalite-train = megalite.cli.train:cli",
+            "megalite-run = megalite.cli.run:cli",
             "megalite-preprocess = megalite.cli.preprocess:cli",
+            "megalite-merge-datasets = megalite.cli.merge_datasets:cli",
             "megalite-convert = megalite.cli.convert:cli",
             "megalite-generate = megalite.cli.generate:cli",
             "megalite-plan = megalite.cli.plan:cli",
@@ -46,9 +48,9 @@ setup(
         "tqdm",
     ],
     # Optional, imported only when used (a clear error names the package when it is missing):
-    # Hugging Face tokenizers and Parquet inputs; TensorBoard event files.
+    # Hugging Face tokenizers, Parquet and .zst inputs; TensorBoard event files.
     extras_require={
-        "hf": ["tokenizers", "pyarrow", "regex"],
+        "hf": ["tokenizers", "pyarrow", "regex", "zstandard"],
         "tensorboard": ["tensorboard"],
         "test": [
             "pytest",
@@ -61,6 +63,7 @@ setup(
             "tokenizers",
             "pyarrow",
             "regex",
+            "zstandard",
             "tensorboard",
             "openai",  # the OpenAI client against megalite serve (tests/e2e/test_openai_api.py)
             "lm-eval[api,hf]",  # local-completions against the server, beside its hf backend

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: the machine line, TCP byte counters, the summary file.
+"""Helpers shared by the benchmarks: the machine line, the one timer (`timed`), the one reader
+of resident memory (`memory`, `measured_run`), TCP byte counters, the summary file.
 
 Every benchmark prints its own tables; with `--summary PATH` it also writes its headline
 figures as JSON (`write_summary`), which `bench/run_all.py` collects into one table.
@@ -7,8 +8,36 @@ figures as JSON (`write_summary`), which `bench/run_all.py` collects into one ta
 import json
 import os
 import platform
+import resource
 import socket
 import struct
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+def _installed_kernels_first():
+    """transformers (5.25+) imports the PyPI package `kernels`, which the repository's kernels/
+    folder (or a script's folder holding a kernels.py) shadows while it is on sys.path, as every
+    script here puts the root: import the installed one first, with no folder of the repository
+    on sys.path (tests/conftest.py does the same for the tests)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = sys.path[:]
+    sys.path[:] = [
+        p for p in saved if not (os.path.abspath(p or ".") + os.sep).startswith(root + os.sep)
+    ]
+    try:
+        import kernels  # noqa: F401
+    except ImportError:  # not installed: nothing is shadowed
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_installed_kernels_first()
 
 # struct tcp_info (linux/tcp.h): tcpi_bytes_received at byte 128, tcpi_bytes_sent at byte 200
 # (Linux >= 4.19). Both count TCP payload, headers excluded; bytes_sent includes retransmits.
@@ -35,6 +64,116 @@ def machine() -> str:
         load = "load average unknown"
     gpu = "no GPU" if not torch.cuda.is_available() else torch.cuda.get_device_name()
     return f"{cpu}, {os.cpu_count()} cores, {gpu}, {load}; torch {torch.__version__}"
+
+
+def sync(device=None):
+    """Wait until the device has run what was queued (CUDA); nothing on the CPU. (torch is
+    imported only when a device is named: a timed block must not pay for, or hold, its import.)"""
+    if device is None:
+        return
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    wall: float = 0.0  # seconds
+    cpu: float = 0.0  # this process's CPU seconds
+
+
+@contextmanager
+def timed(device=None, barrier=None):
+    """`with timed(device) as t: ...`, then `t.wall` and `t.cpu`: the block's wall seconds and
+    this process's CPU seconds (all threads, user and system). With a CUDA `device` its queue is
+    drained on entering and on leaving, so the time is the device's work too; `barrier` (e.g.
+    torch.distributed.barrier) is called before the clock starts, so that the ranks start
+    together."""
+    t = Timing()
+    if barrier is not None:
+        barrier()
+    sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield t
+    sync(device)
+    t.wall, t.cpu = time.perf_counter() - wall, time.process_time() - cpu
+
+
+def seconds(fn, device=None, barrier=None) -> float:
+    """The wall seconds of `fn()`, as `timed` measures them."""
+    with timed(device, barrier) as t:
+        fn()
+    return t.wall
+
+
+def memory(pid="self") -> dict[str, int]:
+    """The memory lines of /proc/PID/status in bytes: VmRSS (resident), VmHWM (its peak, see
+    `reset_peak`), RssAnon (the anonymous part: no mapped file's pages), ..."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if value.strip().endswith(" kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def reset_peak():
+    """Set this process's VmHWM to its current VmRSS: the peak from here on (Linux clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants now, from /proc's children lists."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def measured_run(cmd: list, cwd=None, env=None, every: float = 0.05) -> dict:
+    """Run `cmd`: its wall seconds, CPU seconds (the process tree's, reaped children included)
+    and the peaks of the tree's summed VmRSS and RssAnon (sampled every `every` seconds), as
+    {"wall_s", "cpu_s", "peak_rss", "peak_anon"}. A failed run: SystemExit with its stderr."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    peak, done = [0, 0], threading.Event()
+
+    def sample():
+        while not done.wait(every):
+            rss = anon = 0
+            for p in process_tree(proc.pid):
+                try:
+                    m = memory(p)
+                except (OSError, ValueError):
+                    continue
+                rss, anon = rss + m.get("VmRSS", 0), anon + m.get("RssAnon", 0)
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], anon)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    err = proc.stderr.read().decode(errors="replace")
+    proc.wait()
+    wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{err[-3000:]}")
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss": peak[0], "peak_anon": peak[1]}
 
 
 def tcp_bytes() -> tuple[int, int]:

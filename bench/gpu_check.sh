@@ -7,15 +7,15 @@
 #                a wheel is reachable
 #   kernels_bf16 pytest -m gpu tests/kernels: every Triton kernel compiled, in bf16 and at full
 #                size, against its plain-torch reference (forward and backward)
-#   kernels_large  bench/gpu_large_check.py kernels: the cross-entropy at 20,480 tokens x 128,256
+#   kernels_large  bench/gpu/gpu_large_check.py kernels: the cross-entropy at 20,480 tokens x 128,256
 #                (past 2^31 elements), attention at 8K tokens, RMSNorm at 32K x 8192, bf16,
 #                against fp32 references
 #   nccl_1rank   torchrun --nproc_per_node 1 pretrain_gpt.py: the trainer on CUDA through the
 #                real NCCL process group (TCP rendezvous, tp=pp=dp=1), --kernels triton, bf16
-#   multirank    bench/gpu_trainer_check.py multirank: tp2, pp2 and dp2 + ZeRO-1 with both ranks
+#   multirank    bench/gpu/gpu_trainer_check.py multirank: tp2, pp2 and dp2 + ZeRO-1 with both ranks
 #                on the one GPU (over gloo with CUDA tensors: NCCL refuses two ranks on one
 #                device), losses checked against a one-rank run
-#   syncs        bench/gpu_trainer_check.py syncs: host syncs per training step
+#   syncs        bench/gpu/gpu_trainer_check.py syncs: host syncs per training step
 #                (torch.cuda.set_sync_debug_mode) and the step time; fails above one
 #   mfu_torch, mfu_triton
 #                llama-1b shape, bf16, 10 steps: MFU and tokens/s, eager (--kernels torch) and
@@ -24,9 +24,9 @@
 #   mfu_compile  the same, eager kernels with --compile (compiled bf16 blocks)
 #   mfu_fp8      the same with the attention and MLP linears in FP8 (--fp8-format hybrid,
 #                tensorwise then delayed; docs/fp8.md): tokens/s and MFU (bf16 peak) beside mfu_triton
-#   memory       bench/gpu_large_check.py memory: the eager run's peak and state bytes against
+#   memory       bench/gpu/gpu_large_check.py memory: the eager run's peak and state bytes against
 #                the planner's estimate for the same flags
-#   kernels_table  bench/kernels.py: Triton vs eager / torch.compile / Liger, with what is left
+#   kernels_table  bench/gpu/kernels.py: Triton vs eager / torch.compile / Liger, with what is left
 #
 # Results in $OUT (default bench_out/): gpu_check.log (everything printed), multirank.json,
 # syncs.json, kernels.json, kernels_large.json, memory.json, nccl_1rank.jsonl, mfu_triton.jsonl,
@@ -108,7 +108,7 @@ run install 90 bash -c "$(declare -p PY pip_args); $(declare -f install); instal
 
 run kernels_bf16 100 $PY -m pytest -m gpu tests/kernels -q -p no:cacheprovider
 
-run kernels_large 60 $PY bench/gpu_large_check.py kernels --out "$OUT"
+run kernels_large 60 $PY bench/gpu/gpu_large_check.py kernels --out "$OUT"
 
 # A world of one through torchrun: NCCL with a TCP rendezvous, as on a cluster.
 rm -f "$OUT/nccl_1rank.jsonl"
@@ -119,7 +119,7 @@ if [ "${status[nccl_1rank]}" -eq 0 ]; then
     metrics "$OUT/nccl_1rank.jsonl" nccl_1rank 2>&1 | tee -a "$LOG" || status[nccl_1rank]=1
 fi
 
-run syncs 45 $PY bench/gpu_trainer_check.py syncs --device cuda --steps 5 --out "$OUT"
+run syncs 45 $PY bench/gpu/gpu_trainer_check.py syncs --device cuda --steps 5 --out "$OUT"
 
 # Model MFU: llama-1b shape, bf16, one GPU; the median of the last 6 of 10 logged steps (the
 # first ones include compilation and warm-up). Eager first: it also gives the timeline and the
@@ -136,7 +136,7 @@ for k in torch triton; do
         metrics "$OUT/mfu_$k.jsonl" "kernels=$k" 2>&1 | tee -a "$LOG" || status[mfu_$k]=1
     fi
     if [ "$k" = torch ]; then
-        run memory 20 $PY bench/gpu_large_check.py memory --metrics "$OUT/mfu_torch.jsonl" \
+        run memory 20 $PY bench/gpu/gpu_large_check.py memory --metrics "$OUT/mfu_torch.jsonl" \
             --out "$OUT" "${MFU_FLAGS[@]}" --kernels torch
     fi
 done
@@ -162,13 +162,13 @@ for r in tensorwise delayed; do
     fi
 done
 
-run multirank 80 $PY bench/gpu_trainer_check.py multirank --device cuda --steps 3 \
+run multirank 80 $PY bench/gpu/gpu_trainer_check.py multirank --device cuda --steps 3 \
     --timeout 40 --out "$OUT"
 
 # The kernel table last: it takes what is left of the budget (BENCH_ARGS narrows it, e.g.
 # BENCH_ARGS="--impls megalite eager").
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-run kernels_table 300 $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
+run kernels_table 300 $PY bench/gpu/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 
 say "== summary ($SECONDS s of a ${BUDGET_S} s budget)"
 failed=0

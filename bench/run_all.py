@@ -5,14 +5,15 @@
 Each script runs in its own process with the small shapes below (QUICK), so the whole set
 finishes in under 15 minutes on a 2-core CPU (12.6 min for 16 runs at load average 8-12 on the
 development machine, docs/benchmarks.md); each script keeps its full-size defaults for
-whoever has the time (`python bench/<name>.py`, the commands on the docs/bench_*.md pages).
+whoever has the time (`python bench/<subject>/<name>.py`, the commands in bench/README.md and
+on the docs/bench_*.md pages). Names are paths under bench/.
 The figures printed here come from those small shapes on whatever load the machine has: they
 show that every benchmark runs and roughly where it stands, not the documented figures.
 
 Not run here, because they need a GPU: bench/gpu_check.sh (its syntax is checked with bash -n)
-and bench/kernels.py (only its --dry-run, which lists the cases). bench/gpu_trainer_check.py,
-which gpu_check.sh runs on a GPU, runs here on CPU; bench/gpu_large_check.py kernels in its
---smoke mode (its memory check needs a run's metrics: tests/unit/test_gpu_check.py).
+and bench/gpu/kernels.py (only its --dry-run, which lists the cases).
+bench/gpu/gpu_trainer_check.py, which gpu_check.sh runs on a GPU, runs here on CPU;
+bench/gpu/gpu_large_check.py kernels in its --smoke mode (its memory check needs a run's metrics: tests/unit/test_gpu_check.py).
 
 Exits non-zero when any benchmark fails, times out, or a script in bench/ has no entry in
 QUICK (add one: a benchmark nobody runs rots).
@@ -32,11 +33,11 @@ ROOT = BENCH.parent
 
 # script -> (arguments for a small run, what the small run leaves out)
 QUICK = {
-    "bench_model.py": (
+    "model/bench_model.py": (
         ["--shapes", "tiny", "tiny-llama", "--rounds", "6", "--warmup", "1"],
         "the GPT-2-124M shape (about a minute per step per side)",
     ),
-    "bench_tp.py": (
+    "parallel/bench_tp.py": (
         [
             "--layers",
             "2",
@@ -61,7 +62,7 @@ QUICK = {
         ],
         "full shape: 8 layers, h 256, s 256, gbs 32",
     ),  # fmt: skip
-    "bench_dp.py": (
+    "parallel/bench_dp.py": (
         [
             "--layers",
             "2",
@@ -82,12 +83,12 @@ QUICK = {
         ],
         "full shape: 8 layers, h 256, s 256, gbs 32",
     ),  # fmt: skip
-    "zero3_timeline.py": (
+    "parallel/zero3_timeline.py": (
         "--layers 2 --hidden 128 --seq 64 --vocab 1024 --gbs 16 --mbs 2 --bucket-mb 0.25 "
         "--steps 1 --contention-iters 2".split(),
         "full shape: 8 layers, h 256, s 256, gbs 32",
     ),
-    "bench_deepspeed.py": (
+    "parallel/bench_deepspeed.py": (
         [
             "--layers",
             "2",
@@ -108,7 +109,7 @@ QUICK = {
         ],
         "full shape: 8 layers, h 256, s 256, gbs 32 (the first run also creates .venv-peers)",
     ),  # fmt: skip
-    "bench_pipeline.py": (
+    "pipeline/bench_pipeline.py": (
         [
             "--layers",
             "4",
@@ -127,12 +128,15 @@ QUICK = {
         ],
         "full shape: 8 layers, h 256, s 256, m 8 x 4",
     ),  # fmt: skip
-    "bench_checkpoint.py": (
+    "checkpoint/bench_checkpoint.py": (
         ["--layers", "2", "--hidden", "384"],
         "full size: GPT-2-124M (12 layers, h 768)",
     ),
-    "bench_save.py": (["--layers", "2", "--rounds", "3"], "full size: 6 layers, 4 rounds (1.7 GB)"),
-    "bench_convert.py": (
+    "checkpoint/bench_save.py": (
+        ["--layers", "2", "--rounds", "3"],
+        "full size: 6 layers, 4 rounds (1.7 GB)",
+    ),
+    "checkpoint/bench_convert.py": (
         [
             "--layers",
             "2",
@@ -149,7 +153,7 @@ QUICK = {
         ],
         "full size: Llama-3.2-3B's shape (6.4 GB; docs/benchmarks.md)",
     ),  # fmt: skip
-    "bench_generate.py": (
+    "model/bench_generate.py": (
         [
             "--layers",
             "2",
@@ -180,23 +184,23 @@ QUICK = {
         ],
         "full shape: 4 layers, h 256, contexts 64 and 512; --real-rounds 2",
     ),  # fmt: skip
-    "bench_muon.py": (
+    "parallel/bench_muon.py": (
         ["--layers", "1", "--hidden", "128", "--ffn", "512", "--steps", "2", "--repeats", "1"],
         "2 layers of 384, ffn 1536, 5 steps x 3 repeats",
     ),  # fmt: skip
-    "bench_compile.py": (
+    "model/bench_compile.py": (
         ["--layers", "2", "--hidden", "128", "--seq", "128", "--rounds", "3", "--warmup", "1"],
         "the shape 4 x 256, s 256, 8 rounds",
     ),  # fmt: skip
-    "bench_data.py": (
+    "data/bench_data.py": (
         ["--repeats", "1", "--corpus-mb", "16"],
         "5 interleaved rounds; a 1 GB corpus beside Megatron-LM's tool (--megatron-lm PATH)",
     ),
-    "bench_index.py": (
+    "data/bench_index.py": (
         ["--samples", "2000000", "--docs", "100000", "--rounds", "1"],
         "10^8 samples over 2M documents, 2 rounds (docs/benchmarks.md)",
     ),
-    "bench_async_save.py": (
+    "checkpoint/bench_async_save.py": (
         [
             "--layers",
             "1",
@@ -213,15 +217,15 @@ QUICK = {
         ],
         "full size: GPT-2-124M, 12 steps, ZeRO 0 and 1",
     ),  # fmt: skip
-    "bench_zero_bubble.py": (
+    "pipeline/bench_zero_bubble.py": (
         ["--rounds", "2"],
         "3 rounds (stages sleep instead of computing: cheap at any size)",
     ),
-    "bench_moe.py": (
+    "parallel/bench_moe.py": (
         ["--hidden", "128", "--ffn", "256", "--tokens", "512", "--rounds", "3"],
         "full shape: h 256, ffn 512, 2048 tokens, 7 rounds",
     ),
-    "bench_context_parallel.py": (
+    "parallel/bench_context_parallel.py": (
         [
             "--seq",
             "512",
@@ -240,7 +244,7 @@ QUICK = {
         ],
         "full shape: s 4096, 2 layers, h 256, cp 1, 2 and 4",
     ),  # fmt: skip
-    "bench_zero3.py": (
+    "parallel/bench_zero3.py": (
         [
             "--layers",
             "2",
@@ -259,11 +263,11 @@ QUICK = {
         ],
         "full shape: 8 layers, h 384, s 256, 2 repeats of 3 steps",
     ),  # fmt: skip
-    "bench_nanogpt.py": (
+    "model/bench_nanogpt.py": (
         ["--iters", "150", "--block", "25"],
         "the full 2000 iterations of nanoGPT's recipe (about 5 minutes)",
     ),
-    "profile_tp.py": (
+    "parallel/profile_tp.py": (
         [
             "--layers",
             "2",
@@ -286,7 +290,7 @@ QUICK = {
         ],
         "bench_tp.py's full shape, 2 profiled steps",
     ),  # fmt: skip
-    "profile_peers.py pp": (
+    "parallel/profile_peers.py pp": (
         [
             "pp",
             "--layers",
@@ -306,17 +310,17 @@ QUICK = {
         ],
         "bench_pipeline.py's full shape, 2 profiled steps",
     ),  # fmt: skip
-    "stress_exit.py": (["--runs", "1"], "50 runs per job"),
-    "gpu_trainer_check.py multirank": (
+    "parallel/stress_exit.py": (["--runs", "1"], "50 runs per job"),
+    "gpu/gpu_trainer_check.py multirank": (
         ["multirank", "--device", "cpu", "--timeout", "120"],
         "on CPU; the GPU run is gpu_check.sh's",
     ),
-    "gpu_trainer_check.py syncs": (
+    "gpu/gpu_trainer_check.py syncs": (
         ["syncs", "--device", "cpu", "--steps", "2"],
         "on CPU (counts reads of device values only); the GPU run is gpu_check.sh's",
     ),
-    "kernels.py": (["--dry-run"], "needs a GPU: only lists its cases"),
-    "gpu_large_check.py kernels": (
+    "gpu/kernels.py": (["--dry-run"], "needs a GPU: only lists its cases"),
+    "gpu/gpu_large_check.py kernels": (
         ["kernels", "--smoke", "--device", "cpu"],
         "tiny sizes on CPU, the references only; the GPU run is gpu_check.sh's",
     ),
@@ -326,23 +330,32 @@ QUICK = {
 # 20 minutes cold on 2 busy cores; its ptxas reports are cached after)
 TIMEOUTS = {"../tools/check_kernels.py": 3600}
 # scripts of bench/ that are not benchmarks
-HELPERS = {"run_all.py", "_common.py", "_tp_torch.py", "_load_at_size.py", "text_corpus.py"}
+HELPERS = {
+    "run_all.py",
+    "_common.py",
+    "parallel/_tp_torch.py",
+    "model/_load_at_size.py",
+    "data/text_corpus.py",
+}
 # scripts that take --summary PATH (their headline figures for the table)
-SUMMARY = {"bench_model.py", "bench_tp.py", "bench_dp.py", "bench_pipeline.py",
-           "bench_deepspeed.py", "bench_checkpoint.py", "bench_generate.py", "bench_data.py",
-           "bench_context_parallel.py", "bench_zero3.py", "bench_nanogpt.py", "bench_save.py",
-           "bench_index.py", "bench_convert.py"}  # fmt: skip
+SUMMARY = {"model/bench_model.py", "parallel/bench_tp.py", "parallel/bench_dp.py",
+           "pipeline/bench_pipeline.py", "parallel/bench_deepspeed.py",
+           "checkpoint/bench_checkpoint.py", "model/bench_generate.py", "data/bench_data.py",
+           "parallel/bench_context_parallel.py", "parallel/bench_zero3.py",
+           "model/bench_nanogpt.py", "checkpoint/bench_save.py", "data/bench_index.py",
+           "checkpoint/bench_convert.py"}  # fmt: skip
 
 
 def check_coverage() -> list[str]:
     """Scripts in bench/ that QUICK does not run."""
     covered = {name.split()[0] for name in QUICK} | HELPERS
-    return sorted(p.name for p in BENCH.glob("*.py") if p.name not in covered)
+    found = (p.relative_to(BENCH).as_posix() for p in BENCH.rglob("*.py"))
+    return sorted(name for name in found if name not in covered)
 
 
 def run_one(name: str, args: list[str], logs: Path, timeout: float) -> dict:
     script = name.split()[0]
-    summary = logs / f"{name.replace(' ', '_')}.summary.json"
+    summary = logs / f"{name.replace(' ', '_').replace('/', '_')}.summary.json"
     summary.unlink(missing_ok=True)
     cmd = [sys.executable, "-u", str(BENCH / script), *args]
     if script in SUMMARY:
@@ -350,7 +363,7 @@ def run_one(name: str, args: list[str], logs: Path, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            # gpu_trainer_check on CPU: stage p2p through host copies as on a GPU (tests it)
            "MEGALITE_CHECK_STAGE_P2P": "1", "OUT": str(logs)}  # fmt: skip
-    log = logs / f"{name.replace(' ', '_')}.log"
+    log = logs / f"{name.replace(' ', '_').replace('/', '_')}.log"
     t0 = time.perf_counter()
     with open(log, "w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
@@ -392,7 +405,7 @@ def main(argv=None):
         load = "unknown"
     print(f"bench/run_all.py: small settings on {os.cpu_count()} cores (load average {load}); "
           f"logs in {logs}", flush=True)  # fmt: skip
-    print("skipped: bench/gpu_check.sh (needs a GPU; run it on one); bench/kernels.py runs only "
+    print("skipped: bench/gpu_check.sh (needs a GPU; run it on one); bench/gpu/kernels.py runs only "
           "--dry-run (its timings need a GPU)", flush=True)  # fmt: skip
     gpu_sh = subprocess.run(
         ["bash", "-n", str(BENCH / "gpu_check.sh")], capture_output=True, text=True

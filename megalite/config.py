@@ -429,10 +429,30 @@ class CheckpointConfig:
         "checkpoints whatever this says",
         choices=("megalite", "torch_dist", "torch"),
     )
+    megatron_layernorm_1p: bool = opt(
+        False,
+        "Megatron's files of --ckpt-format saves hold each norm weight as its offset from 1, "
+        "as a Megatron run with --apply-layernorm-1p stores it (megalite keeps the weight)",
+    )
     use_checkpoint_args: bool = opt(
         False,
         "accepted for Megatron compatibility: the model architecture is always taken from the "
         "loaded checkpoint where no model flag gives it",
+    )
+    # node-local checkpoints replicated to peers (checkpoint/local_tier.py)
+    non_persistent_save_interval: int = opt(
+        0, "save node-locally every N steps, in the background (0: off)"
+    )
+    non_persistent_ckpt_type: str | None = opt(
+        None, "local: node-local checkpoints (the only kind)", choices=("local",)
+    )
+    non_persistent_local_ckpt_dir: str | None = opt(
+        None, "node-local directory of the local checkpoints (local disk or /dev/shm)"
+    )
+    replication: bool = opt(False, "copy each rank's local checkpoint to peers")
+    replication_factor: int = opt(2, "copies of each local shard, the rank's own included")
+    replication_jump: int = opt(
+        1, "ranks between a shard's copies (ranks per node: the copies on other nodes)"
     )
 
 

@@ -294,9 +294,12 @@ def problem(cfg: Config, data: int) -> str | None:
     s = LRSchedule.from_config(cfg)
     if s.decay <= 0:
         return "the learning-rate decay must be at least one step (--lr-decay-iters/-samples)"
-    if s.warmup >= s.decay:
+    # A decay set shorter than its warmup is Megatron's error; a short run of a preset whose
+    # warmup outlasts it (--train-iters 2) stays in warmup, as megalite always allowed.
+    decay_given = o.lr_decay_samples if by_samples else o.lr_decay_iters
+    if decay_given and s.warmup >= s.decay:
         return (f"the warmup ({s.warmup:g} samples) must be shorter than the learning-rate decay "
-                f"({s.decay} samples; --lr-decay-iters/-samples, default the whole run)")  # fmt: skip
+                f"({s.decay} samples, --lr-decay-iters/-samples)")  # fmt: skip
     if o.lr_decay_style == "WSD":
         if s.wsd_decay is None:
             return "--lr-decay-style WSD needs --lr-wsd-decay-iters (or -samples) for its annealing"

@@ -244,9 +244,12 @@ MEGATRON = {
         _rotary_scaling_factor, 1),
     "--mscale": meaning("--yarn-mscale", value_as("--yarn-mscale"), 1),
     "--mscale-all-dim": meaning("--yarn-mscale-all-dim", value_as("--yarn-mscale-all-dim"), 1),
-    "--apply-layernorm-1p": note(
+    "--apply-layernorm-1p": meaning(
         "megalite keeps each norm's weight itself (initialised to 1), not its offset from 1: "
-        "the same function and, with no weight decay on norms, the same updates (up to rounding)"),
+        "the same function and, with no weight decay on norms, the same updates (up to rounding); "
+        "--ckpt-format saves write the offset, as Megatron stores it (a Megatron checkpoint's "
+        "own args say how --load reads it)",
+        flags("--megatron-layernorm-1p")),
     "--moe-layer-freq": meaning(
         "an integer: the same; Megatron's list form [0]*3+[1]*58 becomes --moe-dense-layers",
         _moe_layer_freq, 1),

@@ -26,8 +26,10 @@ def flavour_arch(f) -> dict:
             "latent_attention": f.latent_attention, "attention_sinks": f.attention_sinks}  # fmt: skip
 
 
-def resolve_flavour(asked: dict) -> str:
-    """The first flavour whose features are Megatron's defaults updated by `asked`."""
+def resolve_flavour(asked: dict, who: str = "Megatron's architecture flags ask for") -> str:
+    """The first flavour whose features are Megatron's defaults updated by `asked` (a command
+    line's architecture flags, or a Megatron checkpoint's args: checkpoint/megatron_args.py);
+    none: one line naming the nearest and how it differs."""
     want = {**MEGATRON_ARCH, **asked}
     if want["qkv_bias"] is None:  # Megatron's --add-qkv-bias defaults to --add-bias-linear
         want["qkv_bias"] = want["linear_bias"]
@@ -38,7 +40,7 @@ def resolve_flavour(asked: dict) -> str:
     name, row = min(rows.items(), key=lambda kv: sum(kv[1][k] != want[k] for k in want))
     diff = ", ".join(f"{k}={want[k]} ({name}: {row[k]})" for k in want if row[k] != want[k])
     raise MegaliteError(
-        f"Megatron's architecture flags ask for a model no megalite flavour is: nearest is "
+        f"{who} a model no megalite flavour is: nearest is "
         f"--flavour {name}, which differs in {diff}"
     )
 

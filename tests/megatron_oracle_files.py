@@ -6,7 +6,7 @@ them, for the megatron-core models of tests/megatron_oracle.py (test-only; see t
   'iteration', 'model' or 'model0'.., 'optimizer', 'opt_param_scheduler', 'rng_state',
   'num_floating_point_operations_so_far'}`, then `latest_checkpointed_iteration.txt`;
 - `save_torch_dist`: the same dict with each model's `sharded_state_dict()` and the rng state as
-  a `ShardedObject`, through `dist_checkpointing.save` (no optimizer, as --no-save-optim);
+  a `ShardedObject`, through `dist_checkpointing.save` (the scheduler state, no optimizer);
 - `load_legacy` / `load_torch_dist`: back into models as Megatron-LM loads them;
 - `as_transformer_engine`: a legacy checkpoint under the names a `--transformer-impl
   transformer_engine` run saves (TransformerEngine does not run on a CPU; its spec holds the
@@ -33,6 +33,7 @@ import torch.distributed as dist
 ITERATION = 7
 MAKE_VOCAB_DIVISIBLE_BY = 128
 TRACKER = "latest_checkpointed_iteration.txt"
+SCHEDULE_SAMPLES = (ITERATION - 1) * 8  # the scheduler's num_steps (both formats)
 
 
 def megatron_args(arch, layout, ckpt_format: str, config) -> argparse.Namespace:
@@ -75,7 +76,7 @@ def megatron_args(arch, layout, ckpt_format: str, config) -> argparse.Namespace:
         world_size=layout.world, rank=dist.get_rank(), transformer_impl="local",
         spec=None, fp16=False, bf16=False, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch", use_distributed_optimizer=False,
-        no_save_optim=ckpt_format != "torch", no_save_rng=False, micro_batch_size=1,
+        no_save_optim=False, no_save_rng=False, micro_batch_size=1,
         global_batch_size=8, train_iters=10, lr=3e-4, min_lr=3e-5, seed=1234,
         init_method_std=0.02, iteration=ITERATION, consumed_train_samples=ITERATION * 8,
         consumed_valid_samples=0, save=None, load=None,
@@ -101,10 +102,16 @@ def _optimizer_state(models: list) -> tuple[dict, dict]:
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()  # its state exists; zero grads (and no decay) leave the weights as they were
-    sched = {"max_lr": 3e-4, "lr_warmup_steps": 0, "num_steps": ITERATION * 8,
-             "lr_decay_style": "cosine", "lr_decay_steps": 80, "min_lr": 3e-5,
-             "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 80}  # fmt: skip
-    return opt.state_dict(), sched
+    return opt.state_dict(), _scheduler_state()
+
+
+def _scheduler_state() -> dict:
+    """OptimizerParamScheduler.state_dict() at the save. num_steps counts the samples of the
+    successful steps: one of the 7 was skipped (an fp16 overflow), so the schedule stands one
+    batch behind consumed_train_samples."""
+    return {"max_lr": 3e-4, "lr_warmup_steps": 0, "num_steps": SCHEDULE_SAMPLES,
+            "lr_decay_style": "cosine", "lr_decay_steps": 80, "min_lr": 3e-5,
+            "start_wd": 0.01, "end_wd": 0.01, "wd_incr_style": "constant", "wd_incr_steps": 80}  # fmt: skip
 
 
 def rank_dir(layout, tp: int, pp: int, ep: int = 0) -> str:
@@ -179,6 +186,9 @@ def save_torch_dist(models: list, arch, layout, root: Path):
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
     )  # fmt: skip
     state["num_floating_point_operations_so_far"] = 0.0
+    # (a common item: Megatron-LM saves it unless --no-save-optim, with or without the
+    # optimizer's sharded state -- this one has none)
+    state["opt_param_scheduler"] = _scheduler_state()
     md = {k: v for k, v in _sharded_metadata(ps).items() if k != "dp_cp_group"}
     dist_checkpointing.save(
         state, str(d), content_metadata=md, preprocess_common_before_consistancy_check=_without_rank

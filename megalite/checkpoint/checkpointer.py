@@ -75,6 +75,7 @@ class TrainState:
     skipped_steps: int = 0
     rng: dict | None = None  # this rank's generator states (None: re-seed, another layout)
     run_ids: dict | None = None  # the W&B run and TensorBoard dir a resumed job continues
+    schedule_samples: int | None = None  # a Megatron checkpoint's LR/WD schedule position
 
 
 def resume_path(cfg) -> str | None:
@@ -141,11 +142,13 @@ class Checkpointer:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def load(self, path) -> TrainState:
+    def load(self, path, own: bool | None = None) -> TrainState:
         """Load a checkpoint into the chunks and optimizer; --finetune (weights only, from
-        iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own."""
+        iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own
+        (or `own`: the run's local checkpoint, local_restore.py)."""
         g, tp, c = self.groups, self.groups.tp, self.cfg.checkpoint
-        own = _own(self.cfg, path)  # a restart resuming its own --save continues in full
+        # a restart resuming its own --save (or local checkpoint) continues in full
+        own = own or _own(self.cfg, path)
         finetune = c.finetune and not own
         start = time.perf_counter()
         with agreed_errors(g.world):
@@ -168,6 +171,8 @@ class Checkpointer:
         state = TrainState(ckpt.iteration, int(idx.get("consumed_samples", 0)),
                            int(idx.get("skipped_steps", 0)), rng and decode_rng(rng),
                            idx.get("run_ids"))  # fmt: skip
+        if idx.get("schedule_samples") is not None and not fresh:  # (as Megatron: with the optim)
+            state.schedule_samples = int(idx["schedule_samples"])
         if finetune:  # weights only: a new run that starts from them
             state = TrainState()
         if c.save and Path(c.save).resolve() == ckpt.dir.parent.resolve() and not finetune:

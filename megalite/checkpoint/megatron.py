@@ -36,7 +36,8 @@ Supported (everything else in the args is refused with one line, never dropped):
 - MoE (SequentialMLP local experts, TE/grouped experts by `megatron_files`): top-k softmax
   router (renormalised over the top k, or --moe-router-pre-softmax), optional shared expert,
   dropless (a capacity factor is refused);
-- kv_channels must be hidden/heads; no qk-layernorm, zero-centred gamma, MLA, MTP, post-LN;
+- kv_channels must be hidden/heads; no qk-layernorm, MLA, MTP, post-LN;
+- zero-centred gamma (--apply-layernorm-1p): the norm weights read plus 1 (`shift_norms`);
 - weights only: optimizer and RNG state are not converted (the tool says so).
 """
 
@@ -230,15 +231,6 @@ def _whole(state, name):
     return state[name]
 
 
-def from_megatron(state: dict, cfg: ModelConfig, where: str = "the Megatron checkpoint") -> dict:
-    """A Megatron state (global tensors, local names) -> megalite's logical tensors, the
-    vocabulary padding stripped (what megalite's format stores)."""
-    if not isinstance(state, State):
-        state = State({k: partial(_whole, state, k) for k in state},
-                      {k: tuple(v.shape) for k, v in state.items()})  # fmt: skip
-    return dict(from_megatron_lazy(state, cfg, where).items())
-
-
 def from_megatron_lazy(state: State, cfg: ModelConfig, where: str) -> State:
     """{megalite name: a function that computes it from `state`} (reading only the Megatron
     tensors it needs): a conversion computes, writes and frees one tensor at a time. Where the
@@ -285,6 +277,23 @@ def _from_megatron(state: State, cfg: ModelConfig) -> dict:
         if name in out:
             out[name] = partial(_rows, out[name], cfg.vocab_size)
     return out
+
+
+# the weights of the norms Megatron's --apply-layernorm-1p (layernorm_zero_centered_gamma) stores
+# as their offset from 1 (its norms compute with weight + 1), by megalite's names
+NORM_WEIGHTS = ("input_norm.weight", "post_attention_norm.weight", "final_norm.weight")
+
+
+def shift_norms(logical: State, delta: float) -> State:
+    """megalite's logical tensors with every norm weight plus `delta`: +1 reads a checkpoint
+    saved with --apply-layernorm-1p (megalite keeps the weight itself), -1 writes one."""
+    out = {k: partial(_plus, f, delta) if k.endswith(NORM_WEIGHTS) else f
+           for k, f in dict.items(logical)}  # fmt: skip
+    return State(out, logical.shapes, logical.dtypes)
+
+
+def _plus(f, delta: float) -> torch.Tensor:
+    return f() + delta
 
 
 def _rows(f, n: int) -> torch.Tensor:

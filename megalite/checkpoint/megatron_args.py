@@ -15,7 +15,8 @@ from dataclasses import fields
 import torch
 
 from megalite.errors import MegaliteError
-from megalite.model_config import FLAVOURS, ModelConfig, ModelFeatures
+from megalite.megatron_translate import resolve_flavour
+from megalite.model_config import ModelConfig, ModelFeatures
 
 
 def _get(args: dict, name: str, default=None):
@@ -38,9 +39,6 @@ _UNSUPPORTED = (
     ("use_rope_scaling", lambda a: _get(a, "use_rope_scaling", False)
      and _get(a, "rotary_seq_len_interpolation_factor", 1) not in (1, 1.0),
      "both llama3 RoPE scaling and RoPE interpolation"),
-    ("apply_layernorm_1p", lambda a: _get(a, "apply_layernorm_1p", False), "zero-centred gamma"),
-    ("layernorm_zero_centered_gamma",
-     lambda a: _get(a, "layernorm_zero_centered_gamma", False), "zero-centred gamma"),
     ("qk_layernorm", lambda a: _get(a, "qk_layernorm", False), "qk layernorm"),
     ("apply_residual_connection_post_layernorm",
      lambda a: _get(a, "apply_residual_connection_post_layernorm", False), "post-LN residuals"),
@@ -77,6 +75,15 @@ _UNSUPPORTED = (
 )  # fmt: skip
 
 
+def zero_centred_gamma(args) -> bool:
+    """Whether the checkpoint's norm weights are stored as their offset from 1
+    (--apply-layernorm-1p: megatron-core's layernorm_zero_centered_gamma)."""
+    a = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+    return bool(_get(a, "apply_layernorm_1p", False)) or bool(
+        _get(a, "layernorm_zero_centered_gamma", False)
+    )
+
+
 def _features(args: dict) -> ModelFeatures:
     norm = _get(args, "normalization", "LayerNorm")
     position = _get(args, "position_embedding_type", "learned_absolute")
@@ -97,21 +104,13 @@ def _features(args: dict) -> ModelFeatures:
 
 
 def _flavour(features: ModelFeatures) -> str:
-    """The megalite flavour with these features (tying and the HF layout aside)."""
-    # Megatron's LayerNorm always has a bias, its GELU is tanh here (exact is refused above)
-    keys = ("norm", "position", "gated_mlp", "qkv_bias", "linear_bias", "norm_bias", "gelu")
-    mine = {k: getattr(features, k) for k in keys}
-    # what megalite's Megatron converter never maps: a row with any of it is not this model
-    mine.update(dict.fromkeys(("qk_norm", "latent_attention", "attention_sinks",
-                               "clamped_swiglu", "moe_bias"), False))  # fmt: skip
-    keys = tuple(mine)
-    for name, row in FLAVOURS.items():
-        if mine == {k: getattr(row, k) for k in keys}:
-            return name
-    what = ", ".join(f"{k}={v}" for k, v in mine.items())
-    raise MegaliteError(
-        f"a Megatron model with {what} has no megalite flavour (megalite.model_config.FLAVOURS)"
-    )
+    """The megalite flavour of the checkpoint's architecture args: the one the same Megatron
+    flags pick on a command line (megatron_translate.resolve_flavour). Megatron's LayerNorm
+    always has a bias; its GELU is tanh here (exact is refused above)."""
+    mlp = "swiglu" if features.gated_mlp else "gelu"
+    asked = {"norm": features.norm, "position": features.position, "mlp": mlp,
+             "linear_bias": features.linear_bias, "qkv_bias": features.qkv_bias}  # fmt: skip
+    return resolve_flavour(asked, "the Megatron checkpoint's args describe")
 
 
 def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:

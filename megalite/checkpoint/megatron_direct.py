@@ -10,8 +10,9 @@ directory (legacy mp_rank_* files or torch_dist, any tp/pp/vpp/ep and uneven sta
 reads it (`megatron.from_megatron_lazy`: the tp shards merged, qkv split, the vocabulary padding
 stripped) -- exactly what `megalite-convert --from megatron --keep-position` would have written.
 The optimizer state is not mapped (Megatron's param groups are not megalite's): the run starts
-a fresh optimizer and says so in its load line, as with --no-load-optim. RNG states re-seed
-(another layout's streams).
+a fresh optimizer and says so in its load line, as with --no-load-optim; the LR/WD schedule
+continues at the position Megatron's scheduler saved (`schedule_samples`). RNG states re-seed
+(another layout's streams). Norm weights saved with --apply-layernorm-1p are read plus 1.
 
 Saving: `export_megatron` writes a megalite checkpoint as Megatron's torch_dist (or legacy) --
 megalite-convert --to megatron runs it too. With `--ckpt-format torch_dist` each save
@@ -19,7 +20,8 @@ megalite-convert --to megatron runs it too. With `--ckpt-format torch_dist` each
 same iter_NNNNNNN directory as megalite's (no name is shared) before it is renamed into place,
 and `latest_checkpointed_iteration.txt` beside megalite's `latest`, so Megatron-LM `--load`s the
 same --save directory (with --no-load-optim --no-load-rng: weights, iteration and consumed
-samples only) and megalite keeps resuming exactly from its own files.
+samples only; the scheduler state written beside them is read by Megatron-LM only with
+optimizer state) and megalite keeps resuming exactly from its own files.
 """
 
 import shutil
@@ -33,6 +35,7 @@ from megalite.checkpoint import megatron as mg
 from megalite.config import Config
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
+from megalite.lr_schedule import LRSchedule
 
 TRACKER = megatron_files.LATEST  # latest_checkpointed_iteration.txt
 
@@ -52,6 +55,24 @@ def resolve(path) -> Path:
 def open_checkpoint(path):
     """A checkpoint opened for reading: megalite's own or Megatron's."""
     return MegatronCheckpoint(path) if is_megatron_dir(path) else fmt.Checkpoint(path)
+
+
+def schedule_position(facts: dict) -> int | None:
+    """Where Megatron's LR/WD scheduler stood (its num_steps: the samples of the successful
+    steps, megalite's `schedule_samples`), or None when the checkpoint holds no scheduler."""
+    sched = facts.get("scheduler")
+    return None if sched is None else int(sched.get("num_steps", sched.get("num_iters", 0)))
+
+
+def scheduler_state(cfg: Config, position: int) -> dict:
+    """Megatron's `opt_param_scheduler` (OptimizerParamScheduler.state_dict()) of a run with
+    `cfg`'s schedule at `position`: a Megatron run with the same flags loads it (its values
+    checked equal to its own) and continues at the same learning rate and weight decay."""
+    s = LRSchedule.from_config(cfg)
+    return {"max_lr": s.lr, "lr_warmup_steps": s.warmup, "num_steps": int(position),
+            "lr_decay_style": s.style, "lr_decay_steps": s.decay, "min_lr": s.min_lr,
+            "start_wd": s.start_wd, "end_wd": s.end_wd, "wd_incr_style": s.wd_style,
+            "wd_incr_steps": s.wd_incr}  # fmt: skip
 
 
 def saved_config(model) -> dict:
@@ -76,6 +97,8 @@ class MegatronCheckpoint:
         self.dir = megatron_files.iteration_dir(src)
         model = megatron_args.config_from_args(margs)
         self._lazy = mg.from_megatron_lazy(state, model, f"the Megatron checkpoint {src}")
+        if megatron_args.zero_centred_gamma(margs):  # --apply-layernorm-1p: weight - 1 stored
+            self._lazy = mg.shift_norms(self._lazy, 1.0)
         self.tensors = {
             n: {"shape": list(s), "dtype": fmt.dtype_name(self._lazy.dtypes[n])}
             for n, s in self._lazy.shapes.items()
@@ -86,6 +109,7 @@ class MegatronCheckpoint:
             "iteration": int(it) if str(it).isdigit() else 0,  # ("release": 0)
             "consumed_samples": int(margs.get("consumed_train_samples") or 0),
             "skipped_steps": 0,
+            "schedule_samples": schedule_position(facts),  # Megatron's LR/WD schedule position
             "optimizer": None,  # not mapped: the loading run starts a fresh optimizer
             "layout": None,  # another layout: RNG streams re-seed
             "rng": None,
@@ -139,11 +163,12 @@ class MegatronCheckpoint:
 
 def export_megatron(ckpt: fmt.Checkpoint, dst: Path, form: str = "torch_dist", tp: int = 1,
                     pp: int = 1, vpp: int = 1, ep: int = 1, transformer_impl: str = "local",
-                    stages: dict | None = None):  # fmt: skip
+                    stages: dict | None = None, layernorm_1p: bool = False):  # fmt: skip
     """Write megalite checkpoint `ckpt` as a Megatron checkpoint DST/iter_N (+ the tracker):
     torch_dist (layout-free; the vocabulary padded for `tp`) or legacy at tp/pp/vpp/ep
-    (`stages`: uneven pipeline stages by Megatron's args names). Weights, iteration and
-    consumed samples; no optimizer or RNG state."""
+    (`stages`: uneven pipeline stages by Megatron's args names). Weights, iteration, consumed
+    samples and the LR scheduler's position; no optimizer or RNG state. `layernorm_1p`: for a
+    Megatron run with --apply-layernorm-1p (norm weights stored as their offset from 1)."""
     cfg = from_dict({"model": ckpt.model_config}).model
     legacy = form == "legacy"
     dtype = getattr(torch, ckpt.tensors[ckpt.names()[0]]["dtype"])
@@ -160,12 +185,26 @@ def export_megatron(ckpt: fmt.Checkpoint, dst: Path, form: str = "torch_dist", t
     if hub := hf.hub_fields(ckpt):
         margs["huggingface"] = hub
     # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
-    state = mg.to_megatron_lazy(ckpt.lazy(), cfg, megatron_args.padded_vocab_size(cfg, tp))
+    logical = ckpt.lazy()
+    if layernorm_1p:
+        margs.update(apply_layernorm_1p=True, layernorm_zero_centered_gamma=True)
+        logical = mg.shift_norms(logical, -1.0)
+    state = mg.to_megatron_lazy(logical, cfg, megatron_args.padded_vocab_size(cfg, tp))
+    extra = _schedule_extra(ckpt)  # the LR scheduler's state (Megatron's opt_param_scheduler)
     if legacy:
         megatron_files.write_legacy(dst, state, margs, *layout, iteration=ckpt.iteration,
-                                    transformer_impl=transformer_impl)  # fmt: skip
+                                    transformer_impl=transformer_impl, extra=extra)  # fmt: skip
     else:
-        megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration, transformer_impl)
+        megatron_dist.write_torch_dist(dst, state, margs, ckpt.iteration, transformer_impl, extra)
+
+
+def _schedule_extra(ckpt) -> dict:
+    """`opt_param_scheduler` for a checkpoint a training run saved (its optimizer's schedule
+    position, its config's schedule); nothing for one without optimizer state (converted)."""
+    position = (ckpt.index.get("optimizer") or {}).get("schedule_samples")
+    if position is None:
+        return {}
+    return {"opt_param_scheduler": scheduler_state(from_dict(ckpt.index["config"]), position)}
 
 
 FORMATS = {"torch_dist": "torch_dist", "torch": "legacy"}  # --ckpt-format -> export's form
@@ -206,7 +245,8 @@ def write_beside(directory: Path, cfg):
     shutil.rmtree(stage, ignore_errors=True)
     try:
         ckpt = fmt.Checkpoint(directory)
-        export_megatron(ckpt, stage, form, **megatron_layout(cfg, form))
+        export_megatron(ckpt, stage, form, **megatron_layout(cfg, form),
+                        layernorm_1p=cfg.checkpoint.megatron_layernorm_1p)  # fmt: skip
         ckpt.close()
         written = stage / fmt.iter_dirname(ckpt.iteration)
         for f in written.iterdir():

@@ -109,7 +109,8 @@ def read_torch_dist(d: Path) -> tuple[dict, dict, dict]:
               for n, p in parts.items()}  # fmt: skip
     dtypes = {n: p[0][3] for n, p in parts.items()}
     facts = {"iteration": common.get("iteration", 0), "format": "torch_dist",
-             "optimizer": optimizer, "layout": None}  # fmt: skip
+             "optimizer": optimizer, "layout": None,
+             "scheduler": mf.scheduler_state(common)}  # fmt: skip
     return args, mg.State(thunks, shapes, dtypes), facts
 
 
@@ -254,7 +255,7 @@ def _stack_key(name: str, stacked: bool) -> tuple[str, int | None, int | None]:
 
 
 def write_torch_dist(dst: Path, state: dict, args: dict, iteration: int = 0,
-                     transformer_impl: str = "local"):  # fmt: skip
+                     transformer_impl: str = "local", extra: dict | None = None):  # fmt: skip
     """Write a Megatron state (tensors, or a `megatron.State` that computes each when read) as
     a torch_dist checkpoint (DST/iter_N + LATEST), with the keys a GPTModel of Megatron's
     `transformer_impl` layer spec loads. A stacked tensor is written one layer at a time (a
@@ -288,7 +289,7 @@ def write_torch_dist(dst: Path, state: dict, args: dict, iteration: int = 0,
              no_dist=True)  # fmt: skip
     ns = argparse.Namespace(**args)
     mf.write_common(d, {"args": ns, "checkpoint_version": mg.CHECKPOINT_VERSION,
-                        "iteration": iteration})  # fmt: skip
+                        "iteration": iteration, **(extra or {})})  # fmt: skip
     mf.write_metadata_json(d)
     (dst / mf.LATEST).write_text(str(iteration))
 

@@ -334,8 +334,15 @@ def read_legacy(d: Path) -> tuple[dict, dict, dict]:
         shapes[k], dtypes[k] = merged_shape(k, parts, gated), parts[0].dtype
     state = mg.State(thunks, shapes, dtypes)
     facts = {"iteration": first.get("iteration", 0), "format": "legacy", "optimizer": optimizer,
-             "layout": (tp, pp, vpp, ep)}  # fmt: skip
+             "layout": (tp, pp, vpp, ep), "scheduler": scheduler_state(first)}  # fmt: skip
     return args, state, facts
+
+
+def scheduler_state(obj: dict) -> dict | None:
+    """The LR/WD scheduler state (OptimizerParamScheduler.state_dict(): num_steps = the samples
+    of its successful steps) a legacy rank file or torch_dist's common.pt holds, or None."""
+    sched = obj.get("opt_param_scheduler", obj.get("lr_scheduler"))  # (its older name)
+    return sched if isinstance(sched, dict) else None
 
 
 # ---- legacy: write ----------------------------------------------------------------------------
@@ -348,7 +355,7 @@ def _extra_states(chunk: dict) -> dict:
 
 
 def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int, ep: int = 1,
-                 iteration: int = 0, transformer_impl="local"):  # fmt: skip
+                 iteration: int = 0, transformer_impl="local", extra: dict | None = None):  # fmt: skip
     """Write a Megatron state (tensors, or a `megatron.State` that computes each when read) as
     a legacy checkpoint at this layout under dst, with the norm names of Megatron's
     `transformer_impl` layer spec (local or transformer_engine). One rank file is built and
@@ -384,7 +391,7 @@ def write_legacy(dst: Path, state: dict, args: dict, tp: int, pp: int, vpp: int,
         for e in range(ep):
             for t in range(tp):
                 obj = {"args": namespace, "checkpoint_version": mg.CHECKPOINT_VERSION,
-                       "iteration": iteration}  # fmt: skip
+                       "iteration": iteration, **(extra or {})}  # fmt: skip
                 for v in range(vpp):
                     first, last = p == 0 and v == 0, p == pp - 1 and v == vpp - 1
                     experts = range(e * per_rank, (e + 1) * per_rank)

@@ -2,7 +2,7 @@
 
     python tools/convert_checkpoint.py SRC DST --to hf|megalite|megatron [--from ...]
         [--tp N --pp N --vpp N --ep N] [--format torch_dist|legacy] [--vocab-size N]
-        [--transformer-impl local|transformer_engine] [--force]
+        [--transformer-impl local|transformer_engine] [--apply-layernorm-1p] [--force]
 
 The source format is detected (or named by --from): a megalite checkpoint (a run directory
 with `latest`, or one iter_* directory with index.json), a Hugging Face model directory
@@ -254,6 +254,8 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         )
     check_layout(cfg, args.tp, args.pp, args.vpp)
     lazy = mg.from_megatron_lazy(state, cfg.model, f"the Megatron checkpoint {src}")
+    if megatron_args.zero_centred_gamma(margs):  # --apply-layernorm-1p: weight - 1 stored
+        lazy = mg.shift_norms(lazy, 1.0)
     held = f" ({src} holds optimizer state)" if facts["optimizer"] else ""
     print(WEIGHTS_ONLY + held, file=sys.stderr)
     # --keep-position: a run that --loads the result continues Megatron's job where it stopped
@@ -268,6 +270,10 @@ def megatron_to_megalite(src: Path, dst: Path, args):
     meta = {
         "iteration": iteration,
         "consumed_samples": consumed,
+        # Megatron's LR/WD schedule position (a fresh optimizer continues the schedule there)
+        "schedule_samples": megatron_direct.schedule_position(facts)
+        if args.keep_position
+        else None,
         "optimizer": None,  # weights only: a run that loads it starts a fresh optimizer
         "layout": None,
         "config": saved_config(cfg.model),
@@ -298,7 +304,8 @@ def megalite_to_megatron(src: Path, dst: Path, args):
     check_layout(cfg, args.tp, args.pp, args.vpp, stages)
     print(WEIGHTS_ONLY, file=sys.stderr)
     megatron_direct.export_megatron(ckpt, dst, args.format, args.tp, args.pp, args.vpp, args.ep,
-                                    args.transformer_impl, stages)  # fmt: skip
+                                    args.transformer_impl, stages,
+                                    layernorm_1p=args.apply_layernorm_1p)  # fmt: skip
     checked.result()
 
 
@@ -353,6 +360,12 @@ def main(argv):
         choices=("local", "transformer_engine"),
         default="local",
         help="--to megatron: the layer spec whose parameter names to write (default local)",
+    )
+    p.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="--to megatron: for a Megatron run with --apply-layernorm-1p (each norm weight "
+        "written as its offset from 1)",
     )
     p.add_argument(
         "--keep-position",

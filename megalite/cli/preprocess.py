@@ -9,11 +9,12 @@
 
 Inputs are text files (each one document), directories (every file inside, in sorted order),
 JSONL files (`.jsonl`/`.json`, one document per line under --json-key) and Parquet files (one
-document per row, the --json-key column; needs pyarrow); JSONL and text may be gzip-compressed
-(`.jsonl.gz`, `.txt.gz`). The tokenizer is a sentencepiece .model or a Hugging Face
-tokenizer.json (needs tokenizers), told apart by the path or --tokenizer-type, or GPT-2's BPE
-(`--vocab-file vocab.json --merge-file merges.txt`). Each document ends with EOS. Train with
-`--data-path PREFIX --tokenizer-model M` (the same tokenizer).
+document per row, the --json-key column; needs pyarrow); JSONL and text may be gzip- or
+Zstandard-compressed (`.jsonl.gz`, `.txt.gz`; `.jsonl.zst` as the Pile ships, needs zstandard).
+The tokenizer is a sentencepiece .model or a Hugging Face tokenizer.json (needs tokenizers),
+told apart by the path or --tokenizer-type, or GPT-2's BPE (`--vocab-file vocab.json
+--merge-file merges.txt`). Each document ends with EOS. Train with `--data-path PREFIX
+--tokenizer-model M` (the same tokenizer).
 
 Megatron-LM's command line works as well: with `--json-keys K [K ...]` or `--append-eod` the run
 is Megatron's preprocessing, writing PREFIX_<key>_document.bin/.idx for every key, EOD only with
@@ -43,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv):
     p = _Parser(allow_abbrev=False, prog="preprocess_data.py", description=__doc__.split("\n")[0])
     p.add_argument(
-        "--input", nargs="+", required=True, help="text, JSONL (.gz too), Parquet or directories"
+        "--input", nargs="+", required=True, help="text, JSONL (.gz/.zst too), Parquet or dirs"
     )
     p.add_argument(
         "--output-prefix",

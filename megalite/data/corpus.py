@@ -7,8 +7,10 @@ Python installation it is the same corpus every time.
 """
 
 import gzip
+import io
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,17 +106,23 @@ def text_bytes(paths: list[str]) -> int | None:
     """The inputs' size as text (progress's estimate of the time left), or None when some are
     compressed or Parquet, whose file sizes do not say how much text they hold."""
     files = input_files(paths)
-    if any(f.suffix == ".gz" or _kind(f) == "parquet" for f in files):
+    if any(f.suffix in COMPRESSED or _kind(f) == "parquet" for f in files):
         return None
     return sum(f.stat().st_size for f in files)
 
 
+COMPRESSED = (
+    ".gz",
+    ".zst",
+)  # decompressed as they are read: gzip, Zstandard (the Pile's .jsonl.zst)
+
+
 def _kind(path: Path) -> str:
-    """'jsonl', 'parquet' or 'text', from the name (a trailing .gz is looked through)."""
-    name = path.name.removesuffix(".gz")
+    """'jsonl', 'parquet' or 'text', from the name (a trailing .gz or .zst is looked through)."""
+    name = path.name.removesuffix(path.suffix) if path.suffix in COMPRESSED else path.name
     if name.endswith((".jsonl", ".json")):
         return "jsonl"
-    if name.endswith(".parquet") and not path.name.endswith(".gz"):
+    if name.endswith(".parquet") and name == path.name:
         return "parquet"
     return "text"
 
@@ -127,8 +135,8 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
     """Every document of the inputs, in order; empty documents are skipped.
 
     A `.jsonl`/`.json` file holds one document per line (`{json_key: text, ...}`), a `.parquet`
-    file one per row (its `json_key` column); any other file is one document. A `.gz` suffix is
-    decompressed first (`.jsonl.gz`, `.txt.gz`). Raises MegaliteError on unreadable input or
+    file one per row (its `json_key` column); any other file is one document. A `.gz` or `.zst`
+    suffix is decompressed first (`.jsonl.gz`, `.jsonl.zst`, `.txt.gz`). Raises MegaliteError on unreadable input or
     when there is none.
     """
     count = 0
@@ -149,10 +157,77 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
 
 
 def _open_text(path: Path):
-    """The file as UTF-8 text, decompressed when it ends in .gz."""
+    """The file as UTF-8 text, decompressed as it is read when it ends in .gz or .zst."""
     if path.suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8", errors="strict")
+    if path.suffix == ".zst":
+        return _open_zstd(path)
     return open(path, encoding="utf-8", errors="strict")
+
+
+def _open_zstd(path: Path):
+    """A Zstandard file as UTF-8 text, streamed."""
+    try:
+        import zstandard  # optional: only .zst inputs need it
+    except ImportError:
+        raise MegaliteError(
+            f"reading {path} needs the zstandard package; pip install zstandard (or megalite[hf])"
+        ) from None
+    raw = _ZstdFrames(open(path, "rb"), zstandard.ZstdDecompressor(max_window_size=2**31))
+    return io.TextIOWrapper(io.BufferedReader(raw, 1 << 16), encoding="utf-8", errors="strict")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every frame of a Zstandard file, one after another (`zstd -c
+    a b` concatenates frames), windows up to 2 GiB (`zstd --long=31`, which the default refuses).
+    A file that ends inside a frame raises EOFError, as gzip does: a cut download is no corpus."""
+
+    def __init__(self, fh, dctx):
+        self._fh, self._dctx = fh, dctx
+        self._frame, self._fed = dctx.decompressobj(), False  # fed: the frame has begun
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._pos == len(self._out):
+            chunk = self._fh.read(1 << 20)
+            if not chunk:
+                if self._fed:
+                    raise EOFError("the file ends inside a frame")
+                return 0
+            self._out, self._pos = self._decompress(chunk), 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        parts = []
+        while chunk:
+            parts.append(self._frame.decompress(chunk))
+            self._fed = not self._frame.eof
+            chunk = self._frame.unused_data if self._frame.eof else b""
+            if self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+        return b"".join(parts)
+
+    def close(self):
+        self._fh.close()
+        super().close()
+
+
+def _bad_compressed(path: Path, e: Exception) -> MegaliteError:
+    kind = "Zstandard" if path.suffix == ".zst" else "gzip"
+    return MegaliteError(f"input {path} is not a complete {kind} file ({e})")
+
+
+def _decompress_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a truncated or corrupt compressed input raises while it is read."""
+    errors: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError)
+    zstandard = sys.modules.get("zstandard")  # imported by _open_zstd when a .zst was opened
+    return errors + (zstandard.ZstdError,) if zstandard else errors
 
 
 def _read_text(path: Path) -> str:
@@ -161,8 +236,8 @@ def _read_text(path: Path) -> str:
             return fh.read()
     except UnicodeDecodeError:
         raise MegaliteError(f"input {path} is not UTF-8 text; convert it or leave it out") from None
-    except (gzip.BadGzipFile, EOFError) as e:
-        raise MegaliteError(f"input {path} is not a complete gzip file ({e})") from None
+    except _decompress_errors() as e:
+        raise _bad_compressed(path, e) from None
 
 
 def _jsonl_objects(path: Path) -> Iterator[tuple[int, object]]:
@@ -181,8 +256,8 @@ def _jsonl_objects(path: Path) -> Iterator[tuple[int, object]]:
                     ) from None
         except UnicodeDecodeError:
             raise MegaliteError(f"input {path} is not UTF-8 text; convert it first") from None
-        except (gzip.BadGzipFile, EOFError) as e:
-            raise MegaliteError(f"input {path} is not a complete gzip file ({e})") from None
+        except _decompress_errors() as e:
+            raise _bad_compressed(path, e) from None
 
 
 def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
@@ -202,7 +277,7 @@ def iter_records(paths: list[str], keys: list[str]) -> Iterator[tuple[list[str],
     for path in input_files(paths):
         if not is_jsonl(path):
             raise MegaliteError(
-                f"input {path} is not JSONL (.jsonl, .json, .jsonl.gz); Megatron-style "
+                f"input {path} is not JSONL (.jsonl, .json, .jsonl.gz, .jsonl.zst); Megatron-style "
                 "preprocessing (--json-keys, --append-eod) reads JSON lines"
             )
         for lineno, obj in _jsonl_objects(path):

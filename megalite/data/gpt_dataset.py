@@ -134,10 +134,10 @@ class BlendedDataset:
         self.weights = order.normalise(weights)
         key = {"kind": "blend", "weights": self.weights, "size": size}  # all the arrays depend on
 
-        def build(directory):
-            ds, local = order.blending_indices(self.weights, size)
-            index_cache.save(directory, "dataset_index", ds)
-            index_cache.save(directory, "dataset_sample_index", local)
+        def build(directory):  # a block at a time: the arrays are only ever whole in the files
+            blocks = order.blending_blocks(self.weights, size)
+            names, dtypes = ("dataset_index", "dataset_sample_index"), (np.int16, np.int64)
+            index_cache.save_block_pairs(directory, names, size, dtypes, blocks)
 
         arrays = index_cache.cached(cache_dir, name or "blend", key, build)
         self.dataset_index = arrays["dataset_index"]

@@ -75,6 +75,28 @@ def save_blocks(directory: Path, name: str, shape: tuple, dtype, blocks) -> None
         raise ValueError(f"{name}: {rows} rows written of {shape[0]}")
 
 
+def save_block_pairs(directory: Path, names: tuple[str, str], rows: int, dtypes, blocks) -> None:
+    """Write two 1-d .npy files of `rows` at once from `blocks`, pairs of consecutive pieces of
+    each (what one pass of a builder yields for two arrays), one pair in memory at a time."""
+    heads = [{"descr": np.lib.format.dtype_to_descr(np.dtype(d)), "fortran_order": False,
+              "shape": (rows,)} for d in dtypes]  # fmt: skip
+    written = 0
+    with (
+        open(directory / f"{names[0]}.npy", "wb") as f0,
+        open(directory / f"{names[1]}.npy", "wb") as f1,
+    ):
+        for fh, head in zip((f0, f1), heads):
+            np.lib.format.write_array_header_1_0(fh, head)
+        for pair in blocks:
+            for fh, b, d in zip((f0, f1), pair, dtypes):
+                if b.dtype != np.dtype(d) or b.ndim != 1 or len(b) != len(pair[0]):
+                    raise ValueError(f"{names}: a block of {b.dtype}{b.shape} in {d}[{rows}]")
+                np.ascontiguousarray(b).tofile(fh)
+            written += len(pair[0])
+    if written != rows:
+        raise ValueError(f"{names}: {written} rows written of {rows}")
+
+
 def build_once(final: Path, fill: Callable[[Path], None], flag: str) -> bool:
     """Make the directory `final` once, whoever else tries at the same time: `fill(tmp)` writes a
     temporary directory beside it that is renamed into place when complete, under an exclusive

@@ -5,8 +5,6 @@ nan, and whatever the caller adds, such as a preemption signal) travels in one s
 status tensor: one all-reduce over the world, then one host read per step.
 """
 
-import math
-
 import torch
 
 from megalite.parallel import comm
@@ -44,13 +42,6 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device is not None and torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device) if device is not None else t
-
-
-def global_norm(counted: list[torch.Tensor], checked: list[torch.Tensor], group: Group):
-    """(norm, found_inf): the 2-norm of the `counted` gradient pieces summed over `group`, and
-    whether any piece, `counted` or only `checked`, on any rank of the group is inf or nan."""
-    sumsq, nonfinite = step_status(counted, checked, group)
-    return math.sqrt(sumsq) if math.isfinite(sumsq) else sumsq, nonfinite > 0
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

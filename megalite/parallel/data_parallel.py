@@ -133,8 +133,6 @@ class GradBuffer:
         for r in self.ranges:
             # stages 0/1 keep the bucket buffer for good: each parameter's view of it, once
             r.view = grad_view(r) if self.grad_buffer is not None else None
-            if r.view is not None:
-                r.param.main_grad = r.view
         self.reducer = self.zero.reducer(
             self.buckets, self.ranges, dp, self.scale, self.zero.in_flight, self.grad_buffer,
             grad_is_view, replicate=self.replicate,

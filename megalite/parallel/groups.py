@@ -83,22 +83,6 @@ class ProcessGroups:
     def data(self) -> Group:
         return self.get(self.topo.product(data_axis))
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp.rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp.rank == self.pp.size - 1
-
-    @property
-    def next_rank(self) -> int:
-        return self.topo.next_stage(self.rank)
-
-    @property
-    def prev_rank(self) -> int:
-        return self.topo.prev_stage(self.rank)
-
 
 def _key(topo: Topology, expr: str) -> str:
     """A group's name: its axes of size > 1 in rank order ("dp+cp" and "cp+dp" are one group)."""

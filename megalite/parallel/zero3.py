@@ -395,7 +395,3 @@ class Zero3Buffer:
         return {"param_bytes": nbytes(b.param_shard for b in self.buckets),
                 "param_gathered_peak_bytes": self.peak_gathered_bytes,
                 "grad_bytes": nbytes(b.shard_grad for b in self.buckets)}  # fmt: skip
-
-    def live_param_bytes(self) -> int:
-        """Parameter bytes this rank holds now: its shards and the units gathered."""
-        return nbytes(b.param_shard for b in self.buckets) + self._held()

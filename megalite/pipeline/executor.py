@@ -66,9 +66,9 @@ from megalite.pipeline.split_backward import input_grad
 @dataclass
 class PipelineResult:
     """One step of the pipeline, unread: losses on the device, times as clock marks. Reading
-    `loss`, `losses` or the first-stage figures runs one all-reduce over pp (the last stage's
-    losses and the first stage's timing), so every pipeline rank must read them, at the same
-    step: the trainer does on logging steps."""
+    `loss` or `losses` runs one all-reduce over pp (the last stage's losses), so every pipeline
+    rank must read them, at the same step: the trainer does on logging steps. The pipeline
+    bubble of one step or of several is `first_stage_times` with `idle_ratio`/`idle_share`."""
 
     loss_tensor: torch.Tensor  # (m,) float64 on the head's rank, zeros elsewhere
     spans: list  # (start, end) marks of every compute of this rank
@@ -89,69 +89,37 @@ class PipelineResult:
         """This rank: the schedule's duration."""
         return self.clock.seconds(self.start, self.end)
 
-    def _values(self) -> list:
-        """The losses, the first stage's compute seconds and every pp rank's schedule seconds:
-        one all-reduce over pp."""
-        if self._read is None:
-            m, pp = self.loss_tensor.numel(), self.pp
-            summary = torch.zeros(m + 1 + pp.size, dtype=torch.float64)
-            summary[m + 1 + pp.rank] = self.step_s
-            if pp.rank == 0:
-                summary[m] = self.compute_s
-            summary = summary.to(self.loss_tensor.device)
-            summary[:m] = self.loss_tensor
-            comm.all_reduce(summary, pp)
-            self._read = summary.tolist()
-        return self._read
-
     @property
     def losses(self) -> list[float]:
-        """Per micro-batch (unscaled) mean token loss."""
-        return self._values()[: self.loss_tensor.numel()]
+        """Per micro-batch (unscaled) mean token loss: one all-reduce over pp."""
+        if self._read is None:
+            summed = self.loss_tensor.to(torch.float64, copy=True)
+            comm.all_reduce(summed, self.pp)
+            self._read = summed.tolist()
+        return self._read
 
     @property
     def loss(self) -> float:
         return sum(self.losses) / len(self.losses)
 
-    @property
-    def first_stage_compute_s(self) -> float:
-        return self._values()[self.loss_tensor.numel()]
-
-    @property
-    def first_stage_step_s(self) -> float:
-        """The step the first stage's idle time is counted against: the longest schedule of
-        any pp rank (in a V the first stage may finish before the last rank does)."""
-        return max(self._values()[self.loss_tensor.numel() + 1 :])
-
-    @property
-    def bubble_measured(self) -> float:
-        """The first stage's idle time over its compute time (the metrics file's
-        `bubble_measured`), comparable to the schedule's `schedules.bubble_theory` (Megatron's
-        (pp-1)/(vpp*m) for 1F1B and interleaved)."""
-        return idle_ratio(self.first_stage_compute_s, self.first_stage_step_s)
-
-    @property
-    def idle_share(self) -> float:
-        """The same idle time as a share of the step (the metrics file's `idle_share`); in theory
-        bubble/(1 + bubble), (pp-1)/(vpp*m + pp-1) for 1F1B and interleaved
-        (`schedules.idle_theory`)."""
-        return idle_share(self.first_stage_compute_s, self.first_stage_step_s)
-
 
 def idle_ratio(compute_s: float, step_s: float) -> float:
-    """Idle time over compute time: megalite's one definition of the pipeline bubble
-    (`bubble_measured`)."""
+    """Idle time over compute time: megalite's one definition of the pipeline bubble (the
+    metrics file's `bubble_measured`), comparable to the schedule's `schedules.bubble_theory`
+    (Megatron's (pp-1)/(vpp*m) for 1F1B and interleaved)."""
     return (step_s - compute_s) / max(compute_s, 1e-12)
 
 
 def idle_share(compute_s: float, step_s: float) -> float:
-    """Idle time as a share of the step (`idle_share`): bubble / (1 + bubble)."""
+    """Idle time as a share of the step (`idle_share`): bubble / (1 + bubble); in theory
+    (pp-1)/(vpp*m + pp-1) for 1F1B and interleaved (`schedules.idle_theory`)."""
     return 1.0 - compute_s / max(step_s, 1e-12)
 
 
 def first_stage_times(results: list[PipelineResult], pp) -> tuple[float, float]:
-    """(compute, step) seconds summed over several steps (a log interval): the first pipeline
-    stage's compute, and each step's longest schedule of any pp rank (`first_stage_step_s`).
+    """(compute, step) seconds summed over one step or several (a log interval): the first
+    pipeline stage's compute, and each step's longest schedule of any pp rank (the step the
+    first stage's idle time is counted against: in a V it may finish before the last rank).
     One all-reduce over pp; every pipeline rank calls it with its own results."""
     t = torch.tensor([0.0] + [r.step_s for r in results], dtype=torch.float64)
     if pp.rank == 0:

@@ -67,12 +67,6 @@ def _check_rank(name: str, pp: int, vpp: int, microbatches: int, rank: int):
         raise MegaliteError(reason)
 
 
-def compute_order(name: str, pp: int, vpp: int, microbatches: int, rank: int) -> list[list[Action]]:
-    """One rank's computes, in segments: communication happens only between segments."""
-    _check_rank(name, pp, vpp, microbatches, rank)
-    return SCHEDULES[name].build(pp, vpp, microbatches, rank)
-
-
 def get_schedule(
     name: str, pp: int, vpp: int, microbatches: int, rank: int, forward_only: bool = False
 ) -> list[Action]:

@@ -156,13 +156,6 @@ def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     return chunks, buffers
 
 
-def build_chunks(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
-                 loading: bool = False) -> list[GPTChunk]:  # fmt: skip
-    """This rank's model chunks as `parallelize` makes them, without data parallelism (no
-    optimizer: generation, the benchmarks of one part)."""
-    return parallelize(cfg, shape, groups, ops, data_parallel=False, loading=loading)[0]
-
-
 def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
                loading: bool = False) -> RankParts:  # fmt: skip
     """The chunks, optimizer and schedule of this rank of a run of `cfg` (`shape` from

@@ -1,6 +1,8 @@
 """Time to the first step, by phase: rendezvous (the default process group), groups
-(build_groups), data index (the datasets and their sample indices), model build (chunks,
-optimizer, schedule), resume (a checkpoint's load; 0 without one) and the first step.
+(build_groups), data index (the datasets and their sample indices), locate (with the local
+checkpoint tier: which copy a restart takes, checkpoint/local_restore.py), model build (chunks,
+optimizer, schedule), resume (a checkpoint's load, the local tier's fetch included; 0 without
+one) and the first step.
 
 Every rank times its own phases; rank 0 prints each as it ends (the console's first lines),
 and the first logged step's metrics row (the metrics file's first line) carries them reduced
@@ -15,7 +17,7 @@ import torch
 
 from megalite.parallel import comm
 
-PHASES = ("rendezvous", "groups", "data index", "model build", "resume", "first step")
+PHASES = ("rendezvous", "groups", "data index", "locate", "model build", "resume", "first step")
 
 
 class LaunchPhases:

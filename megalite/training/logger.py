@@ -48,12 +48,12 @@ class Logger:
 
     def resume(self, run_ids: dict, iteration: int):
         """The resumed checkpoint's run ids (TrainState.run_ids): its W&B run and TensorBoard
-        directory are continued unless a flag names others. Once open, only the same ids may
-        be given again (the launch read them from the checkpoint before the trainer loads it)."""
-        run_ids = dict(run_ids or {})
-        if self._opened and run_ids != self._saved:
-            raise RuntimeError("Logger.resume with other run ids after the logs were opened")
-        self._saved, self._resumed_at = run_ids, iteration
+        directory are continued unless a flag names others. Once open (the launch read the ids
+        from the checkpoint before the trainer loads it), the runs opened stay: only the
+        iteration is taken."""
+        if not self._opened:
+            self._saved = dict(run_ids or {})
+        self._resumed_at = iteration
 
     def begin(self, iteration: int):
         """This run's first step starts now, from `iteration`: the ETA counts from here."""

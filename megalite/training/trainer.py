@@ -13,6 +13,9 @@ import torch
 
 from megalite import lr_schedule
 from megalite.checkpoint.checkpointer import Checkpointer, TrainState, resume_path
+from megalite.checkpoint.local_restore import Restart
+from megalite.checkpoint.local_tier import LocalTier
+from megalite.checkpoint.local_tier import check as check_local_tier
 from megalite.config import Config
 from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch
@@ -57,8 +60,16 @@ class Trainer:
         # what the run resumes from (--load, or --save's latest), resolved once: the model is
         # built empty for it (the load fills it) and `resume` loads it
         self.resume_from = resume_path(cfg)
+        # node-local checkpoints (checkpoint/local_tier.py): the ranks agree on the newest
+        # complete copy, local or persistent (local_restore.py), before the model is built
+        c, self.restart = cfg.checkpoint, None
+        check_local_tier(c, groups.topo.world_size)
+        if c.non_persistent_ckpt_type == "local" and c.non_persistent_local_ckpt_dir:
+            with self.launch.phase("locate"):
+                self.restart = Restart(cfg, groups, self.resume_from).agree()
+        loading = self.resume_from is not None or bool(self.restart and self.restart.local)
         with self.launch.phase("model build"):  # chunks, optimizer, schedule
-            self.parts = build_rank(cfg, shape, groups, loading=self.resume_from is not None)
+            self.parts = build_rank(cfg, shape, groups, loading=loading)
         # --eval-only without a training split: nothing to sample
         self.sampler = self._sampler(self.data.train) if self.data.train is not None else None
         self.iteration = 0
@@ -84,6 +95,9 @@ class Trainer:
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
+        self.local = None  # --non-persistent-save-interval: the local saves
+        if c.non_persistent_save_interval:
+            self.local = LocalTier(cfg, groups, self.checkpointer, self.logger.print)
 
     @property
     def chunks(self):
@@ -107,15 +121,25 @@ class Trainer:
 
     def resume(self) -> TrainState | None:
         """Load --load, or the latest checkpoint in --save, and continue from it."""
-        if self.resume_from is None:
+        if self.restart is not None and self.restart.local:  # the local tier's copy
+            state = self.checkpointer.load(self.restart.fetch(self.chunks), own=True)
+            self.restart.done()
+        elif self.resume_from is None:
+            if self.restart is not None and self.restart.line:
+                self.logger.print(f"megalite: {self.restart.line}")
             return None
-        state = self.checkpointer.load(self.resume_from)
+        else:
+            state = self.checkpointer.load(self.resume_from)
+        if self.restart is not None and self.restart.line:
+            self.logger.print(f"megalite: {self.restart.line}")
         if state is not None:
             self.iteration = state.iteration
             if self.sampler is not None:
                 self.sampler.consumed_samples = state.consumed_samples
             self.skipped_total = state.skipped_steps
-            if state.iteration and not self.opt.schedule_samples:
+            if state.schedule_samples is not None and not self.opt.schedule_samples:
+                self.opt.resume_schedule(state.schedule_samples)  # Megatron's own position
+            elif state.iteration and not self.opt.schedule_samples:
                 # no schedule position came with the optimizer (a converted checkpoint, or
                 # --no-load-optim): the samples of the steps that updated, at the full batch
                 g = self.cfg.training.global_batch_size
@@ -348,6 +372,8 @@ class Trainer:
             else:
                 self.hang.at(self.iteration, "checkpoint")
                 self.checkpointer.finish(self.state())
+            if self.local is not None:
+                self.local.wait()
         self.logger.finish()
 
     def _iterate(self) -> bool:
@@ -383,7 +409,10 @@ class Trainer:
         if self.timeline:
             self.timeline.step_done(it, self.groups, self._timeline_meta(), self.logger.wandb)
         self.hang.at(it, "checkpoint")
-        return self.checkpointer.after_step(self.state, self.stop)  # saved when stopping
+        stop = self.checkpointer.after_step(self.state, self.stop)  # saved when stopping
+        if self.local is not None:  # node-local saves, replicated to peers in the background
+            self.local.wait() if stop else self.local.after_step(self.state, it)
+        return stop
 
     def _lost_peer_error(self, e: Exception) -> MegaliteError | None:
         """A collective or p2p wait that timed out or lost its peer: this rank writes its hang

@@ -6,7 +6,7 @@ metrics file's `bubble_measured`), equals the schedule's theory: (p-1)/(v m) for
 and interleaved, (p-1)/3m for ZB-H1 (a third of 1F1B's), the schedule's own figure for ZB-V and
 DualPipeV. Waits for sends are free on the ledger, so an executor that blocked on its sends
 would not show here: wall-clock bubbles, on stages that sleep, are `make bench`
-(bench/bench_zero_bubble.py).
+(bench/pipeline/bench_zero_bubble.py).
 """
 
 import pytest

@@ -41,12 +41,12 @@ def _sharded_logits(rank, world, paths, ids):
         chunk = GPTChunk(cfg, LayerEnv(tp=groups.tp), **kw).eval()
         load_model([chunk], groups.tp, ckpt)
         with torch.no_grad():
-            if groups.is_first_stage:
-                dist.send(chunk(ids), groups.next_rank)
+            if groups.pp.rank == 0:
+                dist.send(chunk(ids), groups.topo.next_stage(groups.rank))
                 out.append(None)
             else:
                 h = torch.empty(*ids.shape, cfg.hidden_size)
-                dist.recv(h, groups.prev_rank)
+                dist.recv(h, groups.topo.prev_stage(groups.rank))
                 out.append(chunk(h))  # gathered over TP, real vocabulary
     return out
 

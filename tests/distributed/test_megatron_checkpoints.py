@@ -101,13 +101,15 @@ def test_import_gives_megatrons_logits(source, form):
 def test_load_reads_megatron_directly_as_the_import(source, form):
     """--load MEGATRON_DIR (checkpoint/megatron_direct.py) reads what the import wrote: the
     same model config, tensors (bitwise; any region of them) and, beyond a plain import, the
-    iteration and consumed samples; the optimizer state is not mapped (one note)."""
+    iteration, consumed samples and LR schedule position; the optimizer state is not mapped
+    (one note)."""
     from megalite.checkpoint.megatron_direct import open_checkpoint
 
     root = source[3]
     direct, imported = open_checkpoint(root / form), fmt.Checkpoint(root / f"ml-{form}")
     assert direct.model_config == imported.model_config
     assert (direct.iteration, direct.index["consumed_samples"]) == (mf.ITERATION, mf.ITERATION * 8)
+    assert direct.index["schedule_samples"] == mf.SCHEDULE_SAMPLES  # the LR scheduler's num_steps
     assert direct.index["optimizer"] is None
     assert ("optimizer state is not mapped" in direct.load_note) == (form == "legacy")
     assert sorted(direct.names()) == sorted(imported.names())

@@ -348,7 +348,8 @@ def check_tied(groups, m=2, gbs=8, stages=(0, 1, 2)):
     ref_losses, ref_grads, ref_norms, ref_opt = reference(ref, batches, F.cross_entropy)
     ref_params = dict(ref.named_parameters())  # the tied pair once, as embedding.word.weight
     as_ref = lambda n: "embedding.word.weight" if n == "head.weight" else n  # noqa: E731
-    first, dp = groups.is_first_stage, groups.dp
+    first, dp = groups.pp.rank == 0, groups.dp
+    peer = groups.topo.next_stage(groups.rank)  # pp=2: the other stage, either way
     for stage in stages:
         b = blocks(2, groups.tp, torch.float64)
         if first:
@@ -363,16 +364,16 @@ def check_tied(groups, m=2, gbs=8, stages=(0, 1, 2)):
             for xk, yk in zip(xs, ys):
                 if first:
                     h = chunk(xk)
-                    dist.send(h.detach(), groups.next_rank)
+                    dist.send(h.detach(), peer)
                     grad = torch.empty_like(h)
-                    dist.recv(grad, groups.next_rank)
+                    dist.recv(grad, peer)
                     h.backward(grad)
                 else:
                     h = torch.empty(len(xk), H, dtype=torch.float64, requires_grad=True)
-                    dist.recv(h.data, groups.prev_rank)
+                    dist.recv(h.data, peer)
                     loss = F.cross_entropy(chunk(h), yk)
                     (loss / m).backward()
-                    dist.send(h.grad, groups.prev_rank)
+                    dist.send(h.grad, peer)
                     total += loss.item() / m
             comm.all_reduce(total, dp)
             name = "embedding.word.weight" if first else "head.weight"

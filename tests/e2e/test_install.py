@@ -19,7 +19,7 @@ from tests.e2e.conftest import ROOT, TINY
 
 pytestmark = pytest.mark.slow
 
-COMMANDS = ("train", "preprocess", "convert", "generate", "plan", "serve", "diagnose-hang")
+COMMANDS = ("train", "preprocess", "convert", "generate", "plan", "serve", "diagnose-hang", "run")
 
 
 def _run(cmd, cwd, timeout=300):

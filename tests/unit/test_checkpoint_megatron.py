@@ -27,6 +27,7 @@ from megalite.checkpoint import format as fmt
 from megalite.checkpoint import megatron as mg
 from megalite.checkpoint import megatron_args, megatron_files
 from megalite.checkpoint.checkpointer import load_model
+from megalite.checkpoint.megatron_direct import open_checkpoint
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
 from megalite.model.env import LOCAL
@@ -222,6 +223,31 @@ def test_export_loads_into_megatron_with_the_same_logits(imported, form, tmp_pat
         loaded = dist_checkpointing.load(sd, str(tmp_path / "out/iter_0000000"))
         fresh.load_state_dict(loaded, strict=False)
     assert (megatron_logits(fresh, IDS) - theirs).abs().max() <= 1e-5
+
+
+def test_layernorm_1p_checkpoints_import_and_export(imported, tmp_path):
+    """--apply-layernorm-1p (megatron-core's layernorm_zero_centered_gamma) stores each norm
+    weight as its offset from 1: FusedLayerNorm and TransformerEngine's norms compute with
+    weight + 1 (neither runs on this CPU, so the model's own norm weights are saved minus 1 under
+    args that say apply_layernorm_1p). Converted and read by --load, megalite gives the model's
+    logits; exported with --apply-layernorm-1p, the files hold the offsets and their args say so."""
+    kind, m, theirs, _ = imported
+    offsets = {k: v - 1 for k, v in m.state_dict().items() if k.endswith("layernorm.weight")}
+    assert len(offsets) == 2 * 4 + 1  # input and pre-MLP norm of every layer, the final norm
+    save_legacy(tmp_path / "mt", m, margs(kind, apply_layernorm_1p=True), extra=offsets)
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "ml"), "--to", "megalite"])
+    with torch.no_grad():
+        ours = megalite_model(tmp_path / "ml")(IDS)
+    assert (ours - theirs).abs().max() <= 1e-5
+    direct, converted = open_checkpoint(tmp_path / "mt"), fmt.Checkpoint(tmp_path / "ml")
+    for name in ("layers.0.input_norm.weight", "final_norm.weight"):
+        assert torch.equal(direct.read(name), converted.read(name))
+    convert.main([str(tmp_path / "ml"), str(tmp_path / "out"), "--to", "megatron", "--format",
+                  "legacy", "--apply-layernorm-1p"])  # fmt: skip
+    obj = megatron_files.load_pickle(tmp_path / "out/iter_0000000/mp_rank_00/model_optim_rng.pt")
+    assert obj["args"].apply_layernorm_1p and obj["args"].layernorm_zero_centered_gamma
+    for k, v in offsets.items():
+        assert torch.allclose(obj["model"][k], v, atol=1e-6), k
 
 
 def test_llama3_rope_scaling_round_trips_with_megatrons_logits(megatron, tmp_path):
@@ -463,7 +489,9 @@ def test_unsupported_args_are_refused(tmp_path):
         megatron_args.config_from_args(margs("gpt2", kv_channels=8))
     # a GPT-2 layout without biases (openai_gelu: tanh) is not nanogpt: Megatron's LayerNorms
     # keep their bias; and nanogpt's bias-free LayerNorms cannot be written as Megatron's
-    with pytest.raises(MegaliteError, match="has no megalite flavour"):
+    # (matched as the same Megatron flags on a command line are: megatron_translate's one table)
+    with pytest.raises(MegaliteError, match="args describe a model no megalite flavour is: "
+                       "nearest is --flavour nanogpt, which differs in mlp"):  # fmt: skip
         megatron_args.config_from_args(margs("gpt2", add_bias_linear=False, openai_gelu=True))
     nano = from_dict({"model": {"flavour": "nanogpt", "vocab_size": VOCAB}}).model
     with pytest.raises(MegaliteError, match="LayerNorms without a bias"):
@@ -584,6 +612,16 @@ def test_keep_position_continues_megatrons_job(megatron, tmp_path):
     a, b = fmt.Checkpoint(tmp_path / "a"), fmt.Checkpoint(tmp_path / "b")
     assert (a.iteration, a.index["consumed_samples"]) == (0, 0)
     assert (b.iteration, b.index["consumed_samples"]) == (7, 56) and b.index["optimizer"] is None
+    assert b.index["schedule_samples"] is None  # no scheduler saved: the run counts its own
+    # the LR scheduler's position (its num_steps: one step skipped, 48 of the 56 samples) is kept
+    # by --keep-position and read by --load MEGATRON_DIR alike
+    f = tmp_path / "mt/iter_0000007/mp_rank_00/model_optim_rng.pt"
+    obj = torch.load(f, weights_only=False)
+    obj["opt_param_scheduler"] = {"num_steps": 48, "max_lr": 3e-4, "min_lr": 0.0}
+    torch.save(obj, f)
+    convert.main([str(tmp_path / "mt"), str(tmp_path / "d"), "--to", "megalite", "--keep-position"])
+    assert fmt.Checkpoint(tmp_path / "d").index["schedule_samples"] == 48
+    assert open_checkpoint(tmp_path / "mt").index["schedule_samples"] == 48
     save_legacy(tmp_path / "mt2", m, margs("gpt2"), iteration=7)
     with pytest.raises(MegaliteError, match="consumed_train_samples"):
         convert.main([str(tmp_path / "mt2"), str(tmp_path / "c"), "--to", "megalite",

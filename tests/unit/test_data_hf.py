@@ -1,4 +1,5 @@
-"""Hugging Face tokenizers, Parquet and gzip inputs, the checkpoint's tokenizer file, TensorBoard."""
+"""Hugging Face tokenizers, Parquet, gzip and Zstandard inputs, the checkpoint's tokenizer file,
+TensorBoard."""
 
 import gzip
 import json
@@ -143,6 +144,49 @@ def test_parquet_and_gzip_give_the_jsonl_dataset(hf_dir, docs, tmp_path):
     assert [tok.decode(ds.document(i)[:-1]) for i in range(len(ds))] == docs
     assert all(ds.document(i)[-1] == tok.eos_id for i in range(len(ds)))
     assert ds.document(0).dtype == np.uint16
+
+
+def test_zstd_gives_the_plain_files_dataset(hf_dir, docs, tmp_path):
+    """The Pile's and SlimPajama's .jsonl.zst, read as it streams: byte-identical .bin/.idx to
+    the plain .jsonl, in megalite's preprocessing and Megatron's (--json-keys --append-eod)."""
+    zstd = pytest.importorskip("zstandard")
+    lines = "".join(json.dumps({"text": d, "n": i}) + "\n" for i, d in enumerate(docs))
+    cut = len(lines) // 3
+    (tmp_path / "d.jsonl").write_text(lines)
+    c = zstd.ZstdCompressor(level=3)  # two frames, as `zstd -c a b` writes: both are read
+    (tmp_path / "d.jsonl.zst").write_bytes(
+        c.compress(lines[:cut].encode()) + c.compress(lines[cut:].encode())
+    )
+    for extra, outs in (
+        ([], [".o"]),
+        (["--json-keys", "text", "--append-eod"], [".o_text_document"]),
+    ):
+        got = {}
+        for name in ("d.jsonl", "d.jsonl.zst"):
+            r = _preprocess("--input", name, "--output-prefix", name + ".o", *extra,
+                            "--tokenizer-model", str(hf_dir), "--workers", "1", cwd=tmp_path)  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            got[name] = [
+                (tmp_path / f"{name}{o}{e}").read_bytes() for o in outs for e in (".bin", ".idx")
+            ]
+        assert got["d.jsonl"] == got["d.jsonl.zst"] and len(got["d.jsonl"][0]) > 1000
+    tok, ds = load_tokenizer(hf_dir), IndexedDataset(tmp_path / "d.jsonl.zst.o")
+    assert [tok.decode(ds.document(i)[:-1]) for i in range(len(ds))] == docs
+
+
+def test_bad_zstd_inputs(tmp_path, monkeypatch):
+    zstd = pytest.importorskip("zstandard")
+    whole = zstd.ZstdCompressor().compress(b'{"text": "a"}\n' * 500)
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[:-8])  # a cut download ends inside a frame
+    (tmp_path / "junk.jsonl.zst").write_text('{"text": "not zstd"}\n')
+    for name, message in (("cut.jsonl.zst", "ends inside a frame"), ("junk.jsonl.zst", "frame")):
+        with pytest.raises(
+            MegaliteError, match=f"{name} is not a complete Zstandard file.*{message}"
+        ):
+            list(corpus.iter_documents([str(tmp_path / name)]))
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(MegaliteError, match="needs the zstandard package; pip install zstandard"):
+        list(corpus.iter_documents([str(tmp_path / "cut.jsonl.zst")]))
 
 
 def test_bad_parquet_and_gzip_inputs(tmp_path, monkeypatch):

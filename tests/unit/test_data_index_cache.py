@@ -71,7 +71,7 @@ def test_build_datasets_from_the_cache(data, monkeypatch, tmp_path):  # noqa: F8
         raise AssertionError("rebuilt a cached index")
 
     monkeypatch.setattr(order, "gpt_indices", no_rebuild)
-    monkeypatch.setattr(order, "blending_indices", no_rebuild)
+    monkeypatch.setattr(order, "blending_blocks", no_rebuild)
     loaded = megalite_datasets(data, monkeypatch, training(20), cache=str(tmp_path), **spec)
     for split in splits:
         a, b, c = (getattr(x, split) for x in (plain, built, loaded))

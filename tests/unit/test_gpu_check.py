@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _bench(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / "gpu" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -60,7 +60,7 @@ def test_gpu_check_script_pieces_run_on_cpu(tmp_path):
     flags (a timeline of the last step) and the memory check work on the tiny config."""
     script = (BENCH / "gpu_check.sh").read_text()
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0
-    for name in re.findall(r"bench/(\w+\.py)", script):
+    for name in re.findall(r"bench/([\w/]+\.py)", script):
         assert (BENCH / name).exists(), name
     for piece in ("kernels_large", "memory", "--profile-steps", "syncs", "mfu_torch"):
         assert piece in script

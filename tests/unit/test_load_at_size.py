@@ -19,7 +19,7 @@ from megalite.parallel.groups import single_process_groups
 from megalite.parallel.specs import spec_of
 from megalite.shape import validate
 from megalite.testing import tiny_config
-from megalite.training.build import build_chunks
+from megalite.training.build import parallelize
 
 GROUPS = single_process_groups()
 
@@ -93,9 +93,11 @@ def test_a_run_that_loads_a_checkpoint_builds_without_initialising(saved, monkey
     cfg.model = small()
     cfg.checkpoint.load = str(path)
     _never_initialised(monkeypatch)
-    (chunk,) = build_chunks(cfg, validate(cfg, 1), GROUPS, loading=resume_path(cfg) is not None)
+    loading = resume_path(cfg) is not None
+    (chunk,), _ = parallelize(cfg, validate(cfg, 1), GROUPS, data_parallel=False, loading=loading)
     assert not any(p.is_meta for p in chunk.parameters())
     assert not any(b.is_meta for b in chunk.buffers())
     cfg.checkpoint.load = None  # from scratch: initialised as always
     with pytest.raises(AssertionError, match="was initialised"):
-        build_chunks(cfg, validate(cfg, 1), GROUPS, loading=resume_path(cfg) is not None)
+        loading = resume_path(cfg) is not None
+        parallelize(cfg, validate(cfg, 1), GROUPS, data_parallel=False, loading=loading)

@@ -88,7 +88,7 @@ def test_rampup_batch_sizes():
     ({"train_iters": None, "train_samples": 800}, {}, "--lr-warmup-iters does not go with"),
     ({}, {"lr_warmup_samples": 8}, "--lr-warmup-samples does not go with --train-iters"),
     ({}, {"lr_warmup_fraction": 0.1}, "one of --lr-warmup-fraction"),
-    ({}, {"lr_warmup_iters": 100}, "must be shorter than the learning-rate decay"),
+    ({}, {"lr_warmup_iters": 100, "lr_decay_iters": 50}, "must be shorter than the learning-rate"),
     ({}, {"lr_decay_style": "WSD"}, "WSD needs --lr-wsd-decay-iters"),
     ({}, {"start_weight_decay": 0.1}, "need --weight-decay-incr-style linear or cosine"),
     ({}, {"weight_decay_incr_style": "cosine"}, "needs --start-weight-decay"),
@@ -111,3 +111,11 @@ def test_bf16_and_fp16_set_the_precision():
     assert parse_args(["--bf16"]).training.precision == "bf16"
     assert parse_args(["--fp16", "--hysteresis", "3"]).training.precision == "fp16"
     assert validate(parse_args(["--train-samples", "64", "--lr-warmup-fraction", "0.1"]), 1)
+
+
+def test_a_short_run_of_a_preset_stays_in_warmup():
+    """--train-iters 2 of a preset with 10 warmup steps (the default decay: the whole run) is not
+    refused: every step is a warmup step, as before Megatron's schedule landed."""
+    c = cfg({"train_iters": 2}, lr_warmup_iters=10)
+    assert validate(c, 1) is not None
+    assert lrs(c, [0, 1, 2]) == pytest.approx([0.0, 0.1, 0.2])

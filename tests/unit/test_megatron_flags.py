@@ -50,6 +50,7 @@ def test_megatron_defaults_where_the_flavour_would_differ():
     (["--wandb-exp-name", "run"], "logging.wandb_run_name", "run"),
     (["--recompute-activations"], "training.recompute", "selective"),
     (["--profile-step-start=3", "--profile"], "training.profile_step_start", 3),
+    (["--apply-layernorm-1p"], "checkpoint.megatron_layernorm_1p", True),
 ])  # fmt: skip
 def test_a_flag_by_its_meaning(argv, field, value):
     sec, name = field.split(".")

@@ -6,7 +6,7 @@ The oracle is OpenAI's encoder as transformers ships it in Python: GPT-2's split
 then merges by rank (Megatron's legacy GPT2BPETokenizer is the same code). transformers 5's
 GPT2Tokenizer is backed by the tokenizers package, so the oracle is assembled from the
 regex-based ClvpTokenizer's pieces (its split, byte map and `bpe`), leaving out its English
-normaliser. Megatron-LM's own tool is compared on a large corpus by bench/bench_data.py
+normaliser. Megatron-LM's own tool is compared on a large corpus by bench/data/bench_data.py
 (megatron-core does not ship that tokenizer)."""
 
 import sys
@@ -22,7 +22,7 @@ pytest.importorskip("tokenizers")
 regex = pytest.importorskip("regex")
 transformers = pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "data"
 # Letters in the `regex` package's tables that older tables (the tokenizers package's) do not
 # know: U+A7CE/U+A7CF (Unicode 16) made 3 of 60,760 documents of a real corpus differ.
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

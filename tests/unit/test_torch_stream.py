@@ -1,5 +1,5 @@
 """checkpoint/torch_stream.py: a torch.save written a tensor at a time reads back as torch.save's
-own file does and is a valid zip (the memory it saves: bench/bench_convert.py)."""
+own file does and is a valid zip (the memory it saves: bench/checkpoint/bench_convert.py)."""
 
 import argparse
 import zipfile
