@@ -128,7 +128,11 @@ class ModelConfig:
         None, "MLP width (default: 4h; 8h/3 rounded up to 64 with a gated MLP, as llama)"
     )
     seq_length: int = opt(128, "tokens per sample")
-    max_position_embeddings: int | None = opt(None, "learned positions (gpt2; default: seq_length)")
+    max_position_embeddings: int | None = opt(
+        None,
+        "the model's context: learned positions' table (gpt2), what a RoPE model declares "
+        "(exported as is; a run may train longer); default: seq_length",
+    )
     vocab_size: int | None = opt(None, "vocabulary size before padding (default: the tokenizer's)")
     make_vocab_size_divisible_by: int = opt(
         128, "pad the vocabulary to a multiple of this times tp"

@@ -234,7 +234,9 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     reason = schedules.check_shape(name, sizes["pp"], p.vpp, microbatches)
     if reason:
         raise MegaliteError(reason)
-    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+    # (a RoPE model's max_position_embeddings is what it declares: a run may train longer)
+    learned = m.features.learned_positions and m.max_position_embeddings is not None
+    if learned and m.seq_length > m.max_position_embeddings:
         raise MegaliteError(
             f"seq_length={m.seq_length} exceeds max_position_embeddings={m.max_position_embeddings}"
         )

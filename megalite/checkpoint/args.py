@@ -11,6 +11,9 @@ padding) may differ: they are the run's to choose.
 
 import copy
 import dataclasses
+import os
+import shutil
+from pathlib import Path
 
 from megalite.config import Config, ModelConfig
 from megalite.config_read import from_dict
@@ -103,3 +106,63 @@ def with_checkpoint_model(cfg: Config, given: set, path) -> Config:
                 "drop the flag to train the checkpoint's architecture, or load another checkpoint"
             )
     return out
+
+
+def _stable_copy(src: Path, cache_dir) -> str:
+    """`src` copied (once, atomically) to --data-cache-dir/tokenizers/<sha256>/: the checkpoint
+    it came from may be pruned by --keep-checkpoints while the run still saves it."""
+    from megalite.checkpoint import format as fmt
+
+    digest = fmt.sha256_file(src)
+    dst = Path(cache_dir) / "tokenizers" / digest[:16] / src.name
+    if not dst.is_file() or fmt.sha256_file(dst) != digest:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    return str(dst)
+
+
+def with_checkpoint_tokenizer(cfg: Config, given: set, path) -> tuple[Config, str | None]:
+    """(`cfg` with the checkpoint's tokenizer where the run names none, a line saying so).
+
+    Every megalite checkpoint carries the tokenizer its run read (tokenizer.model or
+    tokenizer.json), so `--load DIR --data-path ...` needs no --tokenizer-model, and the
+    built-in corpus is tokenized by the model's own tokenizer. Refused in one line: a
+    checkpoint without one whose vocabulary differs from the built-in corpus's tokenizer's (its
+    saves and exports would ship that demo tokenizer as the model's), and a given tokenizer
+    larger than the checkpoint's vocabulary (naming where each size came from)."""
+    from megalite.checkpoint import format as fmt
+    from megalite.checkpoint.megatron_direct import open_checkpoint
+    from megalite.data.splits import split_blends
+    from megalite.data.tokenizer import load_tokenizer
+
+    ckpt = open_checkpoint(path)  # megalite's own, or a Megatron checkpoint (no tokenizer)
+    d, vocab = cfg.data, cfg.model.vocab_size
+    saved = fmt.stored_tokenizer(ckpt.files)
+    from_flag = "model.vocab_size" in given  # else the checkpoint's (with_checkpoint_model)
+    if d.tokenizer_model or d.vocab_file or d.merge_file:
+        if from_flag:
+            return cfg, None  # the flag's size: build_datasets checks the tokenizer against it
+        tok = load_tokenizer(d.tokenizer_model, d.tokenizer_type, d.vocab_file, d.merge_file)
+        flag = "--tokenizer-model" if d.tokenizer_model else "--vocab-file, --merge-file"
+        if tok.vocab_size > vocab:
+            hint = f"pass its own (--tokenizer-model {ckpt.dir / saved})" if saved else \
+                f"pass one of at most {vocab} pieces"  # fmt: skip
+            raise MegaliteError(
+                f"tokenizer {tok.model_path} ({flag}) has {tok.vocab_size} pieces but "
+                f"checkpoint {ckpt.dir} has a vocabulary of {vocab} (its vocab_size); {hint}"
+            )
+        return cfg, None
+    builtin = not any(b and b.prefixes for b in split_blends(d, cfg.training.eval_only)[0])
+    if saved:
+        out = copy.deepcopy(cfg)
+        out.data.tokenizer_model = _stable_copy(ckpt.dir / saved, d.data_cache_dir)
+        return out, f"tokenizer: checkpoint {ckpt.dir}'s {saved} (no --tokenizer-model given)"
+    if builtin and not from_flag and vocab != d.tokenizer_vocab_size:
+        raise MegaliteError(
+            f"checkpoint {ckpt.dir} has a vocabulary of {vocab} (its vocab_size) and holds no "
+            f"tokenizer, and the built-in corpus's tokenizer has {d.tokenizer_vocab_size} pieces: "
+            "pass your data with --data-path and the model's tokenizer with --tokenizer-model"
+        )
+    return cfg, None

@@ -62,6 +62,8 @@ from megalite.parallel.specs import spec_of
 # Fields a checkpoint and a run must agree on beyond the tensor shapes (which are checked one
 # by one): the shapes cannot tell a flavour apart, nor a prefix of the layers.
 MODEL_FIELDS = ("flavour", "num_layers", "vocab_size")
+# Index fields about the model, not the run, that a save carries on from the checkpoint loaded.
+CARRIED = ("huggingface",)
 
 
 @dataclass
@@ -92,6 +94,28 @@ def resume_path(cfg) -> str | None:
     return None
 
 
+def _own(cfg, path) -> bool:
+    """A restart resuming its own --save (another directory than --load): it continues in full."""
+    c = cfg.checkpoint
+    return bool(c.save) and Path(path).resolve() == Path(c.save).resolve() != (
+        Path(c.load).resolve() if c.load else None
+    )
+
+
+def resumed_run(cfg, path) -> tuple[dict, int]:
+    """(run_ids, iteration) of the TrainState `Checkpointer.load(path)` will return, from the
+    index alone: the launch opens W&B before any process group exists, on the run it continues."""
+    if (
+        path is None
+        or not fmt.has_checkpoint(path)
+        or cfg.checkpoint.finetune
+        and not _own(cfg, path)
+    ):
+        return {}, 0
+    ckpt = Checkpoint(path)
+    return dict(ckpt.index.get("run_ids") or {}), ckpt.iteration
+
+
 # ---- the trainer's checkpointing -----------------------------------------------------------------
 
 
@@ -108,6 +132,9 @@ class Checkpointer:
         self.last_saved = None  # iteration of the newest checkpoint in --save
         self._background = BackgroundSave()  # --async-save: the save in flight
         self._host = {}  # --async-save: host buffers reused from save to save
+        # what the loaded checkpoint says beyond the run (a converted model's Hugging Face
+        # token ids and generation config): carried into every save, for the export back
+        self.carried = {}
         # --ckpt-format torch_dist|torch: Megatron's files beside each save's (None: megalite's only)
         self.megatron_form = megatron_direct.FORMATS.get(cfg.checkpoint.ckpt_format)
         if cfg.checkpoint.save and self.megatron_form:
@@ -120,14 +147,8 @@ class Checkpointer:
         iteration 0), --no-load-optim and --no-load-rng apply unless `path` is --save's own
         (or `own`: the run's local checkpoint, local_restore.py)."""
         g, tp, c = self.groups, self.groups.tp, self.cfg.checkpoint
-        # A restart resuming its own --save (another directory than --load) continues in full.
-        own = (
-            own
-            or bool(c.save)
-            and Path(path).resolve()
-            == Path(c.save).resolve()
-            != (Path(c.load).resolve() if c.load else None)
-        )
+        # a restart resuming its own --save (or local checkpoint) continues in full
+        own = own or _own(self.cfg, path)
         finetune = c.finetune and not own
         start = time.perf_counter()
         with agreed_errors(g.world):
@@ -143,6 +164,7 @@ class Checkpointer:
             fresh = finetune or not (c.load_optim or own)
             load_optimizer(self.chunks, tp, self.optimizer, ckpt, fresh)
         idx = ckpt.index
+        self.carried = {k: idx[k] for k in CARRIED if idx.get(k)}
         same_layout = idx.get("layout") == self.shape.layout()
         keep_rng = same_layout and not finetune and (c.load_rng or own)
         rng = idx["rng"][g.rank] if idx.get("rng") and keep_rng else None
@@ -251,6 +273,7 @@ class Checkpointer:
             "layout": self.shape.layout(),
             "zero_stage": self.cfg.optimizer.zero_stage,
             "config": {**self.cfg.to_dict(), "model": dataclasses.asdict(self.shape.model)},
+            **self.carried,
         }
 
     @property

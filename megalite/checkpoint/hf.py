@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf_deepseek
 from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
 from megalite.checkpoint.hf_moe import moe_export
@@ -45,7 +46,14 @@ from megalite.errors import MegaliteError
 from megalite.model.gpt import OUTPUT, VOCAB_TENSORS, WORD_EMBEDDING
 
 # the conversion's one entry point: config.json both ways (hf_config.py) and the weights here
-__all__ = ["export_tokenizer", "from_hf", "hf_config", "model_config_from_hf", "to_hf"]
+__all__ = [
+    "export_tokenizer",
+    "from_hf",
+    "hf_config",
+    "hub_fields",
+    "model_config_from_hf",
+    "to_hf",
+]
 
 # MoE architecture -> (router, the hub's per-expert prefix, its (gate, up, down) tensor names)
 MOE_NAMES = {
@@ -318,3 +326,20 @@ def export_tokenizer(path, dst: Path) -> dict:
     (dst / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     return {k: (v if v >= 0 else None) for k, v in ids.items()}
+
+
+# what a Hugging Face config.json says beyond the model, kept in a checkpoint's index
+# ("huggingface", with the source's generation_config.json) for an export back
+HUB_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def hub_fields(ckpt) -> dict:
+    """A checkpoint's record of the Hugging Face model it came from (token ids, generation
+    config), else the token ids of the tokenizer it carries (nothing without one)."""
+    hub = dict(ckpt.index.get("huggingface") or {})
+    name = fmt.stored_tokenizer(ckpt.files)
+    if name and not any(k in hub for k in HUB_FIELDS):
+        tok = load_tokenizer(ckpt.dir / name)
+        hub.update({k: v for k, v in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id))
+                    if v is not None and v >= 0})  # fmt: skip
+    return hub

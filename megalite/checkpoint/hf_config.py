@@ -128,7 +128,9 @@ def hf_config(cfg: ModelConfig) -> dict:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.heads_kv,
         "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length,
+        # the context the model came with (a run at a shorter --seq-length keeps it; a longer
+        # one extends it)
+        "max_position_embeddings": max(cfg.max_position_embeddings or 0, cfg.seq_length),
         "rms_norm_eps": cfg.norm_epsilon,
         "rope_theta": cfg.rotary_base,  # where transformers < 5 reads it
         "rope_parameters": rope,
@@ -350,6 +352,8 @@ def _llama_config(hf: dict, kind: str) -> ModelConfig:
         ffn_hidden_size=hf["intermediate_size"],
         kv_channels=None if head_dim * heads == h else head_dim,
         seq_length=hf.get("max_position_embeddings", seq),
+        # the model's context, kept apart from the sequence length a run trains at
+        max_position_embeddings=hf.get("max_position_embeddings", seq),
         vocab_size=hf["vocab_size"],
         norm_epsilon=hf.get("rms_norm_eps", eps),
         **_rope(hf, rope, arch),

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files
 from megalite.checkpoint import megatron as mg
-from megalite.checkpoint import megatron_args, megatron_dist, megatron_files
 from megalite.config import Config
 from megalite.config_read import from_dict
 from megalite.errors import MegaliteError
@@ -180,6 +180,10 @@ def export_megatron(ckpt: fmt.Checkpoint, dst: Path, form: str = "torch_dist", t
     )  # fmt: skip
     # Megatron-LM takes the data position from the args (args.consumed_train_samples)
     margs["consumed_train_samples"] = int(ckpt.index.get("consumed_samples", 0))
+    # not Megatron's own: the model's token ids (and generation config), for the way back to
+    # Hugging Face (a Megatron run ignores args it does not know)
+    if hub := hf.hub_fields(ckpt):
+        margs["huggingface"] = hub
     # each Megatron tensor computed from the mapped checkpoint when a writer asks for it
     logical = ckpt.lazy()
     if layernorm_1p:

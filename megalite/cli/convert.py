@@ -190,7 +190,7 @@ def hf_to_megalite(src: Path, dst: Path, args):
     fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
 
 
-HUB_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HUB_FIELDS = hf.HUB_FIELDS
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -280,6 +280,8 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         "rng": None,
         "source": f"megatron:{facts['format']}:iteration {facts['iteration']}",
     }
+    if isinstance(margs.get("huggingface"), dict):  # written by megalite's export
+        meta["huggingface"] = margs["huggingface"]
     # each tensor computed (tp shards merged, qkv split) when its file writes it, in its own bytes
     bar = progress(None, "converting", total=len(lazy))
 

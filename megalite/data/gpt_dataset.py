@@ -283,12 +283,19 @@ def prepare_builtin(
     """
     max_bytes = max_bytes or corpus.MAX_CORPUS_BYTES
     tok_key, tok_name = f"sp{vocab_size}", Tokenizer.file_name
+    v = sys.version_info
+    stem = f"stdlib-py{v.major}.{v.minor}-c{corpus.CORPUS_VERSION}-{max_bytes >> 10}k-"
     if tokenizer_model:
         given = load_tokenizer(tokenizer_model, tokenizer_type)  # checked before any build
         tokenizer_model, tok_name = given.model_path, given.file_name  # a directory's file
-        tok_key = "tok-" + sha256(Path(tokenizer_model).read_bytes()).hexdigest()[:12]
-    v = sys.version_info
-    key = f"stdlib-py{v.major}.{v.minor}-c{corpus.CORPUS_VERSION}-{max_bytes >> 10}k-{tok_key}"
+        digest = sha256(Path(tokenizer_model).read_bytes()).hexdigest()
+        tok_key = "tok-" + digest[:12]
+        # the tokenizer trained here before (a restart given its checkpoint's copy): that entry
+        trained = Path(cache_dir) / f"{stem}sp{given.vocab_size}"
+        if (trained / tok_name).is_file() and (trained / "data.idx").is_file():
+            if sha256((trained / tok_name).read_bytes()).hexdigest() == digest:
+                return str(trained / "data"), str(trained / tok_name)
+    key = stem + tok_key
     final = Path(cache_dir) / key
     prefix, model = str(final / "data"), str(final / tok_name)
 

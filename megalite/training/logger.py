@@ -17,8 +17,13 @@ def _fmt_time(seconds: float) -> str:
 
 class Logger:
     """Active on one rank (`enabled`); every method is a no-op elsewhere. W&B and TensorBoard
-    open at the first row written, after `resume` has said which run a resumed job continues
-    (training/run_settings.py)."""
+    open at `open` (the launch calls it before any process group exists, so W&B's output.log
+    holds every line the run prints), else at the first row written; `resume` says before
+    which run a resumed job continues (training/run_settings.py).
+
+    The metrics file never holds two rows of one iteration: before this run's first row, the
+    rows past the iteration it starts from (those a resumed run computes again) are dropped,
+    the file replaced atomically; an --eval-only row joins its iteration's row."""
 
     def __init__(self, cfg, enabled: bool):
         self.cfg, self.enabled = cfg, enabled
@@ -26,6 +31,8 @@ class Logger:
         self._wandb = self.tensorboard = None
         self._opened = False
         self._saved, self._resumed_at = {}, None  # the resumed checkpoint's run_ids, iteration
+        self._begun = None  # (time, iteration) when this run's first step started (`begin`)
+        self._settled = False  # the metrics file's rows past this run's start are dropped
         log = cfg.logging
         # Checked on every rank, so all of them stop with the same error rather than rank 0
         # alone while the others wait for it.
@@ -41,10 +48,16 @@ class Logger:
 
     def resume(self, run_ids: dict, iteration: int):
         """The resumed checkpoint's run ids (TrainState.run_ids): its W&B run and TensorBoard
-        directory are continued unless a flag names others."""
-        if self._opened:
-            raise RuntimeError("Logger.resume after the first row was logged")
-        self._saved, self._resumed_at = dict(run_ids or {}), iteration
+        directory are continued unless a flag names others. Once open (the launch read the ids
+        from the checkpoint before the trainer loads it), the runs opened stay: only the
+        iteration is taken."""
+        if not self._opened:
+            self._saved = dict(run_ids or {})
+        self._resumed_at = iteration
+
+    def begin(self, iteration: int):
+        """This run's first step starts now, from `iteration`: the ETA counts from here."""
+        self._begun = (time.time(), iteration)
 
     def run_ids(self) -> dict:
         """What a checkpoint saves for the job that resumes it (empty on the other ranks)."""
@@ -69,6 +82,10 @@ class Logger:
         """The W&B run (`wandb.init()`'s return), or None."""
         self._open()
         return self._wandb
+
+    def open(self):
+        """Start W&B (wandb.init) and TensorBoard now, not at the first row."""
+        self._open()
 
     def _open(self):
         if self._opened or not self.enabled:
@@ -99,8 +116,11 @@ class Logger:
         if not self.enabled:
             return
         it = metrics["iteration"]
-        elapsed = time.time() - self.start
-        eta = elapsed / max(it, 1) * (total_iters - it)
+        now = time.time()
+        elapsed = now - self.start
+        # from this run's own steps: a resumed run's global iteration counts steps it never ran
+        t0, first = self._begun or (self.start, self._resumed_at or 0)
+        eta = (now - t0) / max(it - first, 1) * (total_iters - it)
         mfu = metrics.get("mfu")
         parts = [
             f"iter {it}/{total_iters}",
@@ -118,12 +138,21 @@ class Logger:
         print(" | ".join(parts), flush=True)
         self.write(metrics)
 
-    def write(self, metrics: dict):
+    def write(self, metrics: dict, merge: bool = False):
+        """One row into the metrics file, W&B and TensorBoard; `merge`: into the metrics file's
+        row of the same iteration (--eval-only), appended where there is none."""
         if not self.enabled:
             return
-        if self.cfg.logging.metrics_file:
-            with open(self.cfg.logging.metrics_file, "a") as fh:
+        path = self.cfg.logging.metrics_file
+        if path and merge:
+            rewrite_rows(path, lambda rows: merge_row(rows, metrics))
+        elif path:
+            if not self._settled:  # rows this run computes again are dropped, once
+                start = self._begun[1] if self._begun else self._resumed_at or 0
+                rewrite_rows(path, lambda rows: [r for r in rows if _iteration(r) <= start])
+            with open(path, "a") as fh:
                 fh.write(json.dumps(metrics) + "\n")
+        self._settled = True
         self._open()
         if self._wandb is not None or self.tensorboard is not None:
             flat, step = flatten(metrics), metrics["iteration"]
@@ -154,3 +183,41 @@ def flatten(metrics: dict) -> dict:
         flat[f"comm/{kind}_bytes"] = v["bytes"]
         flat[f"comm/{kind}_seconds"] = v["seconds"]
     return flat
+
+
+def _iteration(row) -> int:
+    """A metrics row's iteration (a row without one, or a line that is not a row, counts as
+    0: kept)."""
+    it = row.get("iteration") if isinstance(row, dict) else None
+    return it if isinstance(it, int) else 0
+
+
+def rewrite_rows(path: str, change):
+    """Replace the metrics file at `path` by `change(rows)`, atomically (written aside, then
+    renamed); no file: `change([])` when it gives any rows. A line that is not JSON (a row cut by
+    a crash) is dropped."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    new = change(rows)
+    if new == rows and os.path.exists(path) or not new and not os.path.exists(path):
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in new)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def merge_row(rows: list, row: dict) -> list:
+    """`rows` with `row`'s fields added to the last row of its iteration, or `row` appended."""
+    for i in range(len(rows) - 1, -1, -1):
+        if _iteration(rows[i]) == row["iteration"]:
+            return [*rows[:i], {**rows[i], **row}, *rows[i + 1 :]]
+    return [*rows, row]

@@ -9,8 +9,13 @@ saved in the checkpoint (`TrainState.run_ids`) and reused unless a flag (--wandb
 --tensorboard-dir) or WANDB_RUN_ID says otherwise.
 """
 
+import netrc
 import os
 import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from megalite.errors import MegaliteError
 
 # field of LoggingConfig -> (W&B's environment variable, megalite's default)
 WANDB_SETTINGS = {
@@ -62,3 +67,37 @@ def wandb_run_id(log, saved: str | None, env=os.environ) -> str:
 def tensorboard_dir(log, saved: str | None) -> str | None:
     """--tensorboard-dir, else the directory the resumed run wrote to, else none."""
     return log.tensorboard_dir or saved
+
+
+def wandb_credentials(env=os.environ) -> str | None:
+    """Where W&B would find an API key without asking, or None: where wandb.init itself looks
+    (wandb/sdk/lib/wbauth): $WANDB_API_KEY, $WANDB_IDENTITY_TOKEN_FILE, then the netrc file
+    ($NETRC, else ~/.netrc or ~/_netrc) entry for the server ($WANDB_BASE_URL, else
+    api.wandb.ai) that `wandb login` writes. Files only: nothing is sent anywhere."""
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if env.get(var):
+            return f"${var}"
+    home = Path(env.get("HOME") or Path.home())
+    path = Path(env["NETRC"]).expanduser() if env.get("NETRC") else home / ".netrc"
+    if not env.get("NETRC") and not path.exists() and (home / "_netrc").exists():
+        path = home / "_netrc"
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return str(path) if entry and entry[2] else None
+
+
+def check_wandb_online(log, env=os.environ):
+    """--wandb-mode online (or WANDB_MODE=online) needs credentials W&B can read without a
+    prompt; without them wandb.init would fail at the first logged step, after training ran.
+    Refused here, in one line, before any process group exists."""
+    if wandb_setting(log, "mode", env) != "online" or wandb_credentials(env):
+        return
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    raise MegaliteError(
+        f"--wandb-mode online needs W&B credentials, and there are none (no $WANDB_API_KEY, no "
+        f"entry for {host} in ~/.netrc); run `wandb login` or set WANDB_API_KEY, or log with "
+        "--wandb-mode offline (`wandb sync` uploads it later)"
+    )

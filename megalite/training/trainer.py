@@ -47,7 +47,7 @@ from megalite.training.torch_profile import TorchProfile
 
 class Trainer:
     def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None,
-                 launch: LaunchPhases | None = None):  # fmt: skip
+                 launch: LaunchPhases | None = None, logger: Logger | None = None):  # fmt: skip
         t = cfg.training
         self.cfg, self.groups = cfg, groups
         self.launch = launch or LaunchPhases()  # time to the first step (launch_phases.py)
@@ -87,7 +87,8 @@ class Trainer:
         self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
         self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
         self._interval_samples = 0
-        self.logger = Logger(cfg, enabled=groups.rank == 0)
+        # the launch's, opened before the process groups (W&B then logs every line); else here
+        self.logger = logger or Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
         self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
         self.profile = TorchProfile.from_config(cfg, groups.rank, groups.device)  # --profile
@@ -357,6 +358,7 @@ class Trainer:
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
             f"{self.shape.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
+        self.logger.begin(self.iteration)  # the ETA counts this run's steps
         with self.preemption.catching(), self.gc.running():
             while self.iteration < self.train_iters:
                 try:
@@ -454,7 +456,7 @@ class Trainer:
         metrics = {"iteration": self.iteration, "eval_loss": eval_loss,
                    "eval_ppl": math.exp(min(eval_loss, 50))}  # fmt: skip
         self.logger.print(f"iteration {self.iteration}: eval loss {eval_loss:.4f}")
-        self.logger.write(metrics)
+        self.logger.write(metrics, merge=True)  # beside the training row of its iteration
         self.logger.finish()
 
 

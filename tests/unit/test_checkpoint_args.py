@@ -97,3 +97,16 @@ def test_given_fields_must_agree(tmp_path):
     cfg.model.num_layers = 3
     with pytest.raises(MegaliteError, match=r"has num_layers=2 but this run's --num-layers is 3"):
         with_checkpoint_model(cfg, {"model.num_layers"}, path)
+
+
+def test_a_run_at_a_shorter_length_keeps_the_models_context(tmp_path):
+    """A 128K model continued at 8K is exported as a 128K model: the run's --seq-length is
+    not a model field (here 64 positions, continued at 16)."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    cfg = Config()
+    cfg.model.seq_length = 16
+    model = with_checkpoint_model(cfg, {"model.seq_length"}, _convert(config, tmp_path)).model
+    assert model.seq_length == 16 and hf.hf_config(model)["max_position_embeddings"] == 64

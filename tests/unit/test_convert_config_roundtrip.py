@@ -135,3 +135,32 @@ def test_megatron_round_trip_keeps_every_field_or_refuses(source, tmp_path):
             if resolved(theirs, k) != resolved(ours, k)}  # fmt: skip
     assert not diff, (name, diff)
     assert theirs.features == ours.features or theirs.flavour == "mistral"
+    # and on to Hugging Face: the token ids and generation config of the model it came from
+    convert(tmp_path / "back", tmp_path / "hf", "--to", "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: config[k] for k in IDS} == IDS
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == GENERATION
+
+
+@pytest.mark.parametrize("fmt_", ["legacy", "torch_dist"])
+def test_megatron_round_trip_of_a_trained_run_keeps_its_tokenizers_ids(tmp_path, fmt_):
+    """A megalite run's checkpoint holds no Hugging Face record, only its tokenizer: the ids
+    come from that tokenizer, through Megatron and back."""
+    from megalite.checkpoint.hf import export_tokenizer
+    from megalite.data.tokenizer import Tokenizer
+
+    d = write_random_hf(tmp_path / "src", {**ARCHS["llama3"][1], "model_type": "llama",
+                                           "architectures": ["LlamaForCausalLM"],
+                                           "bos_token_id": None, "eos_token_id": None})  # fmt: skip
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of some text, more words here" for i in range(400)))
+    Tokenizer.train([str(text)], tmp_path / "tok", 300)
+    (d / "tokenizer.model").write_bytes((tmp_path / "tok.model").read_bytes())
+    convert(d, tmp_path / "ml", "--to", "megalite")
+    ids = export_tokenizer(tmp_path / "tok.model", tmp_path)
+    assert ids["eos_token_id"] is not None
+    convert(tmp_path / "ml", tmp_path / "mt", "--to", "megatron", "--format", fmt_)
+    convert(tmp_path / "mt", tmp_path / "back", "--to", "megalite")
+    convert(tmp_path / "back", tmp_path / "hf", "--to", "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: config[k] for k in ids} == ids

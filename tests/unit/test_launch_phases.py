@@ -1,6 +1,7 @@
 """training/launch_phases.py: the launch's phases, timed and summed, on a world of one."""
 
 import pytest
+import torch
 
 from megalite.parallel.groups import single_process_groups
 from megalite.training.launch_phases import LaunchPhases, format_summary
@@ -22,3 +23,20 @@ def test_phases_are_timed_summed_and_summarised(capsys):
     with pytest.raises(ValueError, match="unknown launch phase"):
         with launch.phase("warm-up"):
             pass
+
+
+def test_a_process_takes_one_thread_as_torchrun_gives_each(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for each of several processes; a world of one started
+    without it (python pretrain_gpt.py) gets the same, printed; a user's OMP_NUM_THREADS wins."""
+    from megalite.training.launch import set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    calls, env = [], {}
+    line = set_threads(env)
+    assert calls == [1] and env == {"OMP_NUM_THREADS": "1"}
+    assert line.startswith("threads: 1 intra-op thread") and "OMP_NUM_THREADS" in line
+    calls, env = [], {"OMP_NUM_THREADS": "3"}
+    line = set_threads(env)
+    assert calls == [] and env == {"OMP_NUM_THREADS": "3"} and "OMP_NUM_THREADS=3" in line
+    assert torch.get_num_threads() == before

@@ -5,6 +5,7 @@ W&B run and the TensorBoard directory its checkpoint saved."""
 import pytest
 
 from megalite.config import Config
+from megalite.errors import MegaliteError
 from megalite.training import run_settings
 from megalite.training.logger import Logger
 
@@ -89,3 +90,54 @@ def test_resumed_job_continues_the_saved_run(tmp_path, monkeypatch):
     other = Logger(_log(wandb_run_id="mine"), True)  # --wandb-run-id wins over the checkpoint
     other.resume(saved, iteration=2)
     assert other.run_ids()["wandb_run_id"] == "mine"
+
+
+def _wandb_finds_a_key(env: dict) -> bool:
+    """wandb's own answer (its sign-in code, asked not to prompt): the oracle."""
+    from wandb.sdk.lib.wbauth import authenticate
+
+    base = env.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return authenticate.authenticate_session(host=base, source="test", prompt=False,
+                                             update_session=False) is not None  # fmt: skip
+
+
+def test_online_without_credentials_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Where wandb.init finds a key (environment, netrc) run_settings finds it too, reading
+    files only; --wandb-mode online without one is refused before anything starts."""
+    pytest.importorskip("wandb.sdk.lib.wbauth")
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_BASE_URL",
+                "WANDB_MODE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    online = _log(wandb_mode="online").logging
+    cases = [
+        ({}, False),
+        ({"WANDB_API_KEY": "k" * 40}, True),
+        ({"NETRC": str(tmp_path / "other")}, False),
+    ]
+    (tmp_path / "netrc-wb").write_text("machine api.wandb.ai\n  login user\n  password " + "p" * 40)
+    cases.append(({"NETRC": str(tmp_path / "netrc-wb")}, True))
+    (tmp_path / "netrc-elsewhere").write_text("machine example.com login u password " + "p" * 40)
+    cases.append(({"NETRC": str(tmp_path / "netrc-elsewhere")}, False))
+    cases.append(({"NETRC": str(tmp_path / "netrc-elsewhere"),
+                   "WANDB_BASE_URL": "https://example.com"}, True))  # fmt: skip
+    for env, has in cases:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert _wandb_finds_a_key(env) == has, env
+        assert (run_settings.wandb_credentials() is not None) == has, env
+        if has:
+            run_settings.check_wandb_online(online)
+        else:
+            with pytest.raises(MegaliteError) as e:
+                run_settings.check_wandb_online(online)
+            assert "\n" not in str(e.value) and "wandb login" in str(e.value)
+            run_settings.check_wandb_online(_log(wandb_mode="offline").logging)  # needs none
+        for k in env:
+            monkeypatch.delenv(k)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password " + "p" * 40)
+    assert _wandb_finds_a_key({}) and run_settings.wandb_credentials() == str(tmp_path / ".netrc")
+    monkeypatch.setenv("WANDB_MODE", "online")  # W&B's variable asks for it too
+    (tmp_path / ".netrc").unlink()
+    with pytest.raises(MegaliteError):
+        run_settings.check_wandb_online(_log().logging)
