@@ -44,9 +44,10 @@ class Plan:
 def check_model(cfg: Config) -> None:
     """Reject, with validate's sentence, what no layout can fix (the model, the batch, the
     flags), before a search: validate at one rank, the layout flags left out (the search tries
-    its own; cp and ep stay where the search keeps them, its layouts are checked one by one)."""
+    its own; cp and ep stay where the search keeps them, its layouts are checked one by one;
+    --tp-comm-overlap goes with sequence parallelism, which `layout` turns on at tp > 1)."""
     par = replace(cfg.parallel, tp=1, pp=1, cp=1, dp=None, vpp=1, ep=1, pp_schedule=None,
-                  sequence_parallel=False, **stages.NO_SPLIT)  # fmt: skip
+                  sequence_parallel=False, tp_comm_overlap=False, **stages.NO_SPLIT)  # fmt: skip
     validate(replace(cfg, parallel=par), 1)
 
 

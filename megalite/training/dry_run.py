@@ -38,7 +38,7 @@ def print_plan(
     """The plan of `shape` (`validate`'s: the layout given), then the best layouts for as many
     GPUs. `shape` may instead be the sentence why the layout given cannot run on the cluster
     (tools/plan.py): the search still runs. `zero_stages`, `micro_batch_sizes`: those the search
-    tries (layouts.search)."""
+    tries (layouts.search). The ranking ends with the launch line of the layout it prefers."""
     # the built-in tokenizer's vocabulary is known before it is trained
     vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
@@ -47,8 +47,10 @@ def print_plan(
         print(f"the layout given does not run on {cluster.gpus} GPUs: {shape}")
     else:
         cluster = cluster or cluster_from_env(shape.world_size, cfg.training.precision)
-        p = plan(cfg, shape, cluster)
-        print(format_plan(p, cluster, step_time(cfg, p, cluster, flops)))
+        given = plan(cfg, shape, cluster)
+        given.step_time = step_time(cfg, given, cluster, flops)
+        print(format_plan(given, cluster, given.step_time))
     misses = []  # what was planned and did not fit: the nearest is named when none fits
-    plans = search(cfg, cluster, flops, top, zero_stages, misses, micro_batch_sizes)
-    print(format_ranking(plans, cluster, misses), flush=True)
+    plans = search(cfg, cluster, flops, None, zero_stages, misses, micro_batch_sizes)
+    shown = None if isinstance(shape, str) else given  # placed among the layouts searched
+    print(format_ranking(plans, cluster, misses, cfg, shown, top), flush=True)
