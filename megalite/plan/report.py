@@ -42,8 +42,8 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
             + f"{_gib(mem['activations']):>13}{_gib(mem['total']):>11}{extra}"
         )  # fmt: skip
     lines.append(
-        "  not counted: forward temporaries, the allocator's cache and fragmentation, "
-        "NCCL's buffers (docs/planner.md)"
+        "  not counted: the allocator's cache and fragmentation, NCCL's buffers, the CUDA "
+        "context (docs/planner.md)"
     )
     lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
     if p.links:  # links.py: where each group's bytes travel
