@@ -14,8 +14,10 @@ line (torchrun ... pretrain_gpt.py and its flags) of the layout preferred: the f
 at most 3% slower with at least a tenth of the usable memory more to spare (the margin said). The search tries micro-batch sizes 1, 2, 4 and 8 for each layout
 unless --micro-batch-size is given (on the command line or in --config's YAML): then only it.
 The layouts that fit are ranked by an
-estimated step time (--mfu, --peak-tflops, --intra-node-gbps, --inter-node-gbps set its
-assumptions). Needs no GPU and no process group.
+estimated step time: each op timed by its shape on --gpu (plan/compute.py: GEMMs by size,
+flash attention by sequence, the memory-bound ops by bytes; calibrated on Megatron-LM's published
+throughput, docs/planner.md) or at a flat --mfu, the communication at --intra-node-gbps and
+--inter-node-gbps. Needs no GPU and no process group.
 """
 
 import argparse
@@ -27,6 +29,7 @@ from dataclasses import replace
 from megalite.config_read import build_parser, parse_args
 from megalite.errors import MegaliteError, run_main
 from megalite.parallel.zero import ZERO
+from megalite.plan.compute import GPUS
 from megalite.plan.layouts import MICRO_BATCH_SIZES, check_model
 from megalite.plan.ranking import Cluster
 from megalite.shape import validate
@@ -46,18 +49,13 @@ def main(argv):
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node [8]")
     ap.add_argument("--top", type=int, default=10, help="layouts listed [10]")
     d = Cluster(1)
-    ap.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=d.peak_tflops,
-        help=f"dense peak per GPU at the training precision [{d.peak_tflops:g}]",
-    )
-    ap.add_argument(
-        "--mfu",
-        type=float,
-        default=d.mfu,
-        help=f"model FLOPs utilisation the compute reaches [{d.mfu:g}]",
-    )
+    ap.add_argument("--gpu", choices=sorted(GPUS), default=d.gpu,
+                    help=f"the GPU whose peak, memory bandwidth and GEMM efficiency time each op "
+                         f"(plan/compute.py) [{d.gpu}]")  # fmt: skip
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="dense peak per GPU at the training precision [--gpu's]")  # fmt: skip
+    ap.add_argument("--mfu", type=float, default=None,
+                    help="a flat model FLOPs utilisation instead of the time by shape [none]")  # fmt: skip
     ap.add_argument(
         "--intra-node-gbps",
         type=float,
@@ -78,9 +76,11 @@ def main(argv):
         return
     if ns.gpus is None:
         raise MegaliteError("--gpus is required: the GPUs in the cluster (tools/plan.py --help)")
-    numbers = (ns.gpus, ns.gpus_per_node, ns.gpu_memory, ns.peak_tflops, ns.mfu,
+    if ns.peak_tflops is None:
+        ns.peak_tflops = GPUS[ns.gpu].peak_tflops
+    numbers = (ns.gpus, ns.gpus_per_node, ns.gpu_memory, ns.peak_tflops, ns.mfu or 1,
                ns.intra_node_gbps, ns.inter_node_gbps)  # fmt: skip
-    if min(numbers) <= 0 or ns.mfu > 1:
+    if min(numbers) <= 0 or (ns.mfu or 1) > 1:
         raise MegaliteError(
             "--gpus, --gpus-per-node, --gpu-memory, --peak-tflops and the bandwidths must be "
             "positive, and --mfu in (0, 1]"
@@ -95,7 +95,7 @@ def main(argv):
     except MegaliteError as e:
         shape = str(e)
     cluster = Cluster(ns.gpus, ns.gpu_memory, min(ns.gpus_per_node, ns.gpus), peak_tflops=ns.peak_tflops,
-                      mfu=ns.mfu, intra_node_gbps=ns.intra_node_gbps,
+                      mfu=ns.mfu, gpu=ns.gpu, intra_node_gbps=ns.intra_node_gbps,
                       inter_node_gbps=ns.inter_node_gbps)  # fmt: skip
     if any(z not in ZERO for z in ns.search_zero_stages or ()):
         raise MegaliteError(f"--search-zero-stages takes stages of {sorted(ZERO)}")

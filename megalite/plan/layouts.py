@@ -128,19 +128,20 @@ def search(
     micro_batch_sizes=None,
 ) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
-    the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
-    (the configured cp, and every power of two that leaves a rank at least MIN_CP_TOKENS tokens
-    of a sequence), every tp that divides the GPUs within a node (TP stays inside a node), every
-    pp that divides the rest, dp for the rest, vpp of VPPS, for each (pp, vpp) the pipeline
-    splits of stages.splits (even, or Megatron's uneven flags: the first that runs and fits of
-    the best few), and the ZeRO stages `zero_stages` (default: those the search tries; ZeRO-3
-    trades traffic for memory: planned when asked for, not searched); a layout `validate`
-    refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
-    then the lower memory. `misses`: a list given receives the layouts planned that did not fit
-    (the least memory first), to say how far the nearest is when none fits. With ZeRO, hybrid
-    sharding is tried too: the shard group filling a node (`_replicates`). `micro_batch_sizes`:
-    those tried (default: cfg's), each layout keeping its fastest that fits (its plan's
-    `layout.micro_batch_size`); one that does not split the batch over dp is skipped."""
+        the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
+        (the configured cp, and every power of two that leaves a rank at least MIN_CP_TOKENS tokens
+        of a sequence), every tp that divides the GPUs within a node (TP stays inside a node), every
+        pp that divides the rest, dp for the rest, vpp of VPPS, for each (pp, vpp) the pipeline
+        splits of stages.splits (even, or Megatron's uneven flags: the first that runs and fits of
+        the best few), and the ZeRO stages `zero_stages` (default: those the search tries; ZeRO-3
+        trades traffic for memory: planned when asked for, not searched); a layout `validate`
+        refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
+        then the lower memory. `misses`: a list given receives the layouts planned that did not fit
+        (the least memory first), to say how far the nearest is when none fits. Estimates within
+    TIE of each other are one: among them the least model parallelism goes first. With ZeRO, hybrid
+        sharding is tried too: the shard group filling a node (`_replicates`). `micro_batch_sizes`:
+        those tried (default: cfg's), each layout keeping its fastest that fits (its plan's
+        `layout.micro_batch_size`); one that does not split the batch over dp is skipped."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
@@ -176,7 +177,28 @@ def search(
     if misses is not None:
         misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
+    plans = _ties_to_less_model_parallelism(plans)
     return plans[:limit] if limit else plans
+
+
+TIE = 0.005  # step times this close are one estimate for the model (docs/planner.md)
+
+
+def _ties_to_less_model_parallelism(plans: list[Plan]) -> list[Plan]:
+    """Plans sorted by step time, each run of them within TIE of its first reordered by their
+    model parallelism: the fewer pipeline stages, then the smaller tp·cp, then the order they
+    had. Below the model's resolution the layout with more data parallelism wins, as
+    Megatron-LM advises (the least model parallelism that fits, pipeline stages last: each adds
+    bubble, p2p and an uneven memory the model counts only in part)."""
+    out, i = [], 0
+    while i < len(plans):
+        j = i
+        while j < len(plans) and plans[j].step_time <= (1 + TIE) * plans[i].step_time:
+            j += 1
+        run = plans[i:j]
+        out += sorted(run, key=lambda p: (p.layout.pp, p.layout.tp * p.layout.cp))
+        i = j
+    return out
 
 
 def cp_sizes(cfg: Config, gpus: int) -> list[int]:

@@ -35,6 +35,7 @@ from functools import lru_cache
 from megalite.config import Config
 from megalite.pipeline.actions import B, F, I, W, compute_seconds
 from megalite.pipeline.schedules import schedule
+from megalite.plan import compute as by_shape
 from megalite.plan import links, stages
 from megalite.plan.activations import schedule_steps
 from megalite.plan.memory import fused_blocks
@@ -54,7 +55,8 @@ class Cluster:
     # InfiniBand NDR or RoCE: 50 GB/s), in GB/s: an H100 SXM node as DGX H100 builds it. An A100
     # node: 312 TFLOP/s, 300 GB/s (NVLink 3) and 25 GB/s (200 Gb/s HDR).
     peak_tflops: float = 989.0
-    mfu: float = 0.45
+    mfu: float | None = None  # a flat MFU instead of compute.py's time by shape
+    gpu: str = "h100"  # compute.GPUS: its bandwidth, SMs and best GEMM throughput
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     # A ring collective's step waits for its slowest hop: about a microsecond over NVLink, a few
@@ -75,7 +77,11 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     m, t, lay = cfg.model, cfg.training, p.layout
     tokens = t.global_batch_size * m.seq_length
     flops = flops_per_token * tokens / cluster.gpus
-    compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    if cluster.mfu:  # the average rank's compute: the FLOPs at a flat MFU
+        compute, optimizer = flops / (cluster.peak_tflops * 1e12 * cluster.mfu), 0.0
+    else:  # or each op by its shape (compute.py), its micro-batches over the pp ranks
+        compute = p.microbatches * by_shape.microbatch_seconds(cfg, lay, cluster) / lay.pp
+        optimizer = by_shape.optimizer_seconds(p.memory["optimizer"], cluster)
     node = cluster.gpus_per_node
     bw = cluster.intra_node_gbps, cluster.inter_node_gbps
     lay_links = p.links or links.link_bytes(lay, p.comm, node, cfg.parallel.cp_comm_type)
@@ -129,7 +135,8 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     # modules where it holds them (stages.py: their share of the FLOPs, recomputed under full)
     slowest = stages.slowest(lay.partition, *stages.shares(cfg, flops_per_token))
     tp = _tp_exposed(cfg, lay, seconds("tp"), compute * slowest)
-    return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble, "tp": tp,
+    return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble,
+            "optimizer": optimizer, "tp": tp,
             "pp": pp, "cp": cp, "ep": ep, "embed": embed, "dp": exposed}  # fmt: skip
 
 

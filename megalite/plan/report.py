@@ -79,7 +79,8 @@ def format_ranking(
     layout given on the command line, placed among them; `top`: the rows listed."""
     head = f"layouts that fit {cluster.gpus} GPUs of {cluster.gpu_memory_gib} GiB "
     head += f"({cluster.gpus_per_node} per node), fastest first,"
-    head += f" at {cluster.mfu:.0%} MFU of {cluster.peak_tflops:g} TFLOP/s, "
+    speed = f"{cluster.mfu:.0%} MFU" if cluster.mfu else f"each op by its shape on {cluster.gpu}"
+    head += f" at {speed}, {cluster.peak_tflops:g} TFLOP/s peak, "
     head += f"{cluster.intra_node_gbps:g}/{cluster.inter_node_gbps:g} GB/s in/across nodes:"
     rows = [head, f"  {'#':>2}  {'layout':<34}  {'mbs':>3}  {'step (est.)':>11}  {'memory':>10}"
                   f"  {'bubble':>6}  {'tp bytes':>9}  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
