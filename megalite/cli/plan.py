@@ -12,7 +12,8 @@ layout planned first, exactly as given (where it can run on --gpus), and placed 
 searched by its estimate (the search does not depend on it). The answer ends with the launch
 line (torchrun ... pretrain_gpt.py and its flags) of the layout preferred: the fastest, or one
 at most 3% slower with at least a tenth of the usable memory more to spare (the margin said). The search tries micro-batch sizes 1, 2, 4 and 8 for each layout
-unless --micro-batch-size is given (on the command line or in --config's YAML): then only it.
+unless --micro-batch-size is given (on the command line or in --config's YAML): then only it;
+and recompute none, selective and full unless --recompute-granularity is given.
 The layouts that fit are ranked by an
 estimated step time: each op timed by its shape on --gpu (plan/compute.py: GEMMs by size,
 flash attention by sequence, the memory-bound ops by bytes; calibrated on Megatron-LM's published
@@ -30,7 +31,7 @@ from megalite.config_read import build_parser, parse_args
 from megalite.errors import MegaliteError, run_main
 from megalite.parallel.zero import ZERO
 from megalite.plan.compute import GPUS
-from megalite.plan.layouts import MICRO_BATCH_SIZES, check_model
+from megalite.plan.layouts import MICRO_BATCH_SIZES, RECOMPUTES, check_model
 from megalite.plan.ranking import Cluster
 from megalite.shape import validate
 from megalite.training.dry_run import print_plan
@@ -100,8 +101,9 @@ def main(argv):
     if any(z not in ZERO for z in ns.search_zero_stages or ()):
         raise MegaliteError(f"--search-zero-stages takes stages of {sorted(ZERO)}")
     sizes = None if "training.micro_batch_size" in given else MICRO_BATCH_SIZES
+    recomputes = None if "training.recompute" in given else RECOMPUTES
     print_plan(cfg, shape, cluster, top=ns.top, zero_stages=ns.search_zero_stages,
-               micro_batch_sizes=sizes)  # fmt: skip
+               micro_batch_sizes=sizes, recomputes=recomputes)  # fmt: skip
 
 
 def hf_model(path: str, flags, given: set):

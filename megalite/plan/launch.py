@@ -35,7 +35,11 @@ def launch_config(cfg: Config, p) -> Config:
                               sequence_parallel=lay.sequence_parallel, tp_comm_overlap=overlap,
                               pp_schedule=sched, **split)  # fmt: skip
     opt = dataclasses.replace(cfg.optimizer, zero_stage=lay.zero.stage)
-    train = dataclasses.replace(cfg.training, micro_batch_size=lay.micro_batch_size)
+    train = dataclasses.replace(
+        cfg.training,
+        micro_batch_size=lay.micro_batch_size,
+        recompute=p.recompute or cfg.training.recompute,
+    )
     model = dataclasses.replace(cfg.model, vocab_size=lay.model.vocab_size)
     return dataclasses.replace(cfg, model=model, parallel=par, optimizer=opt, training=train)
 

@@ -14,14 +14,16 @@ from megalite.plan import stages
 from megalite.plan.activations import peaks
 from megalite.plan.links import link_bytes
 from megalite.plan.memory import buckets, state_memory
-from megalite.plan.ranking import Cluster, GiB, step_time
+from megalite.plan.ranking import Cluster, GiB, compute_bound, step_time
 from megalite.plan.traffic import comm_bytes, zero3_notes
 from megalite.shape import RunShape, derive, validate
 
 SPLITS_TRIED = 3  # per layout, best first, until one fits (stages.splits)
-MIN_CP_TOKENS = 8192  # the fewest tokens of a sequence per context-parallel rank (cp_sizes)
+MIN_CP_TOKENS = 2048  # the fewest tokens of a sequence per context-parallel rank (cp_sizes)
 VPPS = (1, 2, 4, 8)  # interleaving degrees tried (pp > 1; at least a layer per chunk)
 MICRO_BATCH_SIZES = (1, 2, 4, 8)  # tools/plan.py's search, where --micro-batch-size is not given
+RECOMPUTES = ("none", "selective", "full")  # tools/plan.py's, where --recompute-granularity is not
+PRUNE = 0.3  # a layout whose compute alone is this much slower than the fastest is not planned
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Plan:
     links: dict = field(default_factory=dict)  # kind -> {link: bytes per step} (links.py)
     buckets: int = 0  # gradient buckets on the rank with the most (each a collective per round)
     split: tuple = ()  # the pipeline split's flags, ((name, value), ...) (stages.py); () even
+    recompute: str | None = None  # the granularity the search planned it at (None: cfg's)
 
 
 def check_model(cfg: Config) -> None:
@@ -95,7 +98,7 @@ def plan(
         # the activations and, at the worst moment, what the p2p tensors and a backward's
         # working memory add: the same at every ZeRO stage (the search's memo keeps them)
         key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r,
-               shape.micro_batch_size)  # fmt: skip
+               shape.micro_batch_size, cfg.training.recompute)  # fmt: skip
         if key not in memo:
             acts, with_buffers = peaks(cfg, shape, r, mb)
             memo[key] = acts, with_buffers - acts
@@ -126,6 +129,7 @@ def search(
     zero_stages=None,
     misses: list | None = None,
     micro_batch_sizes=None,
+    recomputes: dict | None = None,
 ) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
         the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
@@ -141,15 +145,22 @@ def search(
     TIE of each other are one: among them the least model parallelism goes first. With ZeRO, hybrid
         sharding is tried too: the shard group filling a node (`_replicates`). `micro_batch_sizes`:
         those tried (default: cfg's), each layout keeping its fastest that fits (its plan's
-        `layout.micro_batch_size`); one that does not split the batch over dp is skipped."""
+        `layout.micro_batch_size`); one that does not split the batch over dp is skipped.
+    `recomputes`: {recompute granularity: the model's hardware FLOPs per token with it} to try
+    (tools/plan.py: none, selective and full where --recompute-granularity is not given; default
+    cfg's), each layout keeping its fastest that fits. A layout whose compute alone is PRUNE
+    slower than the fastest planned before it is not planned."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
     layer, head = stages.shares(cfg, flops_per_token)
     plans, memo = [], {}
     t = cfg.training
-    cfgs = [replace(cfg, training=replace(t, micro_batch_size=b))
+    per_token = recomputes or {t.recompute: flops_per_token}
+    cfgs = [(replace(cfg, training=replace(t, micro_batch_size=b, recompute=r)), f)
+            for r, f in per_token.items()
             for b in micro_batch_sizes or (t.micro_batch_size,)]  # fmt: skip
+    fastest = None  # the fastest step time planned so far
     for cp in cp_sizes(cfg, cluster.gpus):
         n = cluster.gpus // cp
         divisors = [d for d in range(1, n + 1) if n % d == 0]
@@ -162,16 +173,20 @@ def search(
                     for zero in zeros:
                         for rep in _replicates(dp, tp * cp, zero, cluster.gpus_per_node):
                             best = None
-                            for c in cfgs:
+                            for c, f in cfgs:
                                 if t.global_batch_size % (c.training.micro_batch_size * dp):
                                     continue
+                                cut = (1 + PRUNE) * fastest if fastest else None
                                 p = _first_fit(c, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
-                                               vpp, zero, cp, memo, misses, rep)  # fmt: skip
+                                               vpp, zero, cp, memo, misses, rep,
+                                               (cut, f))  # fmt: skip
                                 if p is None:
                                     continue
-                                p.step_time = step_time(c, p, cluster, flops_per_token)
+                                p.step_time = step_time(c, p, cluster, f)
+                                p.recompute = c.training.recompute
                                 if best is None or p.step_time < best.step_time:
                                     best = p
+                                fastest = min(fastest or p.step_time, p.step_time)
                             if best is not None:
                                 plans.append(best)
     if misses is not None:
@@ -203,10 +218,12 @@ def _ties_to_less_model_parallelism(plans: list[Plan]) -> list[Plan]:
 
 def cp_sizes(cfg: Config, gpus: int) -> list[int]:
     """The context-parallel sizes the search tries: the configured one, and the powers of two
-    that divide the GPUs and leave each rank at least MIN_CP_TOKENS tokens of a sequence
-    (shorter blocks keep attention's kernels and the ring's messages small)."""
+    that divide the GPUs and the sequence into 2 cp blocks (the causal load balance) and leave
+    each rank at least MIN_CP_TOKENS tokens of a sequence (below, attention's kernels and the
+    ring's messages are too small to pay; compute.py times what is above)."""
     sizes, c = {cfg.parallel.cp}, 2
-    while gpus % c == 0 and cfg.model.seq_length // c >= MIN_CP_TOKENS:
+    s = cfg.model.seq_length
+    while gpus % c == 0 and s % (2 * c) == 0 and s // c >= MIN_CP_TOKENS:
         sizes.add(c)
         c *= 2
     return sorted(c for c in sizes if gpus % c == 0)
@@ -224,9 +241,10 @@ def _replicates(dp: int, inner: int, zero, gpus_per_node: int) -> list[int]:
 
 
 def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
-               replicate: int = 1) -> Plan | None:  # fmt: skip
+               replicate: int = 1, cut=(None, 0.0)) -> Plan | None:  # fmt: skip
     """The plan of the first of `splits` (stages.splits: best first) with which the layout
-    runs and fits the cluster, or None."""
+    runs and fits the cluster, or None. `cut`: (seconds, FLOPs per token): a layout whose
+    compute alone (ranking.compute_bound) passes those seconds is not planned."""
     for split in splits:
         par = {**stages.NO_SPLIT, **dict(split), "dp_replicate": replicate}
         c = replace(cfg, parallel=replace(cfg.parallel, **par))
@@ -240,6 +258,13 @@ def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
             memo[key] = _state_fits(c, shape, cluster)
         if not memo[key]:
             continue
+        if cut[0] is not None:
+            key = ("bound", split, tp, pp, dp, vpp, cp, shape.micro_batch_size,
+                   cfg.training.recompute)  # fmt: skip
+            if key not in memo:
+                memo[key] = compute_bound(c, shape, cluster, cut[1])
+            if memo[key] > cut[0]:
+                continue
         p = plan(c, shape, cluster, all_stages=False, memo=memo)
         p.split = split
         if p.fits:

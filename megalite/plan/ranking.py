@@ -34,7 +34,7 @@ from functools import lru_cache
 
 from megalite.config import Config
 from megalite.pipeline.actions import B, F, I, W, compute_seconds
-from megalite.pipeline.schedules import schedule
+from megalite.pipeline.schedules import bubble_theory, schedule
 from megalite.plan import compute as by_shape
 from megalite.plan import links, stages
 from megalite.plan.activations import schedule_steps
@@ -69,6 +69,20 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     """Estimated seconds per step of a plan (layouts.Plan) on the cluster (module docstring);
     `flops_per_token`: the model's hardware FLOPs per token (training/flops.py)."""
     return sum(step_parts(cfg, p, cluster, flops_per_token).values())
+
+
+def compute_bound(cfg: Config, shape, cluster: Cluster, flops_per_token: float) -> float:
+    """A lower bound of a layout's step time: the busiest rank's compute stretched by the
+    bubble, no communication (the search skips what cannot come near its fastest)."""
+    m, t = cfg.model, cfg.training
+    if cluster.mfu:
+        flops = flops_per_token * t.global_batch_size * m.seq_length / cluster.gpus
+        compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    else:
+        compute = shape.microbatches * by_shape.microbatch_seconds(cfg, shape, cluster) / shape.pp
+    slowest = stages.slowest(shape.partition, *stages.shares(cfg, flops_per_token))
+    bubble = bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule)
+    return compute * slowest * (1 + bubble)
 
 
 def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict:

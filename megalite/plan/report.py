@@ -82,12 +82,13 @@ def format_ranking(
     speed = f"{cluster.mfu:.0%} MFU" if cluster.mfu else f"each op by its shape on {cluster.gpu}"
     head += f" at {speed}, {cluster.peak_tflops:g} TFLOP/s peak, "
     head += f"{cluster.intra_node_gbps:g}/{cluster.inter_node_gbps:g} GB/s in/across nodes:"
-    rows = [head, f"  {'#':>2}  {'layout':<34}  {'mbs':>3}  {'step (est.)':>11}  {'memory':>10}"
+    rows = [head, f"  {'#':>2}  {'layout':<34}  {'mbs':>3}  {'recompute':>9}  {'step (est.)':>11}"
+                  f"  {'memory':>10}"
                   f"  {'bubble':>6}  {'tp bytes':>9}  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
     for i, p in enumerate(plans[:top], 1):
         rows.append(
             f"  {i:>2}  {str(p.layout):<34}  {p.layout.micro_batch_size:>3}"
-            f"  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
+            f"  {p.recompute or '':>9}  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
             f"  {p.bubble:>6.1%}  "
             + "  ".join(f"{_bytes(p.comm.get(k, 0)):>9}" for k in ("tp", "pp", "dp"))
         )
@@ -116,6 +117,7 @@ def launch_flags(p: Plan) -> str:
     out += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}" if lay.vpp > 1 else ""
     out += " --sequence-parallel" if lay.sequence_parallel else ""
     out += f" --zero-stage {lay.zero.stage} --micro-batch-size {lay.micro_batch_size}"
+    out += f" --recompute-granularity {p.recompute}" if p.recompute else ""
     out += f" --dp-replicate {lay.dpr}" if lay.dpr > 1 else ""
     split = flag_text(p.split)
     return out + (f" {split}" if split else "")

@@ -34,11 +34,13 @@ def print_plan(
     top: int = 8,
     zero_stages=None,
     micro_batch_sizes=None,
+    recomputes=None,
 ):
     """The plan of `shape` (`validate`'s: the layout given), then the best layouts for as many
     GPUs. `shape` may instead be the sentence why the layout given cannot run on the cluster
     (tools/plan.py): the search still runs. `zero_stages`, `micro_batch_sizes`: those the search
-    tries (layouts.search). The ranking ends with the launch line of the layout it prefers."""
+    tries (layouts.search); `recomputes`: the granularities it tries (default: cfg's). The
+    ranking ends with the launch line of the layout it prefers."""
     # the built-in tokenizer's vocabulary is known before it is trained
     vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
@@ -51,6 +53,9 @@ def print_plan(
         given.step_time = step_time(cfg, given, cluster, flops)
         print(format_plan(given, cluster, given.step_time))
     misses = []  # what was planned and did not fit: the nearest is named when none fits
-    plans = search(cfg, cluster, flops, None, zero_stages, misses, micro_batch_sizes)
+    tried = None
+    if recomputes:  # {granularity: hardware FLOPs per token} for the search
+        tried = {r: hardware_flops_per_token(cfg.model, r) for r in recomputes}
+    plans = search(cfg, cluster, flops, None, zero_stages, misses, micro_batch_sizes, tried)
     shown = None if isinstance(shape, str) else given  # placed among the layouts searched
     print(format_ranking(plans, cluster, misses, cfg, shown, top), flush=True)
