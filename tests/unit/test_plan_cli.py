@@ -115,3 +115,25 @@ def test_launch_config_validates_to_each_layout_searched():
         back = validate(parse_args(config_flags(launch_config(cfg, p))), 32)
         assert (str(back), back.micro_batch_size) == (str(p.layout), p.layout.micro_batch_size)
         assert back.stage_layers == p.layout.stage_layers and back.schedule == p.layout.schedule
+
+
+def test_recompute_and_cp_are_searched(capsys):
+    """Without --recompute-granularity the search tries none, selective and full: on one 20 GiB
+    GPU a 0.8B model's Adam state leaves too little for its activations unless it recomputes,
+    and the launch line says how; cp is tried at 8K (2,048 tokens a rank or more), not only
+    from 16K."""
+    from megalite.plan.layouts import cp_sizes
+    from tests.unit.plan_configs import big
+
+    assert cp_sizes(big("llama", 2, 1024, 8, 8192, 1000, mbs=1, gbs=8), 64) == [1, 2, 4]
+    main(["--gpus", "1", "--gpu-memory", "20", "--flavour", "llama", "--num-layers", "16",
+          "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "4096",
+          "--vocab-size", "32000", "--gbs", "8", "--precision", "bf16", "--mbs", "1",
+          "--top", "3"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    kinds = {"none", "selective", "full"}
+    rows = [r.split() for r in out if r.split()[:1] in (["1"], ["2"], ["3"])]
+    chosen = [next(w for w in r if w in kinds) for r in rows]
+    assert chosen and "none" not in chosen, out
+    launch = out[-1].split()
+    assert launch[launch.index("--recompute") + 1] in kinds - {"none"}
