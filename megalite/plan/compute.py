@@ -101,7 +101,9 @@ def layer_seconds(cfg: Config, shape, moe: bool, gpu: GPU, peak: float) -> dict:
         E, k = m.num_experts, m.moe_router_topk
         gemm += trained_gemm(gpu, peak, T, E, h, e)  # the router
         local = E / shape.ep
-        tokens = T * shape.ep * k / E * (tp / shape.etp if shape.etp < tp else 1)
+        # a stage's dp T tokens make dp T k assignments, E experts each copied over
+        # tp dp / (ep etp) groups: per copy (this rank's local experts) T k ep etp / (E tp)
+        tokens = T * k * shape.ep * shape.etp / (E * tp)
         f = m.moe_ffn / shape.etp
         gemm += trained_gemm(gpu, peak, tokens, gated * f, h, e, local)
         gemm += trained_gemm(gpu, peak, tokens, h, f, e, local)

@@ -98,7 +98,7 @@ def plan(
         # the activations and, at the worst moment, what the p2p tensors and a backward's
         # working memory add: the same at every ZeRO stage (the search's memo keeps them)
         key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r,
-               shape.micro_batch_size, cfg.training.recompute)  # fmt: skip
+               shape.micro_batch_size, cfg.training.recompute, shape.ep, shape.etp)  # fmt: skip
         if key not in memo:
             acts, with_buffers = peaks(cfg, shape, r, mb)
             memo[key] = acts, with_buffers - acts
@@ -170,25 +170,29 @@ def search(
                 zeros = [z for z in tried if dp > 1 or not z.shard_state]
                 for vpp in (v for v in VPPS if pp > 1 or v == 1):
                     splits = stages.splits(cfg.model.num_layers, pp, vpp, layer, head)
-                    for zero in zeros:
-                        for rep in _replicates(dp, tp * cp, zero, cluster.gpus_per_node):
-                            best = None
-                            for c, f in cfgs:
-                                if t.global_batch_size % (c.training.micro_batch_size * dp):
-                                    continue
-                                cut = (1 + PRUNE) * fastest if fastest else None
-                                p = _first_fit(c, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
-                                               vpp, zero, cp, memo, misses, rep,
-                                               (cut, f))  # fmt: skip
-                                if p is None:
-                                    continue
-                                p.step_time = step_time(c, p, cluster, f)
-                                p.recompute = c.training.recompute
-                                if best is None or p.step_time < best.step_time:
-                                    best = p
-                                fastest = min(fastest or p.step_time, p.step_time)
-                            if best is not None:
-                                plans.append(best)
+                    for zero, rep, experts in (
+                        (z, r, x) for z in zeros
+                        for r in _replicates(dp, tp * cp, z, cluster.gpus_per_node)
+                        for x in expert_sizes(cfg, tp, dp)
+                    ):  # fmt: skip
+                        best = None
+                        for c0, f in cfgs:
+                            c = replace(c0, parallel=replace(c0.parallel, **experts))
+                            if t.global_batch_size % (c.training.micro_batch_size * dp):
+                                continue
+                            cut = (1 + PRUNE) * fastest if fastest else None
+                            p = _first_fit(c, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
+                                           vpp, zero, cp, memo, misses, rep,
+                                           (cut, f))  # fmt: skip
+                            if p is None:
+                                continue
+                            p.step_time = step_time(c, p, cluster, f)
+                            p.recompute = c.training.recompute
+                            if best is None or p.step_time < best.step_time:
+                                best = p
+                            fastest = min(fastest or p.step_time, p.step_time)
+                        if best is not None:
+                            plans.append(best)
     if misses is not None:
         misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
@@ -213,6 +217,27 @@ def _ties_to_less_model_parallelism(plans: list[Plan]) -> list[Plan]:
         run = plans[i:j]
         out += sorted(run, key=lambda p: (p.layout.pp, p.layout.tp * p.layout.cp))
         i = j
+    return out
+
+
+EXPERT_PARALLEL = (1, 2, 4, 8, 16, 32, 64)  # the ep sizes the search tries (MoE models)
+
+
+def expert_sizes(cfg: Config, tp: int, dp: int) -> list[dict]:
+    """The expert layouts the search tries at (tp, dp), as ParallelConfig fields: the configured
+    (ep, etp), and for an MoE model each ep of EXPERT_PARALLEL that divides the experts, with
+    the experts' width unsplit (etp 1: ep with or without tp) or split over tp (etp = tp), where
+    ep·etp divides a stage's tp·dp ranks."""
+    p, m = cfg.parallel, cfg.model
+    out = [{"ep": p.ep, "etp": p.etp}]
+    if not m.num_experts:
+        return out
+    etps = [1] + ([tp] if tp > 1 and m.moe_ffn % tp == 0 else [])
+    for ep in EXPERT_PARALLEL:
+        for etp in etps:
+            x = {"ep": ep, "etp": etp}
+            if m.num_experts % ep == 0 and (tp * dp) % (ep * etp) == 0 and x not in out:
+                out.append(x)
     return out
 
 
@@ -253,14 +278,15 @@ def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
         except MegaliteError:
             continue
         # before walking schedules; the same at every micro-batch size
-        key = ("state", split, tp, pp, dp, vpp, zero.stage, cp, replicate)
+        key = ("state", split, tp, pp, dp, vpp, zero.stage, cp, replicate, cfg.parallel.ep,
+               cfg.parallel.etp)  # fmt: skip
         if key not in memo:
             memo[key] = _state_fits(c, shape, cluster)
         if not memo[key]:
             continue
         if cut[0] is not None:
             key = ("bound", split, tp, pp, dp, vpp, cp, shape.micro_batch_size,
-                   cfg.training.recompute)  # fmt: skip
+                   cfg.training.recompute, shape.ep, shape.etp)  # fmt: skip
             if key not in memo:
                 memo[key] = compute_bound(c, shape, cluster, cut[1])
             if memo[key] > cut[0]:

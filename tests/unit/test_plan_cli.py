@@ -137,3 +137,25 @@ def test_recompute_and_cp_are_searched(capsys):
     assert chosen and "none" not in chosen, out
     launch = out[-1].split()
     assert launch[launch.index("--recompute") + 1] in kinds - {"none"}
+
+
+def test_expert_layouts_are_searched_and_launched():
+    """An MoE model: ep with and without tp, and etp, are searched (it used to keep the
+    configured ep = 1); every plan's launch flags validate back to its layout, ep and etp too."""
+    from megalite.config_read import parse_args
+    from megalite.plan import layouts
+    from megalite.plan.launch import config_flags, launch_config
+    from megalite.plan.ranking import Cluster
+    from megalite.shape import validate
+    from tests.unit.plan_configs import big, flops
+
+    cfg = big("llama", 8, 2048, 16, 4096, 32000, mbs=1, gbs=64)
+    cfg.model.num_experts, cfg.model.moe_router_topk, cfg.model.num_query_groups = 8, 2, 8
+    cfg.model.moe_ffn_hidden_size = 2048
+    plans = layouts.search(cfg, Cluster(16), flops(cfg))
+    experts = {(p.layout.tp > 1, p.layout.ep, p.layout.etp) for p in plans}
+    assert {(False, 8, 1), (True, 4, 1), (True, 4, 2)} <= experts, experts
+    assert plans[0].layout.ep > 1  # the grouped GEMMs' tokens: an expert's GEMM at ep=1 is small
+    for p in plans:
+        back = validate(parse_args(config_flags(launch_config(cfg, p))), 16)
+        assert (str(back), back.etp) == (str(p.layout), p.layout.etp)
