@@ -1,6 +1,7 @@
-"""The cluster a plan is for, and the estimated step time the layout search ranks by: the model
-FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communication not hidden
-behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
+"""The cluster a plan is for, and the estimated step time the layout search ranks by: the compute
+timed op by op by its shape (compute.py; or the FLOPs at a flat `Cluster.mfu`), stretched by the
+pipeline bubble, the optimizer step, plus the communication not hidden behind compute at the
+cluster's bandwidths (inside a node: NVLink; across nodes: the network):
 
 - the pipeline moves at its busiest rank's pace: its layers, and the output layer (and MTP
   modules) where it holds them (stages.py; an uneven split evens them out);
@@ -23,10 +24,10 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   window is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds
   its n - 1 steps of latency (the slowest hop's).
 
-A crude model (no GEMM efficiency by shape, latency for the data-parallel rings only, one
-bandwidth per link kind), but one that orders layouts by what they cost rather than by memory
-alone; docs/planner.md checks it against the layouts of Narayanan et al. 2021, Table 1, Llama 3
-405B and Megatron-LM's README table.
+A simple model (latency for the data-parallel rings only, one bandwidth per link kind, whatever
+a message's size), but one that orders layouts by what they cost rather than by memory alone;
+docs/planner.md calibrates it on Megatron-LM's README table and checks it against Llama 3 405B
+and Narayanan et al. 2021, Table 1 (published.py).
 """
 
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ class Cluster:
     gpus_per_node: int = 8
     usable: float = 0.9  # CUDA context, allocator fragmentation, NCCL buffers, temporaries
     # For the estimated step time (ranking.step_time): dense peak per GPU at the training
-    # precision (H100/H200 SXM bf16), the MFU the compute reaches, and the bandwidth per GPU and
+    # precision (H100/H200 SXM bf16), a flat MFU if given (else compute.py times each op on
+    # `gpu`), and the bandwidth per GPU and
     # direction inside a node (NVLink 4: 450 GB/s) and across nodes (a 400 Gb/s NIC per GPU,
     # InfiniBand NDR or RoCE: 50 GB/s), in GB/s: an H100 SXM node as DGX H100 builds it. An A100
     # node: 312 TFLOP/s, 300 GB/s (NVLink 3) and 25 GB/s (200 Gb/s HDR).

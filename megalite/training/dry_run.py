@@ -12,19 +12,22 @@ from megalite.training.flops import hardware_flops_per_token, peak_flops
 
 
 def cluster_from_env(world_size: int, precision: str = "bf16") -> Cluster:
-    """The cluster a dry run plans for: the local GPU's memory and peak when there is one (no
+    """The cluster a dry run plans for: the local GPU's memory, peak and kind when there is one (no
     process group needed), else an 80 GiB H100's; GPUs per node from torchrun's
     LOCAL_WORLD_SIZE, else 8."""
     import os
 
     import torch
 
-    memory, peak = 80.0, Cluster(1).peak_tflops
+    memory, peak, gpu = 80.0, Cluster(1).peak_tflops, Cluster(1).gpu
     if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
         memory = torch.cuda.get_device_properties(0).total_memory / GiB
-        peak = (peak_flops(torch.cuda.get_device_name(0), precision) or peak * 1e12) / 1e12
+        peak = (peak_flops(name, precision) or peak * 1e12) / 1e12
+        # compute.GPUS by name (its bandwidth and GEMM efficiency); an unlisted one as an H100
+        gpu = next((k for k in ("b200", "h200", "a100") if k.upper() in name), gpu)
     node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    return Cluster(world_size, round(memory, 1), node, peak_tflops=peak)
+    return Cluster(world_size, round(memory, 1), node, peak_tflops=peak, gpu=gpu)
 
 
 def print_plan(
