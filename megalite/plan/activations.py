@@ -10,7 +10,7 @@ from functools import lru_cache
 from megalite.config import Config, ModelConfig
 from megalite.pipeline.actions import B, F, I, W
 from megalite.pipeline.schedules import get_schedule
-from megalite.plan.buffers import P2PBuffers, backward_working
+from megalite.plan.buffers import P2PBuffers, backward_working, forward_working
 from megalite.plan.memory import BYTES, fp8_layer, fp8_saved, fused_blocks, kv_features
 from megalite.shape import RunShape
 
@@ -33,7 +33,8 @@ def peak_activations(
     """Walk this rank's schedule: the most activation bytes alive at once (a chunk's from its
     forward to its backward: B, or W of a split backward, where the weight gradients still need
     them). `buffers`: with what buffers.py adds at the same moment: the pipeline's send and
-    receive tensors, and a backward's working memory while it runs."""
+    receive tensors, a backward's working memory while it runs and a forward's temporaries
+    while it runs."""
     return peaks(cfg, shape, pp_rank, microbatches, buffers)[1 if buffers else 0]
 
 
@@ -48,12 +49,14 @@ def peaks(
     hidden = BYTES[cfg.training.precision] * math.prod(shape.hidden_shape)
     p2p = P2PBuffers(steps, hidden) if buffers else None
     working = [backward_working(cfg, shape, kw) if buffers else 0.0 for kw in kws]
+    ahead = [forward_working(cfg, shape, kw) if buffers else 0.0 for kw in kws]
     pending = [pending_weight_grads(cfg, shape, kw) for kw in kws]
     alive = plain = peak = 0.0
     for kind, chunk, mb in steps:
         extra = p2p.step(kind, chunk, mb) if p2p else 0.0
-        if kind == F:
+        if kind == F:  # its temporaries, on top of what the chunks keep up to its end
             alive += per_chunk[chunk][0]
+            peak = max(peak, alive + extra + ahead[chunk])
         elif kind in (B, I, W):  # a recomputed layer's activations exist while its backward runs
             now = alive + per_chunk[chunk][1]
             plain = max(plain, now)

@@ -140,3 +140,25 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
     if kw["has_embedding"]:  # the word embedding's gradient, and its output's (masked with TP)
         widest = max(widest, (vocab + tokens) * m.hidden_size * e)
     return widest
+
+
+def forward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
+    """Bytes one forward of this chunk holds for a moment on top of what it keeps, at its widest
+    layer: with sequence parallelism a fused block's all-gathered input, (b, s, h) (it keeps only
+    its local rows: tensor_parallel._JoinedLinear; FP8 keeps it, counted as an activation), and
+    the MLP's activation output before the down projection takes it (SwiGLU's silu(gate), GeLU's
+    output; an expert's per routed token). The vocab-parallel loss streams its vocabulary (no
+    fp32 logits). A backward's working memory (`backward_working`) is wider at every layer this
+    counts; these show where a forward is the step's widest moment (a stage's first forwards)."""
+    m, t = cfg.model, cfg.training
+    e, tp = BYTES[t.precision], shape.tp
+    tokens = m.seq_length // shape.cp * t.micro_batch_size
+    gathered = tokens * m.hidden_size * e if shape.sequence_parallel and tp > 1 else 0
+    widest = 0.0
+    for i in kw["layers"]:
+        moe = m.is_moe_layer(i)
+        act = tokens / tp * m.moe_router_topk * m.moe_ffn if moe else tokens * m.ffn / tp
+        regather = 0 if fp8_layer(cfg, m, i) else gathered
+        # the gathered input is gone (the matmul done) before the activation runs
+        widest = max(widest, act * e, regather * (fused_blocks(m, moe) > 0))
+    return widest

@@ -14,14 +14,16 @@ from megalite.plan import stages
 from megalite.plan.activations import peaks
 from megalite.plan.links import link_bytes
 from megalite.plan.memory import buckets, state_memory
-from megalite.plan.ranking import Cluster, GiB, step_time
+from megalite.plan.ranking import Cluster, GiB, compute_bound, step_time
 from megalite.plan.traffic import comm_bytes, zero3_notes
 from megalite.shape import RunShape, derive, validate
 
 SPLITS_TRIED = 3  # per layout, best first, until one fits (stages.splits)
-MIN_CP_TOKENS = 8192  # the fewest tokens of a sequence per context-parallel rank (cp_sizes)
+MIN_CP_TOKENS = 2048  # the fewest tokens of a sequence per context-parallel rank (cp_sizes)
 VPPS = (1, 2, 4, 8)  # interleaving degrees tried (pp > 1; at least a layer per chunk)
 MICRO_BATCH_SIZES = (1, 2, 4, 8)  # tools/plan.py's search, where --micro-batch-size is not given
+RECOMPUTES = ("none", "selective", "full")  # tools/plan.py's, where --recompute-granularity is not
+PRUNE = 0.3  # a layout whose compute alone is this much slower than the fastest is not planned
 
 
 @dataclass
@@ -39,14 +41,16 @@ class Plan:
     links: dict = field(default_factory=dict)  # kind -> {link: bytes per step} (links.py)
     buckets: int = 0  # gradient buckets on the rank with the most (each a collective per round)
     split: tuple = ()  # the pipeline split's flags, ((name, value), ...) (stages.py); () even
+    recompute: str | None = None  # the granularity the search planned it at (None: cfg's)
 
 
 def check_model(cfg: Config) -> None:
     """Reject, with validate's sentence, what no layout can fix (the model, the batch, the
     flags), before a search: validate at one rank, the layout flags left out (the search tries
-    its own; cp and ep stay where the search keeps them, its layouts are checked one by one)."""
+    its own; cp and ep stay where the search keeps them, its layouts are checked one by one;
+    --tp-comm-overlap goes with sequence parallelism, which `layout` turns on at tp > 1)."""
     par = replace(cfg.parallel, tp=1, pp=1, cp=1, dp=None, vpp=1, ep=1, pp_schedule=None,
-                  sequence_parallel=False, **stages.NO_SPLIT)  # fmt: skip
+                  sequence_parallel=False, tp_comm_overlap=False, **stages.NO_SPLIT)  # fmt: skip
     validate(replace(cfg, parallel=par), 1)
 
 
@@ -94,7 +98,7 @@ def plan(
         # the activations and, at the worst moment, what the p2p tensors and a backward's
         # working memory add: the same at every ZeRO stage (the search's memo keeps them)
         key = (shape.sizes, shape.vpp, shape.schedule, shape.stage_layers, mb, r,
-               shape.micro_batch_size)  # fmt: skip
+               shape.micro_batch_size, cfg.training.recompute, shape.ep, shape.etp)  # fmt: skip
         if key not in memo:
             acts, with_buffers = peaks(cfg, shape, r, mb)
             memo[key] = acts, with_buffers - acts
@@ -125,29 +129,38 @@ def search(
     zero_stages=None,
     misses: list | None = None,
     micro_batch_sizes=None,
+    recomputes: dict | None = None,
 ) -> list[Plan]:
     """Layouts of cluster.gpus that fit, fastest first by ranking.step_time (`flops_per_token`:
-    the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
-    (the configured cp, and every power of two that leaves a rank at least MIN_CP_TOKENS tokens
-    of a sequence), every tp that divides the GPUs within a node (TP stays inside a node), every
-    pp that divides the rest, dp for the rest, vpp of VPPS, for each (pp, vpp) the pipeline
-    splits of stages.splits (even, or Megatron's uneven flags: the first that runs and fits of
-    the best few), and the ZeRO stages `zero_stages` (default: those the search tries; ZeRO-3
-    trades traffic for memory: planned when asked for, not searched); a layout `validate`
-    refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
-    then the lower memory. `misses`: a list given receives the layouts planned that did not fit
-    (the least memory first), to say how far the nearest is when none fits. With ZeRO, hybrid
-    sharding is tried too: the shard group filling a node (`_replicates`). `micro_batch_sizes`:
-    those tried (default: cfg's), each layout keeping its fastest that fits (its plan's
-    `layout.micro_batch_size`); one that does not split the batch over dp is skipped."""
+        the model's hardware FLOPs per token, training/flops.py). Tried: every cp of `cp_sizes`
+        (the configured cp, and every power of two that leaves a rank at least MIN_CP_TOKENS tokens
+        of a sequence), every tp that divides the GPUs within a node (TP stays inside a node), every
+        pp that divides the rest, dp for the rest, vpp of VPPS, for each (pp, vpp) the pipeline
+        splits of stages.splits (even, or Megatron's uneven flags: the first that runs and fits of
+        the best few), and the ZeRO stages `zero_stages` (default: those the search tries; ZeRO-3
+        trades traffic for memory: planned when asked for, not searched); a layout `validate`
+        refuses (the batch does not split over its dp, ...) is skipped. Ties go to the fewer bytes,
+        then the lower memory. `misses`: a list given receives the layouts planned that did not fit
+        (the least memory first), to say how far the nearest is when none fits. Estimates within
+    TIE of each other are one: among them the least model parallelism goes first. With ZeRO, hybrid
+        sharding is tried too: the shard group filling a node (`_replicates`). `micro_batch_sizes`:
+        those tried (default: cfg's), each layout keeping its fastest that fits (its plan's
+        `layout.micro_batch_size`); one that does not split the batch over dp is skipped.
+    `recomputes`: {recompute granularity: the model's hardware FLOPs per token with it} to try
+    (tools/plan.py: none, selective and full where --recompute-granularity is not given; default
+    cfg's), each layout keeping its fastest that fits. A layout whose compute alone is PRUNE
+    slower than the fastest planned before it is not planned."""
     tried = (
         [ZERO[z] for z in zero_stages] if zero_stages else [z for z in ZERO.values() if z.searched]
     )
     layer, head = stages.shares(cfg, flops_per_token)
     plans, memo = [], {}
     t = cfg.training
-    cfgs = [replace(cfg, training=replace(t, micro_batch_size=b))
+    per_token = recomputes or {t.recompute: flops_per_token}
+    cfgs = [(replace(cfg, training=replace(t, micro_batch_size=b, recompute=r)), f)
+            for r, f in per_token.items()
             for b in micro_batch_sizes or (t.micro_batch_size,)]  # fmt: skip
+    fastest = None  # the fastest step time planned so far
     for cp in cp_sizes(cfg, cluster.gpus):
         n = cluster.gpus // cp
         divisors = [d for d in range(1, n + 1) if n % d == 0]
@@ -157,33 +170,85 @@ def search(
                 zeros = [z for z in tried if dp > 1 or not z.shard_state]
                 for vpp in (v for v in VPPS if pp > 1 or v == 1):
                     splits = stages.splits(cfg.model.num_layers, pp, vpp, layer, head)
-                    for zero in zeros:
-                        for rep in _replicates(dp, tp * cp, zero, cluster.gpus_per_node):
-                            best = None
-                            for c in cfgs:
-                                if t.global_batch_size % (c.training.micro_batch_size * dp):
-                                    continue
-                                p = _first_fit(c, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
-                                               vpp, zero, cp, memo, misses, rep)  # fmt: skip
-                                if p is None:
-                                    continue
-                                p.step_time = step_time(c, p, cluster, flops_per_token)
-                                if best is None or p.step_time < best.step_time:
-                                    best = p
-                            if best is not None:
-                                plans.append(best)
+                    for zero, rep, experts in (
+                        (z, r, x) for z in zeros
+                        for r in _replicates(dp, tp * cp, z, cluster.gpus_per_node)
+                        for x in expert_sizes(cfg, tp, dp)
+                    ):  # fmt: skip
+                        best = None
+                        for c0, f in cfgs:
+                            c = replace(c0, parallel=replace(c0.parallel, **experts))
+                            if t.global_batch_size % (c.training.micro_batch_size * dp):
+                                continue
+                            cut = (1 + PRUNE) * fastest if fastest else None
+                            p = _first_fit(c, cluster, splits[:SPLITS_TRIED], tp, pp, dp,
+                                           vpp, zero, cp, memo, misses, rep,
+                                           (cut, f))  # fmt: skip
+                            if p is None:
+                                continue
+                            p.step_time = step_time(c, p, cluster, f)
+                            p.recompute = c.training.recompute
+                            if best is None or p.step_time < best.step_time:
+                                best = p
+                            fastest = min(fastest or p.step_time, p.step_time)
+                        if best is not None:
+                            plans.append(best)
     if misses is not None:
         misses.sort(key=lambda p: p.memory["total"])
     plans.sort(key=lambda p: (p.step_time, sum(p.comm.values()), p.memory["total"]))
+    plans = _ties_to_less_model_parallelism(plans)
     return plans[:limit] if limit else plans
+
+
+TIE = 0.005  # step times this close are one estimate for the model (docs/planner.md)
+
+
+def _ties_to_less_model_parallelism(plans: list[Plan]) -> list[Plan]:
+    """Plans sorted by step time, each run of them within TIE of its first reordered by their
+    model parallelism: the fewer pipeline stages, then the smaller tp·cp, then the order they
+    had. Below the model's resolution the layout with more data parallelism wins, as
+    Megatron-LM advises (the least model parallelism that fits, pipeline stages last: each adds
+    bubble, p2p and an uneven memory the model counts only in part)."""
+    out, i = [], 0
+    while i < len(plans):
+        j = i
+        while j < len(plans) and plans[j].step_time <= (1 + TIE) * plans[i].step_time:
+            j += 1
+        run = plans[i:j]
+        out += sorted(run, key=lambda p: (p.layout.pp, p.layout.tp * p.layout.cp))
+        i = j
+    return out
+
+
+EXPERT_PARALLEL = (1, 2, 4, 8, 16, 32, 64)  # the ep sizes the search tries (MoE models)
+
+
+def expert_sizes(cfg: Config, tp: int, dp: int) -> list[dict]:
+    """The expert layouts the search tries at (tp, dp), as ParallelConfig fields: the configured
+    (ep, etp), and for an MoE model each ep of EXPERT_PARALLEL that divides the experts, with
+    the experts' width unsplit (etp 1: ep with or without tp) or split over tp (etp = tp), where
+    ep·etp divides a stage's tp·dp ranks."""
+    p, m = cfg.parallel, cfg.model
+    out = [{"ep": p.ep, "etp": p.etp}]
+    if not m.num_experts:
+        return out
+    etps = [1] + ([tp] if tp > 1 and m.moe_ffn % tp == 0 else [])
+    for ep in EXPERT_PARALLEL:
+        for etp in etps:
+            x = {"ep": ep, "etp": etp}
+            if m.num_experts % ep == 0 and (tp * dp) % (ep * etp) == 0 and x not in out:
+                out.append(x)
+    return out
 
 
 def cp_sizes(cfg: Config, gpus: int) -> list[int]:
     """The context-parallel sizes the search tries: the configured one, and the powers of two
-    that divide the GPUs and leave each rank at least MIN_CP_TOKENS tokens of a sequence
-    (shorter blocks keep attention's kernels and the ring's messages small)."""
+    that divide the GPUs and the sequence into 2 cp blocks (the causal load balance) and leave
+    each rank at least MIN_CP_TOKENS tokens of a sequence (below, attention's kernels and the
+    ring's messages are too small to pay; compute.py times what is above)."""
     sizes, c = {cfg.parallel.cp}, 2
-    while gpus % c == 0 and cfg.model.seq_length // c >= MIN_CP_TOKENS:
+    s = cfg.model.seq_length
+    while gpus % c == 0 and s % (2 * c) == 0 and s // c >= MIN_CP_TOKENS:
         sizes.add(c)
         c *= 2
     return sorted(c for c in sizes if gpus % c == 0)
@@ -201,9 +266,10 @@ def _replicates(dp: int, inner: int, zero, gpus_per_node: int) -> list[int]:
 
 
 def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
-               replicate: int = 1) -> Plan | None:  # fmt: skip
+               replicate: int = 1, cut=(None, 0.0)) -> Plan | None:  # fmt: skip
     """The plan of the first of `splits` (stages.splits: best first) with which the layout
-    runs and fits the cluster, or None."""
+    runs and fits the cluster, or None. `cut`: (seconds, FLOPs per token): a layout whose
+    compute alone (ranking.compute_bound) passes those seconds is not planned."""
     for split in splits:
         par = {**stages.NO_SPLIT, **dict(split), "dp_replicate": replicate}
         c = replace(cfg, parallel=replace(cfg.parallel, **par))
@@ -212,11 +278,19 @@ def _first_fit(cfg, cluster, splits, tp, pp, dp, vpp, zero, cp, memo, misses,
         except MegaliteError:
             continue
         # before walking schedules; the same at every micro-batch size
-        key = ("state", split, tp, pp, dp, vpp, zero.stage, cp, replicate)
+        key = ("state", split, tp, pp, dp, vpp, zero.stage, cp, replicate, cfg.parallel.ep,
+               cfg.parallel.etp)  # fmt: skip
         if key not in memo:
             memo[key] = _state_fits(c, shape, cluster)
         if not memo[key]:
             continue
+        if cut[0] is not None:
+            key = ("bound", split, tp, pp, dp, vpp, cp, shape.micro_batch_size,
+                   cfg.training.recompute, shape.ep, shape.etp)  # fmt: skip
+            if key not in memo:
+                memo[key] = compute_bound(c, shape, cluster, cut[1])
+            if memo[key] > cut[0]:
+                continue
         p = plan(c, shape, cluster, all_stages=False, memo=memo)
         p.split = split
         if p.fits:

@@ -49,9 +49,17 @@ def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=Fal
     split over ep (and each over etp)."""
     # hashable for the cache: list fields (moe_dense_layers) as tuples
     fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))
-    kinds = {}  # MoE or dense -> the first layer index of that kind (its template)
-    for i in layers:
-        kinds.setdefault(m.is_moe_layer(i), i)
+    return list(_chunk_specs(fields, tp, tuple(layers), has_embedding, has_head, sp, ep, etp))
+
+
+@lru_cache(maxsize=4096)
+def _chunk_specs(fields, tp, layers, has_embedding, has_head, sp, ep, etp) -> tuple:
+    m = ModelConfig(*fields)
+    kinds = {}  # MoE or dense -> the model's first layer of that kind (its template, so that
+    for i in layers:  # every chunk of a model shares it: the search plans thousands)
+        moe = m.is_moe_layer(i)
+        if moe not in kinds:
+            kinds[moe] = next(j for j in range(m.num_layers + 64) if m.is_moe_layer(j) == moe)
     reps = tuple(sorted(kinds.values())) or (0,)
     template = _template(fields, tp, sp and tp > 1, has_embedding, has_head, reps, ep, etp)
     head = ("final_norm", "output", "mtp")  # the head, then the MTP modules (model/mtp.py)
@@ -62,7 +70,7 @@ def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=Fal
         rep = f"layers.{kinds[m.is_moe_layer(i)]}."
         out += [(f"layers.{i}." + n.removeprefix(rep), k, s) for n, k, s in template
                 if n.startswith(rep)]  # fmt: skip
-    return out + after
+    return tuple(out + after)
 
 
 @lru_cache(maxsize=64)

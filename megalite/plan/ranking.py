@@ -1,6 +1,7 @@
-"""The cluster a plan is for, and the estimated step time the layout search ranks by: the model
-FLOPs at an assumed MFU, stretched by the pipeline bubble, plus the communication not hidden
-behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes: the network):
+"""The cluster a plan is for, and the estimated step time the layout search ranks by: the compute
+timed op by op by its shape (compute.py; or the FLOPs at a flat `Cluster.mfu`), stretched by the
+pipeline bubble, the optimizer step, plus the communication not hidden behind compute at the
+cluster's bandwidths (inside a node: NVLink; across nodes: the network):
 
 - the pipeline moves at its busiest rank's pace: its layers, and the output layer (and MTP
   modules) where it holds them (stages.py; an uneven split evens them out);
@@ -23,10 +24,10 @@ behind compute at the cluster's bandwidths (inside a node: NVLink; across nodes:
   window is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds
   its n - 1 steps of latency (the slowest hop's).
 
-A crude model (no GEMM efficiency by shape, latency for the data-parallel rings only, one
-bandwidth per link kind), but one that orders layouts by what they cost rather than by memory
-alone; docs/planner.md checks it against the layouts of Narayanan et al. 2021, Table 1, Llama 3
-405B and Megatron-LM's README table.
+A simple model (latency for the data-parallel rings only, one bandwidth per link kind, whatever
+a message's size), but one that orders layouts by what they cost rather than by memory alone;
+docs/planner.md calibrates it on Megatron-LM's README table and checks it against Llama 3 405B
+and Narayanan et al. 2021, Table 1 (published.py).
 """
 
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from functools import lru_cache
 
 from megalite.config import Config
 from megalite.pipeline.actions import B, F, I, W, compute_seconds
-from megalite.pipeline.schedules import schedule
+from megalite.pipeline.schedules import bubble_theory, schedule
+from megalite.plan import compute as by_shape
 from megalite.plan import links, stages
 from megalite.plan.activations import schedule_steps
 from megalite.plan.memory import fused_blocks
@@ -49,12 +51,14 @@ class Cluster:
     gpus_per_node: int = 8
     usable: float = 0.9  # CUDA context, allocator fragmentation, NCCL buffers, temporaries
     # For the estimated step time (ranking.step_time): dense peak per GPU at the training
-    # precision (H100/H200 SXM bf16), the MFU the compute reaches, and the bandwidth per GPU and
+    # precision (H100/H200 SXM bf16), a flat MFU if given (else compute.py times each op on
+    # `gpu`), and the bandwidth per GPU and
     # direction inside a node (NVLink 4: 450 GB/s) and across nodes (a 400 Gb/s NIC per GPU,
     # InfiniBand NDR or RoCE: 50 GB/s), in GB/s: an H100 SXM node as DGX H100 builds it. An A100
     # node: 312 TFLOP/s, 300 GB/s (NVLink 3) and 25 GB/s (200 Gb/s HDR).
     peak_tflops: float = 989.0
-    mfu: float = 0.45
+    mfu: float | None = None  # a flat MFU instead of compute.py's time by shape
+    gpu: str = "h100"  # compute.GPUS: its bandwidth, SMs and best GEMM throughput
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     # A ring collective's step waits for its slowest hop: about a microsecond over NVLink, a few
@@ -69,13 +73,31 @@ def step_time(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> float
     return sum(step_parts(cfg, p, cluster, flops_per_token).values())
 
 
+def compute_bound(cfg: Config, shape, cluster: Cluster, flops_per_token: float) -> float:
+    """A lower bound of a layout's step time: the busiest rank's compute stretched by the
+    bubble, no communication (the search skips what cannot come near its fastest)."""
+    m, t = cfg.model, cfg.training
+    if cluster.mfu:
+        flops = flops_per_token * t.global_batch_size * m.seq_length / cluster.gpus
+        compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    else:
+        compute = shape.microbatches * by_shape.microbatch_seconds(cfg, shape, cluster) / shape.pp
+    slowest = stages.slowest(shape.partition, *stages.shares(cfg, flops_per_token))
+    bubble = bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule)
+    return compute * slowest * (1 + bubble)
+
+
 def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict:
     """The step time's terms, in seconds: compute (the busiest rank's, stretched by the bubble)
     and what each group's communication adds (exposed)."""
     m, t, lay = cfg.model, cfg.training, p.layout
     tokens = t.global_batch_size * m.seq_length
     flops = flops_per_token * tokens / cluster.gpus
-    compute = flops / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    if cluster.mfu:  # the average rank's compute: the FLOPs at a flat MFU
+        compute, optimizer = flops / (cluster.peak_tflops * 1e12 * cluster.mfu), 0.0
+    else:  # or each op by its shape (compute.py), its micro-batches over the pp ranks
+        compute = p.microbatches * by_shape.microbatch_seconds(cfg, lay, cluster) / lay.pp
+        optimizer = by_shape.optimizer_seconds(p.memory["optimizer"], cluster)
     node = cluster.gpus_per_node
     bw = cluster.intra_node_gbps, cluster.inter_node_gbps
     lay_links = p.links or links.link_bytes(lay, p.comm, node, cfg.parallel.cp_comm_type)
@@ -129,7 +151,8 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     # modules where it holds them (stages.py: their share of the FLOPs, recomputed under full)
     slowest = stages.slowest(lay.partition, *stages.shares(cfg, flops_per_token))
     tp = _tp_exposed(cfg, lay, seconds("tp"), compute * slowest)
-    return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble, "tp": tp,
+    return {"compute": compute * slowest, "bubble": compute * slowest * p.bubble,
+            "optimizer": optimizer, "tp": tp,
             "pp": pp, "cp": cp, "ep": ep, "embed": embed, "dp": exposed}  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 the layouts that fit (`format_ranking`), as `--dry-run` and tools/plan.py print them."""
 
 from megalite.parallel.groups import communicators
+from megalite.plan.launch import launch_line, preferred
 from megalite.plan.layouts import Plan
 from megalite.plan.ranking import Cluster, GiB
 from megalite.plan.stages import flag_text
@@ -41,8 +42,8 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
             + f"{_gib(mem['activations']):>13}{_gib(mem['total']):>11}{extra}"
         )  # fmt: skip
     lines.append(
-        "  not counted: forward temporaries, the allocator's cache and fragmentation, "
-        "NCCL's buffers (docs/planner.md)"
+        "  not counted: the allocator's cache and fragmentation, NCCL's buffers, the CUDA "
+        "context (docs/planner.md)"
     )
     lines.append("  bytes per step: " + ", ".join(f"{k} {_bytes(v)}" for k, v in p.comm.items()))
     if p.links:  # links.py: where each group's bytes travel
@@ -65,23 +66,34 @@ def format_plan(p: Plan, cluster: Cluster | None = None, step_time: float | None
     return "\n".join(lines)
 
 
-def format_ranking(plans: list[Plan], cluster: Cluster, misses: list | None = None) -> str:
-    """The layouts of `search`, fastest first, with the assumptions of the step time."""
+def format_ranking(
+    plans: list[Plan],
+    cluster: Cluster,
+    misses: list | None = None,
+    cfg=None,
+    given=None,
+    top: int | None = None,
+) -> str:
+    """The layouts of `search`, fastest first, with the assumptions of the step time; the layout
+    to launch (launch.preferred) and, with `cfg`, its launch line; `given`: the plan of the
+    layout given on the command line, placed among them; `top`: the rows listed."""
     head = f"layouts that fit {cluster.gpus} GPUs of {cluster.gpu_memory_gib} GiB "
     head += f"({cluster.gpus_per_node} per node), fastest first,"
-    head += f" at {cluster.mfu:.0%} MFU of {cluster.peak_tflops:g} TFLOP/s, "
+    speed = f"{cluster.mfu:.0%} MFU" if cluster.mfu else f"each op by its shape on {cluster.gpu}"
+    head += f" at {speed}, {cluster.peak_tflops:g} TFLOP/s peak, "
     head += f"{cluster.intra_node_gbps:g}/{cluster.inter_node_gbps:g} GB/s in/across nodes:"
-    rows = [head, f"  {'#':>2}  {'layout':<34}  {'mbs':>3}  {'step (est.)':>11}  {'memory':>10}"
+    rows = [head, f"  {'#':>2}  {'layout':<34}  {'mbs':>3}  {'recompute':>9}  {'step (est.)':>11}"
+                  f"  {'memory':>10}"
                   f"  {'bubble':>6}  {'tp bytes':>9}  {'pp bytes':>9}  {'dp bytes':>9}"]  # fmt: skip
-    for i, p in enumerate(plans, 1):
+    for i, p in enumerate(plans[:top], 1):
         rows.append(
             f"  {i:>2}  {str(p.layout):<34}  {p.layout.micro_batch_size:>3}"
-            f"  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
+            f"  {p.recompute or '':>9}  {p.step_time:>10.3f}s  {_gib(p.memory['total']):>10}"
             f"  {p.bubble:>6.1%}  "
             + "  ".join(f"{_bytes(p.comm.get(k, 0)):>9}" for k in ("tp", "pp", "dp"))
         )
     if plans:
-        rows += _chosen(plans[0])
+        rows += _chosen(plans, cluster, cfg, given)
     if not plans:
         rows.append(
             "  none: no layout both splits the batch (--global-batch-size, --micro-batch-size) "
@@ -105,19 +117,48 @@ def launch_flags(p: Plan) -> str:
     out += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}" if lay.vpp > 1 else ""
     out += " --sequence-parallel" if lay.sequence_parallel else ""
     out += f" --zero-stage {lay.zero.stage} --micro-batch-size {lay.micro_batch_size}"
+    out += f" --recompute-granularity {p.recompute}" if p.recompute else ""
     out += f" --dp-replicate {lay.dpr}" if lay.dpr > 1 else ""
     split = flag_text(p.split)
     return out + (f" {split}" if split else "")
 
 
-def _chosen(p: Plan) -> list[str]:
-    """The fastest layout's flags, its layers per virtual stage, and its bytes per step over
-    each kind of link (links.py)."""
-    rows = [f"  the fastest: {launch_flags(p)}"]
+def _chosen(plans: list[Plan], cluster: Cluster, cfg, given) -> list[str]:
+    """Where the layout given ranks; the layout to launch (launch.preferred: the fastest, or one
+    nearly as fast with more memory to spare, the margin said), its flags, its layers per virtual
+    stage, its bytes per step over each kind of link (links.py) and, with `cfg`, its launch
+    line."""
+    usable = cluster.usable * cluster.gpu_memory_gib * GiB
+    rows = []
+    if given is not None and given.step_time is not None:
+        rank = 1 + sum(q.step_time < given.step_time for q in plans)
+        rows.append(f"  the layout given ({given.layout}, mbs {given.layout.micro_batch_size}): "
+                    f"{given.step_time:.3f} s (est.), "
+                    + ("does NOT fit; it would rank" if not given.fits else "ranks")
+                    + f" #{rank} of {len(plans)}, {given.step_time / plans[0].step_time - 1:+.1%}"
+                    " against the fastest")  # fmt: skip
+    p, fastest = preferred(plans, usable)
+    if p is fastest:
+        free = usable - p.memory["total"]
+        rows.append(f"  the fastest, {_gib(free)} of {_gib(usable)} usable to spare: "
+                    f"{launch_flags(p)}")  # fmt: skip
+    else:
+        i = plans.index(p) + 1
+        more = fastest.memory["total"] - p.memory["total"]
+        rows.append(
+            f"  chosen: #{i}, {p.step_time / fastest.step_time - 1:.1%} slower (est.) than the "
+            f"fastest ({fastest.layout}) with {_gib(more)} more to spare "
+            f"({_gib(usable - p.memory['total'])} of {_gib(usable)} usable, the fastest "
+            f"{_gib(usable - fastest.memory['total'])}): {launch_flags(p)}"
+        )
     if p.layout.pp > 1:
         counts = p.layout.partition.counts
         rows.append(f"    layers per virtual stage, in pipeline order: {_runs(counts)}")
-    return rows + _link_lines(p)
+    rows += _link_lines(p)
+    if cfg is not None:
+        rows.append(f"  launch ({p.layout}, mbs {p.layout.micro_batch_size}):")
+        rows.append("    " + launch_line(cfg, p, cluster.gpus_per_node))
+    return rows
 
 
 def _runs(counts) -> str:

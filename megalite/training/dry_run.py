@@ -12,19 +12,22 @@ from megalite.training.flops import hardware_flops_per_token, peak_flops
 
 
 def cluster_from_env(world_size: int, precision: str = "bf16") -> Cluster:
-    """The cluster a dry run plans for: the local GPU's memory and peak when there is one (no
+    """The cluster a dry run plans for: the local GPU's memory, peak and kind when there is one (no
     process group needed), else an 80 GiB H100's; GPUs per node from torchrun's
     LOCAL_WORLD_SIZE, else 8."""
     import os
 
     import torch
 
-    memory, peak = 80.0, Cluster(1).peak_tflops
+    memory, peak, gpu = 80.0, Cluster(1).peak_tflops, Cluster(1).gpu
     if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
         memory = torch.cuda.get_device_properties(0).total_memory / GiB
-        peak = (peak_flops(torch.cuda.get_device_name(0), precision) or peak * 1e12) / 1e12
+        peak = (peak_flops(name, precision) or peak * 1e12) / 1e12
+        # compute.GPUS by name (its bandwidth and GEMM efficiency); an unlisted one as an H100
+        gpu = next((k for k in ("b200", "h200", "a100") if k.upper() in name), gpu)
     node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    return Cluster(world_size, round(memory, 1), node, peak_tflops=peak)
+    return Cluster(world_size, round(memory, 1), node, peak_tflops=peak, gpu=gpu)
 
 
 def print_plan(
@@ -34,11 +37,13 @@ def print_plan(
     top: int = 8,
     zero_stages=None,
     micro_batch_sizes=None,
+    recomputes=None,
 ):
     """The plan of `shape` (`validate`'s: the layout given), then the best layouts for as many
     GPUs. `shape` may instead be the sentence why the layout given cannot run on the cluster
     (tools/plan.py): the search still runs. `zero_stages`, `micro_batch_sizes`: those the search
-    tries (layouts.search)."""
+    tries (layouts.search); `recomputes`: the granularities it tries (default: cfg's). The
+    ranking ends with the launch line of the layout it prefers."""
     # the built-in tokenizer's vocabulary is known before it is trained
     vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
@@ -47,8 +52,13 @@ def print_plan(
         print(f"the layout given does not run on {cluster.gpus} GPUs: {shape}")
     else:
         cluster = cluster or cluster_from_env(shape.world_size, cfg.training.precision)
-        p = plan(cfg, shape, cluster)
-        print(format_plan(p, cluster, step_time(cfg, p, cluster, flops)))
+        given = plan(cfg, shape, cluster)
+        given.step_time = step_time(cfg, given, cluster, flops)
+        print(format_plan(given, cluster, given.step_time))
     misses = []  # what was planned and did not fit: the nearest is named when none fits
-    plans = search(cfg, cluster, flops, top, zero_stages, misses, micro_batch_sizes)
-    print(format_ranking(plans, cluster, misses), flush=True)
+    tried = None
+    if recomputes:  # {granularity: hardware FLOPs per token} for the search
+        tried = {r: hardware_flops_per_token(cfg.model, r) for r in recomputes}
+    plans = search(cfg, cluster, flops, None, zero_stages, misses, micro_batch_sizes, tried)
+    shown = None if isinstance(shape, str) else given  # placed among the layouts searched
+    print(format_ranking(plans, cluster, misses, cfg, shown, top), flush=True)

@@ -179,3 +179,21 @@ def test_backward_working_counts_the_regathered_input(monkeypatch):
     sp = backward_working(cfg, layout(cfg, tp=2, sequence_parallel=True), kw)
     assert made == [b * s * h * 4, b * s // 2 * h * 4]  # the rows again; the gradient's rows
     assert sp - backward_working(cfg, layout(cfg, tp=2), kw) == made[0]
+
+
+def test_forward_temporaries_are_counted():
+    """A forward's widest temporary (SwiGLU's silu(gate) here, wider than the gathered input)
+    is in the peak with buffers: the peak of the first forward alone is at least it."""
+    from megalite.plan.activations import peaks
+    from megalite.plan.buffers import forward_working
+    from megalite.shape import validate
+    from tests.unit.plan_configs import big
+
+    cfg = big("llama", 4, 1024, 8, 512, 1000, mbs=2, gbs=2, precision="bf16")
+    cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, True
+    shape = validate(cfg, 2)
+    kw = shape.partition.rank_chunks(0)[0]
+    fwd = forward_working(cfg, shape, kw)
+    assert fwd == 2 * 512 * cfg.model.ffn / 2 * 2  # tokens · ffn/tp · bf16
+    plain, peak = peaks(cfg, shape, 0, 1)
+    assert peak >= plain + fwd

@@ -68,7 +68,7 @@ def test_plans_the_megatron_paper_layouts():
     parallelism fits and the planner prefers it), full recompute, A100 peak; the table gives no
     micro-batch size, 2 is assumed. 530B's pp=35 is no power of two: the search tries every pp
     that divides the GPUs and the layers (105 = 35 * 3)."""
-    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312,
+    a100 = Cluster(gpus=1, gpu_memory_gib=80, gpus_per_node=8, peak_tflops=312, gpu="a100",
                    intra_node_gbps=300, inter_node_gbps=25)  # fmt: skip
     missed = []
     for name, heads, h, layers, tp, pp, gpus, batch in TABLE_1:
@@ -81,8 +81,10 @@ def test_plans_the_megatron_paper_layouts():
         paper = next(p for p in plans if (p.layout.tp, p.layout.pp) == (tp, pp))
         missed.append((name, round(paper.step_time / plans[0].step_time - 1, 3)))
     # 18B: the per-link model (plan/links.py) gives tp4's data-parallel rings two NICs per node
-    # where tp8's have one; the paper's tp8 ranks 5th, 7% behind (docs/planner.md)
-    assert [n for n, _ in missed] == ["18B"] and missed[0][1] < 0.08, missed
+    # where tp8's have one, and the time by shape (plan/compute.py) tp8's GEMMs 3,072 wide
+    # against tp4's 6,144; the paper's tp8 ranks 5th, 11% behind (docs/planner.md). A held-out
+    # row of the calibration (plan/published.py): its estimate is reported, not fitted.
+    assert [n for n, _ in missed] == ["18B"] and missed[0][1] < 0.12, missed
 
 
 def test_the_last_stage_runs_the_mtp_modules():
@@ -92,7 +94,7 @@ def test_the_last_stage_runs_the_mtp_modules():
 
     cfg = big("deepseek_v3", 8, 1024, 8, 1024, 32000, mbs=1, gbs=64)
     cfg.model.mtp_num_layers = 2
-    cluster = Cluster(gpus=8, gpu_memory_gib=80)
+    cluster = Cluster(gpus=8, gpu_memory_gib=80, mfu=0.45)  # the flat model: its compute below
     p = layouts.plan(cfg, layout(cfg, pp=4, dp=2), cluster)
     f = flops(cfg)
     with_mtp = step_time(cfg, p, cluster, f)
