@@ -200,6 +200,11 @@ QUICK = {
         ["--samples", "2000000", "--docs", "100000", "--rounds", "1"],
         "10^8 samples over 2M documents, 2 rounds (docs/benchmarks.md)",
     ),
+    "checkpoint/bench_recovery.py": (
+        ["--iters", "8", "--kill-after", "5", "--overhead-iters", "0"],
+        "the local save's cost on the step (--overhead-iters)",
+    ),
+    "plan/plan_calibration.py": (["--only", "GPT 1.7B"], "the other published rows"),
     "checkpoint/bench_async_save.py": (
         [
             "--layers",

@@ -231,7 +231,7 @@ def write_doc(path: Path, results, archs, full: bool) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="the whole sweep (default: quick set)")
     p.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), choices=sorted(ARCHS))
     p.add_argument("--write", type=Path, help="update this markdown file's table")

@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="merge_datasets.py", description=__doc__.split("\n")[0])
+    p = _Parser(prog="merge_datasets.py", allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="the directory holding the .bin/.idx shards")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument(

@@ -52,7 +52,7 @@ KERNEL_US = 2.0  # a kernel's fixed cost on the GPU (launch, tail)
 MEMORY_EFFICIENCY = 0.7  # of the HBM bandwidth a streaming kernel reaches
 ATTENTION_HALF = 512.0  # the key length at which flash attention runs at half its best
 # Calibrated on Megatron-LM's README table (a least-squares fit of the relative error of its
-# nine rows: bench/plan_calibration.py; docs/planner.md): the clocks kept under load against
+# nine rows: bench/plan/plan_calibration.py; docs/planner.md): the clocks kept under load against
 # MAMF's bursts, flash attention's forward and backward against the sustained peak, and the
 # bytes the memory-bound ops move against the count above (dropout, biases, fp32 casts, the
 # kernels not fused).

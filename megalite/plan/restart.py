@@ -16,7 +16,7 @@ optimizer state is sharded, else data-parallel rank 0 all of its stage (the busi
   bandwidth all ranks share, and hashes one file.
 - **Work lost**: on average half an interval of steps (the local or the persistent one).
 
-Estimates, not measurements: docs/reliability.md holds what bench/bench_recovery.py measured.
+Estimates, not measurements: docs/reliability.md holds what bench/checkpoint/bench_recovery.py measured.
 """
 
 from megalite.plan.memory import BYTES, buckets, replicas

@@ -2,7 +2,7 @@
 newest local iteration (not the older persistent one) through the peers' replicas, at the
 same world or a smaller one, with the uninterrupted run's losses; a corrupt copy is never
 loaded (its replica, or the persistent tier, is). Four ranks, tp2: ranks 0-1 play node 0, ranks 2-3 node 1 (--replication-jump 2). The
-two-agent, 8-rank version of the same: bench/bench_recovery.py."""
+two-agent, 8-rank version of the same: bench/checkpoint/bench_recovery.py."""
 
 import shutil
 

@@ -117,3 +117,30 @@ def test_megatrons_delayed_fp8_knobs_ask_for_delayed_scaling():
                     "--fp8-recipe", "tensorwise"]).training  # fmt: skip
     assert t.fp8_recipe == "tensorwise"
     assert parse_args(["--fp8-format", "hybrid"]).training.fp8_recipe == "tensorwise"
+
+
+def test_every_parser_matches_flags_whole():
+    """Every argparse parser of megalite/, tools/, bench/ and pretrain_gpt.py is built with
+    allow_abbrev=False: a prefix (--swiglu of --swiglu-limit) never takes another flag's meaning."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "pretrain_gpt.py"]
+    for d in ("megalite", "tools", "bench", "kernels"):
+        files += sorted((root / d).rglob("*.py"))
+    parsers = {"ArgumentParser", "_Parser"}
+    seen, loose = 0, []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name not in parsers:
+                continue
+            seen += 1
+            kw = {k.arg: k.value for k in node.keywords}
+            if not (isinstance(kw.get("allow_abbrev"), ast.Constant) and
+                    kw["allow_abbrev"].value is False):  # fmt: skip
+                loose.append(f"{f.relative_to(root)}:{node.lineno}")
+    assert seen > 10 and not loose, loose

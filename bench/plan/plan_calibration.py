@@ -3,7 +3,7 @@
 were not) planned at its published layout, its estimated per-GPU TFLOP/s beside the published,
 and where the published (tp, cp, pp) ranks among the layouts searched. Pure arithmetic (no GPU).
 
-    .venv/bin/python bench/plan_calibration.py [--fit] [--only NAME]
+    .venv/bin/python bench/plan/plan_calibration.py [--fit] [--only NAME]
 
 --fit: also the least-squares fit (relative error) of two scales on the calibration rows: one
 for the compute-bound time (GEMMs and attention) and one for the memory-bound ops; plan/compute.py's
@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megalite.plan import compute, published  # noqa: E402
 from megalite.plan.ranking import step_parts  # noqa: E402
@@ -59,7 +59,7 @@ def split_times(row, p):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--fit", action="store_true")
     ap.add_argument("--only", default=None)
     args = ap.parse_args(argv)

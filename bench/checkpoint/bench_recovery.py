@@ -1,6 +1,6 @@
 """Recovery from a lost node, local tier against persistent, and what local saves cost a step.
 
-    .venv/bin/python bench/bench_recovery.py [--iters 12] [--kill-after 7] [--layers 2]
+    .venv/bin/python bench/checkpoint/bench_recovery.py [--iters 12] [--kill-after 7] [--layers 2]
         [--hidden 64] [--overhead-iters 30] [--overhead-hidden 256] [--overhead-layers 4]
         [--overhead-only] [--summary PATH]
 
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import figure, machine, write_summary  # noqa: E402
@@ -164,7 +164,7 @@ def overhead(a, base, tiers, port) -> list:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--kill-after", type=int, default=7)
     ap.add_argument("--layers", type=int, default=2)
