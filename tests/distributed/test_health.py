@@ -79,9 +79,9 @@ def _spikes(rank, world):
     runs = {}  # iteration -> schedule runs so far (a re-run is the second)
     real_run = tr._run
 
-    def counted(batch, lr):
+    def counted(*args):
         runs[tr.iteration + 1] = runs.get(tr.iteration + 1, 0) + 1
-        return real_run(batch, lr)
+        return real_run(*args)
 
     tr._run = counted
     for chunk in tr.chunks:
