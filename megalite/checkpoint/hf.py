@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import hf_deepseek
-from megalite.checkpoint.hf_config import hf_config, model_config_from_hf
+from megalite.checkpoint.hf_config import hf_config, model_config_from_hf, with_source_fields
 from megalite.checkpoint.hf_moe import moe_export
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import SENTENCEPIECE, load_tokenizer
@@ -51,6 +51,7 @@ __all__ = [
     "from_hf",
     "hf_config",
     "hub_fields",
+    "with_source_fields",
     "model_config_from_hf",
     "to_hf",
 ]

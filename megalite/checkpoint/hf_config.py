@@ -177,6 +177,31 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
+# transformers' bookkeeping and the weights' dtype (the export's own): never taken from a source
+NOT_CARRIED = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")
+
+
+def with_source_fields(config: dict, source: dict | None) -> dict:
+    """`config` (hf_config's) with each field of the source's config.json (the model it was
+    imported from) that says the same model: one megalite does not read (initializer_range,
+    use_cache, a user's own) or spells another way (rope_scaling's "type") keeps the source's
+    value; one the model changed since (a longer context, another RoPE factor) keeps the
+    model's. Decided by reading the config back with the field both ways."""
+    if not source:
+        return config
+    out, mine = dict(config), model_config_from_hf(config)
+    for key, value in source.items():
+        if key in NOT_CARRIED or key in out and out[key] == value:
+            continue
+        try:
+            same = model_config_from_hf({**out, key: value}) == mine
+        except (MegaliteError, KeyError, TypeError, ValueError, AttributeError):
+            same = False  # the source's value reads as no model of these weights
+        if same:
+            out[key] = value
+    return out
+
+
 # ---- import ---------------------------------------------------------------------------------
 
 

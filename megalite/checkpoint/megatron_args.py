@@ -162,8 +162,8 @@ def config_from_args(args, vocab_size: int | None = None) -> ModelConfig:
         num_query_groups=groups if groups != heads else None,
         ffn_hidden_size=_get(a, "ffn_hidden_size", 4 * h),
         seq_length=seq,
-        max_position_embeddings=a.get("max_position_embeddings") if features.learned_positions
-        else None,
+        # the model's context (a RoPE model's too), apart from the run's sequence length
+        max_position_embeddings=a.get("max_position_embeddings"),
         vocab_size=vocab,
         make_vocab_size_divisible_by=_get(a, "make_vocab_size_divisible_by", 128),
         hidden_dropout=float(_get(a, "hidden_dropout", 0.0)),
@@ -274,8 +274,7 @@ def args_from_config(cfg: ModelConfig, tp=1, pp=1, vpp=None, ep=1, iteration=0,
         "add_qkv_bias": f.qkv_bias,
         "layernorm_epsilon": cfg.norm_epsilon,
         "norm_epsilon": cfg.norm_epsilon,
-        "max_position_embeddings": (cfg.max_position_embeddings or cfg.seq_length)
-        if f.learned_positions else cfg.seq_length,
+        "max_position_embeddings": context(cfg),
         "seq_length": cfg.seq_length,
         "vocab_size": cfg.vocab_size,
         "padded_vocab_size": padded_vocab_size(cfg, tp),
@@ -346,14 +345,22 @@ def _refuse_what_is_lost(cfg: ModelConfig, args: dict):
 _RESOLVED = {"ffn_hidden_size": lambda c: c.ffn, "num_query_groups": lambda c: c.heads_kv,
              "kv_channels": lambda c: c.head_dim, "moe_ffn_hidden_size": lambda c: c.moe_ffn,
              "untie_embeddings_and_output_weights": lambda c: not c.tied,
-             "max_position_embeddings": lambda c: (c.max_position_embeddings or c.seq_length)
-             if c.features.learned_positions else None}  # fmt: skip
+             "max_position_embeddings": lambda c: context(c)}  # fmt: skip
 _ROPE_USED = {"none": (), "linear": ("rope_scaling_factor",),
               "llama3": ("rope_scaling_factor", *MEGATRON_LLAMA3), "yarn": ()}  # fmt: skip
 _ROPE_FIELDS = {"rope_scaling_factor", "rope_original_max_position_embeddings",
                 "rope_low_freq_factor", "rope_high_freq_factor", "yarn_beta_fast",
                 "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor",
                 "yarn_truncate"}  # fmt: skip
+
+
+def context(cfg: ModelConfig) -> int:
+    """Megatron's max_position_embeddings: a learned table's size; a RoPE model's declared
+    context (a run at a shorter --seq-length keeps it), at least the sequence length (Megatron
+    requires it)."""
+    if cfg.features.learned_positions:
+        return cfg.max_position_embeddings or cfg.seq_length
+    return max(cfg.max_position_embeddings or 0, cfg.seq_length)
 
 
 def resolved(cfg: ModelConfig, name: str):

@@ -2,7 +2,7 @@
 
     python tools/convert_checkpoint.py SRC DST --to hf|megalite|megatron [--from ...]
         [--tp N --pp N --vpp N --ep N] [--format torch_dist|legacy] [--vocab-size N]
-        [--transformer-impl local|transformer_engine] [--apply-layernorm-1p] [--force]
+        [--transformer-impl local|transformer_engine] [--apply-layernorm-1p] [--dtype D] [--force]
 
 The source format is detected (or named by --from): a megalite checkpoint (a run directory
 with `latest`, or one iter_* directory with index.json), a Hugging Face model directory
@@ -13,7 +13,9 @@ legacy mp_rank_* folders or torch_dist files).
   megalite -> hf        config.json + model.safetensors for GPT2LMHeadModel / LlamaForCausalLM
                         (vocabulary padding stripped), plus the run's tokenizer: its
                         sentencepiece tokenizer.model or Hugging Face tokenizer.json, with a
-                        tokenizer_config.json that AutoTokenizer loads
+                        tokenizer_config.json that AutoTokenizer loads; config.json keeps
+                        every field of the HF model the checkpoint came from that still says
+                        this model, and the weights its dtype (--dtype to choose another)
   hf -> megalite        a weights-only megalite checkpoint (DST/iter_0000000 + DST/latest):
                         --load it to fine-tune; the trainer starts a fresh optimizer
   megalite -> megalite  a verified copy. The format is topology-free, so no resharding is
@@ -43,6 +45,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
@@ -175,6 +178,7 @@ def hf_to_megalite(src: Path, dst: Path, args):
     hub = {k: hf_config.get(k) for k in HUB_FIELDS if hf_config.get(k) is not None}
     if (gen := read_json(src / GENERATION_CONFIG)) is not None:
         hub["generation_config"] = gen
+    hub["config"] = hf_config  # every field a user sees, for the export back (with its dtype)
     meta = {
         "iteration": 0,
         "consumed_samples": 0,
@@ -192,6 +196,13 @@ def hf_to_megalite(src: Path, dst: Path, args):
 
 HUB_FIELDS = hf.HUB_FIELDS
 GENERATION_CONFIG = "generation_config.json"
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def source_dtype(config: dict) -> str | None:
+    """The dtype a Hugging Face config.json states (transformers >= 5: dtype, else torch_dtype)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in DTYPES else None
 
 
 def megalite_to_hf(src: Path, dst: Path, args):
@@ -201,11 +212,19 @@ def megalite_to_hf(src: Path, dst: Path, args):
     out = hf.to_hf(ckpt.lazy(), cfg)  # views of the mapped files where no arithmetic is needed
     if cfg.tied:  # one tensor under two names cannot be saved; transformers re-ties lm_head
         out.pop("lm_head.weight", None)
-    dtype = next(iter(out.values())).dtype
+    hub = ckpt.index.get("huggingface") or {}  # what the model it came from said
+    source = hub.get("config") or {}
+    have = next(iter(out.values())).dtype
+    dtype_name = args.dtype or source_dtype(source) or fmt.dtype_name(have)
+    dtype = getattr(torch, dtype_name)
+    if dtype != have:
+        why = "--dtype" if args.dtype else "the dtype its source model's config.json states"
+        print(f"note: weights written in {dtype_name} ({why}); the checkpoint holds "
+              f"{fmt.dtype_name(have)}", file=sys.stderr)  # fmt: skip
     shards = fmt.ShardWriter(dst, lambda k: f"model-{k + 1:05d}.safetensors", args.max_shard_size,
                              metadata={"format": "pt"})  # fmt: skip
     for k, t in progress(out.items(), "writing"):
-        shards.add(k, t)
+        shards.add(k, t.to(dtype))
     written, _ = shards.finish()
     del out
     if len(written) == 1:
@@ -219,12 +238,15 @@ def megalite_to_hf(src: Path, dst: Path, args):
         index = {"metadata": {"total_size": shards.total}, "weight_map": weight_map}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = hf.hf_config(cfg)
-    config["torch_dtype"] = fmt.dtype_name(dtype)
+    config["torch_dtype"] = dtype_name
+    if "dtype" in source:  # transformers >= 5's name for it
+        config["dtype"] = dtype_name
     config["bos_token_id"] = config["eos_token_id"] = None  # unknown without a tokenizer
     if name := fmt.stored_tokenizer(ckpt.files):  # the tokenizer the run trained with
         config.update(hf.export_tokenizer(ckpt.dir / name, dst))
-    hub = ckpt.index.get("huggingface") or {}  # what the model it came from said
     config.update({k: hub[k] for k in HUB_FIELDS if k in hub})
+    # and every other field it read (the token ids: the record's above, else the tokenizer's)
+    config = hf.with_source_fields(config, {k: v for k, v in source.items() if k not in HUB_FIELDS})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     generation = {
         k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None
@@ -379,6 +401,13 @@ def main(argv):
         default=fmt.SHARD_BYTES,
         help="the largest output file (megalite and Hugging Face targets; e.g. 2GB, 500MB): a "
         "conversion holds at most one such file's computed tensors (default 1GiB)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="--to hf: the weights' dtype (default: the dtype of the Hugging Face model the "
+        "checkpoint came from, else the checkpoint's own)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing DST")
     p.add_argument("--debug", action="store_true", help="full tracebacks")

@@ -17,6 +17,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.hf_random import write_random_hf
@@ -63,12 +64,23 @@ def continued(tiny_data, tmp_path_factory):
 
 
 def test_export_keeps_what_the_model_said(continued, tmp_path):
-    convert(continued / "ck", tmp_path / "hf", "--to", "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert fmt.Checkpoint(continued / "ck").model_config["seq_length"] == 32  # the run's
-    assert config["max_position_embeddings"] == 64  # the model's
-    assert (config["bos_token_id"], config["eos_token_id"]) == (5, 6)
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == GENERATION
+    ck = fmt.Checkpoint(continued / "ck")
+    assert ck.model_config["seq_length"] == 32  # the run's
+    assert {t["dtype"] for t in ck.tensors.values()} == {"float32"}  # the run's weights
+    # directly, and through Megatron-LM (torch_dist) and back
+    convert(continued / "ck", tmp_path / "mt", "--to", "megatron")
+    convert(tmp_path / "mt", tmp_path / "back", "--to", "megalite")
+    for src in ("ck", "back"):
+        hf = tmp_path / f"hf-{src}"
+        convert(continued / src if src == "ck" else tmp_path / src, hf, "--to", "hf")
+        config = json.loads((hf / "config.json").read_text())
+        assert config["max_position_embeddings"] == 64, src  # the model's
+        assert (config["bos_token_id"], config["eos_token_id"]) == (5, 6)
+        assert json.loads((hf / "generation_config.json").read_text()) == GENERATION
+        # the source's dtype (write_random_hf's bfloat16), the weights written in it
+        assert config["torch_dtype"] == "bfloat16", src
+        with safe_open(hf / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, src
 
 
 def test_data_without_tokenizer_uses_the_checkpoints(continued, tiny_data, tmp_path):

@@ -645,3 +645,17 @@ def test_ckpt_format_refuses_what_megatron_cannot_hold_in_one_line():
                       "checkpoint": {"ckpt_format": "torch_dist"}})  # fmt: skip
     with pytest.raises(MegaliteError, match="cannot be exported"):
         check_exportable(nano.model, nano)
+
+
+def test_a_rope_models_context_is_not_the_runs_sequence_length():
+    """A RoPE model declaring 2*SEQ positions, trained at SEQ/2: Megatron's args carry its
+    max_position_embeddings (not the run's seq_length) and an import reads it back."""
+    cfg = dataclasses.replace(megatron_args.config_from_args(margs("llama")),
+                              seq_length=SEQ // 2, max_position_embeddings=2 * SEQ)  # fmt: skip
+    args = megatron_args.args_from_config(cfg)
+    assert (args["max_position_embeddings"], args["seq_length"]) == (2 * SEQ, SEQ // 2)
+    back = megatron_args.config_from_args(args)
+    assert (back.max_position_embeddings, back.seq_length) == (2 * SEQ, SEQ // 2)
+    # a run longer than the declared context: Megatron's args need max >= seq
+    cfg = dataclasses.replace(cfg, seq_length=4 * SEQ)
+    assert megatron_args.args_from_config(cfg)["max_position_embeddings"] == 4 * SEQ

@@ -164,3 +164,34 @@ def test_megatron_round_trip_of_a_trained_run_keeps_its_tokenizers_ids(tmp_path,
     convert(tmp_path / "back", tmp_path / "hf", "--to", "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert {k: config[k] for k in ids} == ids
+
+
+def test_export_keeps_the_sources_own_fields_and_dtype(tmp_path):
+    """Fields megalite's model does not hold (initializer_range, use_cache, pad_token_id, a
+    field of the user's own) come back as the source wrote them, and so does its dtype: fp32
+    weights under a bfloat16 config (as a run's checkpoint holds) are written in bfloat16, or
+    in the dtype --dtype names."""
+    import torch
+    from safetensors import safe_open
+
+    extra = {"initializer_range": 0.006, "use_cache": False, "pad_token_id": 0,
+             "my_note": {"team": "x"}, "rope_scaling": {"type": "linear", "factor": 2.0}}  # fmt: skip
+    config = {**ARCHS["llama3"][1], "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              **extra}  # fmt: skip
+    del config["rope_parameters"]
+    d = write_random_hf(tmp_path / "src", config, dtype=torch.float32)
+    source = json.loads((d / "config.json").read_text())
+    source.update(torch_dtype="bfloat16", dtype="bfloat16")  # what the model says it is
+    (d / "config.json").write_text(json.dumps(source))
+    convert(d, tmp_path / "ml", "--to", "megalite")
+    for flags, want in (((), "bfloat16"), (("--dtype", "float32"), "float32")):
+        out = tmp_path / f"hf{len(flags)}"
+        convert(tmp_path / "ml", out, "--to", "hf", *flags)
+        config = json.loads((out / "config.json").read_text())
+        same = {k: v for k, v in source.items() if k not in ("torch_dtype", "dtype")}
+        assert {k: config.get(k) for k in same} == same
+        assert (config["torch_dtype"], config["dtype"]) == (want, want)
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {
+                {"bfloat16": "BF16", "float32": "F32"}[want]
+            }
