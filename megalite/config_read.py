@@ -159,9 +159,26 @@ def build_parser(prog="pretrain_gpt.py") -> argparse.ArgumentParser:
     return p
 
 
+class Given(set):
+    """The fields ("model.vocab_size", ...) a YAML file or a flag set, as opposed to defaults,
+    with where each came from (`sources`, read by `where`)."""
+
+    def __init__(self, *names):
+        super().__init__(*names)
+        self.sources: dict[str, str] = {}
+
+
+def where(given: set, name: str) -> str:
+    """Where field `name` was given, for a message: "model.vocab_size in run.yaml" or the flag
+    ("--vocab-size"; the flag's name where `given` does not say)."""
+    sources = getattr(given, "sources", {})
+    return sources.get(name) or "--" + name.split(".")[-1].replace("_", "-")
+
+
 def parse_args(argv=None, given: set | None = None) -> Config:
     """Defaults, then the YAML of --config, then the flags given. `given`, when passed, receives
-    the fields set by the YAML or a flag ("model.hidden_size", ...), as opposed to defaults."""
+    the fields set by the YAML or a flag ("model.hidden_size", ...), as opposed to defaults; a
+    `Given` also where each came from."""
     argv = translate(sys.argv[1:] if argv is None else argv)  # Megatron's flags: megalite's
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
@@ -183,8 +200,14 @@ def parse_args(argv=None, given: set | None = None) -> Config:
         apply(cfg, d, source=f"config file {path}")
         if given is not None:
             given.update(f"{sec}.{k}" for sec, v in d.items() for k in v)
+        if isinstance(given, Given):
+            given.sources.update({f"{sec}.{k}": f"{sec}.{k} in {path}" for sec, v in d.items()
+                                  for k in v})  # fmt: skip
     if given is not None:
         given.update(args)
+    if isinstance(given, Given):  # a flag wins over the YAML
+        flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+        given.sources.update({dest: flags.get(dest, dest) for dest in args})
     for dest, value in args.items():
         sec, name = dest.split(".")
         setattr(getattr(cfg, sec), name, value)

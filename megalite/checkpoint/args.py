@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from megalite.config import Config, ModelConfig
-from megalite.config_read import from_dict
+from megalite.config_read import from_dict, where
 from megalite.errors import MegaliteError
 
 FREE = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std",
@@ -98,7 +98,8 @@ def with_checkpoint_model(cfg: Config, given: set, path) -> Config:
     want, have = _effective(theirs), _effective(out.model)
     for name in sorted(want, key=lambda n: f"model.{n}" not in given):  # a given one first
         if have[name] != want[name]:
-            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            flag = where(given, f"model.{name}") if f"model.{name}" in given else \
+                FLAGS.get(name, "--" + name.replace("_", "-"))  # fmt: skip
             example = _shape_example(ckpt.tensors, out.model)
             raise MegaliteError(
                 f"checkpoint {ckpt.dir} has {name}={want[name]} but this run's {flag} is "

@@ -168,21 +168,22 @@ class Datasets:
     test: GPTDataset | BlendedDataset | None = None
 
 
-def build_datasets(cfg) -> Datasets:
+def build_datasets(cfg, vocab_from: str = "--vocab-size") -> Datasets:
     """Train/valid(/test) datasets and the tokenizer for a `megalite.config.Config`.
 
     With no data path, the built-in corpus is prepared once under `cfg.data.data_cache_dir`
     (safe when every rank calls this at the same time). The sample-order arrays are built once
     into --data-cache-path, else `default_cache`, and memory-mapped from there. cfg is not
     changed: the model's vocabulary is the tokenizer's unless --vocab-size says more
-    (`RunShape.with_vocab`).
+    (`RunShape.with_vocab`). `vocab_from`: where a given vocabulary size came from (a flag, a
+    YAML file's field, a checkpoint), for the message when the tokenizer does not fit in it.
     """
     d, m, t = cfg.data, cfg.model, cfg.training
     blends, fractions = split_blends(d, t.eval_only)
     tokenizer = None
     if d.tokenizer_model or d.vocab_file or d.merge_file:
         tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type, d.vocab_file, d.merge_file)
-        _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path)
+        _check_vocab(tokenizer.vocab_size, m, tokenizer.model_path, vocab_from)
     elif any(b and b.prefixes for b in blends):
         raise MegaliteError(
             "--data-path needs the tokenizer its datasets were made with; pass --tokenizer-model"
@@ -190,7 +191,8 @@ def build_datasets(cfg) -> Datasets:
     else:
         # Checked before the (slow, first-time) build: a trained model has exactly this size.
         builtin = "trained for the built-in corpus"
-        _check_vocab(d.tokenizer_vocab_size, m, builtin, " (or lower --tokenizer-vocab-size)")
+        _check_vocab(d.tokenizer_vocab_size, m, builtin, vocab_from,
+                     " (or lower --tokenizer-vocab-size)")  # fmt: skip
     if not any(b and b.prefixes for b in blends):
         # A given tokenizer by its file (GPT-2's BPE from --vocab-file/--merge-file included).
         given = (tokenizer.model_path, None) if tokenizer else (None, None)
@@ -253,11 +255,11 @@ def default_cache(prefix: str, run_cache: str) -> str:
     return str(beside if os.access(probe, os.W_OK) else Path(run_cache) / INDEX_CACHE)
 
 
-def _check_vocab(tokenizer_vocab: int, model_cfg, what: str, also: str = "") -> None:
+def _check_vocab(tokenizer_vocab: int, model_cfg, what: str, source: str, also: str = "") -> None:
     if model_cfg.vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab:
         raise MegaliteError(
-            f"tokenizer {what} has {tokenizer_vocab} pieces but --vocab-size is "
-            f"{model_cfg.vocab_size}; raise --vocab-size to at least {tokenizer_vocab} or omit "
+            f"tokenizer {what} has {tokenizer_vocab} pieces but {source} is "
+            f"{model_cfg.vocab_size}; raise {source} to at least {tokenizer_vocab} or omit "
             f"it{also}"
         )
 

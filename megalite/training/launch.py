@@ -8,7 +8,7 @@ The config is validated before any process group exists, so bad flags fail withi
 import atexit
 import os
 
-from megalite.config_read import parse_args
+from megalite.config_read import Given, parse_args, where
 from megalite.parallel.axes import AXES
 from megalite.parallel.topology import world_from_env
 from megalite.shape import RunShape, validate
@@ -98,7 +98,7 @@ def open_logs(cfg, path, rank: int):
 
 
 def main(argv):
-    given = set()  # the fields a flag or the YAML set: the checkpoint's model fills the rest
+    given = Given()  # the fields a flag or the YAML set: the checkpoint's model fills the rest
     cfg = parse_args(argv, given)
     c = cfg.checkpoint
     path = note = None  # the checkpoint the run resumes; where its tokenizer came from
@@ -144,7 +144,13 @@ def main(argv):
     try:
         if groups.rank == 0:
             print(groups.topo.describe(), *filter(None, said), sep="\n", flush=True)
-        trainer = Trainer(cfg, shape, groups, launch=launch, logger=logger)
+        # where the vocabulary size came from, for a tokenizer that does not fit in it
+        vocab_from = (
+            where(given, "model.vocab_size")
+            if "model.vocab_size" in given
+            else f"checkpoint {path}'s vocab_size"
+        )  # (else the tokenizer's: nothing to check)
+        trainer = Trainer(cfg, shape, groups, launch=launch, logger=logger, vocab_from=vocab_from)
         with launch.phase("resume"):
             trainer.resume()  # --load, or the latest checkpoint in --save
         if cfg.training.eval_only:

@@ -47,12 +47,13 @@ from megalite.training.torch_profile import TorchProfile
 
 class Trainer:
     def __init__(self, cfg: Config, shape: RunShape, groups: ProcessGroups, data=None,
-                 launch: LaunchPhases | None = None, logger: Logger | None = None):  # fmt: skip
+                 launch: LaunchPhases | None = None, logger: Logger | None = None,
+                 vocab_from: str = "--vocab-size"):  # fmt: skip
         t = cfg.training
         self.cfg, self.groups = cfg, groups
         self.launch = launch or LaunchPhases()  # time to the first step (launch_phases.py)
         with self.launch.phase("data index"):
-            self.data = data or build_datasets(cfg)
+            self.data = data or build_datasets(cfg, vocab_from)  # (where its size came from)
         tok = getattr(self.data, "tokenizer", None)
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)

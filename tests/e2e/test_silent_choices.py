@@ -105,6 +105,13 @@ def test_a_vocabulary_mismatch_names_its_sources(continued, tiny_data, tmp_path)
     (line,) = r.stderr.strip().splitlines()
     assert "(--tokenizer-model) has 600 pieces" in line and "vocabulary of 512" in line, line
     assert "--vocab-size" not in line, line  # a flag the user did not give
+    # the size given in a YAML file: named by its file and field
+    (tmp_path / "run.yaml").write_text("model:\n  vocab_size: 512\n")
+    r = run([*args, "--config", tmp_path / "run.yaml"], tmp_path)
+    assert r.returncode != 0
+    (line,) = r.stderr.strip().splitlines()
+    assert "600 pieces" in line and f"model.vocab_size in {tmp_path / 'run.yaml'}" in line, line
+    assert "--vocab-size" not in line, line
 
 
 def test_the_builtin_corpus_is_named_and_uses_the_models_tokenizer(continued, tmp_path):

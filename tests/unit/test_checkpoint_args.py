@@ -110,3 +110,22 @@ def test_a_run_at_a_shorter_length_keeps_the_models_context(tmp_path):
     cfg.model.seq_length = 16
     model = with_checkpoint_model(cfg, {"model.seq_length"}, _convert(config, tmp_path)).model
     assert model.seq_length == 16 and hf.hf_config(model)["max_position_embeddings"] == 64
+
+
+def test_a_contradiction_names_where_the_size_came_from(tmp_path):
+    """model.vocab_size from a YAML file is named as that file's field, not --vocab-size."""
+    from megalite.config_read import Given, parse_args
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=16,
+    )  # fmt: skip
+    path = _convert(config, tmp_path)
+    (tmp_path / "run.yaml").write_text("model:\n  vocab_size: 96\n")
+    for argv, source in (([], f"model.vocab_size in {tmp_path / 'run.yaml'}"),
+                         (["--vocab-size", "80"], "--vocab-size")):  # fmt: skip
+        given = Given()
+        cfg = parse_args(["--config", str(tmp_path / "run.yaml"), *argv], given)
+        with pytest.raises(MegaliteError) as e:
+            with_checkpoint_model(cfg, given, path)
+        assert f"has vocab_size=64 but this run's {source} is " in str(e.value), str(e.value)
