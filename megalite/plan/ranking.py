@@ -25,7 +25,7 @@ cluster's bandwidths (inside a node: NVLink; across nodes: the network):
   its n - 1 steps of latency (the slowest hop's).
 
 A simple model (each link kind one latency per algorithm step and one asymptotic bus bandwidth:
-links.seconds, the steps from each kind's message size, traffic.step_bytes), but one that orders
+links.seconds, the steps from each kind's message size, traffic.latency_steps), but one that orders
 layouts by what they cost rather than by memory alone;
 docs/planner.md calibrates it on Megatron-LM's README table and checks it against Llama 3 405B
 and Narayanan et al. 2021, Table 1 (published.py).
@@ -42,7 +42,7 @@ from megalite.plan import compute as by_shape
 from megalite.plan import links, stages
 from megalite.plan.activations import schedule_steps
 from megalite.plan.memory import fused_blocks
-from megalite.plan.traffic import step_bytes
+from megalite.plan.traffic import latency_steps
 
 GiB = 2**30
 
@@ -103,8 +103,7 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
         optimizer = by_shape.optimizer_seconds(p.memory["optimizer"], cluster)
     node = cluster.gpus_per_node
     lay_links = p.links or links.link_bytes(lay, p.comm, node, cfg.parallel.cp_comm_type)
-    chunk = step_bytes(cfg, lay)  # what a step of the kind's collectives carries
-    n_steps = {k: p.comm.get(k, 0) / c for k, c in chunk.items() if c}
+    n_steps = latency_steps(cfg, lay, p.comm, p.microbatches)  # from each kind's message size
     if p.comm.get("embed"):  # the tied embedding's all-reduce over 2 ranks
         n_steps["embed"] = links.steps("all_reduce", 2)
     if p.comm.get("world"):  # the status all-reduce: a few floats, NCCL's tree (2 log2 n steps)

@@ -123,6 +123,23 @@ def step_bytes(cfg: Config, shape: RunShape) -> dict:
     return out
 
 
+def latency_steps(cfg: Config, shape: RunShape, comm: dict, microbatches: int) -> dict:
+    """{kind: algorithm steps per step} of the kinds `step_bytes` sizes: a kind's bus bytes
+    over what a step carries. cp's count its attention's bytes only: at dp = 1 the "cp" kind
+    also holds the gradients' reduction over cp (buckets, counted with the data-parallel
+    rings)."""
+    chunk = step_bytes(cfg, shape)
+    out = {k: comm.get(k, 0) / c for k, c in chunk.items() if c}
+    if "cp" in chunk:
+        fwd, bwd = cp_layer_bytes(cfg, shape)
+        passes = 2 if cfg.training.recompute == "full" else 1
+        layers = max(sum(len(kw["layers"]) for kw in shape.partition.rank_chunks(r))
+                     for r in range(shape.pp))  # fmt: skip
+        attention = layers * microbatches * (passes * fwd + bwd)
+        out["cp"] = min(comm.get("cp", 0), attention) / chunk["cp"]
+    return out
+
+
 def _gathers_per_unit(pieces: list, chunks: int, policy: str, microbatches: int) -> dict:
     """{unit key: its gathers per step} under ZeRO-3's `policy`, from (unit key, holds FP8
     weights) per bucket in layout order (the run's Zero3Buffer: zero3.carried_units)."""
