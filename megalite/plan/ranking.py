@@ -104,6 +104,8 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     node = cluster.gpus_per_node
     lay_links = p.links or links.link_bytes(lay, p.comm, node, cfg.parallel.cp_comm_type)
     n_steps = latency_steps(cfg, lay, p.comm, p.microbatches)  # from each kind's message size
+    if p.comm.get("dpr"):  # --dp-replicate: each bucket's shard all-reduced over the copies
+        n_steps["dpr"] = links.steps("all_reduce", lay.dpr) * p.buckets
     if p.comm.get("embed"):  # the tied embedding's all-reduce over 2 ranks
         n_steps["embed"] = links.steps("all_reduce", 2)
     if p.comm.get("world"):  # the status all-reduce: a few floats, NCCL's tree (2 log2 n steps)
