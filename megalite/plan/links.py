@@ -16,8 +16,13 @@ with "tp-cp-dp-pp" and tp = 8 a dp group has one rank per node):
 - p2p (the pipeline, cp's ring): the hop to the next rank, across nodes when that rank is in
   another node (the ring's pace is its slowest hop).
 
-A group's collectives take max(nvlink / intra bandwidth, network / inter bandwidth): the links
-work at once and the slower sets the pace (Cluster's bandwidths are per GPU)."""
+A group's collectives take `steps · alpha + max(nvlink / busbw_nvlink, network / busbw_network)`
+(`seconds`): the links work at once and the slower sets the pace, each at its asymptotic bus
+bandwidth (the nominal per-GPU bandwidth of `Cluster` times `EFFICIENCY`, the busbw nccl-tests
+reaches at large messages), and every step of the algorithm (a ring's n - 1 per pass, a p2p's
+one) waits the latency `alpha` of the slowest link it crosses. So the achieved bus bandwidth
+rises with the bytes a step carries (`busbw`): a message of a few kB is latency-bound, one of
+hundreds of MB runs at the asymptote (docs/planner.md, "Bytes per link")."""
 
 from megalite.shape import RunShape
 
@@ -73,9 +78,63 @@ def link_bytes(shape: RunShape, comm: dict, gpus_per_node: int, cp_comm_type="p2
     }
 
 
-def seconds(links: dict, intra_gbps: float, inter_gbps: float) -> float:
-    """The time of one group's {link: bytes}: the slower link sets the pace."""
-    return max(links["nvlink"] / (intra_gbps * 1e9), links["network"] / (inter_gbps * 1e9))
+# The bus bandwidth nccl-tests reaches at large messages against the nominal per-GPU link
+# (docs/planner.md): 8 x H100 NVLink all-reduce 460-480 GB/s at 8 GB, the nominal 450 or more;
+# 4 nodes x 8 H100, 8 x 400 Gb/s IB each, all-reduce 331 GB/s against the 400 its 8 NICs give.
+EFFICIENCY = {"nvlink": 1.0, "network": 0.83}
+
+
+def bus_bytes(op: str, n: int, nbytes: float) -> float:
+    """Bus bytes one rank sends for a collective of `nbytes` (the whole S) over n ranks: ring
+    all-reduce 2(n-1)/n S, all-gather, reduce-scatter and all-to-all (n-1)/n S, p2p S."""
+    if op == P2P:
+        return nbytes
+    if n <= 1:
+        return 0.0
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+
+def steps(op: str, n: int) -> int:
+    """The algorithm's steps, each waiting one link latency: a ring all-reduce 2(n-1)
+    (reduce-scatter then all-gather), a ring all-gather or reduce-scatter n-1, an all-to-all
+    n-1 (one exchange per peer), a p2p send 1."""
+    if op == P2P:
+        return 1
+    return 0 if n <= 1 else (2 if op == "all_reduce" else 1) * (n - 1)
+
+
+def latency(links: dict, cluster) -> float:
+    """Seconds one step waits: the latency of the slowest link the group crosses."""
+    us = cluster.inter_node_latency_us if links["network"] else cluster.intra_node_latency_us
+    return us * 1e-6
+
+
+def bandwidth(link: str, cluster) -> float:
+    """The asymptotic bus bandwidth of a link kind, bytes/s per GPU."""
+    gbps = cluster.intra_node_gbps if link == "nvlink" else cluster.inter_node_gbps
+    return gbps * 1e9 * EFFICIENCY[link]
+
+
+def busbw(link: str, chunk: float, cluster) -> float:
+    """The achieved bus bandwidth (bytes/s) of steps that carry `chunk` bytes each over `link`
+    (a ring's S/n, a p2p's S): chunk / (alpha + chunk / asymptote). Latency-bound for small
+    chunks, the asymptote for large ones; half of it at chunk = alpha · asymptote."""
+    alpha = latency({"network": link == "network"}, cluster)
+    return chunk / (alpha + chunk / bandwidth(link, cluster))
+
+
+def collective_seconds(op: str, n: int, nbytes: float, link: str, cluster) -> float:
+    """One collective of `nbytes` over n ranks all on one `link` kind: its bus bytes at the
+    achieved bus bandwidth of its steps' size (the same as `steps · alpha + bus / asymptote`)."""
+    k, bus = steps(op, n), bus_bytes(op, n, nbytes)
+    return bus / busbw(link, bus / k, cluster) if k else 0.0
+
+
+def seconds(links: dict, cluster, n_steps: float = 0.0) -> float:
+    """The time of one group's {link: bytes} made in `n_steps` algorithm steps: each step's
+    latency, plus the slower link's bytes at its asymptotic bus bandwidth."""
+    pace = max(links[k] / bandwidth(k, cluster) for k in LINKS)
+    return pace + n_steps * latency(links, cluster) if pace or n_steps else 0.0
 
 
 def totals(per_kind: dict) -> dict:
@@ -98,8 +157,9 @@ def recorded(calls: dict, gpus_per_node: int) -> dict:
                 continue
             size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
             s = size * _numel(shape)
-            bus = {"all_reduce": 2 * (n - 1) / n * s, "all_gather_single": (n - 1) * s,
-                   "reduce_scatter_single": (n - 1) / n * s, "broadcast": s}.get(op, 0.0)  # fmt: skip
+            bus = {"all_reduce": bus_bytes("all_reduce", n, s), "broadcast": s,
+                   "all_gather_single": bus_bytes("all_gather", n, n * s),
+                   "reduce_scatter_single": bus_bytes("reduce_scatter", n, s)}.get(op, 0.0)  # fmt: skip
             for link, b in split(bus, list(ranks), gpus_per_node, RING).items():
                 out[link] += b
     return out

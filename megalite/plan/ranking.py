@@ -24,12 +24,14 @@ cluster's bandwidths (inside a node: NVLink; across nodes: the network):
   window is exposed, and at least a tenth (the last bucket, the first). Each bucket's ring adds
   its n - 1 steps of latency (the slowest hop's).
 
-A simple model (latency for the data-parallel rings only, one bandwidth per link kind, whatever
-a message's size), but one that orders layouts by what they cost rather than by memory alone;
+A simple model (each link kind one latency per algorithm step and one asymptotic bus bandwidth:
+links.seconds, the steps from each kind's message size, traffic.latency_steps), but one that orders
+layouts by what they cost rather than by memory alone;
 docs/planner.md calibrates it on Megatron-LM's README table and checks it against Llama 3 405B
 and Narayanan et al. 2021, Table 1 (published.py).
 """
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +42,7 @@ from megalite.plan import compute as by_shape
 from megalite.plan import links, stages
 from megalite.plan.activations import schedule_steps
 from megalite.plan.memory import fused_blocks
+from megalite.plan.traffic import latency_steps
 
 GiB = 2**30
 
@@ -99,11 +102,18 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
         compute = p.microbatches * by_shape.microbatch_seconds(cfg, lay, cluster) / lay.pp
         optimizer = by_shape.optimizer_seconds(p.memory["optimizer"], cluster)
     node = cluster.gpus_per_node
-    bw = cluster.intra_node_gbps, cluster.inter_node_gbps
     lay_links = p.links or links.link_bytes(lay, p.comm, node, cfg.parallel.cp_comm_type)
+    n_steps = latency_steps(cfg, lay, p.comm, p.microbatches)  # from each kind's message size
+    if p.comm.get("dpr"):  # --dp-replicate: each bucket's shard all-reduced over the copies
+        n_steps["dpr"] = links.steps("all_reduce", lay.dpr) * p.buckets
+    if p.comm.get("embed"):  # the tied embedding's all-reduce over 2 ranks
+        n_steps["embed"] = links.steps("all_reduce", 2)
+    if p.comm.get("world"):  # the status all-reduce: a few floats, NCCL's tree (2 log2 n steps)
+        n_steps["world"] = 2 * math.ceil(math.log2(lay.world_size))
 
     def seconds(*kinds: str) -> float:  # the group kinds' bytes per step over their links
-        return sum(links.seconds(lay_links[k], *bw) for k in kinds if k in lay_links)
+        return sum(links.seconds(lay_links[k], cluster, n_steps.get(k, 0.0))
+                   for k in kinds if k in lay_links)  # fmt: skip
 
     e = 2 if t.precision in ("bf16", "fp16") else 4
     b, s, h = lay.hidden_shape  # what a stage sends: (b, s/cp, h), /tp with SP
@@ -113,7 +123,7 @@ def step_parts(cfg: Config, p, cluster: Cluster, flops_per_token: float) -> dict
     part = lay.partition
     hops = sum(part.stage_of(v)[0] != part.stage_of(v + 1)[0] for v in range(lay.pp * lay.vpp - 1))
     hop = links.split(2 * hops * message, links.group_ranks(lay, "pp"), node, links.P2P)
-    pp = links.seconds(hop, *bw)
+    pp = links.seconds(hop, cluster, 2 * hops)
     # experts: the dispatch's all-to-alls are on the critical path (exposed whole)
     ep = seconds("ep", "ep_sizes")
     dp = seconds("dp", "cp+dp", "edp")
@@ -227,12 +237,8 @@ def _ring_step(lay, cluster: Cluster) -> float:
     """Seconds of latency one ring collective over the replicas (dp, or cp·dp) adds: its n - 1
     steps, each at the latency of the slowest link the ring crosses."""
     ranks = links.group_ranks(lay, "dp_gather")
-    if len(ranks) < 2:
-        return 0.0
-    node = cluster.gpus_per_node
-    across = len({r // node for r in ranks}) > 1
-    us = cluster.inter_node_latency_us if across else cluster.intra_node_latency_us
-    return (len(ranks) - 1) * us * 1e-6
+    across = len({r // cluster.gpus_per_node for r in ranks}) > 1
+    return links.steps("all_gather", len(ranks)) * links.latency({"network": across}, cluster)
 
 
 def _exposed(seconds: float, behind: float) -> float:

@@ -95,6 +95,51 @@ def cp_layer_bytes(cfg: Config, shape: RunShape) -> tuple[int, int]:
     return exchange + hops, exchange + hops + back
 
 
+def step_bytes(cfg: Config, shape: RunShape) -> dict:
+    """Bytes one algorithm step carries, per group kind whose messages have one size (the
+    latency term of links.seconds: a kind's steps are its bus bytes over these): TP's
+    collectives of a (b, s/cp, h) activation, S/tp a ring step; cp's ring hop of this rank's
+    K and V (an all-to-all's q, k/v or output over cp); an expert dispatch's share of one of
+    ep - 1 peers; the split sizes' E int64. Pipeline hops, the data-parallel buckets, the tied
+    embedding's all-reduce and the step's status all-reduce are counted where they are timed
+    (ranking.step_parts)."""
+    tr = dataclasses.replace(cfg.training, micro_batch_size=shape.micro_batch_size)
+    cfg = dataclasses.replace(cfg, training=tr)
+    m, e, t = cfg.model, BYTES[tr.precision], shape.tp
+    b, s, h = tr.micro_batch_size, m.seq_length // shape.cp, m.hidden_size
+    out = {"tp": b * s * h * e / t}
+    if shape.cp > 1:
+        fwd, _ = cp_layer_bytes(cfg, shape)
+        a2a = shape.cp_a2a or 1
+        if cfg.parallel.cp_comm_type == "a2a":
+            a2a = shape.cp
+        hops = shape.cp // a2a - 1 + (3 * (a2a - 1) if a2a > 1 else 0)
+        out["cp"] = fwd / hops
+    ep = expert_parallel(shape)[0]
+    if m.num_experts and ep > 1:
+        kept = min(1.0, m.moe_expert_capacity_factor or 1.0)
+        out["ep"] = b * s // t * m.moe_router_topk * kept * h * e / (ep - 1)
+        out["ep_sizes"] = m.num_experts * 8
+    return out
+
+
+def latency_steps(cfg: Config, shape: RunShape, comm: dict, microbatches: int) -> dict:
+    """{kind: algorithm steps per step} of the kinds `step_bytes` sizes: a kind's bus bytes
+    over what a step carries. cp's count its attention's bytes only: at dp = 1 the "cp" kind
+    also holds the gradients' reduction over cp (buckets, counted with the data-parallel
+    rings)."""
+    chunk = step_bytes(cfg, shape)
+    out = {k: comm.get(k, 0) / c for k, c in chunk.items() if c}
+    if "cp" in chunk:
+        fwd, bwd = cp_layer_bytes(cfg, shape)
+        passes = 2 if cfg.training.recompute == "full" else 1
+        layers = max(sum(len(kw["layers"]) for kw in shape.partition.rank_chunks(r))
+                     for r in range(shape.pp))  # fmt: skip
+        attention = layers * microbatches * (passes * fwd + bwd)
+        out["cp"] = min(comm.get("cp", 0), attention) / chunk["cp"]
+    return out
+
+
 def _gathers_per_unit(pieces: list, chunks: int, policy: str, microbatches: int) -> dict:
     """{unit key: its gathers per step} under ZeRO-3's `policy`, from (unit key, holds FP8
     weights) per bucket in layout order (the run's Zero3Buffer: zero3.carried_units)."""

@@ -82,9 +82,10 @@ def test_plans_the_megatron_paper_layouts():
         missed.append((name, round(paper.step_time / plans[0].step_time - 1, 3)))
     # 18B: the per-link model (plan/links.py) gives tp4's data-parallel rings two NICs per node
     # where tp8's have one, and the time by shape (plan/compute.py) tp8's GEMMs 3,072 wide
-    # against tp4's 6,144; the paper's tp8 ranks 5th, 11% behind (docs/planner.md). A held-out
+    # against tp4's 6,144, and the network at its measured 83% of nominal (links.EFFICIENCY);
+    # the paper's tp8 ranks 5th, 13% behind (docs/planner.md). A held-out
     # row of the calibration (plan/published.py): its estimate is reported, not fitted.
-    assert [n for n, _ in missed] == ["18B"] and missed[0][1] < 0.12, missed
+    assert [n for n, _ in missed] == ["18B"] and missed[0][1] < 0.14, missed
 
 
 def test_the_last_stage_runs_the_mtp_modules():

@@ -7,6 +7,7 @@ import pytest
 from megalite.plan import layouts, links
 from megalite.plan.layouts import layout
 from megalite.plan.ranking import Cluster, step_parts
+from megalite.plan.traffic import step_bytes
 from tests.unit.plan_configs import big, flops
 
 
@@ -15,7 +16,8 @@ def _tp_parts(cfg, cluster, overlap: bool) -> tuple[float, float, float]:
     cfg = replace(cfg, parallel=replace(cfg.parallel, tp_comm_overlap=overlap))
     p = layouts.plan(cfg, layout(cfg, tp=8, sequence_parallel=True), cluster)
     parts = step_parts(cfg, p, cluster, flops(cfg))
-    every = links.seconds(p.links["tp"], cluster.intra_node_gbps, cluster.inter_node_gbps)
+    steps = p.comm["tp"] / step_bytes(cfg, p.layout)["tp"]
+    every = links.seconds(p.links["tp"], cluster, steps)
     return parts["tp"], every, parts["compute"]
 
 

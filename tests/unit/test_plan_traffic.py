@@ -76,3 +76,20 @@ def test_context_parallel_plan():
     cfg.parallel.cp_comm_type, cfg.parallel.hierarchical_context_parallel_sizes = "a2a", None
     with_dp = layouts.plan(cfg, layout(cfg, cp=2, dp=2))
     assert with_dp.comm["cp+dp"] > 0 and "dp" not in with_dp.comm  # the replicas: dp x cp
+
+
+def test_each_kinds_steps_carry_its_message():
+    """The latency term's steps (ranking: links.seconds): a kind's bus bytes over what one step
+    of its collectives carries; cp's from its attention only, not the gradients it also holds
+    at dp = 1."""
+    cfg = big("llama", 2, 64, 4, 32, 128, mbs=1, gbs=4, precision="fp32")
+    shape = layout(cfg, tp=2, cp=2, sequence_parallel=True)
+    p = layouts.plan(cfg, shape)
+    chunk = traffic.step_bytes(cfg, shape)
+    assert chunk["tp"] == 1 * 16 * 64 * 4 / 2  # (b, s/cp, h) fp32, S/tp a ring step
+    fwd, bwd = traffic.cp_layer_bytes(cfg, shape)
+    assert chunk["cp"] == fwd  # one K/V hop forward at cp 2
+    steps = traffic.latency_steps(cfg, shape, p.comm, p.microbatches)
+    assert steps["tp"] == p.comm["tp"] / chunk["tp"]
+    assert p.comm["cp"] > 2 * (fwd + bwd)  # the gradients' reduction over cp too
+    assert steps["cp"] == 2 * p.microbatches * (fwd + bwd) / fwd  # 2 layers' attention only
