@@ -12,32 +12,10 @@ import resource
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-
-def _installed_kernels_first():
-    """transformers (5.25+) imports the PyPI package `kernels`, which the repository's kernels/
-    folder (or a script's folder holding a kernels.py) shadows while it is on sys.path, as every
-    script here puts the root: import the installed one first, with no folder of the repository
-    on sys.path (tests/conftest.py does the same for the tests)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    saved = sys.path[:]
-    sys.path[:] = [
-        p for p in saved if not (os.path.abspath(p or ".") + os.sep).startswith(root + os.sep)
-    ]
-    try:
-        import kernels  # noqa: F401
-    except ImportError:  # not installed: nothing is shadowed
-        pass
-    finally:
-        sys.path[:] = saved
-
-
-_installed_kernels_first()
 
 # struct tcp_info (linux/tcp.h): tcpi_bytes_received at byte 128, tcpi_bytes_sent at byte 200
 # (Linux >= 4.19). Both count TCP payload, headers excluded; bytes_sent includes retransmits.

@@ -36,9 +36,7 @@ from bench._common import machine, measured_run, timed, write_summary  # noqa: E
 
 GIB = 2**30
 PEER = """
-import os, sys
-# not the repository root (the cwd): its kernels/ would shadow the package transformers imports
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.getcwd()]
+import sys
 import torch
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
