@@ -19,6 +19,7 @@ optimizer state is sharded, else data-parallel rank 0 all of its stage (the busi
 Estimates, not measurements: docs/reliability.md holds what bench/checkpoint/bench_recovery.py measured.
 """
 
+from megalite.plan import links
 from megalite.plan.memory import BYTES, buckets, replicas
 
 RECORD_BYTES = 64  # one (iteration, owner, saved world) record, pickled, per copy a rank holds
@@ -51,13 +52,12 @@ def restart_estimate(cfg, shape, cluster, copies: int = 2, disk_gbps: float = 5.
     world, per_node = shape.world_size, cluster.gpus_per_node
     total, part = checkpoint_bytes(cfg, shape)
     held = part * copies  # a rank's own part and the replicas it keeps
-    agree_s = (world - 1) * cluster.inter_node_latency_us * 1e-6 + (
-        world * copies * RECORD_BYTES / (cluster.inter_node_gbps * 1e9)
-    )
+    records = world * copies * RECORD_BYTES
+    agree_s = links.collective_seconds("all_gather", world, records, "network", cluster)
     read_s = held * per_node / (disk_gbps * 1e9) + held / (HASH_GBPS * 1e9)
     fetched = part * per_node  # the lost node's parts, from their peers
-    fetch_s = part / (cluster.inter_node_gbps * 1e9)
-    persistent_s = max(total / (storage_gbps * 1e9), part / (cluster.inter_node_gbps * 1e9))
+    fetch_s = links.collective_seconds(links.P2P, 2, part, "network", cluster)
+    persistent_s = max(total / (storage_gbps * 1e9), fetch_s)
     persistent_s += part / (HASH_GBPS * 1e9)  # each file hashed by one rank before the load
     out = {
         "checkpoint_bytes": total,
