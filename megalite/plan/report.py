@@ -5,6 +5,7 @@ from megalite.parallel.groups import communicators
 from megalite.plan.launch import launch_line, preferred
 from megalite.plan.layouts import Plan
 from megalite.plan.ranking import Cluster, GiB
+from megalite.plan.restart import format_estimate, restart_estimate
 from megalite.plan.stages import flag_text
 
 
@@ -156,6 +157,10 @@ def _chosen(plans: list[Plan], cluster: Cluster, cfg, given) -> list[str]:
         rows.append(f"    layers per virtual stage, in pipeline order: {_runs(counts)}")
     rows += _link_lines(p)
     if cfg is not None:
+        rows.append("  on a lost node (est., --replication-factor 2, 5 GB/s local disks, 100 GB/s "
+                    "of shared storage; plan/restart.py):")  # fmt: skip
+        est = restart_estimate(cfg, p.layout, cluster)
+        rows += ["    " + line for line in format_estimate(est).splitlines()]
         rows.append(f"  launch ({p.layout}, mbs {p.layout.micro_batch_size}):")
         rows.append("    " + launch_line(cfg, p, cluster.gpus_per_node))
     return rows

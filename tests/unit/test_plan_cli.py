@@ -75,6 +75,9 @@ def test_launch_line_passes_dry_run(capsys):
     assert words[:6] == ["torchrun", "--nnodes", "4", "--nproc_per_node", "8", "pretrain_gpt.py"]
     layout = out[-2].removeprefix("  launch (").split(", mbs")[0]
     assert " sp" in layout and "--tp-comm-overlap" in words  # 16 GiB: TP with SP
+    # above it, what losing a node would cost the chosen layout (plan/restart.py)
+    assert out[-4].startswith("    restart after a lost node, local tier: ")
+    assert out[-3].startswith("    restart, persistent tier: ")
     env = {**os.environ, "WORLD_SIZE": "32", "RANK": "0", "LOCAL_WORLD_SIZE": "8",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     r = subprocess.run([sys.executable, "pretrain_gpt.py", *words[6:], "--dry-run"],
