@@ -23,7 +23,7 @@ setup(
     # The scripts (pretrain_gpt.py, tools/*.py) are thin wrappers of these commands.
     entry_points={
         "console_scripts": [
-            "megalite-train = megalite.cli.train:cli",
+            "megalite-train = megalite.train:cli",
             "megalite-run = megalite.cli.run:cli",
             "megalite-preprocess = megalite.cli.preprocess:cli",
             "megalite-merge-datasets = megalite.cli.merge_datasets:cli",

@@ -90,7 +90,7 @@ CASES = [
 # to the file out + ".1", its stderr to out + ".2") and prints [exit status, ...].
 DRIVER = """
 import json, os, sys
-from megalite.cli.train import cli
+from megalite.train import cli
 codes = []
 for argv, world, out in json.load(sys.stdin):
     pid = os.fork()

@@ -45,7 +45,7 @@ def test_pip_install_gives_working_commands(tiny_data, tmp_path):
     Path(site.strip(), "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
           "--no-build-isolation", "--ignore-installed", str(src)], tmp_path)  # fmt: skip
-    where = _run([str(py), "-c", "import megalite.cli.train as m; print(m.__file__)"], tmp_path)
+    where = _run([str(py), "-c", "import megalite.train as m; print(m.__file__)"], tmp_path)
     assert where.startswith(str(venv)), where  # the installed copy, not the repository
     for name in COMMANDS:
         assert (venv / "bin" / f"megalite-{name}").is_file(), name
