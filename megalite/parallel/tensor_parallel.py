@@ -55,9 +55,10 @@ def own_linear(ops, **shards):
 
 class SequenceParallel:
     """Whether the activations between TP regions are split along the sequence: one switch that
-    a model chunk builds and hands to each of its layers, so turning it off for inference
-    (`GPTChunk.full_sequences`) reaches them all. Anything that takes `sequence_parallel`
-    accepts it or a plain bool (a layer built on its own)."""
+    a model chunk owns (`chunk.sequence_parallel`) and hands to each of its layers as their
+    env's `sequence_parallel`, so turning it off for inference (`GPTChunk.full_sequences`)
+    reaches them all. Anything that takes `sequence_parallel` accepts it or a plain bool (a
+    layer built on its own)."""
 
     def __init__(self, on: bool):
         self.on = bool(on)

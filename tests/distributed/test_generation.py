@@ -116,7 +116,7 @@ def _layouts(rank, world, paths, cp_paths=()):
             out[(tp, pp, vpp, path)] = _run(chunks, groups)
             out[(tp, pp, vpp, path, "scored")] = _scored(chunks, groups)
             # the trainer's chunks come back as they were: training mode, sequence parallel
-            assert all(c.training and c.sp == (tp > 1) for c in chunks)
+            assert all(c.training and bool(c.sequence_parallel) == (tp > 1) for c in chunks)
     groups = build_groups(Topology(tp=1, pp=2, dp=2), torch.device("cpu"))
     out["deep"] = _run(_chunks(DEEP, groups, 2, 2, sp=False), groups)
     return out

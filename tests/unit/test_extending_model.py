@@ -150,11 +150,11 @@ def test_full_sequences_turns_off_every_layer_through_one_switch():
     holders = [(m, a) for m in chunk.modules() for a in ("seq_parallel", "sequence_parallel")
                if a in vars(m)]  # fmt: skip
     assert len(holders) >= 15  # the embedding; per layer itself, attention, its linears, MLP
-    assert all(getattr(m, a) is chunk.seq_parallel for m, a in holders)
-    assert chunk.sp
+    assert all(getattr(m, a) is chunk.sequence_parallel for m, a in holders)
+    assert chunk.sequence_parallel
     with chunk.full_sequences():
-        assert not chunk.sp and not any(getattr(m, a) for m, a in holders)
-    assert chunk.sp and all(getattr(m, a) for m, a in holders)
+        assert not any(getattr(m, a) for m, a in holders)
+    assert all(getattr(m, a) for m, a in holders)
 
 
 # ---- compiled blocks ------------------------------------------------------------------------
