@@ -43,15 +43,15 @@ def replica_axis(a: "Axis") -> bool:
     return a.replicated
 
 
-def shard_axis(a: "Axis") -> bool:
+def zero_shard_axis(a: "Axis") -> bool:
     return a.replicated and a.shards
 
 
-def copy_axis(a: "Axis") -> bool:
+def shard_copies_axis(a: "Axis") -> bool:
     return a.replicated and not a.shards
 
 
-def data_axis(a: "Axis") -> bool:
+def batch_axis(a: "Axis") -> bool:
     return a.splits_batch
 
 

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.axes import copy_axis, data_axis, replica_axis, shard_axis
+from megalite.parallel.axes import batch_axis, replica_axis, shard_copies_axis, zero_shard_axis
 from megalite.parallel.comm import Group
 from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.ledger import CommLedger
@@ -68,20 +68,20 @@ class ProcessGroups:
         return self.groups["cp_a2a"], self.groups["cp_p2p"]
 
     @property
-    def replicas(self) -> Group:
+    def replica(self) -> Group:
         return self.get(self.topo.product(replica_axis))
 
     @property
-    def shard(self) -> Group:
-        return self.get(self.topo.product(shard_axis))
+    def zero_shard(self) -> Group:
+        return self.get(self.topo.product(zero_shard_axis))
 
     @property
-    def replicate(self) -> Group:
-        return self.get(self.topo.product(copy_axis))
+    def shard_copies(self) -> Group:
+        return self.get(self.topo.product(shard_copies_axis))
 
     @property
-    def data(self) -> Group:
-        return self.get(self.topo.product(data_axis))
+    def batch(self) -> Group:
+        return self.get(self.topo.product(batch_axis))
 
 
 def _key(topo: Topology, expr: str) -> str:
@@ -166,7 +166,9 @@ def rank_groups(
     copies'), the experts' ep and edp, and "embed" where the rank holds one of `embed_stages`
     (default: the first and the last)."""
     out = {a: topo.group(a, rank) for a in topo.axes}
-    wanted = [topo.product(p) for p in (replica_axis, data_axis, shard_axis, copy_axis)]
+    wanted = [
+        topo.product(p) for p in (replica_axis, batch_axis, zero_shard_axis, shard_copies_axis)
+    ]
     for expr in [*products, *wanted]:
         key = _key(topo, expr)
         if key not in out:

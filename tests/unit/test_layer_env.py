@@ -50,9 +50,9 @@ def test_each_chunk_has_its_own_switch_and_stream_its_layers_share():
     assert env.sequence_parallel is True  # the chunk's switch is in its own env, not the caller's
     assert a.env.sequence_parallel is a.sequence_parallel
     for layer in a.layers.values():
-        assert layer.seq_parallel is a.sequence_parallel and layer.rng is a.rng
+        assert layer.sequence_parallel is a.sequence_parallel and layer.rng is a.rng
     with a.full_sequences():
-        assert not a.layers["0"].seq_parallel and b.layers["0"].seq_parallel
+        assert not a.layers["0"].sequence_parallel and b.layers["0"].sequence_parallel
 
 
 def test_a_chunk_from_the_default_env_equals_one_built_with_it_spelt_out():
