@@ -82,10 +82,6 @@ class LayerEnv:
         return dataclasses.replace(self, rng=None)
 
     @property
-    def seq_parallel(self):  # transitional: renamed by names-rename.sh, removed after it
-        return self.sequence_parallel
-
-    @property
     def cp_attention(self) -> str | tuple[Group, Group]:
         """How attention crosses cp (`context_attention`'s comm_type): the levels when set."""
         return self.cp_levels or self.cp_comm_type

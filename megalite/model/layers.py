@@ -84,12 +84,8 @@ class Attention(nn.Module):
         (default: a table of this layer's own)."""
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.sequence_parallel, self.ops, self.rng = (
-            tp,
-            env.sequence_parallel,
-            ops,
-            env.rng,
-        )
+        self.tp, self.ops, self.rng = tp, ops, env.rng
+        self.sequence_parallel = env.sequence_parallel  # the chunk's switch (model/env.py)
         self.cp, self.cp_comm_type = env.cp, env.cp_attention
         self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.heads_kv, cfg.head_dim
@@ -101,8 +97,9 @@ class Attention(nn.Module):
         self.rotary = cfg.features.rotary
         # sliding window: passed to the attention ops only when set (a custom op need not know it)
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        col = {"group": tp, "bias": cfg.features.qkv_bias, "sequence_parallel": self.sequence_parallel,
-               "enter": False, **kw, "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
+        col = {"group": tp, "bias": cfg.features.qkv_bias, "enter": False, **kw, "ops": ops,
+               "sequence_parallel": self.sequence_parallel,
+               "overlap": env.tp_comm_overlap}  # fmt: skip
         self.q = ColumnParallelLinear(h, nh * hd, **col)
         self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
@@ -221,13 +218,13 @@ class MLP(nn.Module):
         self.gated = cfg.features.gated_mlp
         self.gelu_kw = cfg.features.gelu_kwargs  # {} (tanh) or approximate="none" (exact)
         h, f, bias = cfg.hidden_size, cfg.ffn, cfg.features.linear_bias
-        col = {"group": tp, "bias": bias, "sequence_parallel": self.sequence_parallel, "enter": False, **kw,
-               "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
+        col = {"group": tp, "bias": bias, "sequence_parallel": self.sequence_parallel,
+               "enter": False, **kw, "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
         if self.gated:
             self.gate = ColumnParallelLinear(h, f, **col)
         self.up = ColumnParallelLinear(h, f, **col)
-        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.sequence_parallel, **kw,
-                                      ops=ops, overlap=env.tp_comm_overlap)  # fmt: skip
+        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.sequence_parallel,
+                                      **kw, ops=ops, overlap=env.tp_comm_overlap)  # fmt: skip
 
     def forward(self, x, fused=True):
         if self.gated:

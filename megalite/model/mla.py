@@ -77,12 +77,8 @@ class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, env: LayerEnv, rope=None):
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.sequence_parallel, self.ops, self.rng = (
-            tp,
-            env.sequence_parallel,
-            ops,
-            env.rng,
-        )
+        self.tp, self.ops, self.rng = tp, ops, env.rng
+        self.sequence_parallel = env.sequence_parallel  # the chunk's switch (model/env.py)
         self.cp, self.cp_comm_type = env.cp, env.cp_attention
         self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh = cfg.hidden_size, cfg.num_attention_heads
@@ -94,8 +90,8 @@ class LatentAttention(nn.Module):
         q_mul = softmax_scale(cfg) * math.sqrt(self.d)
         self.q_mul = None if abs(q_mul - 1.0) < 1e-12 else q_mul
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        col = {"group": tp, "bias": False, "sequence_parallel": self.sequence_parallel, "enter": False, **kw,
-               "ops": ops}  # fmt: skip
+        col = {"group": tp, "bias": False, "sequence_parallel": self.sequence_parallel,
+               "enter": False, **kw, "ops": ops}  # fmt: skip
         dqk = self.dn + self.dr
         if cfg.q_lora_rank:
             self.q_a = ColumnParallelLinear(h, cfg.q_lora_rank, split=False, **col)
@@ -106,8 +102,8 @@ class LatentAttention(nn.Module):
         self.kv_a = ColumnParallelLinear(h, self.r + self.dr, split=False, **col)
         self.kv_a_norm = LatentNorm(self.r, env)
         self.kv_b = ColumnParallelLinear(self.r, nh * (self.dn + self.dv), **col)
-        self.out = RowParallelLinear(nh * self.dv, h, tp, bias=False, sequence_parallel=self.sequence_parallel,
-                                     **kw, ops=ops)  # fmt: skip
+        self.out = RowParallelLinear(nh * self.dv, h, tp, bias=False, **kw, ops=ops,
+                                     sequence_parallel=self.sequence_parallel)  # fmt: skip
         # RoPE over the dr dims only: the tables of a model whose head dim is dr
         rope_cfg = dataclasses.replace(cfg, kv_channels=self.dr)
         self.rope = (

@@ -26,8 +26,8 @@ holding that module's parameters (a plain container's, such as the untied head's
 read from it), so the gathers of later layers overlap the forward of earlier ones (Megatron's
 --overlap-param-gather). `wait_params` waits for all (checkpoints).
 
-"DP" here is the group of ranks ZeRO shards over (`ProcessGroups.zero_shard`: dp, or the product of
-every replicated axis that shards). Hybrid sharding (--dp-replicate) adds `shard_copies`, the
+"DP" here is the group of ranks ZeRO shards over (`ProcessGroups.zero_shard`: dp, or the product
+of every replicated axis that shards). Hybrid sharding (--dp-replicate) adds `shard_copies`, the
 copies of that group holding the same shards: after the reductions over DP each rank's shard
 is all-reduced over its copies (reducers.StepReducer.finish), the parameters are gathered over
 DP alone, and the gradients are divided by dp x shard_copies (the mean over every replica).
@@ -83,10 +83,10 @@ class GradBuffer:
         bf16_grads: bool = False,
     ):
         """`select(name, p)`: the parameters this buffer holds (default all); `scale`: what
-        gradients are multiplied by before the sum over `dp` (default 1/(dp x shard_copies): a mean
-        over the replicas; expert gradients, summed over fewer ranks than the replicas, take
-        1/replicas); `shard_copies`: the copies of the `dp` group (hybrid sharding; default none);
-        `bf16_grads`: bf16 gradients (--grad-reduce-in-bf16, buckets.grad_dtype)."""
+        gradients are multiplied by before the sum over `dp` (default 1/(dp x shard_copies): a
+        mean over the replicas; expert gradients, summed over fewer ranks than the replicas,
+        take 1/replicas); `shard_copies`: the copies of the `dp` group (hybrid sharding; default
+        none); `bf16_grads`: bf16 gradients (--grad-reduce-in-bf16, buckets.grad_dtype)."""
         named, self.param_dtype = trainable(chunks, select)
         params = [x for c in named for x in c]
         self.dp, self.zero = dp, ZERO[zero_stage]
@@ -311,8 +311,9 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
     replicas; with MoE, expert parameters in a buffer of their own over their
     expert-data-parallel group. Expert gradients hold the tokens of the whole ep group, so they
     are summed over edp and divided by the replicas (the mean over data-parallel ranks, as dense
-    gradients). With --dp-replicate the dense buffer shards over `groups.zero_shard` and all-reduces
-    each shard over its copies (`groups.shard_copies`); the expert buffer is not hybrid (edp).
+    gradients). With --dp-replicate the dense buffer shards over `groups.zero_shard` and
+    all-reduces each shard over its copies (`groups.shard_copies`); the expert buffer is not
+    hybrid (edp).
     ZeRO-3: a Zero3Buffer, its parameters kept gathered for the step under pp (1F1B interleaves
     micro-batches), from forward to backward with --zero3-keep-params, else freed after each
     use; with --fp8-param-gather the FP8 linears' weights are gathered in FP8
@@ -336,8 +337,9 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
     if not any(expert(n, p) for n, p in params):
         return GradBuffer(chunks, groups.zero_shard, zero_stage, bucket_mb, own,
                           shard_copies=groups.shard_copies, bf16_grads=low)  # fmt: skip
-    dense = GradBuffer(chunks, groups.zero_shard, zero_stage, bucket_mb, own, shard_copies=groups.shard_copies,
-                       select=lambda n, p: not expert(n, p), bf16_grads=low)  # fmt: skip
+    dense = GradBuffer(chunks, groups.zero_shard, zero_stage, bucket_mb, own,
+                       shard_copies=groups.shard_copies, select=lambda n, p: not expert(n, p),
+                       bf16_grads=low)  # fmt: skip
     experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
                          scale=1.0 / groups.replica.size, bf16_grads=low)  # fmt: skip
     return GradBuffers([dense, experts])

@@ -44,9 +44,9 @@ per step).
 Parameter gathers are recorded in the ledger as "<kind>_gather" (e.g. dp_gather), the gradient
 reduce-scatters under the group's own kind, so a step's traffic of each is visible.
 
-Hybrid sharding (--dp-replicate): `dp` is the shard group and `shard_copies` its copies; the units
-are gathered over `dp` alone, and each shard's gradient is all-reduced over the copies once the
-step's reduce-scatters have landed (reducers.StepReducer.finish, ledger kind "dpr").
+Hybrid sharding (--dp-replicate): `dp` is the shard group and `shard_copies` its copies; the
+units are gathered over `dp` alone, and each shard's gradient is all-reduced over the copies
+once the step's reduce-scatters have landed (reducers.StepReducer.finish, ledger kind "dpr").
 """
 
 import dataclasses

@@ -18,8 +18,8 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @lru_cache(maxsize=256)
-def _template(m_fields: tuple, tp: int, sequence_parallel: bool, has_embedding: bool, has_head: bool,
-              layers: tuple = (0,), ep: int = 1, etp: int = 1):  # fmt: skip
+def _template(m_fields: tuple, tp: int, sequence_parallel: bool, has_embedding: bool,
+              has_head: bool, layers: tuple = (0,), ep: int = 1, etp: int = 1):  # fmt: skip
     """[(name, numel, spec)] of a GPTChunk with the given layers (one of each kind: dense, MoE),
     built on `meta`: the real model's parameters without allocating them. Layers of a kind
     differ only in their index."""
@@ -277,8 +277,9 @@ def _unused_second_moments(cfg: Config, shape: RunShape, pp_rank: int, bs, rank:
     specs = {}
     for kw in shape.partition.rank_chunks(pp_rank):
         sequence_parallel = shape.sequence_parallel
-        specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, sequence_parallel=sequence_parallel,
-                                                       ep=shape.ep, etp=shape.etp))  # fmt: skip
+        specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, ep=shape.ep,
+                                                       sequence_parallel=sequence_parallel,
+                                                       etp=shape.etp))  # fmt: skip
     dp = expert_parallel(shape)[1] if experts else replicas(shape)
     unused = 0
     for start, end, ranges in bs:

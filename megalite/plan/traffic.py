@@ -343,9 +343,8 @@ def _moe_comm(cfg: Config, shape: RunShape) -> dict:
     t, e, b, s, h = shape.tp, BYTES[tr.precision], tr.micro_batch_size, m.seq_length, m.hidden_size
     sequence_parallel = shape.sequence_parallel
     act = b * s * h * e
-    fwd_block = (
-        2 * _ring("gather", t, act) if sequence_parallel else _ring("all_reduce", t, act)
-    )  # per block
+    # per block
+    fwd_block = 2 * _ring("gather", t, act) if sequence_parallel else _ring("all_reduce", t, act)
     shared = 1 if m.moe_shared_expert_intermediate_size else 0
     routed = 0 if sequence_parallel else _ring("gather", t, act)  # forward; the same again backward
     small = _ring("all_reduce", t, m.num_experts * 4) if m.moe_aux_loss_coeff else 0

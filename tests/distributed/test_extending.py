@@ -224,8 +224,8 @@ def _compiled(rank, world):
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
     for sequence_parallel in (False, True):
-        eager, compiled = (GPTChunk(cfg, LayerEnv(tp=tp, seed=1, dtype=torch.float64, sequence_parallel=sequence_parallel))
-                           for _ in range(2))  # fmt: skip
+        env = LayerEnv(tp=tp, seed=1, dtype=torch.float64, sequence_parallel=sequence_parallel)
+        eager, compiled = (GPTChunk(cfg, env) for _ in range(2))
         for layer in compiled.layers.values():
             layer.compile(backend="aot_eager")
         a, b = (m(ids[:, :-1], ids[:, 1:]) for m in (eager, compiled))

@@ -113,9 +113,8 @@ def _layouts(rank, world, paths, cp_paths=()):
         for path in paths:
             ckpt = fmt.Checkpoint(path)
             cfg = from_dict({"model": ckpt.model_config}).model
-            chunks = _chunks(
-                cfg, groups, pp, vpp, sequence_parallel=tp > 1
-            )  # as the trainer builds them
+            # as the trainer builds them
+            chunks = _chunks(cfg, groups, pp, vpp, sequence_parallel=tp > 1)
             load_model(chunks, groups.tp, ckpt)
             out[(tp, pp, vpp, path)] = _run(chunks, groups)
             out[(tp, pp, vpp, path, "scored")] = _scored(chunks, groups)

@@ -26,8 +26,8 @@ from tests.unit.test_plan_activations import saved_bytes
 L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m
 
 
-def config(tp=1, pp=1, dp=1, zero=0, sequence_parallel=False, precision="fp32", cp=1, cp_comm_type="p2p",
-           **model) -> Config:  # fmt: skip
+def config(tp=1, pp=1, dp=1, zero=0, sequence_parallel=False, precision="fp32", cp=1,
+           cp_comm_type="p2p", **model) -> Config:  # fmt: skip
     cfg = Config()
     model = {"flavour": "gpt2", **model}
     cfg.model = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, seq_length=S,
@@ -95,6 +95,7 @@ def step(groups, chunks, opt, dp_rank=0):
 
 def tp_case(sequence_parallel: bool):
     cfg = config(tp=2, sequence_parallel=sequence_parallel)
+    shape = layout(cfg, tp=2, sequence_parallel=sequence_parallel)
     groups, chunks, opt = build(cfg)
     got = step(groups, chunks, opt)
     t, e = 2, 4
@@ -111,19 +112,12 @@ def tp_case(sequence_parallel: bool):
     synced = (L * 6 * H + 2 * H + S * H) if sequence_parallel else 0
     expected = M * per_mb + 2 * (t - 1) / t * synced * e
     assert got["tp"] == expected, (sequence_parallel, got["tp"], expected)
-    assert (
-        got["tp"]
-        == traffic.comm_bytes(cfg, layout(cfg, tp=2, sequence_parallel=sequence_parallel), 0, M)[
-            "tp"
-        ]
-    )
+    assert got["tp"] == traffic.comm_bytes(cfg, shape, 0, M)["tp"]
     assert got["world"] == 16  # gradient norm and inf flag: 2 float64, all-reduced over 2
     # activations autograd keeps on this TP rank for one micro-batch
     measured = saved_bytes(chunks[0], data(0)[0], data(0)[1])
     kw = rank_chunks(L, 1, 1, 0)[0]
-    estimate, _ = activations.chunk_activations(
-        cfg, layout(cfg, tp=2, sequence_parallel=sequence_parallel), kw
-    )
+    estimate, _ = activations.chunk_activations(cfg, shape, kw)
     return got["tp"], measured, estimate
 
 

@@ -10,7 +10,7 @@ DP, the experts over edp, the shared expert over DP) agree within 1e-10. The led
 exactly two all-to-alls per layer per direction, of (T k + rows received) h 8 bytes.
 The routing variants (model/routing.py: DeepSeek-V3's sigmoid scores with the expert bias,
 node-limited groups and a scaling factor; Qwen3-MoE's unnormalised top-k; gpt-oss's biased
-router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (sequence_parallel).
+router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (sp).
 """
 
 import math
@@ -140,7 +140,7 @@ def case(rank, tp, ep, sequence_parallel, skew, capacity=None, **variant):
         grad = p.grad.clone()
         group = groups.edp if spec_of(p).split_axis == "ep" else groups.dp
         comm.all_reduce(grad, group)
-        if "tp" in spec_of(p).grad_sum:  # the router; biases seeing only sequence_parallel rows
+        if "tp" in spec_of(p).grad_sum:  # the router; biases seeing only their rows (SP)
             comm.all_reduce(grad, groups.tp)
         err[name] = (grad - spec_of(p).local(ref_grads[name])).abs().max().item()
     ledger = None

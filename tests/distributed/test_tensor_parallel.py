@@ -180,9 +180,8 @@ def _models(rank, world, sequence_parallel):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_model_matches_one_process(world, sequence_parallel):
-    assert all(
-        spawn(_models, world, sequence_parallel)
-    )  # one spawn for every case: processes cost seconds
+    # one spawn for every case: processes cost seconds
+    assert all(spawn(_models, world, sequence_parallel))
 
 
 # ---- --tp-comm-overlap: the same computation in pieces -------------------------------------
