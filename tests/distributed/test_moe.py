@@ -10,7 +10,7 @@ DP, the experts over edp, the shared expert over DP) agree within 1e-10. The led
 exactly two all-to-alls per layer per direction, of (T k + rows received) h 8 bytes.
 The routing variants (model/routing.py: DeepSeek-V3's sigmoid scores with the expert bias,
 node-limited groups and a scaling factor; Qwen3-MoE's unnormalised top-k; gpt-oss's biased
-router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (sp).
+router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (with SP).
 """
 
 import math
