@@ -7,8 +7,8 @@ none of it: `LayerEnv()` is one rank with the torch ops in fp32 on the CPU, and 
 what differs, `LayerEnv(dtype=torch.float64)`. `training/build.py` fills it from a run.
 
 Sequence parallelism has one name, `sequence_parallel`: what is in effect (normalised when the
-env is made: off with tp = 1, where there is nothing to split). A layer built on its own reads a
-bool there. A `GPTChunk` puts its own `SequenceParallel` switch there instead, in the env it
+env is made: off with tp = 1, where there is nothing to split; `replace(tp=...)` does not turn
+it back on). A layer built on its own reads a bool there. A `GPTChunk` puts its own `SequenceParallel` switch there instead, in the env it
 builds its layers with, so every layer holds the chunk's one switch and `chunk.full_sequences()`
 turns sequence parallelism off for all of them at once (inference). The chunk owns the switch
 (`chunk.sequence_parallel`); the env only carries it down, under the same name, so there is no
