@@ -76,7 +76,7 @@ class TorchGPT(nn.Module):
         return self.output(self.final_norm(x))
 
 
-def parallelize(model: TorchGPT, mesh, sp: bool):
+def parallelize(model: TorchGPT, mesh, sequence_parallel: bool):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -86,7 +86,7 @@ def parallelize(model: TorchGPT, mesh, sp: bool):
         parallelize_module,
     )
 
-    if sp:  # torchtitan's plan
+    if sequence_parallel:  # torchtitan's plan
         top = {
             "embedding.word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "final_norm": SequenceParallel(),

@@ -72,14 +72,14 @@ def model_config(a) -> ModelConfig:
     )  # fmt: skip
 
 
-def megalite_side(m, a, groups, sp, overlap=False):
+def megalite_side(m, a, groups, sequence_parallel, overlap=False):
     cfg = Config()
     cfg.model = m
     cfg.training.micro_batch_size, cfg.training.global_batch_size = a.mbs, a.mbs * a.micro
     cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = WD, CLIP
     cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2 = BETAS
     cfg.optimizer.adam_eps = EPS
-    cfg.parallel.tp, cfg.parallel.sequence_parallel = groups.tp.size, sp
+    cfg.parallel.tp, cfg.parallel.sequence_parallel = groups.tp.size, sequence_parallel
     cfg.parallel.tp_comm_overlap = overlap
     cfg.training.kernels = "torch"
     parts = build_rank(cfg, validate(cfg, groups.topo.world_size), groups)  # 1F1B over a.micro
@@ -98,13 +98,13 @@ def megalite_side(m, a, groups, sp, overlap=False):
     return step
 
 
-def torch_side(m, a, full_state, mesh, sp):
+def torch_side(m, a, full_state, mesh, sequence_parallel):
     from torch.distributed.tensor.parallel import loss_parallel
 
     torch.manual_seed(0)
     model = TorchGPT(m)
     model.load_state_dict(full_state)
-    parallelize(model, mesh, sp)
+    parallelize(model, mesh, sequence_parallel)
     params = list(model.parameters())
     opt = torch.optim.AdamW(
         [

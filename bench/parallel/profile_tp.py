@@ -169,8 +169,8 @@ def main():
     print(f"machine: {machine()}; tp=2 on CPU gloo, 2 processes x 1 thread")
     mean, wall = table(spawn(run, 2, a, timeout=1800), a.steps)
     print("\nthe 1.4x target against megalite's compute floor (gemm + other compute):")
-    for sp in ("", "-sp"):
-        ours, theirs = "megalite" + sp, "torch" + sp
+    for suffix in ("", "-sp"):
+        ours, theirs = "megalite" + suffix, "torch" + suffix
         floor = mean[ours]["gemm"] + mean[ours]["other compute"]
         need = wall[theirs] / 1.4
         print(f"  {ours}: torch step {wall[theirs]:.3f} s -> 1.4x needs {need:.3f} s; megalite "

@@ -6,10 +6,20 @@ activation recompute, the dropout seed, the precision and the device. A one-proc
 none of it: `LayerEnv()` is one rank with the torch ops in fp32 on the CPU, and a test writes
 what differs, `LayerEnv(dtype=torch.float64)`. `training/build.py` fills it from a run.
 
-Two members are state, made from the fields when the env is created: `seq_parallel`, the one
-`SequenceParallel` switch every layer holds (`GPTChunk.full_sequences` turns it off for all of
-them), and `rng`, the dropout stream of this rank's shard. `env.replace(...)` (a layer's own
-kernels, say) shares both; `env.fresh()` makes new ones (each chunk has its own).
+Sequence parallelism has one name, `sequence_parallel`: what is in effect (normalised when the
+env is made: off with tp = 1, where there is nothing to split; `replace(tp=...)` does not turn
+it back on). A layer built on its own reads a bool there. A `GPTChunk` puts its own `SequenceParallel` switch there instead, in the env it
+builds its layers with, so every layer holds the chunk's one switch and `chunk.full_sequences()`
+turns sequence parallelism off for all of them at once (inference). The chunk owns the switch
+(`chunk.sequence_parallel`); the env only carries it down, under the same name, so there is no
+second spelling and no hidden state made behind the caller's back. The alternatives were worse:
+making every env hold a switch of its own keeps a mutable object in every frozen env (and loses
+the bool's equality), and handing the switch to each layer as an argument of its own breaks the
+rule that a layer is built from `(cfg, env)` and at most two arguments of its own.
+
+One member is state, made from the fields when the env is created: `rng`, the dropout stream of
+this rank's shard. `env.replace(...)` (a layer's own kernels, say) shares it; `env.fresh()` makes
+a new one (each chunk has its own).
 """
 
 import dataclasses
@@ -24,13 +34,14 @@ from megalite.parallel.random import ShardedRNG
 from megalite.parallel.tensor_parallel import SequenceParallel
 
 LOCAL = Group("tp", [0], 0)  # a TP group of one: the single-process model
-_STATE_INPUTS = {"tp", "sequence_parallel", "cp", "seed", "device"}  # the switch's and rng's
+_STATE_INPUTS = {"tp", "cp", "seed", "device"}  # what rng is made from
 
 
 @dataclass(frozen=True)
 class LayerEnv:
     tp: Group = field(default_factory=lambda: LOCAL)
-    sequence_parallel: bool = False  # asked for; in effect with tp > 1 only (`seq_parallel`)
+    # in effect (False with tp = 1); in a chunk's layers, the chunk's switch (see above)
+    sequence_parallel: bool | SequenceParallel = False
     tp_comm_overlap: bool = False  # with sequence parallelism: collectives cut behind matmuls
     ops: object = field(default_factory=lambda: TORCH_OPS)  # the kernels (megalite.kernels)
     cp: Group | None = None  # context parallelism: this rank holds s/cp tokens of each sequence
@@ -43,7 +54,6 @@ class LayerEnv:
     device: torch.device | str | None = None
     meta: bool = False  # parameters on the meta device: a model about to be loaded
     # state made from the fields above (see the module's docstring)
-    seq_parallel: SequenceParallel | None = field(default=None, repr=False, compare=False)
     rng: ShardedRNG | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -52,24 +62,24 @@ class LayerEnv:
             object.__setattr__(self, "cp", Group("cp", [0], 0, device=tp.device))
         if self.experts is None:
             object.__setattr__(self, "experts", ExpertGroups(Group("ep", [0], 0, device=tp.device)))
-        if self.seq_parallel is None:
-            switch = SequenceParallel(self.sequence_parallel and tp.size > 1)
-            object.__setattr__(self, "seq_parallel", switch)
+        given = self.sequence_parallel  # a bool, or a chunk's switch (kept as it is)
+        if tp.size == 1 or not isinstance(given, SequenceParallel):
+            object.__setattr__(self, "sequence_parallel", bool(given) and tp.size > 1)
         if self.rng is None:  # dropout of sharded activations: a stream per TP and per cp rank
             shard = tp.rank + tp.size * self.cp.rank
             rng = ShardedRNG(self.seed, shard, torch.device(self.device or "cpu"))
             object.__setattr__(self, "rng", rng)
 
     def replace(self, **changes) -> "LayerEnv":
-        """This env with `changes`, sharing its switch and dropout stream unless a change is to
-        what they are made from."""
+        """This env with `changes`, sharing its dropout stream unless a change is to what it is
+        made from."""
         if changes.keys() & _STATE_INPUTS:
-            changes = {"seq_parallel": None, "rng": None, **changes}
+            changes = {"rng": None, **changes}
         return dataclasses.replace(self, **changes)
 
     def fresh(self) -> "LayerEnv":
-        """This env with a switch and a dropout stream of its own."""
-        return dataclasses.replace(self, seq_parallel=None, rng=None)
+        """This env with a dropout stream of its own."""
+        return dataclasses.replace(self, rng=None)
 
     @property
     def cp_attention(self) -> str | tuple[Group, Group]:

@@ -23,6 +23,7 @@ from megalite.parallel import comm
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.specs import mark, name_parameters, spec_of, update
 from megalite.parallel.tensor_parallel import (
+    SequenceParallel,
     VocabParallelEmbedding,
     enter_tp_region,
     shard_spec,
@@ -45,26 +46,31 @@ class GPTChunk(nn.Module):
         model/materialize.py then gives them memory on `env.device`. With context parallelism
         forward takes the tokens' `shard`."""
         super().__init__()
-        # this chunk's own sequence-parallel switch and dropout stream, held by every layer:
-        # full_sequences() turns the switch off for all of them at once
-        self.env = env = (env or LayerEnv()).fresh()
+        # this chunk's own dropout stream and sequence-parallel switch, held by every layer as
+        # its env's `sequence_parallel`: full_sequences() turns it off for all of them at once
+        env = (env or LayerEnv()).fresh()
+        self.sequence_parallel = SequenceParallel(env.sequence_parallel)
+        self.env = env = env.replace(sequence_parallel=self.sequence_parallel)
         layers = range(cfg.num_layers) if layers is None else layers
         tp, ops = env.tp, env.ops
         self.cfg, self.tp, self.ops = cfg, tp, ops
-        self.seq_parallel, self.rng = env.seq_parallel, env.rng
+        self.rng = env.rng
         self.has_embedding, self.has_head = has_embedding, has_head
         self.vocab = cfg.padded_vocab_size(tp.size)
         kw = env.tensor_kw
         if has_embedding:
             self.embedding = nn.Module()
             self.embedding.word = VocabParallelEmbedding(
-                self.vocab, cfg.hidden_size, tp, self.seq_parallel, **kw
+                self.vocab, cfg.hidden_size, tp, self.sequence_parallel, **kw
             )
             if cfg.features.learned_positions:
                 positions = cfg.max_position_embeddings or cfg.seq_length
                 self.embedding.position = nn.Embedding(positions, cfg.hidden_size, **kw)
                 # with sequence parallelism each rank adds positions to its own rows only
-                mark(self.embedding.position.weight, **shard_spec(tp, partial_grad=self.sp))
+                mark(
+                    self.embedding.position.weight,
+                    **shard_spec(tp, partial_grad=self.sequence_parallel),
+                )
         # one cos/sin table for every layer (per head dim), sized to the training sequence
         # and grown by generation to the positions its cache holds
         self.rotary = RotaryTables(cfg.seq_length, kw["device"])
@@ -104,7 +110,7 @@ class GPTChunk(nn.Module):
         if self.has_embedding:
             return
         self.mtp_embedding = VocabParallelEmbedding(
-            self.vocab, cfg.hidden_size, self.tp, self.seq_parallel, **env.tensor_kw
+            self.vocab, cfg.hidden_size, self.tp, self.sequence_parallel, **env.tensor_kw
         )
         if hasattr(self, "output") and cfg.tied:  # already the embedding's copy: share it
             self.mtp_embedding.weight = self.output.weight
@@ -162,11 +168,6 @@ class GPTChunk(nn.Module):
 
         return {i: m.stats for i, m in moe_layers([self])}
 
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism is on now (off inside `full_sequences`)."""
-        return self.seq_parallel.on
-
     # ---- forward ----------------------------------------------------------------------------
 
     def embed(self, ids, positions=None):  # (b, s) -> (b, s, h) or (b, s/t, h)
@@ -177,11 +178,11 @@ class GPTChunk(nn.Module):
             pos = positions
             if pos is None:
                 pos = torch.arange(ids.shape[1], device=ids.device)
-            if self.sp and pos.shape[-1] == ids.shape[1]:  # this TP rank's rows
+            if self.sequence_parallel and pos.shape[-1] == ids.shape[1]:  # this TP rank's rows
                 pos = pos.chunk(self.tp.size, -1)[self.tp.rank]
             x = x + self.embedding.position(pos)
         if self.cfg.hidden_dropout and self.training:
-            if self.sp:  # rows sharded over TP: different masks per rank
+            if self.sequence_parallel:  # rows sharded over TP: different masks per rank
                 with self.rng.fork():
                     return F.dropout(x, self.cfg.hidden_dropout)
             x = F.dropout(x, self.cfg.hidden_dropout)
@@ -193,7 +194,7 @@ class GPTChunk(nn.Module):
     def logits(self, x, norm=None):
         """(b, s[/t], h) -> this rank's vocabulary slice of the logits (b, s, V_padded/t);
         `norm`: another final norm than the model's (an MTP module's)."""
-        x = enter_tp_region((norm or self.final_norm)(x), self.tp, self.sp)
+        x = enter_tp_region((norm or self.final_norm)(x), self.tp, self.sequence_parallel)
         return self.ops.linear(x, self.head_weight())
 
     def _token_loss(self, logits, labels):
@@ -235,7 +236,7 @@ class GPTChunk(nn.Module):
         return loss
 
     def _forward_cached(self, x, cache):
-        if self.sp:
+        if self.sequence_parallel:
             raise RuntimeError("a KV cache needs whole sequences: use chunk.full_sequences()")
         cache.extend(x.shape[1])  # slots and positions of the new tokens
         if self.has_embedding:
@@ -251,9 +252,10 @@ class GPTChunk(nn.Module):
         """Sequence parallelism off (every TP rank holds whole (b, s, h) activations), restored
         on exit: inference feeds one token at a time, which cannot be split over TP. The
         weights and the results are the same; only activation memory differs. Every layer holds
-        this chunk's one `SequenceParallel` switch, so flipping it reaches them all."""
-        saved, self.seq_parallel.on = self.seq_parallel.on, False
+        this chunk's one `SequenceParallel` switch (its env's `sequence_parallel`), so flipping
+        it reaches them all."""
+        saved, self.sequence_parallel.on = self.sequence_parallel.on, False
         try:
             yield self
         finally:
-            self.seq_parallel.on = saved
+            self.sequence_parallel.on = saved

@@ -48,7 +48,7 @@ class Norm(nn.Module):
         super().__init__()
         self.ops, self.eps, self.rms = env.ops, cfg.norm_epsilon, cfg.features.rms_norm
         kw = env.tensor_kw
-        spec = shard_spec(env.tp, None, partial_grad=env.seq_parallel, no_weight_decay=True)
+        spec = shard_spec(env.tp, None, partial_grad=env.sequence_parallel, no_weight_decay=True)
         self.weight = mark(nn.Parameter(torch.ones(cfg.hidden_size, **kw)), **spec)
         self.bias = None
         if cfg.features.layer_norm_bias:
@@ -84,7 +84,8 @@ class Attention(nn.Module):
         (default: a table of this layer's own)."""
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.seq_parallel, self.ops, self.rng = tp, env.seq_parallel, ops, env.rng
+        self.tp, self.ops, self.rng = tp, ops, env.rng
+        self.sequence_parallel = env.sequence_parallel  # the chunk's switch (model/env.py)
         self.cp, self.cp_comm_type = env.cp, env.cp_attention
         self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.heads_kv, cfg.head_dim
@@ -96,13 +97,14 @@ class Attention(nn.Module):
         self.rotary = cfg.features.rotary
         # sliding window: passed to the attention ops only when set (a custom op need not know it)
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        col = {"group": tp, "bias": cfg.features.qkv_bias, "sequence_parallel": self.seq_parallel,
-               "enter": False, **kw, "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
+        col = {"group": tp, "bias": cfg.features.qkv_bias, "enter": False, **kw, "ops": ops,
+               "sequence_parallel": self.sequence_parallel,
+               "overlap": env.tp_comm_overlap}  # fmt: skip
         self.q = ColumnParallelLinear(h, nh * hd, **col)
         self.k = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.v = ColumnParallelLinear(h, nkv * hd, split=self.split_kv, **col)
         self.out = RowParallelLinear(nh * hd, h, tp, bias=cfg.features.linear_bias,
-                                     sequence_parallel=self.seq_parallel, **kw, ops=ops,
+                                     sequence_parallel=self.sequence_parallel, **kw, ops=ops,
                                      overlap=env.tp_comm_overlap)  # fmt: skip
         if cfg.features.qk_norm:
             self.q_norm = HeadNorm(cfg, env)
@@ -212,17 +214,17 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, env: LayerEnv):
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.seq_parallel, self.ops = tp, env.seq_parallel, ops
+        self.tp, self.sequence_parallel, self.ops = tp, env.sequence_parallel, ops
         self.gated = cfg.features.gated_mlp
         self.gelu_kw = cfg.features.gelu_kwargs  # {} (tanh) or approximate="none" (exact)
         h, f, bias = cfg.hidden_size, cfg.ffn, cfg.features.linear_bias
-        col = {"group": tp, "bias": bias, "sequence_parallel": self.seq_parallel, "enter": False, **kw,
-               "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
+        col = {"group": tp, "bias": bias, "sequence_parallel": self.sequence_parallel,
+               "enter": False, **kw, "ops": ops, "overlap": env.tp_comm_overlap}  # fmt: skip
         if self.gated:
             self.gate = ColumnParallelLinear(h, f, **col)
         self.up = ColumnParallelLinear(h, f, **col)
-        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.seq_parallel, **kw,
-                                      ops=ops, overlap=env.tp_comm_overlap)  # fmt: skip
+        self.down = RowParallelLinear(f, h, tp, bias=bias, sequence_parallel=self.sequence_parallel,
+                                      **kw, ops=ops, overlap=env.tp_comm_overlap)  # fmt: skip
 
     def forward(self, x, fused=True):
         if self.gated:
@@ -238,8 +240,8 @@ class TransformerLayer(nn.Module):
         """`moe`: the layer holds experts (over `env.experts`) instead of an MLP. `rope`: the
         chunk's RotaryTables."""
         super().__init__()
-        self.seq_parallel, self.rng, self.dropout, self.recompute = (
-            env.seq_parallel,
+        self.sequence_parallel, self.rng, self.dropout, self.recompute = (
+            env.sequence_parallel,
             env.rng,
             cfg.hidden_dropout,
             env.recompute,
@@ -258,7 +260,7 @@ class TransformerLayer(nn.Module):
     def _drop(self, x):
         if not self.training or self.dropout == 0:
             return x
-        if self.seq_parallel:  # rows sharded over TP: different masks per rank
+        if self.sequence_parallel:  # rows sharded over TP: different masks per rank
             with self.rng.fork():
                 return F.dropout(x, self.dropout)
         return F.dropout(x, self.dropout)

@@ -77,7 +77,8 @@ class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, env: LayerEnv, rope=None):
         super().__init__()
         tp, ops, kw = env.tp, env.ops, env.tensor_kw
-        self.tp, self.seq_parallel, self.ops, self.rng = tp, env.seq_parallel, ops, env.rng
+        self.tp, self.ops, self.rng = tp, ops, env.rng
+        self.sequence_parallel = env.sequence_parallel  # the chunk's switch (model/env.py)
         self.cp, self.cp_comm_type = env.cp, env.cp_attention
         self.cfg, self.recompute_core = cfg, env.recompute == "selective"
         h, nh = cfg.hidden_size, cfg.num_attention_heads
@@ -89,8 +90,8 @@ class LatentAttention(nn.Module):
         q_mul = softmax_scale(cfg) * math.sqrt(self.d)
         self.q_mul = None if abs(q_mul - 1.0) < 1e-12 else q_mul
         self.window = {} if cfg.sliding_window is None else {"window": cfg.sliding_window}
-        col = {"group": tp, "bias": False, "sequence_parallel": self.seq_parallel, "enter": False, **kw,
-               "ops": ops}  # fmt: skip
+        col = {"group": tp, "bias": False, "sequence_parallel": self.sequence_parallel,
+               "enter": False, **kw, "ops": ops}  # fmt: skip
         dqk = self.dn + self.dr
         if cfg.q_lora_rank:
             self.q_a = ColumnParallelLinear(h, cfg.q_lora_rank, split=False, **col)
@@ -101,8 +102,8 @@ class LatentAttention(nn.Module):
         self.kv_a = ColumnParallelLinear(h, self.r + self.dr, split=False, **col)
         self.kv_a_norm = LatentNorm(self.r, env)
         self.kv_b = ColumnParallelLinear(self.r, nh * (self.dn + self.dv), **col)
-        self.out = RowParallelLinear(nh * self.dv, h, tp, bias=False, sequence_parallel=self.seq_parallel,
-                                     **kw, ops=ops)  # fmt: skip
+        self.out = RowParallelLinear(nh * self.dv, h, tp, bias=False, **kw, ops=ops,
+                                     sequence_parallel=self.sequence_parallel)  # fmt: skip
         # RoPE over the dr dims only: the tables of a model whose head dim is dr
         rope_cfg = dataclasses.replace(cfg, kv_channels=self.dr)
         self.rope = (
@@ -174,7 +175,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x, shard=None, kv=None):
         """As `layers.Attention.forward`; with `kv` (from `decode`) the cached path."""
-        x = enter_tp_region(x, self.tp, self.seq_parallel)  # (b, s, h); s/cp tokens with cp
+        x = enter_tp_region(x, self.tp, self.sequence_parallel)  # (b, s, h); s/cp tokens with cp
         b, s, _ = x.shape
         q = self.q_b(self.q_a_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
         q_nope, q_rope = q.unflatten(-1, (-1, self.dn + self.dr)).split([self.dn, self.dr], -1)

@@ -122,7 +122,7 @@ class MoELayer(nn.Module):
         super().__init__()
         tp, ep = env.tp, env.experts
         self.tp, self.ep, self.ops, self.shared = tp, ep, env.ops, shared
-        self.seq_parallel = env.seq_parallel
+        self.sequence_parallel = env.sequence_parallel
         self.seq = tp  # the ranks that hold one sequence between them
         e, h, f, etp = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn, ep.etp
         if f % etp:
@@ -220,7 +220,7 @@ class MoELayer(nn.Module):
         False for inference with a KV cache: every TP rank then routes the whole input, and no
         assignment is dropped (a capacity per decode step of one token per row would drop by
         the batch's choices, and each TP rank would count every token)."""
-        split = self.tp.size > 1 and not self.seq_parallel and fused  # whole rows on each rank
+        split = self.tp.size > 1 and not self.sequence_parallel and fused  # whole rows on each rank
         out = self._routed(x, split, dropless=not fused)
         if self.shared is not None:
             out = out + self.shared(x, fused=fused)

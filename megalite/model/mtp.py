@@ -38,7 +38,7 @@ class MTPModule(nn.Module):
         self.hnorm = Norm(cfg, env)
         h = cfg.hidden_size
         w = torch.empty(h, 2 * h, **env.tensor_kw)  # [embedding; hidden] -> hidden, whole
-        spec = shard_spec(env.tp, None, partial_grad=env.seq_parallel)  # rows split with sp
+        spec = shard_spec(env.tp, None, partial_grad=env.sequence_parallel)  # rows split over TP
         self.eh_proj = nn.Module()
         self.eh_proj.weight = mark(nn.Parameter(w), **spec)
         self.layer = TransformerLayer(cfg, env, moe, rope)

@@ -35,23 +35,24 @@ class Axis:
     check: Callable | None = None
 
 
-# The groups a run reduces over, as predicates on an axis (Topology.product's argument; the
-# groups ProcessGroups names): the replicas, over which gradients are averaged; of those the
-# ones ZeRO shards over (the shard group) and the copies of that group (--dp-replicate); and
-# the ranks that split the batch.
+# The groups a run reduces over, as predicates on an axis (Topology.product's argument), each
+# named after the ProcessGroups group it picks: the replica group (the same parameters:
+# gradients averaged over it); of its axes those ZeRO shards over (the zero_shard group) and
+# those holding copies of that group (shard_copies, --dp-replicate); and the ranks that split
+# the batch (the batch group).
 def replica_axis(a: "Axis") -> bool:
     return a.replicated
 
 
-def shard_axis(a: "Axis") -> bool:
+def zero_shard_axis(a: "Axis") -> bool:
     return a.replicated and a.shards
 
 
-def copy_axis(a: "Axis") -> bool:
+def shard_copies_axis(a: "Axis") -> bool:
     return a.replicated and not a.shards
 
 
-def data_axis(a: "Axis") -> bool:
+def batch_axis(a: "Axis") -> bool:
     return a.splits_batch
 
 

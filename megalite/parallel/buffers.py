@@ -57,16 +57,16 @@ class Buffers(Protocol):
         """Full-bucket tensors from this rank's per-bucket shards (collective)."""
 
 
-def place(b: Bucket, shard: Group, replicate: Group, sharded: bool):
+def place(b: Bucket, shard: Group, shard_copies: Group, sharded: bool):
     """Where this rank sits in bucket `b`: `dp_start`, the start of its 1/shard.size of the
     bucket; its shard (that part where the state is `sharded`, else the whole bucket); and
     `counted`, what it counts in the gradient norm: of its 1/shard.size, the piece of its copy
-    (`replicate`: the copies of the shard group holding the same shards, --dp-replicate), so
+    (`shard_copies`: the copies of the shard group holding the same shards, --dp-replicate), so
     every element is counted once over the world however many copies hold it."""
     n = b.numel // shard.size
     b.dp_start = b.start + shard.rank * n
     b.shard_start, b.shard_end = (b.dp_start, b.dp_start + n) if sharded else (b.start, b.end)
-    r, k = replicate.rank, replicate.size
+    r, k = shard_copies.rank, shard_copies.size
     b.counted = (b.dp_start + n * r // k, b.dp_start + n * (r + 1) // k)
 
 
@@ -76,10 +76,10 @@ def solo(group: Group) -> Group:
     return Group(f"{group.kind}_alone", [me], 0, None, group.ledger, group.device)
 
 
-def saves(b: Bucket, group: Group, replicate: Group) -> bool:
+def saves(b: Bucket, group: Group, shard_copies: Group) -> bool:
     """Every rank writes its own shard when the state is sharded, DP rank 0 the whole bucket
-    otherwise; of the copies of a shard group (`replicate`), the first alone."""
-    return replicate.rank == 0 and (b.shard_end - b.shard_start < b.numel or group.rank == 0)
+    otherwise; of the copies of a shard group (`shard_copies`), the first alone."""
+    return shard_copies.rank == 0 and (b.shard_end - b.shard_start < b.numel or group.rank == 0)
 
 
 def gather_shards(buckets: list[Bucket], shards: list[torch.Tensor], group: Group):

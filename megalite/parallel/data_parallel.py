@@ -26,11 +26,11 @@ holding that module's parameters (a plain container's, such as the untied head's
 read from it), so the gathers of later layers overlap the forward of earlier ones (Megatron's
 --overlap-param-gather). `wait_params` waits for all (checkpoints).
 
-"DP" here is the group of ranks ZeRO shards over (`ProcessGroups.shard`: dp, or the product of
-every replicated axis that shards). Hybrid sharding (--dp-replicate) adds `replicate`, the
+"DP" here is the group of ranks ZeRO shards over (`ProcessGroups.zero_shard`: dp, or the product
+of every replicated axis that shards). Hybrid sharding (--dp-replicate) adds `shard_copies`, the
 copies of that group holding the same shards: after the reductions over DP each rank's shard
 is all-reduced over its copies (reducers.StepReducer.finish), the parameters are gathered over
-DP alone, and the gradients are divided by dp x replicate (the mean over every replica).
+DP alone, and the gradients are divided by dp x shard_copies (the mean over every replica).
 """
 
 from contextlib import contextmanager
@@ -79,21 +79,21 @@ class GradBuffer:
         own_bucket=lambda name, p: False,
         select=lambda name, p: True,
         scale: float | None = None,
-        replicate: Group | None = None,
+        shard_copies: Group | None = None,
         bf16_grads: bool = False,
     ):
         """`select(name, p)`: the parameters this buffer holds (default all); `scale`: what
-        gradients are multiplied by before the sum over `dp` (default 1/(dp x replicate): a mean
-        over the replicas; expert gradients, summed over fewer ranks than the replicas, take
-        1/replicas); `replicate`: the copies of the `dp` group (hybrid sharding; default none);
-        `bf16_grads`: bf16 gradients (--grad-reduce-in-bf16, buckets.grad_dtype)."""
+        gradients are multiplied by before the sum over `dp` (default 1/(dp x shard_copies): a
+        mean over the replicas; expert gradients, summed over fewer ranks than the replicas,
+        take 1/replicas); `shard_copies`: the copies of the `dp` group (hybrid sharding; default
+        none); `bf16_grads`: bf16 gradients (--grad-reduce-in-bf16, buckets.grad_dtype)."""
         named, self.param_dtype = trainable(chunks, select)
         params = [x for c in named for x in c]
         self.dp, self.zero = dp, ZERO[zero_stage]
-        self.replicate = replicate or solo(dp)
+        self.shard_copies = shard_copies or solo(dp)
         if self.zero.shard_params:
             raise ValueError("ZeRO-3 shards the parameters: build a zero3.Zero3Buffer")
-        self.scale = 1.0 / (dp.size * self.replicate.size) if scale is None else scale
+        self.scale = 1.0 / (dp.size * self.shard_copies.size) if scale is None else scale
         self.grad_dtype = grad_dtype(self.param_dtype, bf16_grads)
         size = torch.empty((), dtype=self.grad_dtype).element_size()
         per_bucket = bucket_numel(bucket_size_mb, dp.size, size)
@@ -123,7 +123,7 @@ class GradBuffer:
             self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
         for b in self.buckets:
             shard = b.numel // dp.size
-            place(b, dp, self.replicate, self.zero.shard_state)
+            place(b, dp, self.shard_copies, self.zero.shard_state)
             if self.grad_buffer is not None:
                 b.grad = self.grad_buffer[b.start : b.end]
                 b.shard_grad = self.grad_buffer[b.shard_start : b.shard_end]
@@ -135,11 +135,11 @@ class GradBuffer:
             r.view = grad_view(r) if self.grad_buffer is not None else None
         self.reducer = self.zero.reducer(
             self.buckets, self.ranges, dp, self.scale, self.zero.in_flight, self.grad_buffer,
-            grad_is_view, replicate=self.replicate,
+            grad_is_view, shard_copies=self.shard_copies,
         )  # fmt: skip
         # nothing to reduce and `.grad` a view of the buffer: autograd's accumulation is all
         # (else finish() "reduces" the buffer as it is)
-        if dp.size * self.replicate.size > 1 or not grad_is_view:
+        if dp.size * self.shard_copies.size > 1 or not grad_is_view:
             for r in self.ranges:
                 r.param.register_post_accumulate_grad_hook(self.reducer.on_grad)
         if self.zero.shard_state and dp.size > 1:
@@ -224,7 +224,7 @@ class GradBuffer:
         return {"param_bytes": nbytes([self.param_buffer]), "grad_bytes": nbytes(grads)}
 
     def saves(self, b: Bucket) -> bool:
-        return saves(b, self.dp, self.replicate)
+        return saves(b, self.dp, self.shard_copies)
 
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""
@@ -311,8 +311,9 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
     replicas; with MoE, expert parameters in a buffer of their own over their
     expert-data-parallel group. Expert gradients hold the tokens of the whole ep group, so they
     are summed over edp and divided by the replicas (the mean over data-parallel ranks, as dense
-    gradients). With --dp-replicate the dense buffer shards over `groups.shard` and all-reduces
-    each shard over its copies (`groups.replicate`); the expert buffer is not hybrid (edp).
+    gradients). With --dp-replicate the dense buffer shards over `groups.zero_shard` and
+    all-reduces each shard over its copies (`groups.shard_copies`); the expert buffer is not
+    hybrid (edp).
     ZeRO-3: a Zero3Buffer, its parameters kept gathered for the step under pp (1F1B interleaves
     micro-batches), from forward to backward with --zero3-keep-params, else freed after each
     use; with --fp8-param-gather the FP8 linears' weights are gathered in FP8
@@ -331,13 +332,14 @@ def build_buffers(chunks: list[nn.Module], groups: ProcessGroups, cfg: Config) -
             raise ValueError("ZeRO-3 does not shard expert parameters (validate() refuses it)")
         reshard = zero.reshard(groups.pp.size > 1, o.zero3_keep_params)
         fp8_gather = cfg.training.fp8_param_gather
-        return Zero3Buffer(chunks, groups.shard, reshard, own, fp8_gather, groups.replicate,
+        return Zero3Buffer(chunks, groups.zero_shard, reshard, own, fp8_gather, groups.shard_copies,
                            bf16_grads=low)  # fmt: skip
     if not any(expert(n, p) for n, p in params):
-        return GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own,
-                          replicate=groups.replicate, bf16_grads=low)  # fmt: skip
-    dense = GradBuffer(chunks, groups.shard, zero_stage, bucket_mb, own, replicate=groups.replicate,
-                       select=lambda n, p: not expert(n, p), bf16_grads=low)  # fmt: skip
+        return GradBuffer(chunks, groups.zero_shard, zero_stage, bucket_mb, own,
+                          shard_copies=groups.shard_copies, bf16_grads=low)  # fmt: skip
+    dense = GradBuffer(chunks, groups.zero_shard, zero_stage, bucket_mb, own,
+                       shard_copies=groups.shard_copies, select=lambda n, p: not expert(n, p),
+                       bf16_grads=low)  # fmt: skip
     experts = GradBuffer(chunks, groups.edp, zero_stage, bucket_mb, select=expert,
-                         scale=1.0 / groups.replicas.size, bf16_grads=low)  # fmt: skip
+                         scale=1.0 / groups.replica.size, bf16_grads=low)  # fmt: skip
     return GradBuffers([dense, experts])

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.axes import copy_axis, data_axis, replica_axis, shard_axis
+from megalite.parallel.axes import batch_axis, replica_axis, shard_copies_axis, zero_shard_axis
 from megalite.parallel.comm import Group
 from megalite.parallel.expert_parallel import ExpertGroups
 from megalite.parallel.ledger import CommLedger
@@ -21,13 +21,20 @@ from megalite.parallel.topology import Topology, world_from_env
 class ProcessGroups:
     """The groups of one rank: one per axis of the topology (`groups.tp`, `groups.dp`, ...), with
     experts `groups.ep` and `groups.edp` (Topology.experts; with etp > 1 also `groups.etp`
-    and the token exchange's `etp+ep`), the
-    products of axes the run needs (`groups.get("dp+cp")`), `replicas` (the ranks holding the
-    same parameters: gradients are averaged over it), its two factors `shard` (the ranks ZeRO
-    shards over) and `replicate` (the copies of a shard group, --dp-replicate: one rank unless
-    hybrid sharding), `data` (the ranks training on different samples), `cp_levels` (a2a+p2p's
-    two levels of cp), `embed` (the pipeline stages holding the tied word embedding and the
-    head; None elsewhere) and `world`. All share one `CommLedger`."""
+    and the token exchange's `etp+ep`), the products of axes the run needs
+    (`groups.get("dp+cp")`), `cp_levels` (a2a+p2p's two levels of cp), `embed` (the pipeline
+    stages holding the tied word embedding and the head; None elsewhere) and `world`. All share
+    one `CommLedger`.
+
+    Four products are named for what they are (axes.py's predicates pick their axes):
+    - `replica`: the ranks holding the same parameters (every replicated axis: dp, cp, dpr);
+      gradients are averaged over it, and the loss with them;
+    - `zero_shard`: of those, the ranks ZeRO shards the state over (dp x cp; without
+      --dp-replicate the replica group itself);
+    - `shard_copies`: the copies of a ZeRO shard group (dpr, --dp-replicate), each shard
+      all-reduced over them once a step; one rank unless hybrid sharding;
+    - `batch`: the ranks that train on different samples (dp x dpr): the sampler's split and
+      the dropout seeds."""
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, groups: dict,
                  embed: Group | None, world: Group, ledger: CommLedger | None = None):  # fmt: skip
@@ -68,20 +75,20 @@ class ProcessGroups:
         return self.groups["cp_a2a"], self.groups["cp_p2p"]
 
     @property
-    def replicas(self) -> Group:
+    def replica(self) -> Group:
         return self.get(self.topo.product(replica_axis))
 
     @property
-    def shard(self) -> Group:
-        return self.get(self.topo.product(shard_axis))
+    def zero_shard(self) -> Group:
+        return self.get(self.topo.product(zero_shard_axis))
 
     @property
-    def replicate(self) -> Group:
-        return self.get(self.topo.product(copy_axis))
+    def shard_copies(self) -> Group:
+        return self.get(self.topo.product(shard_copies_axis))
 
     @property
-    def data(self) -> Group:
-        return self.get(self.topo.product(data_axis))
+    def batch(self) -> Group:
+        return self.get(self.topo.product(batch_axis))
 
 
 def _key(topo: Topology, expr: str) -> str:
@@ -162,11 +169,13 @@ def rank_groups(
     topo: Topology, rank: int, products: tuple[str, ...] = (), embed_stages=None
 ) -> dict[str, list[int]]:
     """{kind: ranks} of the groups `rank` is in, in the order build_groups creates them: each
-    axis, the products (those named, the replicas', the data's, the shard group's and its
-    copies'), the experts' ep and edp, and "embed" where the rank holds one of `embed_stages`
+    axis, the products (those named, then replica, batch, zero_shard and shard_copies), the
+    experts' ep and edp, and "embed" where the rank holds one of `embed_stages`
     (default: the first and the last)."""
     out = {a: topo.group(a, rank) for a in topo.axes}
-    wanted = [topo.product(p) for p in (replica_axis, data_axis, shard_axis, copy_axis)]
+    wanted = [
+        topo.product(p) for p in (replica_axis, batch_axis, zero_shard_axis, shard_copies_axis)
+    ]
     for expr in [*products, *wanted]:
         key = _key(topo, expr)
         if key not in out:
@@ -213,8 +222,8 @@ def build_groups(
     products: tuple[str, ...] = (), embed_stages: list[int] | None = None,
 ) -> ProcessGroups:  # fmt: skip
     """Create the groups this rank is in, and no other: each axis, the products named in
-    `products` plus those the run needs (replicas, data, shard, replicate), the experts' ep and
-    edp, and the embedding group of the pipeline stages in `embed_stages` (default: the first
+    `products` plus those the run needs (replica, batch, zero_shard, shard_copies), the experts'
+    ep and edp, and the embedding group of the pipeline stages in `embed_stages` (default: the first
     and the last) where this rank holds one of them.
 
     One `new_group(..., use_local_synchronization=True)` per group a rank is in: only its

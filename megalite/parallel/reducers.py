@@ -15,7 +15,7 @@ buckets and hands the reducer each parameter's fresh gradient (a post-accumulate
 Gradients are multiplied by the buffer's `scale` (the DP mean) before they are summed.
 
 Hybrid sharding (--dp-replicate): the buckets are reduced as above over the shard group `dp`,
-then `finish` all-reduces each rank's shard over `replicate`, the copies of the shard group
+then `finish` all-reduces each rank's shard over `shard_copies`, the copies of the shard group
 (1/dp of the bytes, once per step, after backward; a group of one rank makes it a no-op).
 """
 
@@ -48,12 +48,12 @@ class StepReducer:
     def __init__(self, buckets: list[Bucket], ranges: list[ParamRange], dp: Group, scale: float,
                  in_flight: int, grad_buffer: torch.Tensor | None = None,
                  grad_is_view: bool = False, on_launch=None,
-                 replicate: Group | None = None):  # fmt: skip
+                 shard_copies: Group | None = None):  # fmt: skip
         """`on_launch(b)`: called once bucket `b`'s reduction has started (ZeRO-3 frees the
-        unit whose buckets are all reduced); `replicate`: the copies of the `dp` group each
+        unit whose buckets are all reduced); `shard_copies`: the copies of the `dp` group each
         shard is all-reduced over in `finish` (None: none)."""
         self.buckets, self.dp, self.scale, self.in_flight = buckets, dp, scale, in_flight
-        self.replicate = replicate
+        self.shard_copies = shard_copies
         self.grad_buffer, self.grad_is_view, self.on_launch = grad_buffer, grad_is_view, on_launch
         self.range_of = {r.param: r for r in ranges}
         self.ranges = ranges
@@ -147,12 +147,12 @@ class StepReducer:
 
     def finish(self):
         """Launch the rest, wait for every reduction over `dp`, then sum each shard over the
-        copies of the group (`replicate`): `shard_grad` holds the step's mean gradient."""
+        copies of the group (`shard_copies`): `shard_grad` holds the step's mean gradient."""
         self.launch_rest()
         self.wait()
-        if self.replicate is None:
+        if self.shard_copies is None:
             return
-        works = [comm.all_reduce(b.shard_grad, self.replicate, async_op=True)
+        works = [comm.all_reduce(b.shard_grad, self.shard_copies, async_op=True)
                  for b in self.buckets]  # fmt: skip
         for w in works:
             if w is not None:

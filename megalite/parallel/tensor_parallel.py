@@ -55,9 +55,10 @@ def own_linear(ops, **shards):
 
 class SequenceParallel:
     """Whether the activations between TP regions are split along the sequence: one switch that
-    a model chunk builds and hands to each of its layers, so turning it off for inference
-    (`GPTChunk.full_sequences`) reaches them all. Anything that takes `sequence_parallel`
-    accepts it or a plain bool (a layer built on its own)."""
+    a model chunk owns (`chunk.sequence_parallel`) and hands to each of its layers as their
+    env's `sequence_parallel`, so turning it off for inference (`GPTChunk.full_sequences`)
+    reaches them all. Anything that takes `sequence_parallel` accepts it or a plain bool (a
+    layer built on its own)."""
 
     def __init__(self, on: bool):
         self.on = bool(on)
@@ -255,15 +256,15 @@ def fused_column_linear(x: torch.Tensor, layers, fused: bool = True) -> tuple[to
     which joins the weights its own way: `concat`) runs on the concatenated weights, which its
     backward may keep. Not `fused` (decoding): each layer on its own, no weight copy."""
     first = layers[0]
-    group, sp, linear = first.group, first.sequence_parallel, first.ops.linear
+    group, sequence_parallel, linear = first.group, first.sequence_parallel, first.ops.linear
     weights = [layer.weight for layer in layers]
     bias = () if first.bias is None else (torch.cat([layer.bias for layer in layers]),)
     joined = fused and linear is F.linear and torch.is_grad_enabled()  # `_JoinedLinear`
-    if joined and sp and group.size > 1:
+    if joined and sequence_parallel and group.size > 1:
         n = _pieces(group, x.shape[1], first.overlap)
         y = _joined_linear_gathered(group, n, len(weights), x, *weights, *bias)
         return y.split([w.shape[0] for w in weights], dim=-1)
-    x = enter_tp_region(x, group, sp)
+    x = enter_tp_region(x, group, sequence_parallel)
     if joined:
         y = _joined_linear(None, 1, len(weights), x, *weights, *bias)
     elif fused and len(layers) > 1:

@@ -44,9 +44,9 @@ per step).
 Parameter gathers are recorded in the ledger as "<kind>_gather" (e.g. dp_gather), the gradient
 reduce-scatters under the group's own kind, so a step's traffic of each is visible.
 
-Hybrid sharding (--dp-replicate): `dp` is the shard group and `replicate` its copies; the units
-are gathered over `dp` alone, and each shard's gradient is all-reduced over the copies once the
-step's reduce-scatters have landed (reducers.StepReducer.finish, ledger kind "dpr").
+Hybrid sharding (--dp-replicate): `dp` is the shard group and `shard_copies` its copies; the
+units are gathered over `dp` alone, and each shard's gradient is all-reduced over the copies
+once the step's reduce-scatters have landed (reducers.StepReducer.finish, ledger kind "dpr").
 """
 
 import dataclasses
@@ -153,7 +153,7 @@ class Zero3Buffer:
 
     def __init__(self, chunks: list[nn.Module], dp: Group, reshard: str = "forward",
                  own_bucket=lambda name, p: False, fp8_gather: bool = False,
-                 replicate: Group | None = None, bf16_grads: bool = False):  # fmt: skip
+                 shard_copies: Group | None = None, bf16_grads: bool = False):  # fmt: skip
         if reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {RESHARD}, got {reshard!r}")
         # FP8 weights get a bucket of their own per unit whether or not they travel in FP8: one
@@ -163,8 +163,8 @@ class Zero3Buffer:
         own = lambda name, p: "fp8" if p in fp8 else own_bucket(name, p)  # noqa: E731
         named, self.param_dtype = trainable(chunks)
         params = [x for c in named for x in c]
-        self.dp, self.zero, self.replicate = dp, ZERO[3], replicate or solo(dp)
-        self.scale = 1.0 / (dp.size * self.replicate.size)  # the mean over every replica
+        self.dp, self.zero, self.shard_copies = dp, ZERO[3], shard_copies or solo(dp)
+        self.scale = 1.0 / (dp.size * self.shard_copies.size)  # the mean over every replica
         self.gather_group = dataclasses.replace(dp, kind=f"{dp.kind}_gather")
         self.reshard = reshard
         self.grad_dtype = grad_dtype(self.param_dtype, bf16_grads)  # (--grad-reduce-in-bf16)
@@ -181,7 +181,7 @@ class Zero3Buffer:
             c = chunk_of[first]
             b = Bucket(start, end, [by_name[n] for n, _, _ in ranges], c)
             shard = b.numel // dp.size
-            place(b, dp, self.replicate, sharded=True)
+            place(b, dp, self.shard_copies, sharded=True)
             b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
             b.full = torch.zeros(b.numel, dtype=self.param_dtype, device=device)
             with torch.no_grad():
@@ -206,7 +206,7 @@ class Zero3Buffer:
         # gradients: stage 2's path, a unit freed once all its buckets are reduced
         self.reducer = self.zero.reducer(self.buckets, self.ranges, dp, self.scale,
                                          self.zero.in_flight, on_launch=self._launched,
-                                         replicate=self.replicate)  # fmt: skip
+                                         shard_copies=self.shard_copies)  # fmt: skip
         self.gathered_bytes = self._held()
         self._plan_keeps(len(chunks))
         for u in self.units:  # built whole: from now on each rank holds its shards only,
@@ -350,7 +350,7 @@ class Zero3Buffer:
         return b.param_shard
 
     def saves(self, b: Bucket) -> bool:
-        return saves(b, self.dp, self.replicate)
+        return saves(b, self.dp, self.shard_copies)
 
     def gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full-bucket tensors from this rank's per-bucket shards (collective over DP)."""

@@ -118,7 +118,7 @@ def layer_activations(
     m: ModelConfig,
     b: int,
     t: int,
-    sp: bool,
+    sequence_parallel: bool,
     recompute: str,
     e: int,
     torch_ops=False,
@@ -136,7 +136,8 @@ def layer_activations(
     holds experts (moe_activations) instead of the MLP."""
     s, h, f, a = m.seq_length, m.hidden_size, m.ffn, m.num_attention_heads
     rms, gated = m.features.rms_norm, m.features.gated_mlp
-    rows = s * b / (t if sp else 1)  # tokens of a sequence-sharded tensor on this rank
+    # tokens of a sequence-sharded tensor on this rank
+    rows = s * b / (t if sequence_parallel else 1)
     kv = kv_features(m, t)
     if recompute == "full":  # only the layer's input
         return rows * h * e
@@ -216,15 +217,16 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
         m = dataclasses.replace(m, seq_length=m.seq_length // cp)
     e, b, s, h, tp = BYTES[t.precision], t.micro_batch_size, m.seq_length, m.hidden_size, shape.tp
     torch_ops = t.kernels == "torch"  # "auto" plans for GPUs: the Triton kernels
-    sp = shape.sequence_parallel
-    total = sum(layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(i),
-                                  fp8_layer(cfg, m, i)) for i in kw["layers"])  # fmt: skip
+    sequence_parallel = shape.sequence_parallel
+    total = sum(layer_activations(m, b, tp, sequence_parallel, t.recompute, e, torch_ops,
+                                  m.is_moe_layer(i), fp8_layer(cfg, m, i))
+                for i in kw["layers"])  # fmt: skip
     total += fp8_saved(cfg, m, tp, kw["layers"])  # FP8 linears' copies (plan/memory.py)
     if kw["has_embedding"]:
         total += b * s * (9 if tp > 1 else 8)  # token ids (int64; a bool mask with TP)
         total += s * 8 if m.features.learned_positions else 0  # position ids
     if kw["has_head"]:
-        rows = s * b / (tp if sp else 1)
+        rows = s * b / (tp if sequence_parallel else 1)
         norm_e = max(e, 4) if torch_ops else e
         norm = rows * h * norm_e + rows * 4 * (1 if m.features.rms_norm else 2)
         if torch_ops and m.features.rms_norm:
@@ -240,11 +242,12 @@ def chunk_activations(cfg: Config, shape: RunShape, kw: dict) -> tuple[float, fl
         for k in range(m.mtp_num_layers):  # an MTP module (model/mtp.py): a head of its own,
             # its layer, enorm and hnorm, eh_proj's (b, s, 2h) input, the shifted ids
             L = m.num_layers + k
-            layer = layer_activations(m, b, tp, sp, t.recompute, e, torch_ops, m.is_moe_layer(L),
-                                      fp8_layer(cfg, m, L))  # fmt: skip
+            layer = layer_activations(m, b, tp, sequence_parallel, t.recompute, e, torch_ops,
+                                      m.is_moe_layer(L), fp8_layer(cfg, m, L))  # fmt: skip
             total += head + layer + 2 * norm + rows * 2 * h * e + s * b * 8
     transient = 0.0
     if t.recompute == "full" and kw["layers"]:
-        transient = max(layer_activations(m, b, tp, sp, "none", e, torch_ops, m.is_moe_layer(i),
-                                          fp8_layer(cfg, m, i)) for i in kw["layers"])  # fmt: skip
+        transient = max(layer_activations(m, b, tp, sequence_parallel, "none", e, torch_ops,
+                                          m.is_moe_layer(i), fp8_layer(cfg, m, i))
+                        for i in kw["layers"])  # fmt: skip
     return total, transient

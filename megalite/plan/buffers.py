@@ -110,7 +110,9 @@ def backward_working(cfg: Config, shape: RunShape, kw: dict) -> float:
     m, t = cfg.model, cfg.training
     e, tp = BYTES[t.precision], shape.tp
     tokens = m.seq_length // shape.cp * t.micro_batch_size
-    specs = chunk_specs(m, tp, **kw, sp=shape.sequence_parallel, ep=shape.ep, etp=shape.etp)
+    specs = chunk_specs(
+        m, tp, **kw, sequence_parallel=shape.sequence_parallel, ep=shape.ep, etp=shape.etp
+    )
     per_layer = {}
     for name, numel, _ in specs:
         if name.startswith("layers."):

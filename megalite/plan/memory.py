@@ -18,8 +18,8 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @lru_cache(maxsize=256)
-def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head: bool,
-              layers: tuple = (0,), ep: int = 1, etp: int = 1):  # fmt: skip
+def _template(m_fields: tuple, tp: int, sequence_parallel: bool, has_embedding: bool,
+              has_head: bool, layers: tuple = (0,), ep: int = 1, etp: int = 1):  # fmt: skip
     """[(name, numel, spec)] of a GPTChunk with the given layers (one of each kind: dense, MoE),
     built on `meta`: the real model's parameters without allocating them. Layers of a kind
     differ only in their index."""
@@ -36,7 +36,12 @@ def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head:
     experts = ExpertGroups(Group("etp+ep", list(range(ep * etp)), ep * etp - 1), etp)
     chunk = GPTChunk(
         m,
-        LayerEnv(tp=group, sequence_parallel=sp, device=torch.device("meta"), experts=experts),
+        LayerEnv(
+            tp=group,
+            sequence_parallel=sequence_parallel,
+            device=torch.device("meta"),
+            experts=experts,
+        ),
         layers=list(layers),
         has_embedding=has_embedding,
         has_head=has_head,
@@ -44,16 +49,20 @@ def _template(m_fields: tuple, tp: int, sp: bool, has_embedding: bool, has_head:
     return tuple((n, p.numel(), spec_of(p)) for n, p in chunk.named_parameters())
 
 
-def chunk_specs(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False, ep=1, etp=1):
+def chunk_specs(
+    m: ModelConfig, tp: int, layers, has_embedding, has_head, sequence_parallel=False, ep=1, etp=1
+):
     """[(logical name, numel on this TP rank, ParamSpec)] in `named_parameters()` order; experts
     split over ep (and each over etp)."""
     # hashable for the cache: list fields (moe_dense_layers) as tuples
     fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))
-    return list(_chunk_specs(fields, tp, tuple(layers), has_embedding, has_head, sp, ep, etp))
+    return list(
+        _chunk_specs(fields, tp, tuple(layers), has_embedding, has_head, sequence_parallel, ep, etp)
+    )
 
 
 @lru_cache(maxsize=4096)
-def _chunk_specs(fields, tp, layers, has_embedding, has_head, sp, ep, etp) -> tuple:
+def _chunk_specs(fields, tp, layers, has_embedding, has_head, sequence_parallel, ep, etp) -> tuple:
     m = ModelConfig(*fields)
     kinds = {}  # MoE or dense -> the model's first layer of that kind (its template, so that
     for i in layers:  # every chunk of a model shares it: the search plans thousands)
@@ -61,7 +70,9 @@ def _chunk_specs(fields, tp, layers, has_embedding, has_head, sp, ep, etp) -> tu
         if moe not in kinds:
             kinds[moe] = next(j for j in range(m.num_layers + 64) if m.is_moe_layer(j) == moe)
     reps = tuple(sorted(kinds.values())) or (0,)
-    template = _template(fields, tp, sp and tp > 1, has_embedding, has_head, reps, ep, etp)
+    template = _template(
+        fields, tp, sequence_parallel and tp > 1, has_embedding, has_head, reps, ep, etp
+    )
     head = ("final_norm", "output", "mtp")  # the head, then the MTP modules (model/mtp.py)
     before = [x for x in template if not x[0].startswith(("layers.", *head))]
     after = [x for x in template if x[0].startswith(head)]
@@ -74,7 +85,7 @@ def _chunk_specs(fields, tp, layers, has_embedding, has_head, sp, ep, etp) -> tu
 
 
 @lru_cache(maxsize=64)
-def _fp8_layer_groups(m_fields: tuple, tp: int, sp: bool) -> tuple:
+def _fp8_layer_groups(m_fields: tuple, tp: int, sequence_parallel: bool) -> tuple:
     """The weights an FP8 layer quantises together (fp8_gather.weight_groups), as names within
     the layer (("attention.q.weight", ...), ...), from the real layer built on `meta`."""
     import torch
@@ -92,7 +103,7 @@ def _fp8_layer_groups(m_fields: tuple, tp: int, sp: bool) -> tuple:
         ModelConfig(*m_fields),
         LayerEnv(
             tp=Group("tp", list(range(tp)), tp - 1),
-            sequence_parallel=sp,
+            sequence_parallel=sequence_parallel,
             device=torch.device("meta"),
             ops=ops,
         ),
@@ -193,9 +204,9 @@ def expert_parallel(shape: RunShape) -> tuple[int, int]:
     return shape.ep, max(1, shape.tp * replicas(shape) * shape.dpr // (shape.ep * shape.etp))
 
 
-def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sp=False):
+def chunk_params(m: ModelConfig, tp: int, layers, has_embedding, has_head, sequence_parallel=False):
     """[(logical name, numel on this TP rank, gradient summed over TP)] in registration order."""
-    specs = chunk_specs(m, tp, layers, has_embedding, has_head, sp)
+    specs = chunk_specs(m, tp, layers, has_embedding, has_head, sequence_parallel)
     return [(n, k, "tp" in s.grad_sum) for n, k, s in specs]
 
 
@@ -210,7 +221,9 @@ def buckets(cfg: Config, shape: RunShape, pp_rank: int, experts: bool = False):
     sync = {}
     chunks = []
     for kw in shape.partition.rank_chunks(pp_rank):
-        specs = chunk_specs(m, shape.tp, **kw, sp=shape.sequence_parallel, ep=ep, etp=shape.etp)
+        specs = chunk_specs(
+            m, shape.tp, **kw, sequence_parallel=shape.sequence_parallel, ep=ep, etp=shape.etp
+        )
         specs = [x for x in specs if x[2].expert == experts]
         zero3 = shape.zero.shard_params and not experts  # one bucket per unit, as Zero3Buffer
         if zero3:
@@ -263,9 +276,10 @@ def _unused_second_moments(cfg: Config, shape: RunShape, pp_rank: int, bs, rank:
         return 0
     specs = {}
     for kw in shape.partition.rank_chunks(pp_rank):
-        sp = shape.sequence_parallel
-        specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, sp=sp,
-                                                       ep=shape.ep, etp=shape.etp))  # fmt: skip
+        sequence_parallel = shape.sequence_parallel
+        specs.update((n, s) for n, _, s in chunk_specs(cfg.model, shape.tp, **kw, ep=shape.ep,
+                                                       sequence_parallel=sequence_parallel,
+                                                       etp=shape.etp))  # fmt: skip
     dp = expert_parallel(shape)[1] if experts else replicas(shape)
     unused = 0
     for start, end, ranges in bs:
@@ -295,7 +309,7 @@ def zero3_units(cfg: Config, shape: RunShape, pp_rank: int) -> dict:
     e = BYTES[t.precision]
     per_chunk, sizes, gathers = [], [], []
     for kw in shape.partition.rank_chunks(pp_rank):
-        specs = chunk_specs(cfg.model, shape.tp, **kw, sp=shape.sequence_parallel)
+        specs = chunk_specs(cfg.model, shape.tp, **kw, sequence_parallel=shape.sequence_parallel)
         params = zero3_params(cfg, shape, kw, specs)
         fp8 = fp8_weights(cfg, shape, kw["layers"], kw["has_head"]) if t.fp8_param_gather else {}
         units = {}

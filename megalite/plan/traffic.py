@@ -8,7 +8,7 @@ import dataclasses
 from megalite.config import Config
 from megalite.optim import muon_owners
 from megalite.optim.muon import muon_on, muon_parts
-from megalite.parallel.axes import copy_axis, replica_axis, shard_axis
+from megalite.parallel.axes import replica_axis, shard_copies_axis, zero_shard_axis
 from megalite.parallel.topology import Topology
 from megalite.parallel.zero3 import carried_units, unit_gathers, unit_of
 from megalite.pipeline.actions import SEND_B, SEND_F
@@ -167,7 +167,7 @@ def comm_bytes(
     e, b, s, h = BYTES[tr.precision], tr.micro_batch_size, m.seq_length, m.hidden_size
     low = tr.precision in ("bf16", "fp16")
     g_size = 4 if low else e
-    sp = shape.sequence_parallel
+    sequence_parallel = shape.sequence_parallel
     act = b * s * h * e
     kws = shape.partition.rank_chunks(pp_rank)
     out = {}
@@ -176,8 +176,8 @@ def comm_bytes(
     # row-parallel exit, backward of the column-parallel entry) or, with SP, 2 all-gathers and 2
     # reduce-scatters: 8 (t-1)/t b s h elements either way; full recompute repeats the forward.
     # With SP a fused block gathers its input again in backward, but in FP8 (memory.fused_blocks).
-    regather = _ring("gather", t, act) if sp else 0
-    if sp:
+    regather = _ring("gather", t, act) if sequence_parallel else 0
+    if sequence_parallel:
         per_layer = 8 * _ring("gather", t, act)
         embed = head = 2 * _ring("gather", t, act)
     else:
@@ -222,7 +222,7 @@ def comm_bytes(
     # all-reduce of m+2 float64: the losses and the first stage's timing).
     actions = schedule_actions(shape.schedule, pp, shape.vpp, microbatches, pp_rank)
     sends = sum(kind in (SEND_F, SEND_B) for kind, _ in actions)
-    out["pp"] = sends * (act // (t if sp else 1))
+    out["pp"] = sends * (act // (t if sequence_parallel else 1))
 
     # DP, per bucket: the collectives of the ZeRO stage (ZeroStage.collectives), ZeRO-3's
     # parameter gathers counted apart as dp_gather. Plus the loss mean (a logging step's).
@@ -247,7 +247,9 @@ def comm_bytes(
             out["dp_gather"] = out.get("dp_gather", 0) + per_unit[unit_of(ranges[0][0])] * each
     # the shard group's kind (dp, cp+dp); with --dp-replicate each shard is all-reduced over
     # the copies of the group (dpr) once a step, and the loss mean spans both (dp+dpr)
-    shard, everyone, copies = (_kind(shape, f) for f in (shard_axis, replica_axis, copy_axis))
+    shard, everyone, copies = (
+        _kind(shape, f) for f in (zero_shard_axis, replica_axis, shard_copies_axis)
+    )
     out[shard] = out.get(shard, 0) + dp_bytes
     out[everyone] = out.get(everyone, 0) + _ring("all_reduce", d * shape.dpr, 8)
     for start, end, _ in bs:
@@ -286,11 +288,16 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
     ep, edp = expert_parallel(shape)
     specs = {}
     for kw in shape.partition.rank_chunks(pp_rank):
-        sp = shape.sequence_parallel
-        specs.update((n, s) for n, _, s in chunk_specs(m, t, **kw, sp=sp, ep=ep, etp=shape.etp))
+        sequence_parallel = shape.sequence_parallel
+        specs.update(
+            (n, s)
+            for n, _, s in chunk_specs(
+                m, t, **kw, sequence_parallel=sequence_parallel, ep=ep, etp=shape.etp
+            )
+        )
     out = {}
     for experts, kind, n, rank in (
-        (False, _replicas_kind(shape), replicas(shape), dp_rank),
+        (False, _zero_shard_kind(shape), replicas(shape), dp_rank),
         (True, "edp", edp, edp_rank),
     ):
         owners = muon_owners.Owners(n, t)
@@ -305,9 +312,9 @@ def muon_bytes(cfg: Config, shape: RunShape, pp_rank: int, dp_rank=0, tp_rank=0,
     return {k: v for k, v in out.items() if v}
 
 
-def _replicas_kind(shape: RunShape) -> str:
+def _zero_shard_kind(shape: RunShape) -> str:
     """The ledger kind of the group ZeRO shards over: dp, or with context parallelism cp+dp (cp)."""
-    return _kind(shape, shard_axis)
+    return _kind(shape, zero_shard_axis)
 
 
 def _kind(shape: RunShape, axes) -> str:
@@ -334,11 +341,12 @@ def _moe_comm(cfg: Config, shape: RunShape) -> dict:
     split sizes (E int64) all-gathered over ep forward. Full recompute repeats the forward."""
     m, tr = cfg.model, cfg.training
     t, e, b, s, h = shape.tp, BYTES[tr.precision], tr.micro_batch_size, m.seq_length, m.hidden_size
-    sp = shape.sequence_parallel
+    sequence_parallel = shape.sequence_parallel
     act = b * s * h * e
-    fwd_block = 2 * _ring("gather", t, act) if sp else _ring("all_reduce", t, act)  # per block
+    # per block
+    fwd_block = 2 * _ring("gather", t, act) if sequence_parallel else _ring("all_reduce", t, act)
     shared = 1 if m.moe_shared_expert_intermediate_size else 0
-    routed = 0 if sp else _ring("gather", t, act)  # forward; the same again backward
+    routed = 0 if sequence_parallel else _ring("gather", t, act)  # forward; the same again backward
     small = _ring("all_reduce", t, m.num_experts * 4) if m.moe_aux_loss_coeff else 0
     if m.moe_expert_capacity_factor is not None:
         small += _ring("gather", t, t * m.moe_router_topk * m.num_experts * 8)

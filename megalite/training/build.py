@@ -96,7 +96,7 @@ def end_fp8_step(chunks, groups: ProcessGroups):
     every micro-batch), pushed into their histories (kernels/fp8_linear.py `end_step`)."""
 
     def reduce(t):
-        for g in (groups.tp, groups.replicas):
+        for g in (groups.tp, groups.replica):
             comm.all_reduce(t, g, op=dist.ReduceOp.MAX)
 
     fp8_linear.end_step(fp8_linear.fp8_linears(m for c in chunks for m in c.modules()), reduce)

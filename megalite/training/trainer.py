@@ -57,7 +57,7 @@ class Trainer:
         tok = getattr(self.data, "tokenizer", None)
         self.shape = shape = shape.with_vocab(tok.vocab_size) if tok else shape
         # dropout differs across replicas: the data ranks, and the cp ranks (other tokens)
-        seed_replicated(t.seed, groups.pp.rank, groups.data.rank * groups.cp.size + groups.cp.rank)
+        seed_replicated(t.seed, groups.pp.rank, groups.batch.rank * groups.cp.size + groups.cp.rank)
         # what the run resumes from (--load, or --save's latest), resolved once: the model is
         # built empty for it (the load fills it) and `resume` loads it
         self.resume_from = resume_path(cfg)
@@ -110,7 +110,7 @@ class Trainer:
 
     def _sampler(self, dataset) -> BatchSampler:
         """This DP rank's sampler over `dataset`, split as the run shape says."""
-        s, data = self.shape, self.groups.data
+        s, data = self.shape, self.groups.batch
         return BatchSampler(len(dataset), s.global_batch_size, s.micro_batch_size, data.rank,
                             data.size)  # fmt: skip
 
@@ -167,7 +167,7 @@ class Trainer:
                       .to(device, non_blocking=cuda) for x in mb) for mb in batch]  # fmt: skip
 
     def _mean_over_dp(self, values: list[float]) -> list[float]:
-        g = self.groups.replicas
+        g = self.groups.replica
         t = torch.tensor(values, dtype=torch.float64, device=self.groups.device)
         comm.all_reduce(t, g)
         return (t / g.size).tolist()

@@ -42,7 +42,7 @@ def _reduce(rank, world, stage):
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
     model = _model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    buf = GradBuffer([model], groups.replicas, zero_stage=stage, bucket_size_mb=BUCKET_MB)
+    buf = GradBuffer([model], groups.replica, zero_stage=stage, bucket_size_mb=BUCKET_MB)
     out = {"buckets": len(buf.buckets)}
     # every parameter now reads the flat buffer, with its value unchanged
     out["views"] = all(
@@ -157,7 +157,7 @@ def _overlapped_gather(rank, world):
     chunk = _Chunk().double()
     whole = {n: p.detach().clone() for n, p in chunk.named_parameters()}
     # one parameter a bucket: each gather belongs to one module
-    buf = GradBuffer([chunk], groups.replicas, zero_stage=1, bucket_size_mb=8 / 2**20)
+    buf = GradBuffer([chunk], groups.replica, zero_stage=1, bucket_size_mb=8 / 2**20)
     names = {r.bucket: r.name for r in buf.ranges}
     with torch.no_grad():  # every rank's shard right, the rest of the buffer garbage
         values = buf.param_buffer.clone()
@@ -203,7 +203,7 @@ def _partial(rank, world):
     model = _model()
     torch.manual_seed(1)
     model["c"] = nn.Linear(4, 2).double()
-    buf = GradBuffer([model], groups.replicas, zero_stage=2, bucket_size_mb=1 / 2**10)
+    buf = GradBuffer([model], groups.replica, zero_stage=2, bucket_size_mb=1 / 2**10)
     buf.zero_grad(MICRO)
     for k in range(MICRO):
         loss = _loss(model, rank, k)

@@ -87,8 +87,8 @@ def _new_axis(rank, world):
         got, got_params, shape, groups = _train(_config("tp-xp-dp-pp"), world)
         assert dict(shape.sizes) == {"tp": 2, "xp": 2, "dp": 1, "pp": 1, "cp": 1, "dpr": 1}
         # gradients reduced (and ZeRO-sharded) over dp+xp: the ranks where dp was
-        assert groups.replicas is groups.get("dp+xp") and groups.replicas.kind == "xp"
-        assert groups.replicas.ranks == [rank % 2, rank % 2 + 2]
+        assert groups.replica is groups.get("dp+xp") and groups.replica.kind == "xp"
+        assert groups.replica.ranks == [rank % 2, rank % 2 + 2]
         assert groups.ledger.calls["xp"] > 0 and not groups.ledger.calls["dp"]
     finally:
         del AXES["xp"]
@@ -223,9 +223,9 @@ def _compiled(rank, world):
     cfg = small("llama", num_layers=1)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
-    for sp in (False, True):
-        eager, compiled = (GPTChunk(cfg, LayerEnv(tp=tp, seed=1, dtype=torch.float64, sequence_parallel=sp))
-                           for _ in range(2))  # fmt: skip
+    for sequence_parallel in (False, True):
+        env = LayerEnv(tp=tp, seed=1, dtype=torch.float64, sequence_parallel=sequence_parallel)
+        eager, compiled = (GPTChunk(cfg, env) for _ in range(2))
         for layer in compiled.layers.values():
             layer.compile(backend="aot_eager")
         a, b = (m(ids[:, :-1], ids[:, 1:]) for m in (eager, compiled))

@@ -85,10 +85,12 @@ def _same_scores(a, b, what):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-10, msg=f"{what} {key}")
 
 
-def _chunks(cfg, groups, pp, vpp, sp):
+def _chunks(cfg, groups, pp, vpp, sequence_parallel):
     return [
         GPTChunk(
-            cfg, LayerEnv(tp=groups.tp, sequence_parallel=sp, dtype=torch.float64), **kw
+            cfg,
+            LayerEnv(tp=groups.tp, sequence_parallel=sequence_parallel, dtype=torch.float64),
+            **kw,
         ).train()
         for kw in rank_chunks(cfg.num_layers, pp, vpp, groups.pp.rank)
     ]
@@ -100,7 +102,7 @@ def _layouts(rank, world, paths, cp_paths=()):
         groups = build_groups(Topology(**sizes), torch.device("cpu"))
         for path in cp_paths:
             cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
-            chunks = _chunks(cfg, groups, groups.pp.size, 1, sp=groups.tp.size > 1)
+            chunks = _chunks(cfg, groups, groups.pp.size, 1, sequence_parallel=groups.tp.size > 1)
             load_model(chunks, groups.tp, fmt.Checkpoint(path))
             out[(str(sizes), path)] = _run(chunks, groups, CP_PROMPTS)
             if (sizes, path) == (CP_LAYOUTS[0], cp_paths[0]):  # without the cache: rank alone
@@ -111,14 +113,15 @@ def _layouts(rank, world, paths, cp_paths=()):
         for path in paths:
             ckpt = fmt.Checkpoint(path)
             cfg = from_dict({"model": ckpt.model_config}).model
-            chunks = _chunks(cfg, groups, pp, vpp, sp=tp > 1)  # as the trainer builds them
+            # as the trainer builds them
+            chunks = _chunks(cfg, groups, pp, vpp, sequence_parallel=tp > 1)
             load_model(chunks, groups.tp, ckpt)
             out[(tp, pp, vpp, path)] = _run(chunks, groups)
             out[(tp, pp, vpp, path, "scored")] = _scored(chunks, groups)
             # the trainer's chunks come back as they were: training mode, sequence parallel
-            assert all(c.training and c.sp == (tp > 1) for c in chunks)
+            assert all(c.training and bool(c.sequence_parallel) == (tp > 1) for c in chunks)
     groups = build_groups(Topology(tp=1, pp=2, dp=2), torch.device("cpu"))
-    out["deep"] = _run(_chunks(DEEP, groups, 2, 2, sp=False), groups)
+    out["deep"] = _run(_chunks(DEEP, groups, 2, 2, sequence_parallel=False), groups)
     return out
 
 

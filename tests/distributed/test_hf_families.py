@@ -73,11 +73,12 @@ def _layers(rank, world):
         expected = ref(tokens, labels)
         expected.backward()
         grads = {n: p.grad for n, p in ref.named_parameters()}
-        for sp in (False, True):
+        for sequence_parallel in (False, True):
             model = GPTChunk(
-                cfg, LayerEnv(tp=tp, sequence_parallel=sp, seed=11, dtype=torch.float64)
+                cfg,
+                LayerEnv(tp=tp, sequence_parallel=sequence_parallel, seed=11, dtype=torch.float64),
             )
-            what = f"{case} sp={sp}"
+            what = f"{case} sequence_parallel={sequence_parallel}"
             with torch.no_grad():
                 _close(model(tokens), ref(tokens), f"{what} logits")
             loss = model(tokens, labels)
@@ -130,7 +131,7 @@ def _generate(rank, world, paths, over_replicas=()):
     out, ep_groups = {}, {}
     for path in paths:
         cfg = from_dict({"model": fmt.Checkpoint(path).model_config}).model
-        chunks = _chunks(cfg, groups, 2, 1, sp=True)
+        chunks = _chunks(cfg, groups, 2, 1, sequence_parallel=True)
         assert len(chunks) == len(rank_chunks(cfg.num_layers, 2, 1, groups.pp.rank))
         load_model(chunks, groups.tp, fmt.Checkpoint(path))
         out[path] = _run(chunks, groups)

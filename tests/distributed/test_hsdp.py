@@ -35,9 +35,9 @@ def _ring_all_reduce(n: int, nbytes: int) -> int:
 def _hsdp(rank, world):
     groups = build_groups(Topology(dp=2, dpr=2), torch.device("cpu"))
     # the shard group is adjacent ranks (inside a node); its copies are dp=2 apart
-    assert groups.shard.ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
-    assert groups.replicate.ranks == [rank % 2, rank % 2 + 2]
-    assert groups.replicas.size == groups.data.size == 4
+    assert groups.zero_shard.ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert groups.shard_copies.ranks == [rank % 2, rank % 2 + 2]
+    assert groups.replica.size == groups.batch.size == 4
 
     def two_chunks():
         b = blocks(3, groups.tp, torch.float64)
@@ -89,11 +89,11 @@ def _planned(rank, world):
         opt.zero_grad(M)
         loss = 0.0
         for k in range(M):
-            x, y = data(10 * groups.data.rank + k)
+            x, y = data(10 * groups.batch.rank + k)
             out_ = chunks[0](x, y)
             (out_ / M).backward()
             loss += out_.item() / M
-        comm.all_reduce(torch.tensor([loss], dtype=torch.float64), groups.replicas)  # the mean
+        comm.all_reduce(torch.tensor([loss], dtype=torch.float64), groups.replica)  # the mean
         opt.step(1e-3)
         # (the world's status: the trainer adds its flags to the norm's all-reduce, not done here)
         got = {k: n for k, n in groups.ledger.bytes.items() if k != "world"}

@@ -26,14 +26,14 @@ from tests.unit.test_plan_activations import saved_bytes
 L, H, HEADS, S, V, B, M = 2, 16, 2, 8, 40, 2, 2  # layers, hidden, heads, seq, vocab, mbs, m
 
 
-def config(tp=1, pp=1, dp=1, zero=0, sp=False, precision="fp32", cp=1, cp_comm_type="p2p",
-           **model) -> Config:  # fmt: skip
+def config(tp=1, pp=1, dp=1, zero=0, sequence_parallel=False, precision="fp32", cp=1,
+           cp_comm_type="p2p", **model) -> Config:  # fmt: skip
     cfg = Config()
     model = {"flavour": "gpt2", **model}
     cfg.model = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, seq_length=S,
                             vocab_size=V, make_vocab_size_divisible_by=8, **model)  # fmt: skip
     p, t, o = cfg.parallel, cfg.training, cfg.optimizer
-    p.tp, p.pp, p.dp, p.sequence_parallel, p.cp = tp, pp, dp, sp, cp
+    p.tp, p.pp, p.dp, p.sequence_parallel, p.cp = tp, pp, dp, sequence_parallel, cp
     p.cp_comm_type = cp_comm_type
     t.micro_batch_size, t.global_batch_size, t.precision, t.kernels = (
         B,
@@ -93,8 +93,9 @@ def step(groups, chunks, opt, dp_rank=0):
     return dict(groups.ledger.bytes)
 
 
-def tp_case(sp: bool):
-    cfg = config(tp=2, sp=sp)
+def tp_case(sequence_parallel: bool):
+    cfg = config(tp=2, sequence_parallel=sequence_parallel)
+    shape = layout(cfg, tp=2, sequence_parallel=sequence_parallel)
     groups, chunks, opt = build(cfg)
     got = step(groups, chunks, opt)
     t, e = 2, 4
@@ -102,21 +103,21 @@ def tp_case(sp: bool):
     # per micro-batch: 8 (t-1)/t bsh per layer (with SP 10: the fused q/k/v and GeLU's up
     # gather their input again in backward), 2 (t-1)/t bsh for the embedding and for the
     # head, 2 (t-1)/t of 3 b s fp32 values for the vocab-parallel loss (max, then two sums)
-    blocks = 10 if sp else 8
+    blocks = 10 if sequence_parallel else 8
     per_mb = (
         L * blocks * (t - 1) / t * bsh + 2 * 2 * (t - 1) / t * bsh + 2 * (t - 1) / t * 3 * B * S * 4
     )
     # the optimizer sums sequence-parallel gradients over TP: per layer 2 norms (weight, bias)
     # and the row-parallel biases of out and down; the final norm; the position embedding
-    synced = (L * 6 * H + 2 * H + S * H) if sp else 0
+    synced = (L * 6 * H + 2 * H + S * H) if sequence_parallel else 0
     expected = M * per_mb + 2 * (t - 1) / t * synced * e
-    assert got["tp"] == expected, (sp, got["tp"], expected)
-    assert got["tp"] == traffic.comm_bytes(cfg, layout(cfg, tp=2, sequence_parallel=sp), 0, M)["tp"]
+    assert got["tp"] == expected, (sequence_parallel, got["tp"], expected)
+    assert got["tp"] == traffic.comm_bytes(cfg, shape, 0, M)["tp"]
     assert got["world"] == 16  # gradient norm and inf flag: 2 float64, all-reduced over 2
     # activations autograd keeps on this TP rank for one micro-batch
     measured = saved_bytes(chunks[0], data(0)[0], data(0)[1])
     kw = rank_chunks(L, 1, 1, 0)[0]
-    estimate, _ = activations.chunk_activations(cfg, layout(cfg, tp=2, sequence_parallel=sp), kw)
+    estimate, _ = activations.chunk_activations(cfg, shape, kw)
     return got["tp"], measured, estimate
 
 
@@ -192,12 +193,15 @@ def memory_case(cfg: Config):
 
 
 def run(rank, world):
-    out = {"tp": [tp_case(sp) for sp in (False, True)]}
+    out = {"tp": [tp_case(sequence_parallel) for sequence_parallel in (False, True)]}
     out["dp"] = [dp_case(z, rank) for z in (0, 1, 2, 3)]
-    out["mla"] = [latent_case(config(tp=2, sp=sp, mtp_num_layers=1, **MLA)) for sp in (False, True)]
+    out["mla"] = [
+        latent_case(config(tp=2, sequence_parallel=sequence_parallel, mtp_num_layers=1, **MLA))
+        for sequence_parallel in (False, True)
+    ]
     out["mla"] += [latent_case(config(cp=2, **MLA, cp_comm_type=c)) for c in ("p2p", "a2a")]
     out["memory"] = [
-        memory_case(config(tp=2, sp=True)),
+        memory_case(config(tp=2, sequence_parallel=True)),
         memory_case(config(pp=2)),  # tied embedding halves in buckets of their own
         *[memory_case(config(dp=2, zero=z, precision=pr)) for z in (0, 1, 2, 3) for pr in ("fp32", "bf16")],
         memory_case(config(pp=2, dp=1, zero=3)),  # stage 3 at dp=1: tied halves, units per stage

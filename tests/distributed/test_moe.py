@@ -10,7 +10,7 @@ DP, the experts over edp, the shared expert over DP) agree within 1e-10. The led
 exactly two all-to-alls per layer per direction, of (T k + rows received) h 8 bytes.
 The routing variants (model/routing.py: DeepSeek-V3's sigmoid scores with the expert bias,
 node-limited groups and a scaling factor; Qwen3-MoE's unnormalised top-k; gpt-oss's biased
-router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (sp).
+router and experts with clamped SwiGLU) run in the same spawn at ep2·tp2 and ep4·tp2 (with SP).
 """
 
 import math
@@ -60,9 +60,11 @@ def full_tensor(name: str, shape, skew: bool) -> torch.Tensor:
     return t
 
 
-def layer(m: ModelConfig, tp: Group, ep: ExpertGroups, sp: bool, skew: bool) -> MoELayer:
+def layer(
+    m: ModelConfig, tp: Group, ep: ExpertGroups, sequence_parallel: bool, skew: bool
+) -> MoELayer:
     """The layer with its full tensors drawn by name (and the expert bias, when on)."""
-    env = LayerEnv(tp=tp, sequence_parallel=sp, experts=ep, dtype=torch.float64)
+    env = LayerEnv(tp=tp, sequence_parallel=sequence_parallel, experts=ep, dtype=torch.float64)
     import dataclasses
 
     shared = MLP(dataclasses.replace(m, ffn_hidden_size=SHARED), env)
@@ -105,16 +107,22 @@ def reference(dp: int, skew: bool, capacity=None, variant=()):
     return outs, auxes, xgrads, grads, picked
 
 
-def case(rank, tp, ep, sp, skew, capacity=None, **variant):
+def case(rank, tp, ep, sequence_parallel, skew, capacity=None, **variant):
     topo = Topology(tp=tp, dp=4 // tp)
     topo.expert = topo.experts(ep)
     groups = build_groups(topo, torch.device("cpu"))
     d, t = groups.dp.rank, groups.tp.rank
     ref = reference(4 // tp, skew, capacity, tuple(variant.items()))
     ref_out, ref_aux, ref_xg, ref_grads, picked = ref
-    moe = layer(cfg(capacity, **variant), groups.tp, ExpertGroups(groups.ep), sp and tp > 1, skew)
+    moe = layer(
+        cfg(capacity, **variant),
+        groups.tp,
+        ExpertGroups(groups.ep),
+        sequence_parallel and tp > 1,
+        skew,
+    )
     x, g = inputs(d, skew)
-    rows = slice(t * S // tp, (t + 1) * S // tp) if sp and tp > 1 else slice(None)
+    rows = slice(t * S // tp, (t + 1) * S // tp) if sequence_parallel and tp > 1 else slice(None)
     x = x[:, rows].clone().requires_grad_(True)
     groups.ledger.reset()
     out = moe(x)
@@ -132,7 +140,7 @@ def case(rank, tp, ep, sp, skew, capacity=None, **variant):
         grad = p.grad.clone()
         group = groups.edp if spec_of(p).split_axis == "ep" else groups.dp
         comm.all_reduce(grad, group)
-        if "tp" in spec_of(p).grad_sum:  # the router; biases seeing only sp rows
+        if "tp" in spec_of(p).grad_sum:  # the router; biases seeing only their rows (SP)
             comm.all_reduce(grad, groups.tp)
         err[name] = (grad - spec_of(p).local(ref_grads[name])).abs().max().item()
     ledger = None
@@ -152,9 +160,15 @@ def case(rank, tp, ep, sp, skew, capacity=None, **variant):
 
 def run(rank, world):
     out = {}
-    for tp, ep, sp in [(1, 2, False), (1, 4, False), (2, 2, False), (2, 4, False), (2, 2, True)]:
+    for tp, ep, sequence_parallel in [
+        (1, 2, False),
+        (1, 4, False),
+        (2, 2, False),
+        (2, 4, False),
+        (2, 2, True),
+    ]:
         for skew in (False, True):
-            out[tp, ep, sp, skew] = case(rank, tp, ep, sp, skew)
+            out[tp, ep, sequence_parallel, skew] = case(rank, tp, ep, sequence_parallel, skew)
     out["capacity"] = case(rank, 2, 2, False, True, capacity=1.0)
     for name, variant in VARIANTS.items():
         out[name] = case(rank, 2, 2, False, False, **variant)

@@ -24,15 +24,15 @@ from tests.distributed.test_moe import TOL, E, H, S, cfg, inputs, layer, referen
 pytestmark = pytest.mark.distributed
 
 
-def case(rank, tp, ep, etp, sp, skew, capacity=None):
+def case(rank, tp, ep, etp, sequence_parallel, skew, capacity=None):
     topo = Topology(tp=tp, dp=4 // tp)
     topo.expert = topo.experts(ep, etp)
     groups = build_groups(topo, torch.device("cpu"))
     d, t = groups.dp.rank, groups.tp.rank
     ref_out, _, ref_xg, ref_grads, _ = reference(4 // tp, skew, capacity)
-    moe = layer(cfg(capacity), groups.tp, groups.experts, sp and tp > 1, skew)
+    moe = layer(cfg(capacity), groups.tp, groups.experts, sequence_parallel and tp > 1, skew)
     x, g = inputs(d, skew)
-    rows = slice(t * S // tp, (t + 1) * S // tp) if sp and tp > 1 else slice(None)
+    rows = slice(t * S // tp, (t + 1) * S // tp) if sequence_parallel and tp > 1 else slice(None)
     x = x[:, rows].clone().requires_grad_(True)
     groups.ledger.reset()
     out = moe(x)
@@ -55,9 +55,16 @@ def case(rank, tp, ep, etp, sp, skew, capacity=None):
 
 def run(rank, world):
     out = {}
-    for tp, ep, etp, sp in [(2, 2, 2, False), (2, 1, 2, False), (1, 1, 4, False), (2, 2, 2, True)]:
+    for tp, ep, etp, sequence_parallel in [
+        (2, 2, 2, False),
+        (2, 1, 2, False),
+        (1, 1, 4, False),
+        (2, 2, 2, True),
+    ]:
         for skew in (False, True):
-            out[tp, ep, etp, sp, skew] = case(rank, tp, ep, etp, sp, skew)
+            out[tp, ep, etp, sequence_parallel, skew] = case(
+                rank, tp, ep, etp, sequence_parallel, skew
+            )
     out["capacity"] = case(rank, 2, 2, 2, False, True, capacity=1.0)
     return out
 

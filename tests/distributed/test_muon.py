@@ -140,12 +140,12 @@ def _run(rank, world, save_dir):
             status.append(ledger.bytes.get("world", 0) - before)
             steps.append(params(tr))
         shape, g = validate(cfg, world), tr.groups
-        ranks = {"dp_rank": g.replicas.rank, "edp_rank": g.edp.rank if model == "moe" else 0}
+        ranks = {"dp_rank": g.replica.rank, "edp_rank": g.edp.rank if model == "moe" else 0}
         planned = memory.state_memory(cfg, shape, g.pp.rank, **ranks)
         sent = traffic.muon_bytes(cfg, shape, g.pp.rank, tp_rank=g.tp.rank, **ranks)
         whole = {}
         if whole_step:  # the whole last step's tp and dp bytes, Muon's hops included
-            mb = cfg.training.global_batch_size // (cfg.training.micro_batch_size * g.data.size)
+            mb = cfg.training.global_batch_size // (cfg.training.micro_batch_size * g.batch.size)
             plan = traffic.comm_bytes(cfg, shape, g.pp.rank, mb, tp_rank=g.tp.rank, **ranks)
             whole = {k: (plan[k], g.ledger.bytes[k]) for k in ("tp", "dp")}
             whole["world"] = plan["world"], status[0]  # an unlogged step's status reduction

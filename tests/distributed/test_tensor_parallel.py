@@ -43,27 +43,29 @@ def _layers(rank, world):
     b, s, h, out, V = 2, 8, 8, 12, 37 * world
     x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
     ref = torch.nn.Linear(h, out, dtype=torch.float64)
-    for sp in (False, True):
+    for sequence_parallel in (False, True):
         col = ColumnParallelLinear(
-            h, out, g, sequence_parallel=sp, gather_output=True, dtype=torch.float64
+            h, out, g, sequence_parallel=sequence_parallel, gather_output=True, dtype=torch.float64
         )
         with torch.no_grad():
             col.weight.copy_(shard(ref.weight, 0, g))
             col.bias.copy_(shard(ref.bias, 0, g))
         xin = (
-            shard(x, 1, g).detach().requires_grad_() if sp else x.detach().clone().requires_grad_()
+            shard(x, 1, g).detach().requires_grad_()
+            if sequence_parallel
+            else x.detach().clone().requires_grad_()
         )
         y = col(xin)
-        close(y, ref(x), f"column forward sp={sp}")
+        close(y, ref(x), f"column forward sequence_parallel={sequence_parallel}")
         y.square().sum().backward()
         x.grad = None
         ref.zero_grad()
         ref(x).square().sum().backward()
         close(col.weight.grad, shard(ref.weight.grad, 0, g), "column weight grad")
         close(col.bias.grad, shard(ref.bias.grad, 0, g), "column bias grad")
-        close(xin.grad, shard(x.grad, 1, g) if sp else x.grad, "column input grad")
+        close(xin.grad, shard(x.grad, 1, g) if sequence_parallel else x.grad, "column input grad")
         # row parallel: input split along features
-        row = RowParallelLinear(out, h, g, sequence_parallel=sp, dtype=torch.float64)
+        row = RowParallelLinear(out, h, g, sequence_parallel=sequence_parallel, dtype=torch.float64)
         ref2 = torch.nn.Linear(out, h, dtype=torch.float64)
         with torch.no_grad():
             row.weight.copy_(shard(ref2.weight, 1, g))
@@ -72,12 +74,16 @@ def _layers(rank, world):
         zin = shard(z, -1, g).detach().requires_grad_()
         y = row(zin)
         expected = ref2(z)
-        close(y, shard(expected, 1, g) if sp else expected, f"row forward sp={sp}")
+        close(
+            y,
+            shard(expected, 1, g) if sequence_parallel else expected,
+            f"row forward sequence_parallel={sequence_parallel}",
+        )
         (y * 3).sum().backward()
         (expected * 3).sum().backward()
         close(row.weight.grad, shard(ref2.weight.grad, 1, g), "row weight grad")
         bias_grad = row.bias.grad.clone()
-        if sp:
+        if sequence_parallel:
             comm.all_reduce(bias_grad, g)  # grad_sync_tp
         close(bias_grad, ref2.bias.grad, "row bias grad")
         close(zin.grad, shard(z.grad, -1, g), "row input grad")
@@ -130,7 +136,7 @@ MODEL_CASES = [
 ]
 
 
-def _model(rank, world, sp, case):
+def _model(rank, world, sequence_parallel, case):
     g = tp_group(world)
     cfg = ModelConfig(
         num_layers=2,
@@ -142,7 +148,9 @@ def _model(rank, world, sp, case):
         **case,
     )
     ref = GPTChunk(cfg, LayerEnv(seed=11, dtype=torch.float64))
-    model = GPTChunk(cfg, LayerEnv(tp=g, sequence_parallel=sp, seed=11, dtype=torch.float64))
+    model = GPTChunk(
+        cfg, LayerEnv(tp=g, sequence_parallel=sequence_parallel, seed=11, dtype=torch.float64)
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1))
     tokens, labels = ids[:, :-1], ids[:, 1:]
@@ -165,14 +173,15 @@ def _model(rank, world, sp, case):
     return True
 
 
-def _models(rank, world, sp):
-    return all(_model(rank, world, sp, case) for case in MODEL_CASES)
+def _models(rank, world, sequence_parallel):
+    return all(_model(rank, world, sequence_parallel, case) for case in MODEL_CASES)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("sp", [False, True])
-def test_model_matches_one_process(world, sp):
-    assert all(spawn(_models, world, sp))  # one spawn for every case: processes cost seconds
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_model_matches_one_process(world, sequence_parallel):
+    # one spawn for every case: processes cost seconds
+    assert all(spawn(_models, world, sequence_parallel))
 
 
 # ---- --tp-comm-overlap: the same computation in pieces -------------------------------------
@@ -242,14 +251,18 @@ def _recompute(rank, world):
                       hidden_dropout=0.2, attention_dropout=0.2)  # fmt: skip
     ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     out = []
-    for sp in (False, True) if world > 1 else (False,):
+    for sequence_parallel in (False, True) if world > 1 else (False,):
         grads = {}
         for recompute in ("none", "selective", "full"):
             seed_replicated(5)
             model = GPTChunk(
                 cfg,
                 LayerEnv(
-                    tp=g, sequence_parallel=sp, recompute=recompute, seed=3, dtype=torch.float64
+                    tp=g,
+                    sequence_parallel=sequence_parallel,
+                    recompute=recompute,
+                    seed=3,
+                    dtype=torch.float64,
                 ),
             )
             for _ in range(2):  # the second pass starts from streams the first one advanced
@@ -257,8 +270,8 @@ def _recompute(rank, world):
             grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
         for recompute in ("selective", "full"):
             for n, grad in grads[recompute].items():
-                close(grad, grads["none"][n], f"sp={sp} {recompute} {n}", tol=1e-12)
-        out.append(sp)
+                close(grad, grads["none"][n], f"sp={sequence_parallel} {recompute} {n}", tol=1e-12)
+        out.append(sequence_parallel)
     return out
 
 

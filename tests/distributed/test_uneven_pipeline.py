@@ -124,7 +124,7 @@ def _gpt_run(rank, world):
     from megalite.parallel.topology import Topology
 
     groups = build_groups(Topology(pp=2, dp=2), torch.device("cpu"))
-    dp = groups.data
+    dp = groups.batch
     g = torch.Generator().manual_seed(7)
     batch = [(torch.randint(0, V, (MBS, SEQ), generator=g),
               torch.randint(0, V, (MBS, SEQ), generator=g)) for _ in range(8)]  # fmt: skip

@@ -162,7 +162,7 @@ def local_slice(full: torch.Tensor, p: nn.Parameter, tp: Group) -> torch.Tensor:
 def train(chunks, opt, groups, batches, m, inject=None):
     """This DP rank's part of each global batch, in m micro-batches through all chunks.
     `inject(step, scaled_loss)` may replace the loss a rank back-propagates."""
-    dp = groups.data  # (dp, or with --dp-replicate dp x dpr: every rank that splits the batch)
+    dp = groups.batch  # (dp, or with --dp-replicate dp x dpr: every rank that splits the batch)
     losses, grads, stats = [], [], []
     dtype = next(chunks[0].parameters()).dtype
     for s, (x, y) in enumerate(batches):
@@ -267,7 +267,7 @@ def check_against_reference(groups, chunks_fn, n_blocks, m, gbs, stages=(0, 1, 2
     state_bytes = {}
     for stage in stages:
         chunks = chunks_fn()
-        cfg = config(stage, mbs=gbs // m // groups.data.size, gbs=gbs)
+        cfg = config(stage, mbs=gbs // m // groups.batch.size, gbs=gbs)
         cfg.optimizer.zero3_keep_params = keep
         opt = build_optimizer(chunks, groups, cfg)
         losses, grads, stats = train(chunks, opt, groups, batches, m)

@@ -116,7 +116,7 @@ def _compare(rank, world):
     ]
     for sizes, name, vpp, flavour, zero in cases:
         groups = build_groups(Topology(**sizes), torch.device("cpu"))
-        dp = groups.data
+        dp = groups.batch
         m_total = 8
         cfg = _config(flavour, zero, m_total // dp.size)
         batch = _batch(m_total)

@@ -147,14 +147,13 @@ def test_full_sequences_turns_off_every_layer_through_one_switch():
     tp = Group("tp", [0, 1], 0)  # built only: no collective runs
     cfg = small(num_experts=2, moe_layer_freq=2)
     chunk = GPTChunk(cfg, LayerEnv(tp=tp, sequence_parallel=True, device="meta"))
-    holders = [(m, a) for m in chunk.modules() for a in ("seq_parallel", "sequence_parallel")
-               if a in vars(m)]  # fmt: skip
+    holders = [m for m in chunk.modules() if "sequence_parallel" in vars(m)]
     assert len(holders) >= 15  # the embedding; per layer itself, attention, its linears, MLP
-    assert all(getattr(m, a) is chunk.seq_parallel for m, a in holders)
-    assert chunk.sp
+    assert all(m.sequence_parallel is chunk.sequence_parallel for m in holders)
+    assert chunk.sequence_parallel
     with chunk.full_sequences():
-        assert not chunk.sp and not any(getattr(m, a) for m, a in holders)
-    assert chunk.sp and all(getattr(m, a) for m, a in holders)
+        assert not any(m.sequence_parallel for m in holders)
+    assert all(m.sequence_parallel for m in holders)
 
 
 # ---- compiled blocks ------------------------------------------------------------------------

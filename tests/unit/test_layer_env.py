@@ -1,5 +1,5 @@
 """The layers' one environment (megalite/model/env.py): defaults of one process, variations that
-share or renew the chunk's switch and dropout stream, and what a chunk built from it holds."""
+share or renew the dropout stream, and the sequence-parallel switch a chunk hands its layers."""
 
 import torch
 
@@ -15,15 +15,15 @@ CFG = ModelConfig(flavour="llama", num_layers=2, hidden_size=32, num_attention_h
 def test_defaults_are_one_process():
     env = LayerEnv(dtype=torch.float64)
     assert env.tp is LOCAL and env.cp.size == 1 and env.experts.ep == 1 and env.experts.etp == 1
-    assert not env.seq_parallel and env.cp_attention == "p2p"
+    assert env.sequence_parallel is False and env.cp_attention == "p2p"
     assert env.tensor_kw == {"dtype": torch.float64, "device": None}
     assert LayerEnv(meta=True).tensor_kw["device"] == "meta"
 
 
 def test_sequence_parallelism_is_on_with_tp_only():
     two = Group("tp", [0, 1], 0)
-    assert LayerEnv(tp=two, sequence_parallel=True).seq_parallel
-    assert not LayerEnv(sequence_parallel=True).seq_parallel  # tp = 1: nothing to split
+    assert LayerEnv(tp=two, sequence_parallel=True).sequence_parallel is True
+    assert LayerEnv(sequence_parallel=True).sequence_parallel is False  # tp = 1: nothing to split
 
 
 def test_cp_levels_come_before_the_comm_type():
@@ -33,12 +33,12 @@ def test_cp_levels_come_before_the_comm_type():
     assert LayerEnv(cp_comm_type="a2a").cp_attention == "a2a"
 
 
-def test_replace_shares_the_state_unless_it_changes_what_it_is_made_from():
+def test_replace_shares_the_dropout_stream_unless_it_changes_what_it_is_made_from():
     env = LayerEnv()
     same = env.replace(dtype=torch.float64)
-    assert same.rng is env.rng and same.seq_parallel is env.seq_parallel
+    assert same.rng is env.rng
     reseeded = env.replace(seed=7)
-    assert reseeded.rng is not env.rng and reseeded.seq_parallel is not env.seq_parallel
+    assert reseeded.rng is not env.rng
     fresh = env.fresh()
     assert fresh == env and fresh.rng is not env.rng
 
@@ -46,11 +46,13 @@ def test_replace_shares_the_state_unless_it_changes_what_it_is_made_from():
 def test_each_chunk_has_its_own_switch_and_stream_its_layers_share():
     env = LayerEnv(tp=Group("tp", [0, 1], 0), sequence_parallel=True, device="meta")
     a, b = GPTChunk(CFG, env), GPTChunk(CFG, env)
-    assert a.seq_parallel is not b.seq_parallel and a.rng is not b.rng
+    assert a.sequence_parallel is not b.sequence_parallel and a.rng is not b.rng
+    assert env.sequence_parallel is True  # the chunk's switch is in its own env, not the caller's
+    assert a.env.sequence_parallel is a.sequence_parallel
     for layer in a.layers.values():
-        assert layer.seq_parallel is a.seq_parallel and layer.rng is a.rng
+        assert layer.sequence_parallel is a.sequence_parallel and layer.rng is a.rng
     with a.full_sequences():
-        assert not a.layers["0"].seq_parallel and b.layers["0"].seq_parallel
+        assert not a.layers["0"].sequence_parallel and b.layers["0"].sequence_parallel
 
 
 def test_a_chunk_from_the_default_env_equals_one_built_with_it_spelt_out():

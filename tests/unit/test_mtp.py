@@ -101,8 +101,8 @@ def test_validate_refuses_what_mtp_does_not_run_with():
     refused("--num-query-groups=2 does not apply", model={"num_query_groups": 2})
 
 
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
-def test_the_planner_lists_the_mtp_parameters_in_the_models_order(tp, sp):
+@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, True)])
+def test_the_planner_lists_the_mtp_parameters_in_the_models_order(tp, sequence_parallel):
     """plan/memory.py expands one meta-device layer per kind: the MTP modules and the head
     stage's embedding copy come after the head, as GPTChunk registers them."""
     from megalite.parallel.comm import Group
@@ -113,10 +113,10 @@ def test_the_planner_lists_the_mtp_parameters_in_the_models_order(tp, sp):
     m = dataclasses.replace(CFG, num_layers=4)
     group = Group("tp", list(range(tp)), tp - 1)
     for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
-        chunk = GPTChunk(m, LayerEnv(tp=group, sequence_parallel=sp), **kw)
+        chunk = GPTChunk(m, LayerEnv(tp=group, sequence_parallel=sequence_parallel), **kw)
         real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
-        assert memory.chunk_params(m, tp, **kw, sp=sp) == real
+        assert memory.chunk_params(m, tp, **kw, sequence_parallel=sequence_parallel) == real
 
 
 @pytest.mark.parametrize("mtp", [0, 1])

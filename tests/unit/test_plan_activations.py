@@ -176,9 +176,9 @@ def test_backward_working_counts_the_regathered_input(monkeypatch):
     with Allocations():
         y.backward(torch.ones_like(y))
     kw = {"layers": range(2), "has_embedding": False, "has_head": False}
-    sp = backward_working(cfg, layout(cfg, tp=2, sequence_parallel=True), kw)
+    split = backward_working(cfg, layout(cfg, tp=2, sequence_parallel=True), kw)
     assert made == [b * s * h * 4, b * s // 2 * h * 4]  # the rows again; the gradient's rows
-    assert sp - backward_working(cfg, layout(cfg, tp=2), kw) == made[0]
+    assert split - backward_working(cfg, layout(cfg, tp=2), kw) == made[0]
 
 
 def test_forward_temporaries_are_counted():

@@ -18,17 +18,17 @@ from tests.unit.plan_configs import tiny
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "nanogpt", "llama"])
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (4, True)])
-def test_parameters_are_gpt_chunks(flavour, tp, sp):
+@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, False), (2, True), (4, True)])
+def test_parameters_are_gpt_chunks(flavour, tp, sequence_parallel):
     """Names, sizes and the TP gradient sum in registration order, the first and the last
     stage (the planner expands one meta-device layer to many)."""
     m = tiny(flavour, layers=4, num_query_groups=2 if flavour == "llama" else None).model
     group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
     for kw in rank_chunks(4, 2, 1, 0) + rank_chunks(4, 2, 1, 1):
-        chunk = GPTChunk(m, LayerEnv(tp=group, sequence_parallel=sp), **kw)
+        chunk = GPTChunk(m, LayerEnv(tp=group, sequence_parallel=sequence_parallel), **kw)
         real = [(n, p.numel(), "tp" in spec_of(p).grad_sum)
                 for n, p in chunk.named_parameters()]  # fmt: skip
-        assert memory.chunk_params(m, tp, **kw, sp=sp) == real
+        assert memory.chunk_params(m, tp, **kw, sequence_parallel=sequence_parallel) == real
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -129,13 +129,13 @@ def test_hybrid_sharding_shard_group_and_its_copies():
     laid out right after dp, so a shard group and its TP ranks share a node of 4 GPUs and only
     the copies' all-reduce crosses nodes. Every rank builds the shard group, the copies' and
     the replicas' (dp+dpr: the loss mean); at dpr=1 the groups are plain dp's."""
-    from megalite.parallel.axes import copy_axis, data_axis, replica_axis, shard_axis
+    from megalite.parallel.axes import batch_axis, replica_axis, shard_copies_axis, zero_shard_axis
     from megalite.parallel.groups import communicators, rank_groups
 
     t = Topology(tp=2, dp=2, dpr=2)
     assert t.order == "tp-cp-dp-dpr-pp"
-    assert (t.product(shard_axis), t.product(copy_axis)) == ("dp", "dpr")
-    assert t.product(replica_axis) == t.product(data_axis) == "dp+dpr"
+    assert (t.product(zero_shard_axis), t.product(shard_copies_axis)) == ("dp", "dpr")
+    assert t.product(replica_axis) == t.product(batch_axis) == "dp+dpr"
     assert t.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert t.groups("dpr") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert all(len({r // 4 for r in g}) == 1 for g in t.groups("tp+dp"))  # inside a node
@@ -144,8 +144,8 @@ def test_hybrid_sharding_shard_group_and_its_copies():
     assert (mine["dp"], mine["dpr"], mine["dp+dpr"]) == ([5, 7], [1, 5], [1, 3, 5, 7])
     assert communicators(t, 5) == 4  # tp, dp, dpr, dp+dpr
     plain = Topology(tp=2, dp=4)
-    assert plain.product(shard_axis) == plain.product(replica_axis) == "dp"
-    assert plain.product(copy_axis) == "dpr" and plain.size("dpr") == 1
+    assert plain.product(zero_shard_axis) == plain.product(replica_axis) == "dp"
+    assert plain.product(shard_copies_axis) == "dpr" and plain.size("dpr") == 1
     assert communicators(plain, 5) == 2  # tp, dp: no group more than before
     # the copies do not change which samples a rank reads: its index along dp+dpr is plain dp's
     assert [t.index("dp+dpr", r) for r in range(8)] == [plain.index("dp", r) for r in range(8)]
