@@ -210,7 +210,7 @@ class Trainer:
         rng = rng_state(self.chunks, self.groups.device) if self.spike_rerun else None
         result, report = self._forward_backward_update(batch, m, g, rates)
         if report.spike and rng is not None:  # the same batch from the same state: the same loss?
-            result, report = self.spikes.rerun(
+            result, report = self.spikes.guard.rerun(
                 it, lambda: set_rng_state(rng, self.chunks, self.groups.device),
                 lambda: self._forward_backward_update(batch, m, g, rates), self.logger.print)  # fmt: skip
         self.iteration = it
