@@ -303,11 +303,8 @@ class Trainer:
         self.skipped_in_a_row += 1
         limit = self.cfg.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
-            spike = (
-                f" or a loss spike (--spike-threshold {self.spikes.guard.threshold})"
-                if self.spikes.guard.on
-                else ""
-            )
+            guard = self.spikes.guard
+            spike = f" or a loss spike (--spike-threshold {guard.threshold})" if guard.on else ""
             raise MegaliteError(
                 f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient{spike} (loss {result.loss}, grad norm "
                 f"{stats.grad_norm}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
@@ -316,9 +313,7 @@ class Trainer:
     def _peak_memory(self) -> int:
         if self.groups.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.groups.device)
-        return (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )  # CPU: the process's peak RSS
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: the peak RSS
 
     # ---- evaluation ---------------------------------------------------------------------------
 
