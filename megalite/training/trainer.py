@@ -1,8 +1,11 @@
 """The training loop that every layout runs: data -> schedule -> optimizer step -> metrics.
 
-Each step: this DP rank's micro-batches of global batch i (the same samples for every layout),
-one pipeline schedule over this rank's model chunks (pp=1 is the schedule F0 B0 F1 B1 ...), then
-the optimizer finalises gradients (DP, TP, tied embeddings), clips and updates.
+`train` loops as nanoGPT's does: `train_step` (this DP rank's micro-batches of global batch i,
+the same samples for every layout; one pipeline schedule over this rank's model chunks, pp=1
+being F0 B0 F1 B1 ...; the optimizer finalises gradients (DP, TP, tied embeddings), clips and
+updates), then on their iterations an evaluation, a log line and a save. What watches a step
+(hang reports, timeline, profiler, GC, stragglers, spike guard, preemption, the comm ledger)
+is one list of observers (observers.py).
 """
 
 import math
@@ -242,7 +245,7 @@ class Trainer:
     def _metrics(self, result, stats: StepReport, rates) -> dict:
         """What a logging step reports: the loss, and throughput and the pipeline bubble over
         the steps since the last logging step (`first_stage_times` reads their clock marks)."""
-        t, shape = self.cfg.training, self.shape
+        t, shape, m = self.cfg.training, self.shape, self.shape.model
         (loss,) = self._mean_over_dp([result.loss])
         steps = len(self._interval)
         compute, busy = first_stage_times(self._interval, self.groups.pp)
@@ -251,7 +254,7 @@ class Trainer:
         step_s = (now - self._interval_start) / steps
         samples, self._interval_samples = self._interval_samples, 0
         self._interval, self._interval_start = [], now
-        tokens_per_s = samples / steps * shape.model.seq_length / step_s
+        tokens_per_s = samples / steps * m.seq_length / step_s
         world = self.groups.topo.world_size
         pipelined = shape.pp > 1
         return {
@@ -262,8 +265,8 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_s,
             "consumed_samples": self.sampler.consumed_samples,
-            "mfu": None if self.peak is None else model_flops_per_token(shape.model) * tokens_per_s / (self.peak * world),
-            "hfu": None if self.peak is None else hardware_flops_per_token(shape.model, t.recompute) * tokens_per_s / (self.peak * world),
+            "mfu": None if self.peak is None else model_flops_per_token(m) * tokens_per_s / (self.peak * world),
+            "hfu": None if self.peak is None else hardware_flops_per_token(m, t.recompute) * tokens_per_s / (self.peak * world),
             # the first stage's idle time over its compute time, over the log interval
             "bubble_measured": idle_ratio(compute, busy) if pipelined else 0.0,
             "bubble_theory": self.bubble,
@@ -281,16 +284,11 @@ class Trainer:
             "spike": stats.spike,
             "spikes": self.spikes_total,
             **watched,
-            **self._moe_metrics(),
+            # per-layer expert load, auxiliary losses and dropped share since the last logging
+            # step (one all-reduce over the world and one host read)
+            **(moe_metrics(self.chunks, self.groups.world, m.num_layers, m.num_experts)
+               if m.num_experts else {}),
         }  # fmt: skip
-
-    def _moe_metrics(self) -> dict:
-        """Per-layer expert load, auxiliary losses and dropped share since the last logging
-        step (one all-reduce over the world and one host read: logging steps only)."""
-        m = self.shape.model
-        if not m.num_experts:
-            return {}
-        return moe_metrics(self.chunks, self.groups.world, m.num_layers, m.num_experts)
 
     def _count_skips(self, stats: StepReport, result):
         self.spikes_total += stats.spike
