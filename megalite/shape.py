@@ -131,6 +131,12 @@ class RunShape:
         out = {**sizes, "vpp": self.vpp, "world_size": self.world_size}
         return {**out, "ep": self.ep} if self.ep > 1 else out
 
+    def microbatches_at(self, global_batch_size: int) -> int:
+        """Micro-batches per step on each data rank for a step of `global_batch_size` samples:
+        `microbatches` at the shape's own, fewer during a batch ramp-up (--rampup-batch-size);
+        the one derivation the trainer, the schedule and the optimizer are given."""
+        return split_batch(global_batch_size, self.micro_batch_size, self.data)
+
 
 def _positive(cfg: Config):
     m, p, t = cfg.model, cfg.parallel, cfg.training

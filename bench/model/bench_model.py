@@ -99,7 +99,7 @@ class Megalite:
 
     def step(self, batch) -> float:
         self.model.train()
-        self.opt.zero_grad(len(batch))
+        self.opt.zero_grad(self.parts.microbatches)  # (the run shape's count)
         result = self.parts.run(batch)
         self.opt.step(LR)
         return result.loss

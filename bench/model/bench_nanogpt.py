@@ -16,7 +16,7 @@ CPU torch's default (single-tensor) AdamW since it asks for the fused one only o
 `NanoGPT` below is that recipe written for this benchmark in nanoGPT's style (nn.Linear,
 nn.LayerNorm, F.scaled_dot_product_attention, its loop: random windows of the token memmap,
 forward, next batch, backward, clip, step, zero_grad(set_to_none)); nanoGPT's code is not
-copied. megalite runs the same recipe through its one-process trainer path, `Trainer.step`
+copied. megalite runs the same recipe through its one-process trainer path, `Trainer.train_step`
 (the pipeline executor at pp=1, `DistributedOptimizer` over flat buffers, its LR schedule:
 warm-up lr (it + 1) / 100 where nanoGPT's is (it + 1) / 101, the same cosine after), on
 megalite's nanogpt flavour: nanoGPT's model (no bias in the linears or the LayerNorms, the
@@ -224,7 +224,7 @@ class Megalite:
 
     def iteration(self):
         tr = self.trainer
-        tr.step([self.batches()], log=(tr.iteration + 1) % self.log_interval == 0)
+        tr.train_step(log=(tr.iteration + 1) % self.log_interval == 0, batch=[self.batches()])
 
 
 # ---- measurement ------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def megalite_side(a, m, groups, stage, keep_params=False):
     opt = parts.opt
 
     def step(batch):
-        opt.zero_grad(len(batch))
+        opt.zero_grad(parts.microbatches)  # (the run shape's count)
         r = parts.run(batch)
         with timed() as t:
             opt.finalise_grads()  # the DP reductions still in flight after backward

@@ -86,7 +86,7 @@ def megalite_side(m, a, groups, sequence_parallel, overlap=False):
     (model,), opt = parts.chunks, parts.opt
 
     def backward(batch):
-        opt.zero_grad(len(batch))
+        opt.zero_grad(parts.microbatches)  # (the run shape's count)
         return parts.run(batch)
 
     def step(batch):

@@ -79,7 +79,7 @@ def megalite_side(a, m):
     opt = parts.opt
 
     def step(batch):
-        opt.zero_grad(len(batch))
+        opt.zero_grad(parts.microbatches)  # (the run shape's count)
         r = parts.run(batch)
         opt.step(LR)
         return r.loss

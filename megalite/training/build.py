@@ -69,21 +69,27 @@ class RankParts:
             self._other_counts[count] = get_schedule(name, pp, vpp, count, rank)
         return self._other_counts[count]
 
-    def run(self, batch, forward_only: bool = False, **kw) -> PipelineResult:
-        """The schedule over `batch` (this rank's micro-batches), gradients accumulated into
-        the optimizer's buffers; `kw` goes to `run_schedule` (timeline, observe, ...). MoE
-        auxiliary losses get the main loss's gradient, loss_scale / micro-batches. With
-        `forward_only` (evaluation) the forward-only actions run: losses, no gradients."""
+    def run(self, batch, microbatches: int | None = None, forward_only: bool = False,
+            **kw) -> PipelineResult:  # fmt: skip
+        """The schedule over `batch`, this rank's `microbatches` micro-batches (default: the
+        run shape's count; a batch ramp-up's step gives its own, `RunShape.microbatches_at`),
+        gradients accumulated into the optimizer's buffers; `kw` goes to `run_schedule`
+        (timeline, observe, ...). MoE auxiliary losses get the main loss's gradient,
+        loss_scale / micro-batches. With `forward_only` (evaluation) the forward-only actions
+        run: losses, no gradients."""
+        m = self.microbatches if microbatches is None else microbatches
+        built = self.microbatches if forward_only else m  # (evaluation: the full global batch)
+        if len(batch) != m or m != built:
+            what = "evaluation" if forward_only else "the step"
+            raise MegaliteError(f"{what} was given {len(batch)} micro-batches but its schedule "
+                                f"was built for {built}")  # fmt: skip
         if forward_only:
-            if len(batch) != self.microbatches:  # (evaluation: the full global batch)
-                raise MegaliteError(f"evaluation was given {len(batch)} micro-batches, not "
-                                    f"{self.microbatches}")  # fmt: skip
             return run_schedule(self.eval_actions, self.chunks, self.groups, batch,
                                 hidden_shape=self.hidden_shape, dtype=self.dtype,
                                 forward_only=True, placement=self.placement, **kw)  # fmt: skip
         scale = self.opt.loss_scale
-        with aux_loss_scale(scale / len(batch)):
-            result = run_schedule(self.actions_for(len(batch)), self.chunks, self.groups, batch,
+        with aux_loss_scale(scale / m):
+            result = run_schedule(self.actions_for(m), self.chunks, self.groups, batch,
                                   hidden_shape=self.hidden_shape, dtype=self.dtype,
                                   loss_scale=scale, placement=self.placement, **kw)  # fmt: skip
         end_fp8_step(self.chunks, self.groups)
@@ -165,8 +171,8 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
-    unit, seq = shape.micro_batch_size * shape.data, cfg.model.seq_length
-    ramp = tuple(size // unit for size in lr_schedule.batch_sizes(cfg.training, seq))
+    seq = cfg.model.seq_length
+    ramp = tuple(shape.microbatches_at(g) for g in lr_schedule.batch_sizes(cfg.training, seq))
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
                      DTYPES[cfg.training.precision], groups, shape.placement,
                      get_schedule(*order, forward_only=True),

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from megalite.errors import MegaliteError
@@ -146,6 +147,45 @@ class HangRecorder:
         except OSError:
             return None
         return path
+
+    @contextmanager
+    def reporting(self):
+        """A collective or p2p wait in the block that timed out or lost its peer: this rank
+        writes its report and stops with one line saying so (other errors pass through)."""
+        try:
+            yield
+        except (RuntimeError, MegaliteError) as e:
+            cause = e.__cause__ if isinstance(e, MegaliteError) else e
+            if not isinstance(cause, RuntimeError) or not lost_peer(cause):
+                raise
+            message = str(e) if isinstance(e, MegaliteError) else self.collective_failure(e)
+            path = self.write(message)
+            if path is not None:
+                message += (f"; hang report {path}: once every rank has stopped, "
+                            f"tools/diagnose_hang.py {path.parent} names the rank the others "
+                            "waited on")  # fmt: skip
+            raise MegaliteError(message, every_rank=True) from e
+
+    def collective_failure(self, e: Exception) -> str:
+        g = self.groups
+        where = g.topo.label(g.rank, skip=("pp",))
+        reason = (str(e).strip().splitlines() or ["no reason given"])[0][-160:]
+        return (
+            f"rank {g.rank} ({where}, pipeline stage {g.pp.rank}) gave up in a collective "
+            f"of iteration {self.iteration}: another rank died or stalled ({reason}); see its "
+            "log, or raise --distributed-timeout-minutes if it was only slow"
+        )
+
+
+def lost_peer(e: RuntimeError) -> bool:
+    """A collective that timed out or whose peer went away (gloo and NCCL wordings)."""
+    import torch
+
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e)
+    return any(k in text for k in ("Timed out", "timed out", "Connection closed", "pair closure",
+                                   "Connection reset", "Broken pipe"))  # fmt: skip
 
 
 # ---- the diagnosis ------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """The training loop that every layout runs: data -> schedule -> optimizer step -> metrics.
 
-Each step: this DP rank's micro-batches of global batch i (the same samples for every layout),
-one pipeline schedule over this rank's model chunks (pp=1 is the schedule F0 B0 F1 B1 ...), then
-the optimizer finalises gradients (DP, TP, tied embeddings), clips and updates.
+`train` loops as nanoGPT's does: `train_step` (this DP rank's micro-batches of global batch i,
+the same samples for every layout; one pipeline schedule over this rank's model chunks, pp=1
+being F0 B0 F1 B1 ...; the optimizer finalises gradients (DP, TP, tied embeddings), clips and
+updates), then on their iterations an evaluation, a log line and a save. What watches a step
+(hang reports, timeline, profiler, GC, stragglers, spike guard, preemption, the comm ledger)
+is one list of observers (observers.py).
 """
 
 import math
@@ -29,6 +32,7 @@ from megalite.parallel.random import rng_state, seed_replicated, set_rng_state
 from megalite.pipeline.executor import first_stage_times, idle_ratio, idle_share
 from megalite.pipeline.schedules import bubble_theory
 from megalite.shape import RunShape
+from megalite.training import observers as watch
 from megalite.training.build import build_rank
 from megalite.training.flops import (
     device_peak_flops,
@@ -78,22 +82,41 @@ class Trainer:
         # `schedule_samples`; the steps of --train-iters, or counted from --train-samples
         self.lr_schedule = lr_schedule.LRSchedule.from_config(cfg)
         self.train_iters = lr_schedule.train_iters(t, cfg.model.seq_length)
-        self.skipped_in_a_row = 0
-        self.skipped_total = 0
-        self.spikes_total = 0
-        self.stop = None  # why every rank saves and stops after this step (a signal, a limit)
-        self.preemption = Preemption(t, catch_signals=bool(cfg.checkpoint.save))
-        self.hang = HangRecorder(cfg, shape, groups, shape.microbatches)
-        self.stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
-        self.spikes = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
+        self.skipped_in_a_row = self.skipped_total = self.spikes_total = 0
         self._interval, self._interval_start = [], time.perf_counter()  # steps since the last log
         self._interval_samples = 0
         # the launch's, opened before the process groups (W&B then logs every line); else here
         self.logger = logger or Logger(cfg, enabled=groups.rank == 0)
         self.peak = device_peak_flops(groups.device, t.precision)
-        self.timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
-        self.profile = TorchProfile.from_config(cfg, groups.rank, groups.device)  # --profile
+        self.bubble = bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule)
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
+        self.hang = HangRecorder(cfg, shape, groups, shape.microbatches)
+        # what watches each step (observers.py), called in this order: the timeline before the
+        # hang watch (its gather is in the hang report's previous phase), the stop flags before
+        # the loss (the order of the step's read), the stragglers' gather before the ledger's
+        # snapshot (which counts it)
+        self.preemption = Preemption(t, catch_signals=bool(cfg.checkpoint.save))
+        self.stop = watch.Stop(self.preemption)  # why every rank saves and stops (or None)
+        guard = SpikeGuard(t.spike_threshold, t.spike_window, t.spike_min_steps)
+        self.spikes = watch.SpikeWatch(guard, heads=groups.topo.world_size // shape.pp)
+        self.spike_rerun = guard.on and t.spike_rerun
+        timeline = Timeline.from_config(cfg, groups)  # --profile-steps A:B, else None
+        profile = TorchProfile.from_config(cfg, groups.rank, groups.device)  # --profile
+        stragglers = StragglerMonitor(groups.topo, t.straggler_threshold, t.straggler_window)
+        sizes = " ".join(f"{a}={n}" for a, n in shape.sizes)
+        meta = {"title": f"{sizes} vpp={shape.vpp} {shape.schedule}, m={shape.microbatches}",
+                "bubble_theory": self.bubble}  # fmt: skip
+        self.watch = watch.Observers(
+            timeline and watch.TimelineWatch(timeline, groups, meta, self.logger),
+            self.stop,
+            self.spikes,
+            profile and watch.ProfileWatch(profile),
+            watch.FirstStep(self.launch),
+            watch.GCWatch(self.gc),
+            watch.StragglerWatch(stragglers, groups, self.logger),
+            watch.LedgerWatch(groups.ledger),
+            watch.HangWatch(self.hang),
+        )
         self.checkpointer = Checkpointer(cfg, shape, groups, self.chunks, self.opt,
                                          tok.model_path if tok else None, self.logger.print)  # fmt: skip
         self.local = None  # --non-persistent-save-interval: the local saves
@@ -172,88 +195,68 @@ class Trainer:
         comm.all_reduce(t, g)
         return (t / g.size).tolist()
 
-    def train_step(self, log: bool = True) -> dict | None:
-        """One optimizer step (`step`) on the train split's next global batch."""
-        seq, consumed = self.cfg.model.seq_length, self.sampler.consumed_samples
-        g = lr_schedule.batch_size(self.cfg.training, seq, consumed)  # (a batch-size ramp-up)
-        return self.step(self._microbatches(self.data.train, self.sampler.next_batch(g)), log)
-
-    def step(self, batch, log: bool = True) -> dict | None:
-        """One optimizer step on `batch`: this rank's micro-batches [(tokens, labels, ...)] on
-        its device (fewer than the shape's count during a batch ramp-up). It reads the device once (the optimizer's status: norm, skip,
-        preemption, time limit and, with the spike guard, the loss); a logging step (`log`)
-        also reads the loss, the timings of the steps since the last logging step and the
-        memory, and returns the metrics. With --spike-rerun a spiking step runs once more."""
-        t = self.cfg.training
-        self.groups.ledger.reset()
+    def train_step(self, log: bool = True, batch=None) -> dict | None:
+        """One optimizer step on the train split's next global batch (or on `batch`: this
+        rank's micro-batches [(tokens, labels, ...)] of it, on its device). It reads the device
+        once (the optimizer's status: norm, skip and the observers' flags: preemption, time
+        limit, the spike guard's loss); a logging step (`log`) also reads the loss, the
+        timings of the steps since the last logging step and the memory, and returns the
+        metrics. With --spike-rerun a spiking step runs once more on the same batch."""
+        it, seq = self.iteration + 1, self.cfg.model.seq_length
+        self.watch.before_step(it)
+        # the global batch (a batch-size ramp-up grows it) and this rank's micro-batches of it
+        g = lr_schedule.batch_size(self.cfg.training, seq, self.sampler.consumed_samples)
+        m = self.shape.microbatches_at(g)
+        if batch is None:
+            batch = self._microbatches(self.data.train, self.sampler.next_batch(g))
         rates = self.lr_schedule.rates(self.opt.schedule_samples)
-        samples = len(batch) * self.shape.micro_batch_size * self.shape.data  # the global batch
-        self._interval_samples += samples
-        rerun = self.spikes.on and t.spike_rerun
-        rng = rng_state(self.chunks, self.groups.device) if rerun else None
-        result, stats = self._run(batch, rates, samples)
-        if stats.spike and rerun:  # the same batch from the same state: the same loss?
-
-            def restore():
-                set_rng_state(rng, self.chunks, self.groups.device)
-                self._interval.pop()
-
-            result, stats = self.spikes.rerun(self.iteration + 1, restore,
-                                              lambda: self._run(batch, rates, samples),
-                                              self.logger.print)  # fmt: skip
-        self.iteration += 1
-        # the flags are summed over the world: every rank stops at the same step
-        self.stop = self.preemption.reason(stats.flags, self.iteration)
-        self.spikes_total += stats.spike
-        self._count_skips(stats, result)
+        rng = rng_state(self.chunks, self.groups.device) if self.spike_rerun else None
+        result, report = self._forward_backward_update(batch, m, g, rates)
+        if report.spike and rng is not None:  # the same batch from the same state: the same loss?
+            result, report = self.spikes.guard.rerun(
+                it, lambda: set_rng_state(rng, self.chunks, self.groups.device),
+                lambda: self._forward_backward_update(batch, m, g, rates), self.logger.print)  # fmt: skip
+        self.iteration = it
+        self._interval.append(result)
+        self._interval_samples += g
+        self._count_skips(report, result)
+        metrics = None
         if log:
-            self.hang.at(self.iteration, "logging")
-        return self._metrics(result, stats, rates) if log else None
+            self.watch.phase(it, "logging")
+            metrics = self._metrics(result, report, rates)
+        self.watch.after_step(it, report)
+        return metrics
 
-    def _run(self, batch, rates, samples: int) -> tuple[object, StepReport]:
-        """The schedule over this rank's chunks, then the optimizer step (with its one read)."""
+    def _forward_backward_update(self, batch, m: int, samples: int, rates):
+        """The schedule over this rank's chunks (`m` micro-batches' gradients), then the
+        optimizer's update of the `samples` global batch, with the step's one device read."""
         it = self.iteration + 1
         for c in self.chunks:
             if not c.training:  # (train() walks every module: skipped when nothing changed)
                 c.train()
-        self.opt.zero_grad(len(batch))
-        tl = self.timeline.at(it) if self.timeline else None
-        self.hang.at(it, "schedule")
-        result = self.parts.run(batch, timeline=tl, observe=self.hang.observe)
-        self._interval.append(result)
-        self.hang.at(it, "optimizer")
-        t_opt = tl.clock.mark() if tl else None
-        flags, guard = self.preemption.flags(), None
-        if self.spikes.on:  # this rank's mean loss (0 off the last stage), on the device
-            flags["loss"] = result.loss_tensor.mean()
-            heads = self.groups.topo.world_size // self.shape.pp  # the ranks holding a loss
-
-            def guard(summed):
-                return self.spikes.check(summed["loss"] / heads)
-
-        stats = self.opt.step(rates, flags=flags, guard=guard, samples=samples)
-        if tl:
-            tl.record("optimizer", t_opt, tl.clock.mark())
-        return result, stats
+        self.opt.zero_grad(m)
+        self.watch.phase(it, "schedule")
+        result = self.parts.run(batch, m, **self.watch.run_hooks())
+        self.watch.phase(it, "optimizer")
+        report = self.opt.step(rates, flags=self.watch.flags(result), guard=self.watch.refuses,
+                               samples=samples)  # fmt: skip
+        return result, report
 
     def _metrics(self, result, stats: StepReport, rates) -> dict:
         """What a logging step reports: the loss, and throughput and the pipeline bubble over
         the steps since the last logging step (`first_stage_times` reads their clock marks)."""
-        t, shape = self.cfg.training, self.shape
+        t, shape, m = self.cfg.training, self.shape, self.shape.model
         (loss,) = self._mean_over_dp([result.loss])
         steps = len(self._interval)
         compute, busy = first_stage_times(self._interval, self.groups.pp)
-        health = self._stragglers(steps)
+        watched = self.watch.metrics(self._interval)  # stragglers, the step's communication
         now = time.perf_counter()  # after the reads above: the device has caught up
         step_s = (now - self._interval_start) / steps
         samples, self._interval_samples = self._interval_samples, 0
         self._interval, self._interval_start = [], now
-        tokens_per_s = samples / steps * shape.model.seq_length / step_s
+        tokens_per_s = samples / steps * m.seq_length / step_s
         world = self.groups.topo.world_size
         pipelined = shape.pp > 1
-        theory = 0.0
-        if pipelined:
-            theory = bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule)
         return {
             "iteration": self.iteration,
             "loss": loss,
@@ -262,17 +265,15 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_s,
             "consumed_samples": self.sampler.consumed_samples,
-            "mfu": None if self.peak is None else model_flops_per_token(shape.model) * tokens_per_s / (self.peak * world),
-            "hfu": None if self.peak is None else hardware_flops_per_token(shape.model, t.recompute) * tokens_per_s / (self.peak * world),
+            "mfu": None if self.peak is None else model_flops_per_token(m) * tokens_per_s / (self.peak * world),
+            "hfu": None if self.peak is None else hardware_flops_per_token(m, t.recompute) * tokens_per_s / (self.peak * world),
             # the first stage's idle time over its compute time, over the log interval
             "bubble_measured": idle_ratio(compute, busy) if pipelined else 0.0,
-            "bubble_theory": theory,
+            "bubble_theory": self.bubble,
             # the same idle time as a share of the schedule, and its theory ((p-1)/(v*m+p-1)
             # for 1F1B and interleaved)
             "idle_share": idle_share(compute, busy) if pipelined else 0.0,
-            "idle_share_theory": theory / (1 + theory),
-            "comm_bytes": {k: v["bytes"] for k, v in self.groups.ledger.snapshot().items()},
-            "comm": self.groups.ledger.snapshot(),
+            "idle_share_theory": self.bubble / (1 + self.bubble),
             # bytes per rank: parameters (ZeRO-3: shards, and the most gathered at once),
             # gradients, optimizer state
             **self.opt.memory_bytes(),
@@ -282,33 +283,15 @@ class Trainer:
             "skipped_steps": self.skipped_total,
             "spike": stats.spike,
             "spikes": self.spikes_total,
-            **health,
-            **self._moe_metrics(),
+            **watched,
+            # per-layer expert load, auxiliary losses and dropped share since the last logging
+            # step (one all-reduce over the world and one host read)
+            **(moe_metrics(self.chunks, self.groups.world, m.num_layers, m.num_experts)
+               if m.num_experts else {}),
         }  # fmt: skip
 
-    def _moe_metrics(self) -> dict:
-        """Per-layer expert load, auxiliary losses and dropped share since the last logging
-        step (one all-reduce over the world and one host read: logging steps only)."""
-        m = self.shape.model
-        if not m.num_experts:
-            return {}
-        return moe_metrics(self.chunks, self.groups.world, m.num_layers, m.num_experts)
-
-    def _stragglers(self, steps: int) -> dict:
-        """Every rank's compute seconds per step since the last logging step (one all-gather
-        over the world, on logging steps only); rank 0 prints a straggler warning when due."""
-        mine = sum(r.compute_s for r in self._interval) / steps  # reads the clock marks
-        world = self.groups.world
-        out = torch.zeros(world.size, dtype=torch.float64, device=self.groups.device)
-        comm.all_gather(
-            out, torch.tensor([mine], dtype=torch.float64, device=self.groups.device), world
-        )
-        health, warning = self.stragglers.update(out.tolist())
-        if warning:
-            self.logger.print(warning)
-        return health
-
     def _count_skips(self, stats: StepReport, result):
+        self.spikes_total += stats.spike
         if not stats.skipped:
             self.skipped_in_a_row = 0
             return
@@ -318,11 +301,8 @@ class Trainer:
         self.skipped_in_a_row += 1
         limit = self.cfg.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
-            spike = (
-                f" or a loss spike (--spike-threshold {self.spikes.threshold})"
-                if self.spikes.on
-                else ""
-            )
+            guard = self.spikes.guard
+            spike = f" or a loss spike (--spike-threshold {guard.threshold})" if guard.on else ""
             raise MegaliteError(
                 f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient{spike} (loss {result.loss}, grad norm "
                 f"{stats.grad_norm}) at iteration {self.iteration}; lower --lr or check the data (limit --max-skipped-steps {limit})"
@@ -331,9 +311,7 @@ class Trainer:
     def _peak_memory(self) -> int:
         if self.groups.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.groups.device)
-        return (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )  # CPU: the process's peak RSS
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: the peak RSS
 
     # ---- evaluation ---------------------------------------------------------------------------
 
@@ -349,102 +327,59 @@ class Trainer:
         losses = []
         for _ in range(t.eval_iters):
             batch = self._microbatches(self.data.valid, sampler.next_batch())
-            losses.append(self.parts.run(batch, forward_only=True).loss)
+            losses.append(self.parts.run(batch, self.shape.microbatches, forward_only=True).loss)
         return sum(self._mean_over_dp(losses)) / len(losses)
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def train(self):
+        """The loop: a step, then on their iterations an evaluation, a log line and a save."""
+        t = self.cfg.training
         self.logger.print(
             f"training {sum(p.numel() for c in self.chunks for p in c.parameters()):,} parameters on this rank, "
             f"{self.shape.microbatches} micro-batches per step, schedule {self.shape.schedule}"
         )
         self.logger.begin(self.iteration)  # the ETA counts this run's steps
-        with self.preemption.catching(), self.gc.running():
+        with self.preemption.catching(), self.gc.running(), self.hang.reporting():
             while self.iteration < self.train_iters:
-                try:
-                    if self._iterate():
-                        break
-                except (RuntimeError, MegaliteError) as e:
-                    lost = self._lost_peer_error(e)
-                    if lost is None:
-                        raise
-                    raise lost from e
+                it = self.iteration + 1
+                last = it == self.train_iters
+                evaluate = t.eval_interval and (it % t.eval_interval == 0 or last)
+                log = evaluate or it % t.log_interval == 0 or last
+                metrics = self.train_step(log)  # (returns after the step's read of the device)
+                if evaluate:
+                    self.watch.phase(it, "evaluation")
+                    metrics.update(self._eval_metrics(self.evaluate()))
+                    self.gc.collect()  # (--manual-gc: every rank, after every evaluation)
+                if log:
+                    self._log(metrics)
+                if self._checkpoint(it):  # a stop (a signal, a limit): saved, every rank leaves
+                    break
             else:
-                self.hang.at(self.iteration, "checkpoint")
+                self.watch.phase(self.iteration, "checkpoint")
                 self.checkpointer.finish(self.state())
             if self.local is not None:
                 self.local.wait()
         self.logger.finish()
 
-    def _iterate(self) -> bool:
-        """One iteration of the loop: step, evaluation, log, save. True: stop now."""
-        t = self.cfg.training
-        it = self.iteration + 1
-        evaluate = t.eval_interval and (it % t.eval_interval == 0 or it == self.train_iters)
-        log = evaluate or it % t.log_interval == 0 or it == self.train_iters
-        first = "first step" not in self.launch.seconds
-        t0 = time.perf_counter()
-        if self.profile:
-            self.profile.before_step(it - 1)
-        metrics = self.train_step(log)  # (returns after the step's read of the device)
-        if self.profile and self.profile.after_step(it):
-            print(
-                f"rank {self.groups.rank}: profile trace written to {self.profile.path}", flush=True
-            )
-        if first:
-            self.launch.add("first step", time.perf_counter() - t0)
-        self.gc.after_step(it)
-        if evaluate:
-            self.hang.at(it, "evaluation")
-            eval_loss = self.evaluate()
-            self.gc.collect()
-            if eval_loss is not None:
-                metrics["eval_loss"] = eval_loss
-                metrics["eval_ppl"] = math.exp(min(eval_loss, 50))
-        if log:
-            if not self.launch.reported:  # the metrics file's first line: every rank reduces
-                metrics["launch"] = self.launch.summary(self.groups.world)
-                self.logger.print(format_summary(metrics["launch"]))
-            self.logger.step(metrics, self.train_iters)
-        if self.timeline:
-            self.timeline.step_done(it, self.groups, self._timeline_meta(), self.logger.wandb)
-        self.hang.at(it, "checkpoint")
-        stop = self.checkpointer.after_step(self.state, self.stop)  # saved when stopping
+    def _eval_metrics(self, eval_loss: float | None) -> dict:
+        if eval_loss is None:
+            return {}
+        return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))}
+
+    def _log(self, metrics: dict):
+        if not self.launch.reported:  # the metrics file's first line: every rank reduces
+            metrics["launch"] = self.launch.summary(self.groups.world)
+            self.logger.print(format_summary(metrics["launch"]))
+        self.logger.step(metrics, self.train_iters)
+
+    def _checkpoint(self, it: int) -> bool:
+        """Save if the interval or a stop asks (True: stop now, every rank)."""
+        self.watch.phase(it, "checkpoint")
+        stop = self.checkpointer.after_step(self.state, self.stop.reason)  # saved when stopping
         if self.local is not None:  # node-local saves, replicated to peers in the background
             self.local.wait() if stop else self.local.after_step(self.state, it)
         return stop
-
-    def _lost_peer_error(self, e: Exception) -> MegaliteError | None:
-        """A collective or p2p wait that timed out or lost its peer: this rank writes its hang
-        report and stops with one line saying so (None: another error)."""
-        cause = e.__cause__ if isinstance(e, MegaliteError) else e
-        if not isinstance(cause, RuntimeError) or not _lost_peer(cause):
-            return None
-        message = str(e) if isinstance(e, MegaliteError) else self._collective_failure(e)
-        path = self.hang.write(message)
-        if path is not None:
-            message += (f"; hang report {path}: once every rank has stopped, tools/diagnose_hang.py "
-                        f"{path.parent} names the rank the others waited on")  # fmt: skip
-        return MegaliteError(message, every_rank=True)
-
-    def _timeline_meta(self) -> dict:
-        shape = self.shape
-        sizes = " ".join(f"{a}={n}" for a, n in shape.sizes)
-        return {
-            "title": f"{sizes} vpp={shape.vpp} {shape.schedule}, m={shape.microbatches}",
-            "bubble_theory": bubble_theory(shape.pp, shape.vpp, shape.microbatches, shape.schedule),
-        }
-
-    def _collective_failure(self, e: Exception) -> str:
-        g = self.groups
-        where = g.topo.label(g.rank, skip=("pp",))
-        reason = (str(e).strip().splitlines() or ["no reason given"])[0][-160:]
-        return (
-            f"rank {g.rank} ({where}, pipeline stage {g.pp.rank}) gave up in a collective "
-            f"of iteration {self.iteration + 1}: another rank died or stalled ({reason}); see its log, or raise "
-            "--distributed-timeout-minutes if it was only slow"
-        )
 
     def eval_only(self):
         """--eval-only: the loaded model's eval_loss on the valid split, into the metrics file."""
@@ -454,17 +389,7 @@ class Trainer:
                 "--eval-only found no validation data; give the valid split a share with --split "
                 "(e.g. 90,10,0) and --eval-iters of at least 1"
             )
-        metrics = {"iteration": self.iteration, "eval_loss": eval_loss,
-                   "eval_ppl": math.exp(min(eval_loss, 50))}  # fmt: skip
+        metrics = {"iteration": self.iteration, **self._eval_metrics(eval_loss)}
         self.logger.print(f"iteration {self.iteration}: eval loss {eval_loss:.4f}")
         self.logger.write(metrics, merge=True)  # beside the training row of its iteration
         self.logger.finish()
-
-
-def _lost_peer(e: RuntimeError) -> bool:
-    """A collective that timed out or whose peer went away (gloo and NCCL wordings)."""
-    if isinstance(e, torch.distributed.DistError):
-        return True
-    text = str(e)
-    return any(k in text for k in ("Timed out", "timed out", "Connection closed", "pair closure",
-                                   "Connection reset", "Broken pipe"))  # fmt: skip

@@ -77,13 +77,13 @@ def _spikes(rank, world):
 
     tr = _trainer(pp=2, iters=14, spike_threshold=10.0, spike_min_steps=5, spike_rerun=True)
     runs = {}  # iteration -> schedule runs so far (a re-run is the second)
-    real_run = tr._run
+    real_run = tr._forward_backward_update
 
     def counted(*args):
         runs[tr.iteration + 1] = runs.get(tr.iteration + 1, 0) + 1
         return real_run(*args)
 
-    tr._run = counted
+    tr._forward_backward_update = counted
     for chunk in tr.chunks:
         if chunk.has_head:  # the last stage: rank 1
             forward = chunk.forward

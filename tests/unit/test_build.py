@@ -71,7 +71,7 @@ def test_build_rank_follows_the_shape():
 
 
 def test_trainer_step_takes_a_batch():
-    """Trainer.step(batch) on the batch train_step would read trains the same."""
+    """Trainer.train_step(batch=...) on the batch train_step would read trains the same."""
     cfg = tiny_config()
     tokens = np.random.default_rng(0).integers(0, 100, (64, 17))
     data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
@@ -79,7 +79,7 @@ def test_trainer_step_takes_a_batch():
     b = Trainer(cfg, validate(cfg, 1), single_process_groups(), data)
     for _ in range(2):
         want = a.train_step(log=True)
-        got = b.step(b._microbatches(data.train, b.sampler.next_batch()), log=True)
+        got = b.train_step(log=True, batch=b._microbatches(data.train, b.sampler.next_batch()))
         assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
     assert b.iteration == a.iteration == 2
     pa, pb = dict(a.chunks[0].named_parameters()), dict(b.chunks[0].named_parameters())
