@@ -106,6 +106,10 @@ class HangRecorder:
         if phase == "schedule":
             self.position = None
 
+    def schedule_runs(self, microbatches: int):
+        """The step's schedule runs `microbatches` (the report replays that schedule)."""
+        self.meta["schedule"]["microbatches"] = microbatches
+
     def observe(self, index: int, action):  # the executor's hook, before each action
         self.position = (index, action)
 

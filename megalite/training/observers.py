@@ -6,7 +6,8 @@ points of an iteration (`it`: the step's number, from 1):
   before_step(it)          before the step reads its batch
   phase(it, name)          the iteration enters a phase: schedule, optimizer, logging,
                            evaluation, checkpoint (hang.PHASES); a re-run enters schedule again
-  run_hooks()              keyword arguments for the executor (`observe`, `timeline`)
+  run_hooks(m)             keyword arguments for the executor's run of m micro-batches
+                           (`observe`, `timeline`)
   flags(result)            this rank's values for the optimizer's one device read, summed over
                            the world in the same reduction as the gradient norm (by name)
   refuses(summed)          True: the summed flags refuse the update (a loss spike)
@@ -36,7 +37,7 @@ class Observer:
     def phase(self, it: int, name: str):
         pass
 
-    def run_hooks(self) -> dict:
+    def run_hooks(self, microbatches: int) -> dict:
         return {}
 
     def flags(self, result) -> dict:
@@ -66,8 +67,8 @@ class Observers:
         for o in self.items:
             o.phase(it, name)
 
-    def run_hooks(self) -> dict:
-        return {k: v for o in self.items for k, v in o.run_hooks().items()}
+    def run_hooks(self, microbatches: int) -> dict:
+        return {k: v for o in self.items for k, v in o.run_hooks(microbatches).items()}
 
     def flags(self, result) -> dict:
         return {k: v for o in self.items for k, v in o.flags(result).items()}
@@ -93,7 +94,8 @@ class HangWatch(Observer):
     def phase(self, it, name):
         self.recorder.at(it, name)
 
-    def run_hooks(self):
+    def run_hooks(self, microbatches):
+        self.recorder.schedule_runs(microbatches)  # (fewer during a batch-size ramp-up)
         return {"observe": self.recorder.observe}
 
 
@@ -114,7 +116,7 @@ class TimelineWatch(Observer):
     def before_step(self, it):
         self.now = self.timeline.at(it)
 
-    def run_hooks(self):
+    def run_hooks(self, microbatches):
         return {"timeline": self.now}
 
     def phase(self, it, name):

@@ -236,7 +236,7 @@ class Trainer:
                 c.train()
         self.opt.zero_grad(m)
         self.watch.phase(it, "schedule")
-        result = self.parts.run(batch, m, **self.watch.run_hooks())
+        result = self.parts.run(batch, m, **self.watch.run_hooks(m))
         self.watch.phase(it, "optimizer")
         report = self.opt.step(rates, flags=self.watch.flags(result), guard=self.watch.refuses,
                                samples=samples)  # fmt: skip

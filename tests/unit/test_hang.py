@@ -55,6 +55,8 @@ def test_recorder_writes_where_the_rank_is(tmp_path):
     assert json.loads(rec.write("again").read_text())["phase"] == "optimizer"
     rec.at(3, "schedule")  # a new schedule forgets the last step's action
     assert rec.record("x")["action"] is None
+    rec.schedule_runs(2)  # a step of a batch-size ramp-up: the schedule it ran is replayed
+    assert rec.record("x")["schedule"]["microbatches"] == 2
     cfg.logging.hang_report_dir = None
     assert hang.HangRecorder(cfg, shape, single_process_groups(), 4).write("x") is None
 
