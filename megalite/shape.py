@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from megalite import lr_schedule
 from megalite.config import Config, ModelConfig
 from megalite.errors import MegaliteError
-from megalite.parallel.axes import AXES, INFERRED, cp_levels, split_batch
+from megalite.parallel.axes import AXES, INFERRED, cp_levels, ranks, split_batch
 from megalite.parallel.topology import Topology, parse_order
 from megalite.parallel.zero import ZERO, ZeroStage
 from megalite.pipeline import schedules
@@ -43,7 +43,8 @@ class RunShape:
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
 
-    def __getattr__(self, axis: str) -> int:  # shape.tp, shape.dp, ...
+    def __getattr__(self, axis: str) -> int:  # shape.tp, shape.pp, shape.dpr, ...
+        # (not dp: shape.dp is the user's --dp, below; the dp axis alone is size("dp"))
         if axis in AXES:
             return self.size(axis)
         raise AttributeError(axis)
@@ -53,16 +54,16 @@ class RunShape:
         return "-".join(a for a, _ in self.sizes)
 
     @property
-    def data(self) -> int:
-        """The data-parallel ranks (the user's --dp): every axis that splits the batch, dp x dpr."""
-        n = 1
-        for a, k in self.sizes:
-            n *= k if AXES[a].splits_batch else 1
-        return n
+    def dp(self) -> int:
+        """The data-parallel ranks, the user's --dp: every axis that splits the batch. With
+        --dp-replicate R that is the dp axis (a ZeRO shard group, `size("dp")`) times R (dpr)."""
+        return ranks(dict(self.sizes), splits_batch=True)
+
+    data = dp  # trainer.py's name for it until it reads shape.dp
 
     def __str__(self) -> str:  # "tp=2 pp=2 dp=4 vpp=2 zero=1 sp": the layout, as plans print it
         sizes = dict(self.sizes)
-        out = f"tp={self.tp} pp={self.pp} dp={self.data}"  # (dp x dpr: --dp, as the user gave it)
+        out = f"tp={self.tp} pp={self.pp} dp={self.dp}"  # (dp x dpr: --dp, as the user gave it)
         out += "".join(
             f" {a}={n}" for a, n in sizes.items() if a not in ("tp", "pp", "dp") and n > 1
         )
@@ -154,6 +155,12 @@ def _positive(cfg: Config):
             raise MegaliteError(f"--{name}={v} must be a positive integer")
 
 
+def model_ranks(cfg: Config) -> int:
+    """The ranks one model copy spans: the configured sizes of the axes that do not split the
+    batch (tp*cp*pp). The world is --dp times this (derive; launch.planned_world)."""
+    return ranks({a: ax.size(cfg) for a, ax in AXES.items() if ax.size}, splits_batch=False)
+
+
 def derive(cfg: Config, world_size: int) -> RunShape:
     """The shape of this layout (cfg.parallel) on `world_size` ranks, or MegaliteError naming
     why the model or the batch cannot run that way. A schedule that fixes its chunks per rank
@@ -163,16 +170,10 @@ def derive(cfg: Config, world_size: int) -> RunShape:
     if vpp != cfg.parallel.vpp:  # (a copy: the user's config is not changed)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, vpp=vpp))
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    sizes = {a: (ax.size(cfg) if ax.size else None) for a, ax in AXES.items()}
-    sizes[INFERRED] = p.dp
+    sizes = {a: (ax.size(cfg) if ax.size else None) for a, ax in AXES.items()}  # dp: None
     # --dp counts every rank that splits the batch: an axis that does (dpr) divides it, the
     # others (tp, cp, pp) divide the world
-    given, split = 1, 1
-    for a, n in sizes.items():
-        if a != INFERRED and AXES[a].splits_batch:
-            split *= n
-        elif a != INFERRED:
-            given *= n
+    given, split = model_ranks(cfg), ranks(sizes, splits_batch=True)
     # the messages name tp and pp, and any other axis given a size (cp=1 goes unsaid)
     shown = [a for a, n in sizes.items() if a != INFERRED and not AXES[a].splits_batch
              and (n > 1 or a in ("tp", "pp"))]  # fmt: skip
@@ -227,9 +228,6 @@ def derive(cfg: Config, world_size: int) -> RunShape:
         mtp_layers=m.mtp_num_layers or 0,
     )  # fmt: skip
     partition.check_every_rank_holds_something()
-    data = 1
-    for a, n in sizes.items():
-        data *= n if AXES[a].splits_batch else 1
     microbatches = split_batch(t.global_batch_size, t.micro_batch_size, data)
     reason = schedules.check_shape(name, sizes["pp"], p.vpp, microbatches)
     if reason:
@@ -441,10 +439,10 @@ def _check_schedule(cfg: Config, shape: RunShape) -> str | None:
                 "--min-loss-scale <= --initial-loss-scale")  # fmt: skip
     if o.loss_scale is not None and (o.loss_scale <= 0 or t.precision == "fp32"):
         return f"--loss-scale={o.loss_scale} needs a positive scale and --fp16 or --bf16"
-    reason = lr_schedule.problem(cfg, shape.data)
+    reason = lr_schedule.problem(cfg, shape.dp)
     if reason or (t.rampup_batch_size is None and t.step_batch_size_schedule is None):
         return reason
-    unit = t.micro_batch_size * shape.data
+    unit = t.micro_batch_size * shape.dp
     for size in lr_schedule.batch_sizes(t, cfg.model.seq_length):  # each count it runs with
         reason = schedules.check_shape(shape.schedule, shape.pp, shape.vpp, size // unit)
         if reason:

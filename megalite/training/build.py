@@ -165,7 +165,7 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
-    unit, seq = shape.micro_batch_size * shape.data, cfg.model.seq_length
+    unit, seq = shape.micro_batch_size * shape.dp, cfg.model.seq_length
     ramp = tuple(size // unit for size in lr_schedule.batch_sizes(cfg.training, seq))
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
                      DTYPES[cfg.training.precision], groups, shape.placement,

@@ -9,9 +9,8 @@ import atexit
 import os
 
 from megalite.config_read import Given, parse_args, where
-from megalite.parallel.axes import AXES
 from megalite.parallel.topology import world_from_env
-from megalite.shape import RunShape, validate
+from megalite.shape import RunShape, model_ranks, validate
 
 
 def setup(shape: RunShape, timeout_minutes: float = 10.0, launch=None):
@@ -32,10 +31,7 @@ def planned_world(cfg) -> int:
     """The world a --dry-run outside torchrun plans for: every axis's configured size, --dp (1
     when omitted, else every rank that splits the batch: --dp-replicate divides it) for data
     parallelism."""
-    n = cfg.parallel.dp or 1
-    for axis in AXES.values():
-        n *= axis.size(cfg) if axis.size and not axis.splits_batch else 1
-    return n
+    return (cfg.parallel.dp or 1) * model_ranks(cfg)
 
 
 def set_threads(env=os.environ) -> str:
