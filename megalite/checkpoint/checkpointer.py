@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import megatron_direct, shard_io
+from megalite.checkpoint import megatron_direct, shard_io, writing
 from megalite.checkpoint.async_save import (
     BackgroundSave,
     Part,
@@ -376,10 +376,10 @@ class Checkpointer:
                 raise OSError(errors[0])
             files = {k: v for p in parts for k, v in p.files.items()}
             if self.tokenizer_path is not None:  # generate.py and conversion to HF find it here
-                files.update(fmt.copy_tokenizer(self.tokenizer_path, tmp))
+                files.update(writing.copy_tokenizer(self.tokenizer_path, tmp))
             index = {**meta, "rng": [p.rng for p in parts], "files": files,
-                     "tensors": fmt.merge_entries([p.entries for p in parts])}  # fmt: skip
-            fmt.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
+                     "tensors": writing.merge_entries([p.entries for p in parts])}  # fmt: skip
+            writing.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
             if self.megatron_form:  # Megatron's files too, in the same directory
                 megatron_direct.write_beside(tmp, self.cfg)
             old = final.with_name(f".{final.name}.old")
@@ -387,8 +387,8 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
                 final.rename(old)
             tmp.rename(final)
-            fmt.fsync_dir(final.parent)
-            fmt.write_atomic(final.parent / fmt.LATEST, final.name)
+            writing.fsync_dir(final.parent)
+            writing.write_atomic(final.parent / fmt.LATEST, final.name)
             if self.megatron_form:
                 megatron_direct.write_tracker(final.parent, meta["iteration"])
             shutil.rmtree(old, ignore_errors=True)

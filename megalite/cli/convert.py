@@ -49,7 +49,14 @@ import torch
 from tqdm import tqdm
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import hf, megatron_args, megatron_direct, megatron_dist, megatron_files
+from megalite.checkpoint import (
+    hf,
+    megatron_args,
+    megatron_direct,
+    megatron_dist,
+    megatron_files,
+    writing,
+)
 from megalite.checkpoint import megatron as mg
 from megalite.checkpoint.megatron_direct import saved_config
 from megalite.checkpoint.safetensors_file import MappedSafetensors
@@ -189,9 +196,9 @@ def hf_to_megalite(src: Path, dst: Path, args):
         "source": f"huggingface:{(hf_config.get('architectures') or ['?'])[0]}",
         "huggingface": hub,
     }
-    fmt.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors(), meta, tokenizer,
+    writing.write_full_checkpoint(dst / fmt.iter_dirname(0), tensors(), meta, tokenizer,
                               args.max_shard_size)  # fmt: skip
-    fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
+    writing.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(0))
 
 
 HUB_FIELDS = hf.HUB_FIELDS
@@ -221,8 +228,12 @@ def megalite_to_hf(src: Path, dst: Path, args):
         why = "--dtype" if args.dtype else "the dtype its source model's config.json states"
         print(f"note: weights written in {dtype_name} ({why}); the checkpoint holds "
               f"{fmt.dtype_name(have)}", file=sys.stderr)  # fmt: skip
-    shards = fmt.ShardWriter(dst, lambda k: f"model-{k + 1:05d}.safetensors", args.max_shard_size,
-                             metadata={"format": "pt"})  # fmt: skip
+    shards = writing.ShardWriter(
+        dst,
+        lambda k: f"model-{k + 1:05d}.safetensors",
+        args.max_shard_size,
+        metadata={"format": "pt"},
+    )
     for k, t in progress(out.items(), "writing"):
         shards.add(k, t.to(dtype))
     written, _ = shards.finish()
@@ -313,9 +324,9 @@ def megatron_to_megalite(src: Path, dst: Path, args):
         return t
 
     tensors = mg.State({n: partial(made, f) for n, f in dict.items(lazy)}, lazy.shapes, lazy.dtypes)
-    fmt.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta,
+    writing.write_full_checkpoint(dst / fmt.iter_dirname(iteration), tensors, meta,
                               max_bytes=args.max_shard_size)  # fmt: skip
-    fmt.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(iteration))
+    writing.write_atomic(dst / fmt.LATEST, fmt.iter_dirname(iteration))
 
 
 def megalite_to_megatron(src: Path, dst: Path, args):
@@ -338,7 +349,7 @@ def megalite_to_megalite(src: Path, dst: Path, args):
     for f in progress(sorted(ckpt.files), "verifying", "file"):
         ckpt.verify([f])
     shutil.copytree(ckpt.dir, dst / ckpt.dir.name)
-    fmt.write_atomic(dst / fmt.LATEST, ckpt.dir.name)
+    writing.write_atomic(dst / fmt.LATEST, ckpt.dir.name)
 
 
 def main(argv):
@@ -398,7 +409,7 @@ def main(argv):
     p.add_argument(
         "--max-shard-size",
         type=shard_bytes,
-        default=fmt.SHARD_BYTES,
+        default=writing.SHARD_BYTES,
         help="the largest output file (megalite and Hugging Face targets; e.g. 2GB, 500MB): a "
         "conversion holds at most one such file's computed tensors (default 1GiB)",
     )
