@@ -81,7 +81,7 @@ def open_logs(cfg, path, rank: int):
     the checkpoint it resumes), so that W&B's output.log holds the launch lines too. Every
     rank checks the flags first (--wandb-mode online without credentials, --tensorboard-dir
     without tensorboard), so all of them stop with the same one line."""
-    from megalite.checkpoint.checkpointer import resumed_run
+    from megalite.checkpoint.resume import resumed_run
     from megalite.training import run_settings
     from megalite.training.logger import Logger
 
@@ -102,7 +102,7 @@ def main(argv):
     if not cfg.training.dry_run and (
         c.load or c.save and os.path.isdir(c.save) or cfg.training.eval_only
     ):
-        from megalite.checkpoint.checkpointer import resume_path  # (imports torch)
+        from megalite.checkpoint.resume import resume_path  # (imports torch)
 
         path = resume_path(cfg)  # a missing checkpoint fails now, before any process group
         if path is not None:

@@ -9,7 +9,7 @@ import torch
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import writing
-from megalite.checkpoint.checkpointer import resume_path
+from megalite.checkpoint.resume import resume_path
 from megalite.cli import generate as gen_tool
 from megalite.config_read import from_dict
 from megalite.generation import generate
