@@ -87,7 +87,7 @@ def main(argv=None):
     from megalite.checkpoint import format as fmt
     from megalite.checkpoint import writing
     from megalite.checkpoint.hf_random import write_random_hf
-    from megalite.cli.convert import read_hf_weights
+    from megalite.cli.convert_hf import read_hf_weights
 
     root = Path(a.scratch) / f"bench-{os.getpid()}"
     shutil.rmtree(root, ignore_errors=True)
