@@ -248,8 +248,9 @@ def test_default_order_is_one_literal():
 
 def test_dp_replicate_splits_dp_and_keeps_the_layout_of_plain_dp():
     """--dp counts every data-parallel rank: --dp-replicate 2 makes dp=4 two copies (dpr) of a
-    shard group of 2 (the dp axis, `size("dp")`; `shape.dp` is the user's 4). The copies change only how gradients are reduced, so a
-    checkpoint records the layout of plain dp=4 (RNG streams carry over across R)."""
+    shard group of 2 (the dp axis, `size("dp")`; `shape.dp` is the user's 4). The copies change
+    only how gradients are reduced, so a checkpoint records the layout of plain dp=4 (RNG
+    streams carry over across R)."""
     argv = ["--tp", "2", "--dp", "4", "--zero-stage", "1", "--global-batch-size", "8"]
     hsdp = validate(parse_args([*argv, "--num-distributed-optimizer-instances", "2"]), 8)
     plain = validate(parse_args(argv), 8)
