@@ -1,4 +1,4 @@
-"""The model's configuration: `ModelConfig` (every field a flag, see megalite/config.py) and the
+"""The model's configuration: `ModelConfig` (every field a flag, see megalite/config/) and the
 feature table `FLAVOURS` its flavours name. Data only: imports nothing of megalite."""
 
 import dataclasses

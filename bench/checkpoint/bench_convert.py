@@ -85,8 +85,9 @@ def main(argv=None):
     import torch
 
     from megalite.checkpoint import format as fmt
+    from megalite.checkpoint import writing
     from megalite.checkpoint.hf_random import write_random_hf
-    from megalite.cli.convert import read_hf_weights
+    from megalite.cli.convert_hf import read_hf_weights
 
     root = Path(a.scratch) / f"bench-{os.getpid()}"
     shutil.rmtree(root, ignore_errors=True)
@@ -135,7 +136,7 @@ def main(argv=None):
         # the design's bound: one output file (--max-shard-size) plus one layer
         layer = (2 * a.hidden * a.hidden + 2 * a.hidden * a.groups * (a.hidden // a.heads)
                  + 3 * a.hidden * a.ffn) * 2  # fmt: skip
-        bound = fmt.SHARD_BYTES + layer
+        bound = writing.SHARD_BYTES + layer
         peer = rows["transformers load + save (peer)"]
         print(f"\n| operation | wall | peak RSS (anon) | peak / peer | anon <= shard + layer "
               f"({bound / GIB:.2f} GiB) |\n| --- | --- | --- | --- | --- |")  # fmt: skip

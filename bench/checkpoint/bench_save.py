@@ -9,7 +9,7 @@ rotates each round), the files deleted between saves:
 
 - megalite: `Trainer.save()` (Checkpointer: shard_io.write_shard: the sha256 in a second thread,
   writeback handed to the disk per 64 MB range, fsync; the index, rename and `latest`);
-- megalite before: the same with `format.write_shard` (hash then write, one fsync at the end);
+- megalite before: the same with `writing.write_shard` (hash then write, one fsync at the end);
 - torch.save: `torch.save` of the same tensors (what this rank writes) to one file, no fsync:
   its bytes may still be in the page cache when it returns;
 - torch.save + fsync: the same, flushed to the disk.
@@ -32,8 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import figure, timed, write_summary  # noqa: E402
-from megalite.checkpoint import format as fmt  # noqa: E402
-from megalite.checkpoint import shard_io  # noqa: E402
+from megalite.checkpoint import shard_io, writing  # noqa: E402
 from megalite.testing import tiny_config, tiny_trainer  # noqa: E402
 
 
@@ -84,7 +83,7 @@ def main():
 
     variants = {
         "megalite": trainer_save(real),
-        "megalite before": trainer_save(fmt.write_shard),
+        "megalite before": trainer_save(writing.write_shard),
         "torch.save": torch_save(False),
         "torch.save + fsync": torch_save(True),
     }

@@ -30,8 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from megalite.checkpoint import format as fmt
-from megalite.checkpoint import shard_io
+from megalite.checkpoint import shard_io, writing
 
 POLL_S = 0.05
 
@@ -78,7 +77,7 @@ def write_part(tmp: Path, fname: str, tensors: dict, rank: int, report: bool) ->
     except OSError as e:
         error = f"could not write checkpoint file {tmp / fname} ({e})"
     if report:
-        fmt.write_atomic(_sidecar(tmp, rank), json.dumps([entries, files, error]))
+        writing.write_atomic(_sidecar(tmp, rank), json.dumps([entries, files, error]))
     return Part(entries, files, None, error)
 
 

@@ -22,18 +22,18 @@ same one line, none waiting in a collective.
 --finetune loads the weights only and starts at iteration 0; --no-load-optim and --no-load-rng
 leave out the optimizer state and the RNG states (not when a restart resumes its own --save).
 --load also reads a Megatron-LM checkpoint, and --ckpt-format torch_dist adds Megatron's files
-to each save (megatron_direct.py).
+to each save (megatron_direct.py). Which checkpoint a run resumes from, decided before any
+process group exists, and the `TrainState` are resume.py's.
 """
 
 import dataclasses
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import megatron_direct, shard_io
+from megalite.checkpoint import megatron_direct, shard_io, writing
 from megalite.checkpoint.async_save import (
     BackgroundSave,
     Part,
@@ -55,6 +55,7 @@ from megalite.checkpoint.regions import (  # noqa: F401  (check_model, load_mode
     piece_blocks,
     rank_params,
 )
+from megalite.checkpoint.resume import TrainState, resumes_own_save
 from megalite.errors import MegaliteError
 from megalite.model.moe import expert_biases
 from megalite.parallel.specs import spec_of
@@ -64,59 +65,6 @@ from megalite.parallel.specs import spec_of
 MODEL_FIELDS = ("flavour", "num_layers", "vocab_size")
 # Index fields about the model, not the run, that a save carries on from the checkpoint loaded.
 CARRIED = ("huggingface",)
-
-
-@dataclass
-class TrainState:
-    """Where training stands, beside the tensors: what a resumed run continues from."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_steps: int = 0
-    rng: dict | None = None  # this rank's generator states (None: re-seed, another layout)
-    run_ids: dict | None = None  # the W&B run and TensorBoard dir a resumed job continues
-    schedule_samples: int | None = None  # a Megatron checkpoint's LR/WD schedule position
-
-
-def resume_path(cfg) -> str | None:
-    """What the run resumes from: --load, else --save when it holds a checkpoint (a restarted
-    job continues where it stopped), else nothing. Pure file checks, before any process group."""
-    c = cfg.checkpoint
-    if c.finetune and c.save and fmt.has_checkpoint(c.save):
-        return c.save  # a restarted fine-tuning job continues its own run, not --load again
-    if c.load:
-        megatron_direct.resolve(c.load)  # a missing or empty directory fails here, with one line
-        return c.load
-    if c.save and fmt.has_checkpoint(c.save):
-        return c.save
-    if cfg.training.eval_only:
-        raise MegaliteError("--eval-only needs a checkpoint to evaluate; pass --load DIR")
-    return None
-
-
-def _own(cfg, path) -> bool:
-    """A restart resuming its own --save (another directory than --load): it continues in full."""
-    c = cfg.checkpoint
-    return bool(c.save) and Path(path).resolve() == Path(c.save).resolve() != (
-        Path(c.load).resolve() if c.load else None
-    )
-
-
-def resumed_run(cfg, path) -> tuple[dict, int]:
-    """(run_ids, iteration) of the TrainState `Checkpointer.load(path)` will return, from the
-    index alone: the launch opens W&B before any process group exists, on the run it continues."""
-    if (
-        path is None
-        or not fmt.has_checkpoint(path)
-        or cfg.checkpoint.finetune
-        and not _own(cfg, path)
-    ):
-        return {}, 0
-    ckpt = Checkpoint(path)
-    return dict(ckpt.index.get("run_ids") or {}), ckpt.iteration
-
-
-# ---- the trainer's checkpointing -----------------------------------------------------------------
 
 
 class Checkpointer:
@@ -148,7 +96,7 @@ class Checkpointer:
         (or `own`: the run's local checkpoint, local_restore.py)."""
         g, tp, c = self.groups, self.groups.tp, self.cfg.checkpoint
         # a restart resuming its own --save (or local checkpoint) continues in full
-        own = own or _own(self.cfg, path)
+        own = own or resumes_own_save(self.cfg, path)
         finetune = c.finetune and not own
         start = time.perf_counter()
         with agreed_errors(g.world):
@@ -376,10 +324,10 @@ class Checkpointer:
                 raise OSError(errors[0])
             files = {k: v for p in parts for k, v in p.files.items()}
             if self.tokenizer_path is not None:  # generate.py and conversion to HF find it here
-                files.update(fmt.copy_tokenizer(self.tokenizer_path, tmp))
+                files.update(writing.copy_tokenizer(self.tokenizer_path, tmp))
             index = {**meta, "rng": [p.rng for p in parts], "files": files,
-                     "tensors": fmt.merge_entries([p.entries for p in parts])}  # fmt: skip
-            fmt.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
+                     "tensors": writing.merge_entries([p.entries for p in parts])}  # fmt: skip
+            writing.write_atomic(tmp / fmt.INDEX, json.dumps(index, indent=1))
             if self.megatron_form:  # Megatron's files too, in the same directory
                 megatron_direct.write_beside(tmp, self.cfg)
             old = final.with_name(f".{final.name}.old")
@@ -387,8 +335,8 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
                 final.rename(old)
             tmp.rename(final)
-            fmt.fsync_dir(final.parent)
-            fmt.write_atomic(final.parent / fmt.LATEST, final.name)
+            writing.fsync_dir(final.parent)
+            writing.write_atomic(final.parent / fmt.LATEST, final.name)
             if self.megatron_form:
                 megatron_direct.write_tracker(final.parent, meta["iteration"])
             shutil.rmtree(old, ignore_errors=True)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import writing
 from megalite.checkpoint.local_tier import PART, rank_dir, recv_bytes, send_bytes
 from megalite.checkpoint.regions import all_gather, piece_blocks, rank_params
 from megalite.model.moe import expert_biases
@@ -173,7 +174,7 @@ class Restart:
         parts = [parts[o] for o in range(world)]
         owner_of = {f: o for o, p in enumerate(parts) for f in p["files"]}
         files = {f: m for p in parts for f, m in p["files"].items()}
-        tensors = fmt.merge_entries([p["entries"] for p in parts])
+        tensors = writing.merge_entries([p["entries"] for p in parts])
         need = needed_files(tensors, chunks) | set(sorted(files)[g.rank :: g.topo.world_size])
         held = {f for f in need if (it, owner_of[f]) in self._where}
         wants = all_gather(sorted(need - held), g.world)
@@ -198,7 +199,7 @@ class Restart:
                     (out / f).write_bytes(recv_bytes(src, g.world.pg, g.device))
         index = {**parts[0]["meta"], "rng": [p["rng"] for p in parts], "files": files,
                  "tensors": tensors}  # fmt: skip
-        fmt.write_atomic(out / fmt.INDEX, json.dumps(index))
+        writing.write_atomic(out / fmt.INDEX, json.dumps(index))
         self._dir = out
         self.seconds["fetch"] = time.perf_counter() - t0
         self.line = (f"restart from the local tier: iteration {it} ({world} ranks' shards, "

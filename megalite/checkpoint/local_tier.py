@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import shard_io
+from megalite.checkpoint import shard_io, writing
 from megalite.checkpoint.async_save import BackgroundSave, host_copy
 from megalite.checkpoint.regions import encode_rng
 from megalite.errors import MegaliteError
@@ -97,7 +97,7 @@ def _write_dir(final: Path, files: dict[str, bytes | None], write_shard=None):
         (tmp / name).write_bytes(data)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    fmt.fsync_dir(final.parent)
+    writing.fsync_dir(final.parent)
 
 
 def _prune(folder: Path, keep: int = KEEP):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files
+from megalite.checkpoint import hf, megatron_args, megatron_dist, megatron_files, writing
 from megalite.checkpoint import megatron as mg
 from megalite.config import Config
 from megalite.config_read import from_dict
@@ -259,4 +259,4 @@ def write_beside(directory: Path, cfg):
 
 def write_tracker(root: Path, iteration: int):
     """Megatron's `latest_checkpointed_iteration.txt`, once the iteration is in place."""
-    fmt.write_atomic(root / TRACKER, str(iteration))
+    writing.write_atomic(root / TRACKER, str(iteration))

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megalite.checkpoint import megatron as mg
 from megalite.checkpoint import megatron_files as mf
+from megalite.checkpoint.megatron_pickle import args_of, load_pickle
 from megalite.errors import MegaliteError
 
 STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.*)$")
@@ -89,8 +90,8 @@ class _SafeReader(FileSystemReader):
 def read_torch_dist(d: Path) -> tuple[dict, dict, dict]:
     """(args, a `megatron.State` whose tensors are read from the files one at a time (one
     layer's slice of a stacked tensor), facts)."""
-    common = mf.load_pickle(d / "common.pt")
-    args = mf._args(common, d / "common.pt")
+    common = load_pickle(d / "common.pt")
+    args = args_of(common, d / "common.pt")
     meta = _SafeReader(str(d)).read_metadata()
     parts, optimizer = {}, False  # local name -> [(DCP key, leading indices, shape)]
     for k, m in meta.state_dict_metadata.items():

@@ -1,7 +1,7 @@
 """A trainer's shard written at disk speed, steadily: hashing beside the write, writeback as
 it goes.
 
-`format.write_shard` hashes each tensor, then writes it, then fsyncs the whole file at the end:
+`writing.write_shard` hashes each tensor, then writes it, then fsyncs the whole file at the end:
 the sha256 (about 0.6 GB/s on one core) is added to the write instead of overlapping it, and
 every byte stays dirty in the page cache until the final fsync, which then waits for all of it,
 and for whatever else the machine left dirty before (a conversion, the previous checkpoint):
@@ -15,7 +15,7 @@ the same save took 18.8 s and 50.1 s in two identical runs. Here
   has little left, and the save neither fills the page cache nor waits on other files' dirty
   pages. Without `sync_file_range` (not Linux) a plain fdatasync every 256 MB bounds them.
 
-`write_shard` takes and returns what `format.write_shard` does and writes the same bytes.
+`write_shard` takes and returns what `writing.write_shard` does and writes the same bytes.
 """
 
 import ctypes
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint import format as fmt
+from megalite.checkpoint import writing
 from megalite.checkpoint.safetensors_file import safetensors_header
 
 CHUNK = 64 << 20  # bytes handed to the disk at a time
@@ -108,9 +108,9 @@ def write_views(path: Path, head: bytes, views) -> str:
 
 
 def write_shard(directory: Path, fname: str, tensors: dict) -> tuple[dict, dict]:
-    """`format.write_shard` (same arguments, same file, same index entries), written by
+    """`writing.write_shard` (same arguments, same file, same index entries), written by
     `write_views`."""
-    entries, data = fmt.shard_entries(fname, tensors)
+    entries, data = writing.shard_entries(fname, tensors)
     head = safetensors_header({k: (t.dtype, tuple(t.shape)) for k, t in data.items()})
     views = [t.reshape(-1).view(torch.uint8).numpy() for t in data.values() if t.numel()]
     digest = write_views(directory / fname, head, views)

@@ -68,6 +68,16 @@ def register_axis(name: str, doc: str, **meaning) -> Axis:
     return AXES[name]
 
 
+def ranks(sizes: dict, *, splits_batch: bool) -> int:
+    """The product of the sizes of the axes that split the batch (True: the data-parallel ranks,
+    the user's --dp) or of those that do not (False: the ranks one model copy spans, tp*cp*pp);
+    an axis of size None (dp before it is inferred) counts 1."""
+    n = 1
+    for a, k in sizes.items():
+        n *= (k or 1) if AXES[a].splits_batch == splits_batch else 1
+    return n
+
+
 def split_batch(global_batch_size: int, micro_batch_size: int, data: int) -> int:
     """Micro-batches per step on each of the `data` ranks that split the batch (the product of
     the `splits_batch` axes), or MegaliteError: the one place the batch split is checked (the

@@ -31,7 +31,7 @@ def launch_config(cfg: Config, p) -> Config:
     overlap = cfg.parallel.tp_comm_overlap and lay.sequence_parallel and lay.tp > 1
     sched = lay.schedule if cfg.parallel.pp_schedule else None
     par = dataclasses.replace(cfg.parallel, tp=lay.tp, pp=lay.pp, cp=lay.cp, vpp=lay.vpp,
-                              ep=lay.ep, etp=lay.etp, dp=lay.data, dp_replicate=lay.dpr,
+                              ep=lay.ep, etp=lay.etp, dp=lay.dp, dp_replicate=lay.dpr,
                               sequence_parallel=lay.sequence_parallel, tp_comm_overlap=overlap,
                               pp_schedule=sched, **split)  # fmt: skip
     opt = dataclasses.replace(cfg.optimizer, zero_stage=lay.zero.stage)

@@ -53,7 +53,8 @@ def group_ranks(shape: RunShape, kind: str) -> list[int]:
         g = topo.group("pp", 0)
         return sorted({g[0], g[-1]})
     if kind == "dp_gather":  # ZeRO-3's gathers: over the replicas
-        kind = "cp+dp" if shape.cp > 1 and shape.dp > 1 else ("cp" if shape.cp > 1 else "dp")
+        dp = shape.size("dp")  # the shard group's dp axis (not --dp: its copies hold the same)
+        kind = "cp+dp" if shape.cp > 1 and dp > 1 else ("cp" if shape.cp > 1 else "dp")
     return topo.group(kind, 0)
 
 

@@ -192,10 +192,10 @@ def zero3_params(cfg: Config, shape: RunShape, kw: dict, specs) -> list:
 
 
 def replicas(shape: RunShape) -> int:
-    """Ranks ZeRO shards the state over (the shard group): dp*cp. With --dp-replicate its dpr
-    copies hold the same shards (shape.dp is the shard group's part of the data-parallel ranks),
-    so the state is 1/(dp*cp) per rank, not 1/(dp*dpr*cp)."""
-    return shape.dp * shape.cp
+    """Ranks ZeRO shards the state over (the shard group): the dp axis times cp. With
+    --dp-replicate its dpr copies hold the same shards (the dp axis is the shard group's part of
+    the data-parallel ranks), so the state is 1/(dp*cp) per rank, not 1/(dp*dpr*cp)."""
+    return shape.size("dp") * shape.cp
 
 
 def expert_parallel(shape: RunShape) -> tuple[int, int]:

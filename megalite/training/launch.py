@@ -9,9 +9,8 @@ import atexit
 import os
 
 from megalite.config_read import Given, parse_args, where
-from megalite.parallel.axes import AXES
 from megalite.parallel.topology import world_from_env
-from megalite.shape import RunShape, validate
+from megalite.shape import RunShape, model_ranks, validate
 
 
 def setup(shape: RunShape, timeout_minutes: float = 10.0, launch=None):
@@ -32,10 +31,7 @@ def planned_world(cfg) -> int:
     """The world a --dry-run outside torchrun plans for: every axis's configured size, --dp (1
     when omitted, else every rank that splits the batch: --dp-replicate divides it) for data
     parallelism."""
-    n = cfg.parallel.dp or 1
-    for axis in AXES.values():
-        n *= axis.size(cfg) if axis.size and not axis.splits_batch else 1
-    return n
+    return (cfg.parallel.dp or 1) * model_ranks(cfg)
 
 
 def set_threads(env=os.environ) -> str:
@@ -85,7 +81,7 @@ def open_logs(cfg, path, rank: int):
     the checkpoint it resumes), so that W&B's output.log holds the launch lines too. Every
     rank checks the flags first (--wandb-mode online without credentials, --tensorboard-dir
     without tensorboard), so all of them stop with the same one line."""
-    from megalite.checkpoint.checkpointer import resumed_run
+    from megalite.checkpoint.resume import resumed_run
     from megalite.training import run_settings
     from megalite.training.logger import Logger
 
@@ -106,7 +102,7 @@ def main(argv):
     if not cfg.training.dry_run and (
         c.load or c.save and os.path.isdir(c.save) or cfg.training.eval_only
     ):
-        from megalite.checkpoint.checkpointer import resume_path  # (imports torch)
+        from megalite.checkpoint.resume import resume_path  # (imports torch)
 
         path = resume_path(cfg)  # a missing checkpoint fails now, before any process group
         if path is not None:

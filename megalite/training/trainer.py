@@ -15,10 +15,11 @@ import time
 import torch
 
 from megalite import lr_schedule
-from megalite.checkpoint.checkpointer import Checkpointer, TrainState, resume_path
+from megalite.checkpoint.checkpointer import Checkpointer
 from megalite.checkpoint.local_restore import Restart
 from megalite.checkpoint.local_tier import LocalTier
 from megalite.checkpoint.local_tier import check as check_local_tier
+from megalite.checkpoint.resume import TrainState, resume_path
 from megalite.config import Config
 from megalite.data.gpt_dataset import build_datasets
 from megalite.data.sampler import BatchSampler, get_batch

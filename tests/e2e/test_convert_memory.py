@@ -103,7 +103,7 @@ def _same_tensors(a: dict, b: dict):
 
 
 def test_every_direction_streams(hf_dir, baseline, megatron_exports):
-    from megalite.cli.convert import read_hf_weights
+    from megalite.cli.convert_hf import read_hf_weights
 
     root = hf_dir.parent
     peaks = {k: peak for k, (_, peak) in megatron_exports.items()}
@@ -136,6 +136,6 @@ def test_exports_hold_only_their_bytes(hf_dir, megatron_exports):
 
 
 def _hf_tensors(d: Path):
-    from megalite.cli.convert import read_hf_weights
+    from megalite.cli.convert_hf import read_hf_weights
 
     return read_hf_weights(d).values()

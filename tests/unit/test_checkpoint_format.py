@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import writing
 from megalite.checkpoint.format import Checkpoint
 from megalite.checkpoint.regions import flat_blocks, piece_blocks
 from megalite.errors import MegaliteError
@@ -56,10 +57,10 @@ def _write_tp_shards(d: Path, full: torch.Tensor, dim: int, tp: int, name="w") -
         region = [(0, s) for s in glob]
         lo = r * piece.shape[dim]
         region[dim] = (lo, lo + piece.shape[dim])
-        e, f = fmt.write_shard(d, f"s{r}.safetensors", {name: (piece, region, glob)})
+        e, f = writing.write_shard(d, f"s{r}.safetensors", {name: (piece, region, glob)})
         parts_e.append(e)
         files.update(f)
-    index = {"format": fmt.FORMAT, "tensors": fmt.merge_entries(parts_e), "files": files}
+    index = {"format": fmt.FORMAT, "tensors": writing.merge_entries(parts_e), "files": files}
     (d / fmt.INDEX).write_text(json.dumps(index))
     return index
 
@@ -81,7 +82,7 @@ def test_resolve_follows_latest(tmp_path):
     it = tmp_path / "iter_0000004"
     it.mkdir()
     _write_tp_shards(it, torch.ones(4, 2), 0, 2)
-    fmt.write_atomic(tmp_path / fmt.LATEST, it.name)
+    writing.write_atomic(tmp_path / fmt.LATEST, it.name)
     assert fmt.resolve(tmp_path) == it and fmt.resolve(it) == it
     assert Checkpoint(tmp_path).dir == it
 

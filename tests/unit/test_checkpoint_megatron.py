@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint import megatron as mg
-from megalite.checkpoint import megatron_args, megatron_files
+from megalite.checkpoint import megatron_args, megatron_files, megatron_layout, megatron_pickle
 from megalite.checkpoint.checkpointer import load_model
 from megalite.checkpoint.megatron_direct import open_checkpoint
 from megalite.config_read import from_dict
@@ -211,7 +211,7 @@ def test_export_loads_into_megatron_with_the_same_logits(imported, form, tmp_pat
     fresh = megatron_model(margs(kind), seed=1)
     assert (megatron_logits(fresh, IDS) - theirs).abs().max() > 1e-2  # it did change
     if form == "legacy":
-        obj = megatron_files.load_pickle(
+        obj = megatron_pickle.load_pickle(
             tmp_path / "out/iter_0000000/mp_rank_00/model_optim_rng.pt"
         )
         assert obj["checkpoint_version"] == 3.0 and obj["args"].padded_vocab_size == 128
@@ -244,7 +244,7 @@ def test_layernorm_1p_checkpoints_import_and_export(imported, tmp_path):
         assert torch.equal(direct.read(name), converted.read(name))
     convert.main([str(tmp_path / "ml"), str(tmp_path / "out"), "--to", "megatron", "--format",
                   "legacy", "--apply-layernorm-1p"])  # fmt: skip
-    obj = megatron_files.load_pickle(tmp_path / "out/iter_0000000/mp_rank_00/model_optim_rng.pt")
+    obj = megatron_pickle.load_pickle(tmp_path / "out/iter_0000000/mp_rank_00/model_optim_rng.pt")
     assert obj["args"].apply_layernorm_1p and obj["args"].layernorm_zero_centered_gamma
     for k, v in offsets.items():
         assert torch.allclose(obj["model"][k], v, atol=1e-6), k
@@ -269,12 +269,12 @@ def test_llama3_rope_scaling_round_trips_with_megatrons_logits(megatron, tmp_pat
         out = tmp_path / form
         convert.main([str(tmp_path / "ml"), str(out), "--to", "megatron", "--format", form])
         common = "mp_rank_00/model_optim_rng.pt" if form == "legacy" else "common.pt"
-        saved = megatron_files.load_pickle(out / "iter_0000000" / common)["args"]
+        saved = megatron_pickle.load_pickle(out / "iter_0000000" / common)["args"]
         assert saved.use_rope_scaling and saved.rope_scaling_factor == 32.0
         fresh = megatron_model(saved, seed=1)
         if form == "legacy":
             fresh.load_state_dict(
-                megatron_files.load_pickle(out / "iter_0000000" / common)["model"]
+                megatron_pickle.load_pickle(out / "iter_0000000" / common)["model"]
             )
         else:
             from megatron.core import dist_checkpointing
@@ -335,7 +335,7 @@ def test_transformer_engine_names_read_back(imported, tmp_path):
     out, back = tmp_path / "te", tmp_path / "back"
     convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy",
                   "--transformer-impl", "transformer_engine"])  # fmt: skip
-    keys = megatron_files.load_pickle(out / "iter_0000000/mp_rank_00/model_optim_rng.pt")["model"]
+    keys = megatron_pickle.load_pickle(out / "iter_0000000/mp_rank_00/model_optim_rng.pt")["model"]
     assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys
     assert not [k for k in keys if k.endswith("input_layernorm.weight")]
     # an MoE layer keeps its pre-MLP norm apart (TE fuses it into a dense linear_fc1 only)
@@ -356,7 +356,7 @@ def test_qkv_shards_hold_their_query_groups():
     hd, h = cfg.head_dim, cfg.hidden_size
     q, k, v = torch.randn(8 * hd, h), torch.randn(4 * hd, h), torch.randn(4 * hd, h)
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
-    shards = megatron_files.split_tp(name, mg.merge_qkv(q, k, v, cfg), 2, gated=True)
+    shards = megatron_layout.split_tp(name, mg.merge_qkv(q, k, v, cfg), 2, gated=True)
     # rank 1: groups 2, 3 -> query heads 4..7, kv heads 2, 3
     g2 = torch.cat([q[4 * hd : 6 * hd], k[2 * hd : 3 * hd], v[2 * hd : 3 * hd]])
     assert torch.equal(shards[1][: len(g2)], g2)
@@ -368,12 +368,12 @@ def test_qkv_shards_hold_their_query_groups():
 def test_swiglu_fc1_shards_are_gate_then_up_per_rank():
     gate, up = torch.arange(8.0)[:, None], 100 + torch.arange(8.0)[:, None]
     name = "decoder.layers.0.mlp.linear_fc1.weight"
-    shards = megatron_files.split_tp(name, torch.cat([gate, up]), 2, gated=True)
+    shards = megatron_layout.split_tp(name, torch.cat([gate, up]), 2, gated=True)
     assert torch.equal(shards[1], torch.cat([gate[4:], up[4:]]))
-    assert torch.equal(megatron_files.merge_tp(name, shards, gated=True), torch.cat([gate, up]))
+    assert torch.equal(megatron_layout.merge_tp(name, shards, gated=True), torch.cat([gate, up]))
     row = "decoder.layers.0.mlp.linear_fc2.weight"
     w = torch.randn(4, 6)
-    assert torch.equal(megatron_files.split_tp(row, w, 2, gated=True)[1], w[:, 3:])
+    assert torch.equal(megatron_layout.split_tp(row, w, 2, gated=True)[1], w[:, 3:])
 
 
 def test_megatron_tp2_shapes_match_the_split(megatron):
@@ -384,7 +384,7 @@ def test_megatron_tp2_shapes_match_the_split(megatron):
     cfg = megatron_args.config_from_args(args)
     state = mg.to_megatron(_random_logical(cfg), cfg, megatron_args.padded_vocab_size(cfg, 2))
     qkv = state["decoder.layers.0.self_attention.linear_qkv.weight"]
-    shard = megatron_files.split_tp(
+    shard = megatron_layout.split_tp(
         "decoder.layers.0.self_attention.linear_qkv.weight", qkv, 2, True
     )
     per_rank = divide(args.num_attention_heads + 2 * args.num_query_groups, 2) * args.kv_channels
@@ -393,7 +393,7 @@ def test_megatron_tp2_shapes_match_the_split(megatron):
 
 
 def test_layer_placement_follows_megatrons_virtual_stages():
-    r = megatron_files.layer_ranges(
+    r = megatron_layout.layer_ranges(
         {"num_layers": 8, "pipeline_model_parallel_size": 2,
          "virtual_pipeline_model_parallel_size": 2}, "x"
     )  # fmt: skip
@@ -431,12 +431,12 @@ def test_uneven_layer_placement_is_megatron_cores(case):
             "decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last,
             "account_for_embedding_in_pipeline_split": emb,
             "account_for_loss_in_pipeline_split": loss}  # fmt: skip
-    ours = megatron_files.layer_ranges(args, "x")
+    ours = megatron_layout.layer_ranges(args, "x")
     for (p, v), layers in ours.items():
         vs = v if vpp else None
         start = get_transformer_layer_offset(config, vs, p)
         assert layers == range(start, start + get_num_layers_to_build(config, vs, p)), (p, v)
-    assert not megatron_files.partition(args, "x").even_split
+    assert not megatron_layout.partition(args, "x").even_split
 
 
 @pytest.mark.parametrize("text,pp", [("Et|tt|ttt|tL", 2), ("E|t*3|(tt|)*2,t|L", 3),
@@ -457,12 +457,12 @@ def test_layout_string_placement_is_megatron_cores(text, pp, tmp_path):
     counts = [theirs.layout[p][v].count(LayerType.decoder) for p, v in order]
     stages = [list(theirs.layout[p][v]) for p, v in order]
     torch.save({"layout": Layout(stages, pp)}, tmp_path / "args.pt")
-    pickled = megatron_files.load_pickle(tmp_path / "args.pt")["layout"]
-    assert isinstance(pickled, megatron_files._Opaque)  # (no megatron class was built)
+    pickled = megatron_pickle.load_pickle(tmp_path / "args.pt")["layout"]
+    assert isinstance(pickled, megatron_pickle.Opaque)  # (no megatron class was built)
     for layout in (text, pickled):
         args = {"num_layers": L, "pipeline_model_parallel_size": pp, "mtp_num_layers": mtp,
                 "pipeline_model_parallel_layout": layout}  # fmt: skip
-        ours = megatron_files.layer_ranges(args, "x")
+        ours = megatron_layout.layer_ranges(args, "x")
         for (p, v), layers in ours.items():
             i = order.index((p, v))
             assert layers == range(sum(counts[:i]), sum(counts[: i + 1])), (text, p, v)
@@ -543,7 +543,7 @@ def test_pickles_load_without_their_classes(tmp_path):
            "model": {"a._extra_state": io.BytesIO(), "b._extra_state": io.BytesIO(b"x"),
                      "w": torch.ones(2)}}  # fmt: skip
     torch.save(obj, tmp_path / "f.pt")
-    got = megatron_files.load_pickle(tmp_path / "f.pt")
+    got = megatron_pickle.load_pickle(tmp_path / "f.pt")
     assert got["args"].num_layers == 2 and torch.equal(got["model"]["w"], torch.ones(2))
     assert set(got["model"]) == {"a._extra_state", "b._extra_state", "w"}
 
@@ -557,7 +557,7 @@ def test_grouped_expert_forms_import_alike(imported, grouped, tmp_path):
     out = tmp_path / "mt"
     convert.main([str(ml), str(out), "--to", "megatron", "--format", "legacy"])
     path = out / "iter_0000000/mp_rank_00/model_optim_rng.pt"
-    obj = megatron_files.load_pickle(path)
+    obj = megatron_pickle.load_pickle(path)
     model, experts = {}, {}
     for k, v in obj["model"].items():
         m = megatron_files.EXPERT.match(k)

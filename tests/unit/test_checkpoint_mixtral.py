@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import hf
+from megalite.cli import convert_hf
 from megalite.config import ModelConfig
 from megalite.errors import MegaliteError
 from megalite.testing import perturbed
@@ -52,8 +53,8 @@ def test_same_logits_and_greedy_tokens(mixtral):
 
 def test_hub_and_fused_layouts_read_alike(mixtral):
     m, hf_dir, _ = mixtral
-    cfg = hf.model_config_from_hf(convert.read_hf_config(hf_dir))
-    hub = convert.read_hf_weights(hf_dir)  # what save_pretrained wrote: per-expert w1/w2/w3
+    cfg = hf.model_config_from_hf(convert_hf.read_hf_config(hf_dir))
+    hub = convert_hf.read_hf_weights(hf_dir)  # what save_pretrained wrote: per-expert w1/w2/w3
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in hub
     fused = m.state_dict()  # transformers' in-memory names: experts.gate_up_proj, mlp.gate
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import hf
+from megalite.cli import convert_hf
 from megalite.errors import MegaliteError
 from megalite.testing import perturbed
 from tests.unit.test_checkpoint_hf import (
@@ -70,8 +71,8 @@ def test_same_logits_and_greedy_tokens(converted):
 
 def test_hub_and_fused_layouts_read_alike(converted):
     m, hf_dir, _ = converted
-    cfg = hf.model_config_from_hf(convert.read_hf_config(hf_dir))
-    hub = convert.read_hf_weights(hf_dir)  # what save_pretrained wrote: per-expert tensors
+    cfg = hf.model_config_from_hf(convert_hf.read_hf_config(hf_dir))
+    hub = convert_hf.read_hf_weights(hf_dir)  # what save_pretrained wrote: per-expert tensors
     assert "model.layers.2.mlp.experts.3.down_proj.weight" in hub
     fused = m.state_dict()
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused

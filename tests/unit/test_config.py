@@ -210,11 +210,13 @@ def test_entry_point_prints_one_line_and_exits_nonzero():
 
 
 def test_config_is_data():
-    """config.py and model_config.py import nothing of megalite (errors at most, and config.py
-    its model part): reading YAML, flags and dicts is config_read's, and the schedule names are
-    the pipeline registry's."""
-    allowed = {"config.py": {"megalite.errors", "megalite.model_config"},
-               "model_config.py": {"megalite.errors"}}  # fmt: skip
+    """config/ and model_config.py import nothing of megalite (errors at most, and config/ its
+    model part and its own sections): reading YAML, flags and dicts is config_read's, and the
+    schedule names are the pipeline registry's."""
+    sections = {f"megalite.config.{p.stem}" for p in Path(ROOT, "megalite", "config").glob("*.py")}
+    allowed = {f"config/{p.name}": {"megalite.errors", "megalite.model_config", *sections}
+               for p in Path(ROOT, "megalite", "config").glob("*.py")}  # fmt: skip
+    allowed["model_config.py"] = {"megalite.errors"}
     for file, ok in allowed.items():
         tree = ast.parse(Path(ROOT, "megalite", file).read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
@@ -239,19 +241,20 @@ def test_default_order_is_one_literal():
     for path in Path(ROOT, "megalite").rglob("*.py"):
         tree = ast.parse(path.read_text())
         docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}  # docstrings
-        holders += [path.name for n in ast.walk(tree)
+        holders += [path.relative_to(ROOT).as_posix() for n in ast.walk(tree)
                     if isinstance(n, ast.Constant) and n.value == DEFAULT_ORDER and id(n) not in docs]  # fmt: skip
-    assert holders == ["config.py"]
+    assert holders == ["megalite/config/parallel.py"]
 
 
 def test_dp_replicate_splits_dp_and_keeps_the_layout_of_plain_dp():
     """--dp counts every data-parallel rank: --dp-replicate 2 makes dp=4 two copies (dpr) of a
-    shard group of 2 (the shape's dp). The copies change only how gradients are reduced, so a
-    checkpoint records the layout of plain dp=4 (RNG streams carry over across R)."""
+    shard group of 2 (the dp axis, `size("dp")`; `shape.dp` is the user's 4). The copies change
+    only how gradients are reduced, so a checkpoint records the layout of plain dp=4 (RNG
+    streams carry over across R)."""
     argv = ["--tp", "2", "--dp", "4", "--zero-stage", "1", "--global-batch-size", "8"]
     hsdp = validate(parse_args([*argv, "--num-distributed-optimizer-instances", "2"]), 8)
     plain = validate(parse_args(argv), 8)
-    assert (hsdp.dp, hsdp.dpr, hsdp.data, plain.data) == (2, 2, 4, 4)
+    assert (hsdp.size("dp"), hsdp.dpr, hsdp.dp, plain.dp) == (2, 2, 4, 4)
     assert hsdp.microbatches == plain.microbatches  # (the batch split over all 4)
     assert str(hsdp) == "tp=2 pp=1 dp=4 dpr=2 zero=1"
     assert hsdp.layout() == plain.layout() == {"tp": 2, "dp": 4, "pp": 1, "vpp": 1, "world_size": 8}

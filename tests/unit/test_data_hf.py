@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megalite.checkpoint import format as fmt
+from megalite.checkpoint import writing
 from megalite.config import Config
 from megalite.config_read import parse_args
 from megalite.data import corpus
@@ -224,10 +225,10 @@ def test_checkpoint_stores_the_tokenizer_under_its_kind(hf_dir, docs, tmp_path):
     ckpt.mkdir()
     # a tokenizer.json under any name is stored as tokenizer.json: the content decides
     (tmp_path / "renamed").write_bytes((hf_dir / "tokenizer.json").read_bytes())
-    files = fmt.copy_tokenizer(tmp_path / "renamed", ckpt)
+    files = writing.copy_tokenizer(tmp_path / "renamed", ckpt)
     assert list(files) == ["tokenizer.json"] and fmt.stored_tokenizer(files) == "tokenizer.json"
     assert files["tokenizer.json"]["sha256"] == fmt.sha256_file(hf_dir / "tokenizer.json")
-    files = fmt.copy_tokenizer(sp, ckpt)
+    files = writing.copy_tokenizer(sp, ckpt)
     assert list(files) == ["tokenizer.model"] and fmt.stored_tokenizer(files) == "tokenizer.model"
     assert fmt.stored_tokenizer({"model.safetensors": {}}) is None
     # both load back by their stored names

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint.checkpointer import resume_path
+from megalite.checkpoint import writing
+from megalite.checkpoint.resume import resume_path
 from megalite.cli import generate as gen_tool
 from megalite.config_read import from_dict
 from megalite.generation import generate
@@ -38,7 +39,7 @@ def saved(tmp_path):
     ref = GPTChunk(cfg, LayerEnv(seed=3, dtype=torch.bfloat16)).eval()
     state = {spec_of(p).name: p.detach() for p in ref.parameters()}  # no vocabulary padding
     meta = {"config": {"model": dataclasses.asdict(cfg)}}
-    fmt.write_full_checkpoint(tmp_path / "ml", state, meta)
+    writing.write_full_checkpoint(tmp_path / "ml", state, meta)
     return ref, tmp_path / "ml", from_dict({"model": meta["config"]["model"]}).model
 
 

@@ -119,7 +119,7 @@ def test_hybrid_sharding_is_searched_and_keeps_its_shards_in_a_node():
     hybrid = [p for p in plans if p.layout.dpr > 1]
     assert hybrid and all(p.layout.zero.shard_state for p in hybrid)
     p = hybrid[0]
-    assert p.layout.dp * p.layout.tp * p.layout.cp == 8  # the shard group: one node
+    assert p.layout.size("dp") * p.layout.tp * p.layout.cp == 8  # the shard group: one node
     assert p.links["dp"]["network"] == 0 < p.links["dp"]["nvlink"]
     assert p.links["dpr"]["nvlink"] == 0 < p.links["dpr"]["network"]
     assert f"--dp-replicate {p.layout.dpr}" in launch_flags(p)
@@ -135,10 +135,10 @@ def test_micro_batch_sizes_searched_per_layout():
     cluster = Cluster(8)
     f = flops(cfg)
     plans = layouts.search(cfg, cluster, f, micro_batch_sizes=(1, 2, 4, 8))
-    keys = [(str(p.layout), p.layout.dp * p.layout.dpr) for p in plans]
+    keys = [(str(p.layout), p.layout.dp) for p in plans]
     assert len(set(keys)) == len(keys)
-    assert all(48 % (p.layout.micro_batch_size * p.layout.data) == 0 for p in plans)
-    assert {p.layout.micro_batch_size for p in plans if p.layout.data == 8} <= {1, 2}
+    assert all(48 % (p.layout.micro_batch_size * p.layout.dp) == 0 for p in plans)
+    assert {p.layout.micro_batch_size for p in plans if p.layout.dp == 8} <= {1, 2}
     assert max(p.layout.micro_batch_size for p in plans) > 1
     for p in plans[:4]:
         lay = p.layout

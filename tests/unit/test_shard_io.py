@@ -1,11 +1,11 @@
-"""A trainer's shard written by shard_io: the same file and index entries as format.write_shard,
+"""A trainer's shard written by shard_io: the same file and index entries as writing.write_shard,
 whatever the ranges it is handed to the disk in."""
 
 import pytest
 import torch
 
 from megalite.checkpoint import format as fmt
-from megalite.checkpoint import shard_io
+from megalite.checkpoint import shard_io, writing
 
 
 def test_the_same_bytes_entries_and_checksum_as_write_shard(tmp_path, monkeypatch):
@@ -18,7 +18,7 @@ def test_the_same_bytes_entries_and_checksum_as_write_shard(tmp_path, monkeypatc
     }
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    want = fmt.write_shard(tmp_path / "a", "s.safetensors", tensors)
+    want = writing.write_shard(tmp_path / "a", "s.safetensors", tensors)
     got = shard_io.write_shard(tmp_path / "b", "s.safetensors", tensors)
     assert got == want
     assert (tmp_path / "a/s.safetensors").read_bytes() == (
