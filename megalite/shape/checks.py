@@ -188,9 +188,9 @@ def check_schedule(cfg: Config, shape: RunShape) -> str | None:
     reason = lr_schedule.problem(cfg, shape.dp)
     if reason or (t.rampup_batch_size is None and t.step_batch_size_schedule is None):
         return reason
-    unit = t.micro_batch_size * shape.dp
     for size in lr_schedule.batch_sizes(t, cfg.model.seq_length):  # each count it runs with
-        reason = schedules.check_shape(shape.schedule, shape.pp, shape.vpp, size // unit)
+        m = shape.microbatches_at(size)  # (problem() above checked that each size divides)
+        reason = schedules.check_shape(shape.schedule, shape.pp, shape.vpp, m)
         if reason:
             return f"the global batch {size} of the batch-size ramp-up: {reason}"
     return None
