@@ -4,21 +4,38 @@ a rank's groups into a `LayerEnv` and `GPTChunk`s.
 Training (`training/build.py` `parallelize`), generation (cli/generate.py), the planner's
 templates (plan/memory.py) and the checkpoint's shape check (checkpoint/args.py) all build
 here, so a model is the same object whichever of them made it: the same kernels, FP8 coverage,
-recompute, dtype and groups. `groups` is anything holding `tp`, `cp`, `cp_levels`, `experts`
-and `device` as `ProcessGroups` does; None is one process. What a rank builds is a list of
-chunk arguments, `shape.partition.rank_chunks(pp_rank)` for a run (the planner and the
-checkpoint check name their own layers).
+recompute, dtype and groups. `groups` is a `ProcessGroups` or, built without process groups,
+a `ChunkGroups` (what the builder reads of them: the planner's templates at a tp and ep); None
+is one process. What a rank builds is a list of chunk arguments,
+`shape.partition.rank_chunks(pp_rank)` for a run (the planner and the checkpoint check name
+their own layers).
 """
+
+from dataclasses import dataclass, field
 
 import torch
 
 from megalite import kernels
 from megalite.config import Config
 from megalite.kernels import fp8, fp8_linear
-from megalite.model.env import LayerEnv
+from megalite.model.env import LOCAL, LayerEnv
 from megalite.model.gpt import GPTChunk
+from megalite.parallel.comm import Group
+from megalite.parallel.expert_parallel import ExpertGroups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ChunkGroups:
+    """What `layer_env` reads of a rank's groups (`ProcessGroups` has them all), for a model
+    built without process groups; the defaults are one process."""
+
+    tp: Group = field(default_factory=lambda: LOCAL)
+    cp: Group | None = None
+    cp_levels: tuple[Group, Group] | None = None
+    experts: ExpertGroups | None = None
+    device: torch.device | str | None = None
 
 
 def with_fp8(ops, cfg: Config, cp=None):
@@ -42,23 +59,22 @@ def layer_env(cfg: Config, groups=None, sequence_parallel: bool = False, ops=Non
     `kernels.select(cfg.training.kernels, device)`), with FP8 where the config asks for it;
     `dtype` (default the config's precision); `meta`: parameters on the meta device."""
     t = cfg.training
-    device = groups.device if groups is not None else None
-    ops = ops or kernels.select(t.kernels, device or "cpu")
-    placed = {}
-    if groups is not None:
-        placed = dict(tp=groups.tp, cp=groups.cp, cp_levels=groups.cp_levels,
-                      experts=groups.experts)  # fmt: skip
+    groups = ChunkGroups() if groups is None else groups
+    ops = ops or kernels.select(t.kernels, groups.device or "cpu")
     return LayerEnv(
+        tp=groups.tp,  # tensor parallelism
         sequence_parallel=sequence_parallel,  # sequence parallelism (tp > 1)
         tp_comm_overlap=cfg.parallel.tp_comm_overlap,  # its collectives behind the matmuls
-        cp_comm_type=cfg.parallel.cp_comm_type,  # context parallelism's attention exchange
-        ops=with_fp8(ops, cfg, placed.get("cp")),  # FP8 linears
+        cp=groups.cp,  # context parallelism, its attention exchange
+        cp_comm_type=cfg.parallel.cp_comm_type,
+        cp_levels=groups.cp_levels,
+        experts=groups.experts,  # expert parallelism (ep, etp)
+        ops=with_fp8(ops, cfg, groups.cp),  # FP8 linears
         recompute=t.recompute,  # activation recompute
         seed=t.seed,
         dtype=dtype or DTYPES[t.precision],
-        device=device,
-        meta=meta,  # no memory, nothing drawn: a checkpoint or the planner fills it
-        **placed,  # tensor, context and expert parallelism
+        device=groups.device,
+        meta=meta,  # no memory, nothing drawn: a checkpoint fills it, or shapes only
     )
 
 
