@@ -62,7 +62,7 @@ def _shape_example(tensors: dict, model: ModelConfig) -> str:
 
     run = Config(model=model)  # one process, as training builds it (model/assemble.py)
     layers = [0] if model.num_layers else []
-    (chunk,) = build_chunks(run, layer_env(run, meta=True), [{"layers": layers}])
+    (chunk,) = build_chunks(model, layer_env(run, meta=True), [{"layers": layers}])
     for p in chunk.parameters():
         spec = spec_of(p)
         theirs = tensors.get(spec.name, {}).get("shape")

@@ -99,7 +99,7 @@ def load(path, tokenizer_model=None, dtype="auto") -> tuple[GPTChunk, Tokenizer]
     ckpt, cfg, tok = open_checkpoint(path, tokenizer_model)
     checked = ckpt.verify_while_reading()  # hashed beside the build; the pages stay cached
     run = run_config(cfg)
-    (chunk,) = build_chunks(run, layer_env(run, dtype=model_dtype(ckpt, dtype), meta=True), [{}])
+    (chunk,) = build_chunks(cfg, layer_env(run, dtype=model_dtype(ckpt, dtype), meta=True), [{}])
     load_mapped([chunk], LOCAL, ckpt, "cpu")
     checked.result()
     return chunk.eval(), tok
@@ -140,7 +140,7 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="auto") -> list[GPTChunk]:
     on an error."""
     run = run_config(cfg)
     env = layer_env(run, groups, shape.sequence_parallel, dtype=model_dtype(ckpt, dtype), meta=True)
-    chunks = [c.eval() for c in build_chunks(run, env, shape.partition.rank_chunks(groups.pp.rank))]
+    chunks = [c.eval() for c in build_chunks(cfg, env, shape.partition.rank_chunks(groups.pp.rank))]
     with agreed_errors(groups.world):
         files = sorted(ckpt.files)  # each file hashed by one rank, beside the loading
         checked = ckpt.verify_while_reading(files[groups.rank :: groups.world.size])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite import kernels
-from megalite.config import Config
+from megalite.config import Config, ModelConfig
 from megalite.kernels import fp8, fp8_linear
 from megalite.model.env import LOCAL, LayerEnv
 from megalite.model.gpt import GPTChunk
@@ -78,7 +78,8 @@ def layer_env(cfg: Config, groups=None, sequence_parallel: bool = False, ops=Non
     )
 
 
-def build_chunks(cfg: Config, env: LayerEnv, chunks: list[dict]) -> list[GPTChunk]:
+def build_chunks(model: ModelConfig, env: LayerEnv, chunks: list[dict]) -> list[GPTChunk]:
     """The chunks of `chunks` (GPTChunk's keyword arguments each, e.g.
-    `shape.partition.rank_chunks(pp_rank)`), in chunk order, each built with `env`."""
-    return [GPTChunk(cfg.model, env, **kw) for kw in chunks]
+    `shape.partition.rank_chunks(pp_rank)`) of `model` (a run's `shape.model`: its vocabulary
+    known), in chunk order, each built with `env`."""
+    return [GPTChunk(model, env, **kw) for kw in chunks]

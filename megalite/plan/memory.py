@@ -43,7 +43,7 @@ def _built(m: ModelConfig, groups, sp: bool, chunk: dict, training: dict | None 
 
     cfg = Config(model=m)
     cfg.training = dataclasses.replace(cfg.training, **(training or {}))
-    (built,) = build_chunks(cfg, layer_env(cfg, groups, sp, meta=True), [chunk])
+    (built,) = build_chunks(m, layer_env(cfg, groups, sp, meta=True), [chunk])
     return built
 
 

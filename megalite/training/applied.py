@@ -8,13 +8,15 @@ from the run shape's ZeRO stage object."""
 
 import re
 
+import torch
+
 from megalite.config import Config
 from megalite.kernels.fp8_linear import fp8_linears
+from megalite.parallel.axes import shard_axis
+from megalite.parallel.buckets import bucket_numel, grad_dtype
 from megalite.parallel.specs import ParamSpec, spec_of
 from megalite.shape import RunShape
 from megalite.training.compile import is_compiled
-
-DEFAULT_BUCKET = "25 MB (or 2^20 elements per data-parallel rank)"  # parallel/buckets.py
 
 
 def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]:
@@ -33,7 +35,7 @@ def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]
                     if n.endswith(("attention.k.weight", "attention.v.weight"))
                     and s.split_dim is None]  # fmt: skip
         out.append(line + (", k/v heads replicated)" if whole_kv else ")"))
-    if env.seq_parallel.on:
+    if env.sequence_parallel and env.tp.size > 1:
         overlap = ", its collectives behind the matmuls" if env.tp_comm_overlap else ""
         out.append(f"sequence parallel (norms and dropout on s/tp rows{overlap})")
     if env.cp.size > 1:
@@ -47,7 +49,7 @@ def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]
     compiled = sum(is_compiled(layer) for c in chunks for layer in c.layers.values())
     if compiled:
         out.append(f"compile ({compiled} layers' math)")
-    out.append(_data_parallel(cfg, shape))
+    out.append(_data_parallel(cfg, shape, env.dtype))
     sums = _grad_sums(params)
     if sums:
         out.append("gradient sums after the data-parallel reduction: " + "; ".join(sums))
@@ -120,12 +122,18 @@ def _fp8(cfg: Config, chunks) -> list[str]:
     return [line + (f" (layers {_ranges(high)} in {t.precision})" if high else "")]
 
 
-def _data_parallel(cfg: Config, shape: RunShape) -> str:
-    zero, o = shape.zero, cfg.optimizer
+def _data_parallel(cfg: Config, shape: RunShape, dtype: torch.dtype) -> str:
+    """The ZeRO stage and the dense gradient buckets as `build_buffers` makes them (the stage's
+    own answers; the bucket size of parallel/buckets.py for the shard group)."""
+    zero, o, topo = shape.zero, cfg.optimizer, shape.topology()
+    shard = topo.size(topo.product(shard_axis))
     line = f"data parallel dp={shape.data} zero-{zero.stage} ({zero.doc})"
+    if shard != shape.data:  # hybrid sharding (--dp-replicate)
+        line += f" over groups of {shard}"
     if zero.shard_params:  # units per layer (parallel/zero3.py)
         return line + ", gathered layer by layer"
-    line += f", buckets {f'{o.bucket_size_mb} MB' if o.bucket_size_mb else DEFAULT_BUCKET}"
+    size = torch.empty((), dtype=grad_dtype(dtype, cfg.training.grad_reduce_in_bf16)).element_size()
+    line += f", buckets of {bucket_numel(o.bucket_size_mb, shard, size) * size / 2**20:g} MB"
     if zero.shard_state and o.overlap_param_gather:
         line += ", parameter gather overlapped with the forward"
     return line

@@ -122,7 +122,7 @@ def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     t = cfg.training
     # the model: tensor, sequence, context and expert parallelism, FP8, recompute (model/assemble.py)
     env = layer_env(cfg, groups, shape.sequence_parallel, ops, meta=loading or meta)
-    chunks = build_chunks(cfg, env, shape.partition.rank_chunks(groups.pp.rank))
+    chunks = build_chunks(shape.model, env, shape.partition.rank_chunks(groups.pp.rank))
     for chunk in chunks if loading and not meta else ():
         materialize(chunk, groups.device)  # uninitialised memory for the load
     if t.compile:  # each layer's math compiled; names, hooks and recompute stay as they are

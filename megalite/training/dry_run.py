@@ -73,8 +73,8 @@ def print_applied(cfg: Config, shape: RunShape):
     from megalite.training.applied import applied, module_plan
     from megalite.training.build import parallelize
 
-    vocab = cfg.model.vocab_size or cfg.data.tokenizer_vocab_size  # as print_plan's
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    if shape.model.vocab_size is None:  # the built-in tokenizer's, as print_plan's
+        shape = shape.with_vocab(cfg.data.tokenizer_vocab_size)
     topo = shape.topology()
     chunks = []
     for stage in sorted({0, shape.pp - 1}):

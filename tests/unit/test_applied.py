@@ -32,7 +32,7 @@ def test_tp2_sp_zero1_lists_what_is_applied_and_each_parameters_placement():
     assert lines[1].startswith("tensor parallel tp=2 (column/row linears, vocab-parallel")
     assert lines[2].startswith("sequence parallel")
     assert lines[3].startswith("data parallel dp=2 zero-1 (sharded optimizer state)")
-    assert "parameter gather overlapped" in lines[3]
+    assert "buckets of 25 MB, parameter gather overlapped" in lines[3]
     assert lines[4].startswith("gradient sums after the data-parallel reduction: tp (")
     assert "input_norm" in lines[4] and "attention.out" in lines[4]  # norms, row biases
     for name in ("q", "k", "v"):
