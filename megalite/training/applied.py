@@ -48,7 +48,7 @@ def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]
         out.append(f"recompute {env.recompute}")
     compiled = sum(is_compiled(layer) for c in chunks for layer in c.layers.values())
     if compiled:
-        out.append(f"compile ({compiled} layers' math)")
+        out.append(f"compile: each layer's math ({compiled} on this stage)")
     out.append(_data_parallel(cfg, shape, env.dtype))
     sums = _grad_sums(params)
     if sums:

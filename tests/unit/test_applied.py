@@ -47,13 +47,14 @@ def test_tp2_sp_zero1_lists_what_is_applied_and_each_parameters_placement():
 
 def test_another_layout_changes_the_list_and_the_plan():
     """tp=1 pp=2 with a tied embedding: no tensor or sequence parallelism, every parameter whole,
-    the two halves of the tied embedding summed over `embed` on their stages; fp8 and recompute
-    appear where the config asks for them, from the layers' kernels."""
+    the two halves of the tied embedding summed over `embed` on their stages; fp8, recompute and
+    compile appear where the config asks for them, read from the layers."""
     cfg = _cfg(pp=2)
     cfg.training.recompute, cfg.training.fp8_format = "full", "hybrid"
-    cfg.training.precision = "bf16"
+    cfg.training.precision, cfg.training.compile = "bf16", True
     lines, plan = _built(cfg, 2)
     assert "fp8 hybrid tensorwise on layers 0" in lines
+    assert "compile: each layer's math (1 on this stage)" in lines
     assert lines[0] == "pipeline stage 0 of pp=2 (1f1b): layers 0 + embedding"
     assert not any(line.startswith(("tensor", "sequence")) for line in lines)
     assert "recompute full" in lines
@@ -70,3 +71,13 @@ def test_dry_run_prints_the_list_and_the_plan(capsys):
     assert "  tensor parallel tp=2" in out and "  sequence parallel" in out
     assert "zero-1" in out and "per-module plan" in out
     assert "layers.{0-1}.attention.q.weight" in out and "row tp=2" in out
+
+
+def test_context_and_expert_parallelism_are_listed():
+    lines, _ = _built(_cfg(cp=2, cp_comm_type="a2a"), 2)
+    assert "context parallel cp=2 a2a" in lines
+    cfg = _cfg(ep=2)
+    cfg.model.num_experts, cfg.model.moe_router_topk = 4, 2
+    lines, plan = _built(cfg, 2)
+    assert "expert parallel ep=2 etp=1" in lines
+    assert plan["layers.{0-1}.mlp.experts.down.weight"] == "expert ep=2"
