@@ -113,14 +113,17 @@ def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     --eval-only, a restart resuming its --save): the chunks are built on the meta device and
     given uninitialised memory (model/materialize.py), as the load fills every weight, so none
     is drawn at random first. `meta`: the chunks stay on the meta device (the dry run's plan:
-    shapes, specs and what was applied, no memory; groups need no communicator).
+    shapes, specs and what was applied, no memory; groups need no communicator), with
+    `data_parallel=False` (buffers need memory).
 
     `training/applied.py` `applied(cfg, shape, chunks)` lists what this applied, in this
     order, read back from the chunks (and `module_plan` each parameter's placement).
     `cli/generate.py`, `plan/memory.py` and `checkpoint/args.py` build their chunks with the
     same `layer_env` and `build_chunks`."""
     t = cfg.training
-    # the model: tensor, sequence, context and expert parallelism, FP8, recompute (model/assemble.py)
+    if meta and data_parallel:
+        raise ValueError("parallelize(meta=True) builds no buffers: pass data_parallel=False")
+    # tensor, sequence, context and expert parallelism, FP8, recompute (model/assemble.py)
     env = layer_env(cfg, groups, shape.sequence_parallel, ops, meta=loading or meta)
     chunks = build_chunks(shape.model, env, shape.partition.rank_chunks(groups.pp.rank))
     for chunk in chunks if loading and not meta else ():
