@@ -57,14 +57,12 @@ def _latent_attention(m: ModelConfig) -> dict:
 def _shape_example(tensors: dict, model: ModelConfig) -> str:
     """' (tensor X has shape A there, B with the flags)' for the first parameter of `model`
     whose shape differs from the checkpoint's, built on the meta device ('' if none does)."""
-    import torch
-
-    from megalite.model.env import LayerEnv
-    from megalite.model.gpt import GPTChunk
+    from megalite.model.assemble import build_chunks, layer_env
     from megalite.parallel.specs import spec_of
 
+    run = Config(model=model)  # one process, as training builds it (model/assemble.py)
     layers = [0] if model.num_layers else []
-    chunk = GPTChunk(model, LayerEnv(device=torch.device("meta")), layers=layers)
+    (chunk,) = build_chunks(model, layer_env(run, meta=True), [{"layers": layers}])
     for p in chunk.parameters():
         spec = spec_of(p)
         theirs = tensors.get(spec.name, {}).get("shape")

@@ -31,12 +31,14 @@ import torch
 from megalite.checkpoint import format as fmt
 from megalite.checkpoint.checkpointer import agreed_errors, check_model
 from megalite.checkpoint.mapped import load_mapped
+from megalite.config import Config, ModelConfig
 from megalite.config_read import from_dict
 from megalite.data.tokenizer import Tokenizer, load_tokenizer
 from megalite.errors import MegaliteError, run_main
 from megalite.generation import check_prompts
 from megalite.generation import generate as generate_ids
-from megalite.model.env import LOCAL, LayerEnv
+from megalite.model.assemble import build_chunks, layer_env
+from megalite.model.env import LOCAL
 from megalite.model.gpt import GPTChunk
 from megalite.parallel import groups as pg
 from megalite.parallel.sampling import Sampling
@@ -83,11 +85,21 @@ def open_checkpoint(path, tokenizer_model=None):
     return ckpt, cfg, tok
 
 
+def run_config(model: ModelConfig) -> Config:
+    """The config generation builds its model with, through training's own builder
+    (model/assemble.py): the checkpoint's model, the torch kernels, training's defaults for the
+    rest (no FP8, no recompute)."""
+    run = Config(model=model)
+    run.training.kernels = "torch"  # generation has always run the torch ops
+    return run
+
+
 def load(path, tokenizer_model=None, dtype="auto") -> tuple[GPTChunk, Tokenizer]:
     """The whole model in one process (one chunk, eval mode) and its tokenizer."""
     ckpt, cfg, tok = open_checkpoint(path, tokenizer_model)
     checked = ckpt.verify_while_reading()  # hashed beside the build; the pages stay cached
-    chunk = GPTChunk(cfg, LayerEnv(dtype=model_dtype(ckpt, dtype), meta=True))
+    run = run_config(cfg)
+    (chunk,) = build_chunks(cfg, layer_env(run, dtype=model_dtype(ckpt, dtype), meta=True), [{}])
     load_mapped([chunk], LOCAL, ckpt, "cpu")
     checked.result()
     return chunk.eval(), tok
@@ -126,22 +138,9 @@ def load_chunks(ckpt, cfg, shape, groups, dtype="auto") -> list[GPTChunk]:
     of its ep rank), built on the meta device and materialised from this rank's slices only
     (`load_mapped`), in the checkpoint's dtype unless `dtype` names another. Every rank agrees
     on an error."""
-    from megalite.pipeline.partition import rank_chunks
-
-    chunks = [
-        GPTChunk(
-            cfg,
-            LayerEnv(
-                tp=groups.tp,
-                dtype=model_dtype(ckpt, dtype),
-                device=groups.device,
-                experts=groups.experts,
-                meta=True,
-            ),
-            **kw,
-        ).eval()
-        for kw in rank_chunks(cfg.num_layers, shape.pp, 1, groups.pp.rank, shape.placement)
-    ]
+    run = run_config(cfg)
+    env = layer_env(run, groups, shape.sequence_parallel, dtype=model_dtype(ckpt, dtype), meta=True)
+    chunks = [c.eval() for c in build_chunks(cfg, env, shape.partition.rank_chunks(groups.pp.rank))]
     with agreed_errors(groups.world):
         files = sorted(ckpt.files)  # each file hashed by one rank, beside the loading
         checked = ckpt.verify_while_reading(files[groups.rank :: groups.world.size])

@@ -4,7 +4,8 @@ It holds how the rank runs the model: the tensor-parallel group and sequence par
 context-parallel group and its attention exchange, the expert groups, the kernels (`ops`), the
 activation recompute, the dropout seed, the precision and the device. A one-process model needs
 none of it: `LayerEnv()` is one rank with the torch ops in fp32 on the CPU, and a test writes
-what differs, `LayerEnv(dtype=torch.float64)`. `training/build.py` fills it from a run.
+what differs, `LayerEnv(dtype=torch.float64)`. `model/assemble.py` `layer_env` fills it from a
+run's config and groups (training, generation, the planner).
 
 Sequence parallelism has one name, `sequence_parallel`: what is in effect (normalised when the
 env is made: off with tp = 1, where there is nothing to split; `replace(tp=...)` does not turn

@@ -36,6 +36,19 @@ OUTPUT = "output.weight"
 VOCAB_TENSORS = (WORD_EMBEDDING, OUTPUT)
 
 
+class Output(nn.Module):
+    """The head's weight (`output.weight`: this rank's vocabulary rows) and its matmul: a module
+    called on the final norm's output, so that whatever must happen before the weight is read
+    (an overlapped ZeRO gather, parallel/param_gather.py) is a pre-hook of its own."""
+
+    def __init__(self, weight: nn.Parameter, ops):
+        super().__init__()
+        self.weight, self.ops = weight, ops
+
+    def forward(self, x):  # (b, s, h) -> (b, s, V_padded/t)
+        return self.ops.linear(x, self.weight)
+
+
 class GPTChunk(nn.Module):
     def __init__(self, cfg: ModelConfig, env: LayerEnv | None = None, layers=None,
                  has_embedding=True, has_head=True):  # fmt: skip
@@ -83,13 +96,12 @@ class GPTChunk(nn.Module):
         if has_head:
             self.final_norm = Norm(cfg, env)
             if not (cfg.tied and has_embedding):
-                self.output = nn.Module()
                 w = torch.empty(self.vocab // tp.size, cfg.hidden_size, **kw)
                 # tied: the last stage's copy of the first stage's embedding
                 spec = shard_spec(tp, 0, vocab_dim=0)
                 if cfg.tied:  # the first stage's embedding, summed with it over `embed`
                     spec.update(tied_to=WORD_EMBEDDING, grad_sum=("embed",))
-                self.output.weight = mark(nn.Parameter(w), **spec)
+                self.output = Output(mark(nn.Parameter(w), **spec), ops)
             if cfg.mtp_num_layers:  # multi-token prediction (model/mtp.py) after the head
                 self._build_mtp(cfg, env)
         name_parameters(self, cfg.vocab_size)
@@ -188,14 +200,13 @@ class GPTChunk(nn.Module):
             x = F.dropout(x, self.cfg.hidden_dropout)
         return x
 
-    def head_weight(self):
-        return self.embedding.word.weight if not hasattr(self, "output") else self.output.weight
-
     def logits(self, x, norm=None):
         """(b, s[/t], h) -> this rank's vocabulary slice of the logits (b, s, V_padded/t);
         `norm`: another final norm than the model's (an MTP module's)."""
         x = enter_tp_region((norm or self.final_norm)(x), self.tp, self.sequence_parallel)
-        return self.ops.linear(x, self.head_weight())
+        if hasattr(self, "output"):  # the untied head (or the last stage's tied copy)
+            return self.output(x)
+        return self.ops.linear(x, self.embedding.word.weight)
 
     def _token_loss(self, logits, labels):
         """Per-token cross entropy (b, s) of this rank's vocabulary slice of the logits."""

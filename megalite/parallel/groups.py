@@ -121,6 +121,18 @@ def single_process_groups(device=None) -> ProcessGroups:
                          world, ledger)  # fmt: skip
 
 
+def described_groups(topo: Topology, rank: int, device=None) -> ProcessGroups:
+    """Rank `rank`'s groups of `topo` without torch.distributed (no communicator: `pg` None),
+    on the meta device by default: what a model is built with to be described, not run (the
+    dry run's plan). A collective on them is an error."""
+    device = torch.device(device or "meta")
+    ledger = CommLedger()
+    made = {kind: Group(kind, ranks, ranks.index(rank), None, ledger, device)
+            for kind, ranks in rank_groups(topo, rank).items()}  # fmt: skip
+    world = Group("world", list(range(topo.world_size)), rank, None, ledger, device)
+    return ProcessGroups(topo, rank, device, made, made.pop("embed", None), world, ledger)
+
+
 def init_distributed(
     timeout_minutes: float = 10.0,
     init_method: str | None = None,

@@ -23,30 +23,32 @@ def _template(m_fields: tuple, tp: int, sequence_parallel: bool, has_embedding: 
     """[(name, numel, spec)] of a GPTChunk with the given layers (one of each kind: dense, MoE),
     built on `meta`: the real model's parameters without allocating them. Layers of a kind
     differ only in their index."""
-    import torch
-
-    from megalite.model.env import LayerEnv
-    from megalite.model.gpt import GPTChunk
+    from megalite.model.assemble import ChunkGroups
     from megalite.parallel.comm import Group
     from megalite.parallel.expert_parallel import ExpertGroups
     from megalite.parallel.specs import spec_of
 
-    m = ModelConfig(*m_fields)
     group = Group("tp", list(range(tp)), tp - 1)  # building a chunk needs no process group
     experts = ExpertGroups(Group("etp+ep", list(range(ep * etp)), ep * etp - 1), etp)
-    chunk = GPTChunk(
-        m,
-        LayerEnv(
-            tp=group,
-            sequence_parallel=sequence_parallel,
-            device=torch.device("meta"),
-            experts=experts,
-        ),
-        layers=list(layers),
-        has_embedding=has_embedding,
-        has_head=has_head,
+    layout = {"layers": list(layers), "has_embedding": has_embedding, "has_head": has_head}
+    chunk = _built(
+        ModelConfig(*m_fields), ChunkGroups(tp=group, experts=experts), sequence_parallel, layout
     )
     return tuple((n, p.numel(), spec_of(p)) for n, p in chunk.named_parameters())
+
+
+def _built(
+    m: ModelConfig, groups, sequence_parallel: bool, chunk: dict, training: dict | None = None
+):
+    """The chunk `chunk` (GPTChunk's arguments) of model `m` as training builds it
+    (model/assemble.py), on the meta device: shapes, names and specs, no memory. `training`:
+    TrainingConfig fields that differ from the defaults (FP8)."""
+    from megalite.model.assemble import build_chunks, layer_env
+
+    cfg = Config(model=m)
+    cfg.training = dataclasses.replace(cfg.training, **(training or {}))
+    (built,) = build_chunks(m, layer_env(cfg, groups, sequence_parallel, meta=True), [chunk])
+    return built
 
 
 def chunk_specs(
@@ -88,29 +90,14 @@ def _chunk_specs(fields, tp, layers, has_embedding, has_head, sequence_parallel,
 def _fp8_layer_groups(m_fields: tuple, tp: int, sequence_parallel: bool) -> tuple:
     """The weights an FP8 layer quantises together (fp8_gather.weight_groups), as names within
     the layer (("attention.q.weight", ...), ...), from the real layer built on `meta`."""
-    import torch
-
-    from megalite import kernels
-    from megalite.kernels import fp8, fp8_linear
-    from megalite.model.env import LayerEnv
-    from megalite.model.gpt import GPTChunk
+    from megalite.model.assemble import ChunkGroups
     from megalite.parallel.comm import Group
     from megalite.parallel.fp8_gather import weight_groups
 
-    maker = fp8_linear.Fp8Maker(fp8.make_recipe("tensorwise"))
-    ops = kernels.override(kernels.TORCH_OPS, fp8_linear=maker)
-    chunk = GPTChunk(
-        ModelConfig(*m_fields),
-        LayerEnv(
-            tp=Group("tp", list(range(tp)), tp - 1),
-            sequence_parallel=sequence_parallel,
-            device=torch.device("meta"),
-            ops=ops,
-        ),
-        layers=[0],
-        has_embedding=False,
-        has_head=False,
-    )
+    groups = ChunkGroups(tp=Group("tp", list(range(tp)), tp - 1))
+    fp8 = {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "fp8_first_last_layers_bf16": False}
+    layer = {"layers": [0], "has_embedding": False, "has_head": False}
+    chunk = _built(ModelConfig(*m_fields), groups, sequence_parallel, layer, fp8)
     name = {id(p): n.removeprefix("layers.0.") for n, p in chunk.named_parameters()}
     return tuple(tuple(name[id(p)] for p in g.params) for g in weight_groups([chunk], False))
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite import kernels, lr_schedule
+from megalite import lr_schedule
 from megalite.config import Config
 from megalite.errors import MegaliteError
-from megalite.kernels import fp8, fp8_linear
-from megalite.model.env import LayerEnv
+from megalite.kernels import fp8_linear
+from megalite.model.assemble import DTYPES, build_chunks, layer_env
 from megalite.model.gpt import GPTChunk
 from megalite.model.materialize import materialize
 from megalite.model.moe import aux_loss_scale
@@ -29,8 +29,6 @@ from megalite.pipeline.executor import PipelineResult, run_schedule
 from megalite.pipeline.schedules import get_schedule
 from megalite.shape import RunShape
 from megalite.training.compile import compile_chunks
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -108,21 +106,8 @@ def end_fp8_step(chunks, groups: ProcessGroups):
     fp8_linear.end_step(fp8_linear.fp8_linears(m for c in chunks for m in c.modules()), reduce)
 
 
-def with_fp8(ops, cfg: Config, groups: ProcessGroups):
-    """`ops` whose attention and MLP linears are FP8 ones with --fp8-format (docs/fp8.md)."""
-    t = cfg.training
-    if t.fp8_format is None:
-        return ops
-    recipe = fp8.make_recipe(t.fp8_recipe, t.fp8_format, history_len=t.fp8_amax_history_len,
-                             algo=t.fp8_amax_compute_algo, margin=t.fp8_margin,
-                             pow2=t.fp8_scale_pow2)  # fmt: skip
-    casts = getattr(ops, "fp8_casts", fp8.TORCH_CASTS)
-    maker = fp8_linear.Fp8Maker(recipe, groups.cp, t.fp8_first_last_layers_bf16, casts)
-    return kernels.override(ops, fp8_linear=maker)
-
-
 def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
-                data_parallel: bool = True, loading: bool = False
+                data_parallel: bool = True, loading: bool = False, meta: bool = False
                 ) -> tuple[list[GPTChunk], Buffers | None]:  # fmt: skip
     """This rank's model as a run of `cfg` trains it: the chunks of its pipeline stages (one
     per virtual stage, with the layers the schedule's placement gives it) and every
@@ -133,27 +118,21 @@ def parallelize(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     `loading`: a checkpoint will be loaded (the trainer's `resume_path`: --load, --finetune,
     --eval-only, a restart resuming its --save): the chunks are built on the meta device and
     given uninitialised memory (model/materialize.py), as the load fills every weight, so none
-    is drawn at random first."""
+    is drawn at random first. `meta`: the chunks stay on the meta device (the dry run's plan:
+    shapes, specs and what was applied, no memory; groups need no communicator), with
+    `data_parallel=False` (buffers need memory).
+
+    `training/applied.py` `applied(cfg, shape, chunks)` lists what this applied, in this
+    order, read back from the chunks (and `module_plan` each parameter's placement).
+    `cli/generate.py`, `plan/memory.py` and `checkpoint/args.py` build their chunks with the
+    same `layer_env` and `build_chunks`."""
     t = cfg.training
-    env = LayerEnv(
-        tp=groups.tp,  # tensor parallelism
-        sequence_parallel=shape.sequence_parallel,  # sequence parallelism (tp > 1)
-        tp_comm_overlap=cfg.parallel.tp_comm_overlap,  # its collectives behind the matmuls
-        cp=groups.cp,  # context parallelism, its attention exchange
-        cp_comm_type=cfg.parallel.cp_comm_type,
-        cp_levels=groups.cp_levels,
-        experts=groups.experts,  # expert parallelism (ep, etp)
-        ops=with_fp8(ops or kernels.select(t.kernels, groups.device), cfg, groups),  # FP8
-        recompute=t.recompute,  # activation recompute
-        seed=t.seed,
-        dtype=DTYPES[t.precision],
-        device=groups.device,
-        meta=loading,  # no memory, nothing drawn: the checkpoint fills it
-    )
-    chunks = [
-        GPTChunk(shape.model, env, **kw) for kw in shape.partition.rank_chunks(groups.pp.rank)
-    ]
-    for chunk in chunks if loading else ():
+    if meta and data_parallel:
+        raise ValueError("parallelize(meta=True) builds no buffers: pass data_parallel=False")
+    # tensor, sequence, context and expert parallelism, FP8, recompute (model/assemble.py)
+    env = layer_env(cfg, groups, shape.sequence_parallel, ops, meta=loading or meta)
+    chunks = build_chunks(shape.model, env, shape.partition.rank_chunks(groups.pp.rank))
+    for chunk in chunks if loading and not meta else ():
         materialize(chunk, groups.device)  # uninitialised memory for the load
     if t.compile:  # each layer's math compiled; names, hooks and recompute stay as they are
         compile_chunks(chunks)

@@ -1,5 +1,6 @@
 """`pretrain_gpt.py --dry-run` and tools/plan.py: the plan of a layout, then the layouts that fit
-the cluster, fastest first (megalite/plan/). Needs no process group and no GPU."""
+the cluster, fastest first (megalite/plan/); the dry run then what `parallelize` applies and
+where each parameter lives (`print_applied`). Needs no process group and no GPU."""
 
 from dataclasses import replace
 
@@ -62,3 +63,25 @@ def print_plan(
     plans = search(cfg, cluster, flops, None, zero_stages, misses, micro_batch_sizes, tried)
     shown = None if isinstance(shape, str) else given  # placed among the layouts searched
     print(format_ranking(plans, cluster, misses, cfg, shown, top), flush=True)
+
+
+def print_applied(cfg: Config, shape: RunShape):
+    """What `parallelize` applies on the first and the last pipeline stage, in its order, then
+    each parameter's placement on them (training/applied.py): the chunks built as training
+    builds them, on the meta device with groups that have no communicator."""
+    from megalite.parallel.groups import described_groups
+    from megalite.training.applied import applied, module_plan
+    from megalite.training.build import parallelize
+
+    if shape.model.vocab_size is None:  # the built-in tokenizer's, as print_plan's
+        shape = shape.with_vocab(cfg.data.tokenizer_vocab_size)
+    topo = shape.topology()
+    chunks = []
+    for stage in sorted({0, shape.pp - 1}):
+        groups = described_groups(topo, topo.group("pp", 0)[stage])
+        mine, _ = parallelize(cfg, shape, groups, data_parallel=False, meta=True)
+        print(f"applied on pipeline stage {stage}, in order:")
+        print("\n".join("  " + line for line in applied(cfg, shape, mine, stage)))
+        chunks += mine
+    print("per-module plan (name: placement, gradient sums):")
+    print("\n".join("  " + line for line in module_plan(chunks)), flush=True)

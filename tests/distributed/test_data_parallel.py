@@ -107,9 +107,9 @@ def test_reduced_gradients_equal_one_process(stage):
 
 
 class _Chunk(nn.Module):
-    """A GPT chunk's shape: an embedding and a head in plain containers (the head's weight
-    read by the chunk itself, after the final norm), layers in a ModuleDict, each with a
-    router in a plain container read by the layer."""
+    """A GPT chunk's shape: an embedding in a plain container, layers in a ModuleDict, each
+    with a router in a plain container read by the layer, the head a module of its own called
+    after the final norm (model/gpt.py `Output`)."""
 
     def __init__(self):
         super().__init__()
@@ -118,16 +118,24 @@ class _Chunk(nn.Module):
         self.embedding.word = nn.Embedding(16, 8)
         self.layers = nn.ModuleDict({str(i): _RoutedLayer() for i in range(3)})
         self.final_norm = nn.LayerNorm(8)
-        self.output = nn.Module()
-        self.output.weight = nn.Parameter(torch.randn(16, 8))
-        self.scale = nn.Module()  # registered last, read first: registration order is no guide
-        self.scale.weight = nn.Parameter(1 + 0.1 * torch.randn(8))
+        self.output = _Weighted(torch.randn(16, 8), lambda x, w: x @ w.t())
+        # registered last, read first: registration order is no guide
+        self.scale = _Weighted(1 + 0.1 * torch.randn(8), lambda x, w: x * w)
 
     def forward(self, ids):
-        x = self.embedding.word(ids) * self.scale.weight
+        x = self.scale(self.embedding.word(ids))
         for layer in self.layers.values():
             x = layer(x)
-        return self.final_norm(x) @ self.output.weight.t()
+        return self.output(self.final_norm(x))
+
+
+class _Weighted(nn.Module):
+    def __init__(self, w, fn):
+        super().__init__()
+        self.weight, self.fn = nn.Parameter(w), fn
+
+    def forward(self, x):
+        return self.fn(x, self.weight)
 
 
 class _RoutedLayer(nn.Module):
@@ -188,7 +196,7 @@ def test_overlapped_gathers_are_waited_for_where_the_forward_reads_them():
             waited = {n for k, n in log[:at] if k == "wait"}
             assert mine <= waited and not any(n.startswith(f"layers.{i + 1}") for n in waited)
         head = log.index(("wait", "output.weight"))
-        assert head > log.index(("run", "final_norm"))  # read by the chunk after the norm
+        assert head > log.index(("run", "final_norm"))  # read by the head, after the norm
         assert first < log.index(("wait", "scale.weight")) < log.index(("run", "layers.0"))
         assert len([e for e in log if e[0] == "wait"]) == len(out["whole"])  # each once
         model = _Chunk().double()
