@@ -12,6 +12,7 @@ import torch
 
 from megalite.config import Config
 from megalite.kernels.fp8_linear import fp8_linears
+from megalite.optim.loss_scaler import ConstantLossScaler, scaler_for
 from megalite.parallel.axes import zero_shard_axis
 from megalite.parallel.buckets import bucket_numel, grad_dtype
 from megalite.parallel.specs import ParamSpec, spec_of
@@ -23,7 +24,7 @@ def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]
     """One line per transformation applied to `chunks` (pipeline rank `pp_rank`'s), in
     `parallelize`'s order: the pipeline stage, tensor, sequence, context and expert
     parallelism, FP8, recompute, compile, data parallelism / ZeRO and the gradient sums the
-    layout adds."""
+    layout adds; the precision with its loss scaling, and dropout, where they apply."""
     env = chunks[0].env
     params = _params(chunks)
     out = [_stage(shape, chunks, pp_rank)]
@@ -49,6 +50,7 @@ def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]
     compiled = sum(is_compiled(layer) for c in chunks for layer in c.layers.values())
     if compiled:
         out.append(f"compile: each layer's math ({compiled} on this stage)")
+    out += _precision(cfg) + _dropout(shape)
     out.append(_data_parallel(cfg, shape, env.dtype))
     sums = _grad_sums(params)
     if sums:
@@ -120,6 +122,32 @@ def _fp8(cfg: Config, chunks) -> list[str]:
     t = cfg.training
     line = f"fp8 {t.fp8_format} {t.fp8_recipe} on layers {_ranges(low)}"
     return [line + (f" (layers {_ranges(high)} in {t.precision})" if high else "")]
+
+
+def _precision(cfg: Config) -> list[str]:
+    """Below fp32: the precision, and the loss scale the optimizer holds (optim/loss_scaler.py),
+    which the executor applies to each micro-batch's loss (and MoE's auxiliary losses) as
+    scale/m and the optimizer takes off the gradients before its update."""
+    t = cfg.training
+    if t.precision == "fp32":
+        return []
+    scaler = scaler_for(t.precision, cfg.optimizer)
+    if scaler is None:
+        return [f"precision {t.precision}, no loss scaling"]
+    kind = "static" if isinstance(scaler, ConstantLossScaler) else "dynamic, from"
+    return [f"precision {t.precision}, loss scale {kind} {scaler.scale:g}: each micro-batch's "
+            "loss times scale/m in the executor, unscaled by the optimizer"]  # fmt: skip
+
+
+def _dropout(shape: RunShape) -> list[str]:
+    """Dropout's streams: the trainer seeds one per pipeline stage, batch rank and cp rank
+    (parallel/random.seed_replicated); activations split over tp (sequence parallelism) draw
+    from each TP rank's own stream (the chunk's ShardedRNG)."""
+    m = shape.model
+    if not (m.hidden_dropout or m.attention_dropout):
+        return []
+    return [f"dropout {m.hidden_dropout:g} hidden, {m.attention_dropout:g} attention: a stream "
+            "per pipeline stage, batch rank and cp rank; each TP rank its own on s/tp rows"]  # fmt: skip
 
 
 def _data_parallel(cfg: Config, shape: RunShape, dtype: torch.dtype) -> str:

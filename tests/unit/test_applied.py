@@ -58,6 +58,7 @@ def test_another_layout_changes_the_list_and_the_plan():
     assert lines[0] == "pipeline stage 0 of pp=2 (1f1b): layers 0 + embedding"
     assert not any(line.startswith(("tensor", "sequence")) for line in lines)
     assert "recompute full" in lines
+    assert "precision bf16, no loss scaling" in lines
     assert lines[-1] == "gradient sums after the data-parallel reduction: embed (embedding.word)"
     assert plan["layers.{0}.attention.q.weight"] == "replicated"
     assert plan["embedding.word.weight"] == "replicated, grad sum embed"
@@ -81,3 +82,18 @@ def test_context_and_expert_parallelism_are_listed():
     lines, plan = _built(cfg, 2)
     assert "expert parallel ep=2 etp=1" in lines
     assert plan["layers.{0-1}.mlp.experts.down.weight"] == "expert ep=2"
+
+
+def test_fp16_loss_scaling_and_dropout_are_listed():
+    """The loss scale the optimizer holds and the executor applies, and dropout's streams, each
+    one line where they apply (fp32 without dropout lists neither: the first test)."""
+    cfg = _cfg(tp=2)
+    cfg.training.precision = "fp16"
+    cfg.model.hidden_dropout = 0.1
+    lines, _ = _built(cfg, 2)
+    assert any(
+        line.startswith("precision fp16, loss scale dynamic, from 4.29497e+09") for line in lines
+    )
+    assert any(line.startswith("dropout 0.1 hidden, 0 attention") for line in lines)
+    cfg.optimizer.loss_scale = 1024.0
+    assert any("loss scale static 1024" in line for line in _built(cfg, 2)[0])
