@@ -55,6 +55,10 @@ def applied(cfg: Config, shape: RunShape, chunks, pp_rank: int = 0) -> list[str]
     sums = _grad_sums(params)
     if sums:
         out.append("gradient sums after the data-parallel reduction: " + "; ".join(sums))
+    if shape.model.moe_router_enable_expert_bias:  # (the optimizer's finalise_grads)
+        out.append(
+            "then the routers' expert biases move toward balanced loads (a world all-reduce)"
+        )
     return out
 
 
@@ -161,6 +165,7 @@ def _data_parallel(cfg: Config, shape: RunShape, dtype: torch.dtype) -> str:
     if zero.shard_params:  # units per layer (parallel/zero3.py)
         return line + ", gathered layer by layer"
     size = torch.empty((), dtype=grad_dtype(dtype, cfg.training.grad_reduce_in_bf16)).element_size()
+    line += ": each parameter a view of a flat bucket, its gradient hooked into the reduction"
     line += f", buckets of {bucket_numel(o.bucket_size_mb, shard, size) * size / 2**20:g} MB"
     if zero.shard_state and o.overlap_param_gather:
         line += ", parameter gather overlapped with the forward"

@@ -81,6 +81,9 @@ def test_context_and_expert_parallelism_are_listed():
     cfg.model.num_experts, cfg.model.moe_router_topk = 4, 2
     lines, plan = _built(cfg, 2)
     assert "expert parallel ep=2 etp=1" in lines
+    assert not any("expert biases" in line for line in lines)
+    cfg.model.moe_router_enable_expert_bias = True
+    assert "expert biases move toward balanced loads" in _built(cfg, 2)[0][-1]
     assert plan["layers.{0-1}.mlp.experts.down.weight"] == "expert ep=2"
 
 
