@@ -114,11 +114,12 @@ def main(argv):
         world_size = planned_world(cfg)
     shape = validate(cfg, world_size)  # before any process group exists
     if cfg.training.dry_run:  # the plan only: no process group, no GPU
-        from megalite.training.dry_run import print_applied, print_plan
+        from megalite.training.dry_run import print_applied, print_plan, print_schedule
 
         if rank == 0:
             print_plan(cfg, shape)
             print_applied(cfg, shape)
+            print_schedule(cfg, shape)
             if cfg.training.fake_world:
                 from megalite.training.fake_world import print_fake_world
 

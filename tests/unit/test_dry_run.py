@@ -28,6 +28,35 @@ def test_dry_run_plans_the_layout_given_from_a_laptop():
                        cwd=Path(__file__).resolve().parents[2], timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("layout tp=8 pp=4 dp=2") and "64 GPUs" in r.stdout
+    assert "schedule 1f1b pp=4 vpp=1 m=32 verified" in r.stdout
+
+
+def test_the_schedule_is_verified_at_every_count_of_a_ramp_up(capsys, monkeypatch):
+    """--dry-run proves the run's schedule as data at each micro-batch count it will step with
+    (a ramp-up of 2, 4, then 6 samples a step at dp=1, mbs 2: 1, 2 and 3 micro-batches), and a
+    schedule that fails the verifier stops it with the verifier's error."""
+    import pytest
+
+    from megalite.pipeline import verify
+    from megalite.testing import tiny_config
+
+    cfg = tiny_config()
+    cfg.parallel.pp, cfg.parallel.pp_schedule = 2, "gpipe"
+    t = cfg.training
+    t.global_batch_size, t.micro_batch_size, t.train_samples, t.train_iters = 6, 2, 40, None
+    t.rampup_batch_size = [2, 2, 8]
+    dry_run.print_schedule(cfg, validate(cfg, 2))
+    out = capsys.readouterr().out
+    assert [line.split(" verified")[0] for line in out.splitlines()] == [
+        f"schedule gpipe pp=2 vpp=1 m={m}" for m in (1, 2, 3)
+    ]
+
+    def broken(*args):
+        raise verify.ScheduleError("rank 1: a send without its receive")
+
+    monkeypatch.setattr(verify, "verify_table", broken)
+    with pytest.raises(verify.ScheduleError, match="rank 1"):
+        dry_run.print_schedule(cfg, validate(cfg, 2))
 
 
 def test_plan_searches_layouts_the_default_one_cannot_split(capsys):
