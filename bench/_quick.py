@@ -133,6 +133,7 @@ HELPERS = {
     "_quick.py",
     "_common.py",
     "parallel/_tp_torch.py",
+    "parallel/_tp_traffic.py",
     "model/_load_at_size.py",
     "data/text_corpus.py",
 }
