@@ -134,6 +134,7 @@ HELPERS = {
     "_common.py",
     "parallel/_tp_torch.py",
     "parallel/_tp_traffic.py",
+    "parallel/_dp_sides.py",
     "model/_load_at_size.py",
     "data/text_corpus.py",
 }
