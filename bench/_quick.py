@@ -136,6 +136,7 @@ HELPERS = {
     "parallel/_tp_traffic.py",
     "parallel/_dp_sides.py",
     "model/_load_at_size.py",
+    "gpu/_gloo_cuda.py",
     "data/text_corpus.py",
 }
 # scripts that take --summary PATH (their headline figures for the table)
