@@ -19,14 +19,11 @@ with ZeRO-1) share the one GPU over gloo with CUDA tensors, and train a few step
 model end to end through `Trainer`; the losses must equal a one-rank run's on the same GPU
 (same data whatever the layout). megalite picks NCCL whenever CUDA is available
 (parallel/groups.py init_distributed), so this check creates the gloo process group itself
-before building the groups and the trainer (init_distributed then keeps it). What gloo does
-with CUDA tensors (torch's ProcessGroupGloo.cpp): all_reduce, all_gather (all_gather_single),
-broadcast and gather have CUDA variants that stage through pinned host memory;
-reduce_scatter_single is a clone plus a CUDA all_reduce; send/recv hand the tensor's data
-pointer to gloo as host memory with no device check. So first each collective is probed with
-CUDA tensors (send/recv in processes of their own, under a timeout, as they may crash), and
-the pipeline's p2p batches are staged through host memory by a test-only wrapper around
-`torch.distributed.batch_isend_irecv` (`stage_p2p_through_host`), the one path gloo refuses.
+before building the groups and the trainer (init_distributed then keeps it). Gloo with CUDA
+tensors is `_gloo_cuda.py`: first each collective is probed with CUDA tensors (send/recv in
+processes of their own, under a timeout, as they may crash), and the pipeline's p2p batches are
+staged through host memory by a test-only wrapper around `torch.distributed.batch_isend_irecv`
+(`stage_p2p_through_host`), the one path gloo refuses.
 
 Results: printed, and written as JSON to --out (syncs.json, multirank.json).
 """
@@ -43,12 +40,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import timed  # noqa: E402
+from bench.gpu._gloo_cuda import init_gloo, probe, stage_p2p_through_host  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2-zero1": dict(zero=1)}
 
@@ -79,13 +76,6 @@ def make_trainer(device, world, tp=1, pp=1, zero=0, kernels="torch", precision="
     tokens = np.random.default_rng(0).integers(0, vocab, (16 * gbs, seq + 1))
     data = SimpleNamespace(train=tokens, valid=None, tokenizer=None)
     return Trainer(cfg, shape, groups, data=data)
-
-
-def _init(rank, world, tmp, device):
-    torch.set_num_threads(1)
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world)
 
 
 # ---- host syncs per step ----------------------------------------------------------------------
@@ -188,114 +178,10 @@ def syncs(a) -> dict:
     return out
 
 
-# ---- gloo with CUDA tensors, and the p2p wrapper ------------------------------------------------
-
-
-class _StagedWork:
-    """A p2p work whose tensor went through a host buffer: waiting copies a receive back."""
-
-    def __init__(self, work, target, host, recv):
-        self.work, self.target, self.host, self.recv = work, target, host, recv
-
-    def wait(self, timeout=None):
-        self.work.wait()
-        if self.recv:
-            self.target.copy_(self.host)
-            self.recv = False
-        return True
-
-    def is_completed(self):
-        return self.work.is_completed()
-
-
-def stage_p2p_through_host(force: bool = False):
-    """Wrap torch.distributed.batch_isend_irecv so that CUDA tensors (any tensor with `force`,
-    to test this on CPU) travel through host copies: gloo's send/recv read and write the
-    tensor's memory as host memory. Test-only: every send is a blocking device-to-host copy."""
-    real = dist.batch_isend_irecv
-
-    def batch_isend_irecv(ops):
-        host_ops, staged = [], []
-        for op in ops:
-            t = op.tensor
-            if t.device.type == "cpu" and not force:
-                host_ops.append(op)
-                staged.append(None)
-                continue
-            recv = "recv" in getattr(op.op, "__name__", "")
-            h = torch.empty(t.shape, dtype=t.dtype) if recv else t.detach().to("cpu", copy=True)
-            host_ops.append(dist.P2POp(op.op, h, peer=op.peer, group=op.group, tag=op.tag))
-            staged.append((t, h, recv))
-        works = real(host_ops)
-        return [w if s is None else _StagedWork(w, *s) for w, s in zip(works, staged)]
-
-    dist.batch_isend_irecv = batch_isend_irecv
-    return real
-
-
-def _probe(rank, world, tmp, device_name, which, queue):
-    """Each collective megalite uses, with tensors on `device`, against the expected values."""
-    device = torch.device(device_name)
-    _init(rank, world, tmp, device)
-    out = {}
-    n = 8
-
-    def check(name, fn):
-        try:
-            ok = fn()
-            out[name] = "ok" if ok else "wrong result"
-        except Exception as e:  # noqa: BLE001 - the probe reports whatever gloo says
-            out[name] = f"refused: {str(e).strip().splitlines()[0][:160]}"
-
-    def all_reduce():
-        t = torch.full((n,), float(rank + 1), device=device)
-        dist.all_reduce(t)
-        return torch.equal(t.cpu(), torch.full((n,), float(sum(range(1, world + 1)))))
-
-    def all_gather():
-        t = torch.full((n,), float(rank), device=device)
-        o = torch.empty(n * world, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(o, t)
-        return torch.equal(o.cpu(), torch.arange(world).float().repeat_interleave(n))
-
-    def reduce_scatter():
-        t = torch.arange(n * world, dtype=torch.float32, device=device)
-        o = torch.empty(n, device=device)
-        w = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-            o, t, async_op=True
-        )
-        w.wait()
-        expect = torch.arange(n * world, dtype=torch.float32)[rank * n : (rank + 1) * n] * world
-        return torch.equal(o.cpu(), expect)
-
-    def broadcast():
-        t = torch.full((n,), float(rank + 5), device=device)
-        dist.broadcast(t, src=0)
-        return torch.equal(t.cpu(), torch.full((n,), 5.0))
-
-    def send_recv():
-        t = torch.full((n,), float(rank), device=device)
-        peer = 1 - rank
-        ops = [dist.P2POp(dist.isend, t.clone(), peer), dist.P2POp(dist.irecv, t, peer)]
-        for w in dist.batch_isend_irecv(ops if rank == 0 else ops[::-1]):
-            w.wait()
-        return torch.equal(t.cpu(), torch.full((n,), float(peer)))
-
-    probes = {"all_reduce": all_reduce, "all_gather_single": all_gather,
-              "reduce_scatter_single": reduce_scatter, "broadcast": broadcast,
-              "send/recv": send_recv}  # fmt: skip
-    for name in which:
-        check(name, probes[name])
-    queue.put((rank, out))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def _layout(rank, world, tmp, device_name, layout, steps, queue):
     device = torch.device(device_name)
     try:
-        _init(rank, world, tmp, device)
+        init_gloo(rank, world, tmp, device)
         if device.type == "cuda" or os.environ.get("MEGALITE_CHECK_STAGE_P2P"):
             stage_p2p_through_host(force=device.type != "cuda")
         trainer = make_trainer(device, world, **LAYOUTS.get(layout, {}))
@@ -342,9 +228,9 @@ def _spawn(fn, world, args, timeout) -> dict:
 def multirank(a) -> dict:
     out = {"device": a.device, "backend": "gloo", "probes": {}, "layouts": {}}
     safe = ["all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast"]
-    res = _spawn(_probe, 2, (a.device, safe), a.timeout)
+    res = _spawn(probe, 2, (a.device, safe), a.timeout)
     out["probes"] = res.get(0, res)
-    res = _spawn(_probe, 2, (a.device, ["send/recv"]), min(a.timeout, 30))
+    res = _spawn(probe, 2, (a.device, ["send/recv"]), min(a.timeout, 30))
     out["probes"]["send/recv (raw)"] = (res.get(0) or {}).get("send/recv") or res.get("error")
     print(
         f"gloo with {a.device} tensors: " + "; ".join(f"{k} {v}" for k, v in out["probes"].items())

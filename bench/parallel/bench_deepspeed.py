@@ -90,7 +90,7 @@ sys.path.insert(0, str(ROOT))
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import figure, write_summary  # noqa: E402
-from bench.parallel import bench_dp  # noqa: E402
+from bench.parallel import _dp_sides, bench_dp  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel.groups import build_groups  # noqa: E402
@@ -109,7 +109,7 @@ def ds_config(a, stage: int) -> dict:
         "train_batch_size": a.gbs,
         "train_micro_batch_size_per_gpu": a.mbs,
         "gradient_accumulation_steps": a.gbs // (2 * a.mbs),
-        "gradient_clipping": bench_dp.CLIP,
+        "gradient_clipping": _dp_sides.CLIP,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31,
@@ -124,8 +124,8 @@ def deepspeed_side(a, m, stage: int):
     decay = [p for p in model.parameters() if not spec_of(p).no_weight_decay]
     other = [p for p in model.parameters() if spec_of(p).no_weight_decay]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": bench_dp.WD}, {"params": other, "weight_decay": 0.0}],
-        lr=bench_dp.LR, betas=bench_dp.BETAS, eps=bench_dp.EPS, foreach=True,
+        [{"params": decay, "weight_decay": _dp_sides.WD}, {"params": other, "weight_decay": 0.0}],
+        lr=_dp_sides.LR, betas=_dp_sides.BETAS, eps=_dp_sides.EPS, foreach=True,
     )  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(a, stage),
                                       dist_init_required=False)  # fmt: skip
@@ -151,7 +151,7 @@ def run(rank, world, a):
     deepspeed.utils.logger.setLevel(logging.WARNING)  # (its per-step info lines)
     warnings.filterwarnings("ignore", category=FutureWarning)  # (its deprecated collectives)
 
-    m = bench_dp.model_config(a)
+    m = _dp_sides.model_config(a)
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
     # what DeepSpeed's launcher would set (the process group exists already: it adopts it)
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -162,10 +162,10 @@ def run(rank, world, a):
         stage = int(method[4] if method.startswith("zero") else method[2])
         if method.startswith("zero"):
             keep = method.endswith("k")
-            steps[method] = bench_dp.megalite_side(a, m, groups, stage, keep_params=keep)
+            steps[method] = _dp_sides.megalite_side(a, m, groups, stage, keep_params=keep)
         else:
             steps[method] = deepspeed_side(a, m, stage)
-    batches = bench_dp._batches(a, m, rank, 2)
+    batches = _dp_sides.make_batches(a, m, rank, 2)
     out = bench_dp.timed_rounds(a, steps, batches)
     out["versions"] = {"deepspeed": deepspeed.__version__, "torch": str(torch.__version__)}
     return out

@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench._common import machine  # noqa: E402
-from bench.parallel import bench_dp  # noqa: E402
+from bench.parallel import _dp_sides, bench_dp  # noqa: E402
 from bench.parallel.profile_tp import _labelled, buckets, label_comm, profile, table  # noqa: E402
 from bench.pipeline import bench_pipeline  # noqa: E402
 from megalite.parallel import p2p  # noqa: E402
@@ -64,26 +64,26 @@ PAIRS = {"dp": [("zero0", "ddp", 1.05), ("zero2", "fsdp2", 1.2)],
 def _sides(kind, a, rank, world):
     """{name: a function running one step} for `kind`."""
     if kind == "dp":
-        m = bench_dp.model_config(a)
+        m = _dp_sides.model_config(a)
         groups = build_groups(Topology(dp=world), torch.device("cpu"))
-        batch = bench_dp._batches(a, m, rank, 1)[0]
-        zero = lambda s: bench_dp.megalite_side(a, m, groups, s)  # noqa: E731
-        sides = {"zero0": zero(0), "ddp": bench_dp.torch_side(a, m, "ddp"),
-                 "zero2": zero(2), "fsdp2": bench_dp.torch_side(a, m, "fsdp2")}  # fmt: skip
+        batch = _dp_sides.make_batches(a, m, rank, 1)[0]
+        zero = lambda s: _dp_sides.megalite_side(a, m, groups, s)  # noqa: E731
+        sides = {"zero0": zero(0), "ddp": _dp_sides.torch_side(a, m, "ddp"),
+                 "zero2": zero(2), "fsdp2": _dp_sides.torch_side(a, m, "fsdp2")}  # fmt: skip
         return {k: (lambda s=s: (s(batch), s.finish())) for k, s in sides.items()}
     if kind == "ds":
         import deepspeed
 
         from bench.parallel import bench_deepspeed
 
-        m = bench_dp.model_config(a)
+        m = _dp_sides.model_config(a)
         groups = build_groups(Topology(dp=world), torch.device("cpu"))
         os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
         deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-        batch = bench_dp._batches(a, m, rank, 1)[0]
+        batch = _dp_sides.make_batches(a, m, rank, 1)[0]
         sides = {}
         for s in (1, 2, 3):
-            sides[f"zero{s}"] = bench_dp.megalite_side(a, m, groups, s)
+            sides[f"zero{s}"] = _dp_sides.megalite_side(a, m, groups, s)
             sides[f"ds{s}"] = bench_deepspeed.deepspeed_side(a, m, s)
         return {k: (lambda s=s: (s(batch), s.finish())) for k, s in sides.items()}
     groups = build_groups(Topology(pp=world), torch.device("cpu"))

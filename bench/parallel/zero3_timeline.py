@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megalite.kernels import TORCH_OPS  # noqa: E402
 
 from bench._common import timed  # noqa: E402
-from bench.parallel import bench_dp  # noqa: E402
+from bench.parallel import _dp_sides, bench_dp  # noqa: E402
 from megalite.model.env import LayerEnv  # noqa: E402
 from megalite.model.gpt import GPTChunk  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
@@ -97,12 +97,12 @@ def _marked(fn, what):
 def timeline(rank, world, a):
     torch.set_num_threads(1)
     instrument()
-    m = bench_dp.model_config(a)
+    m = _dp_sides.model_config(a)
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
-    step = bench_dp.megalite_side(a, m, groups, 3, keep_params=a.keep)
+    step = _dp_sides.megalite_side(a, m, groups, 3, keep_params=a.keep)
     for name in ("zero_grad", "finalise_grads", "step"):
         setattr(step.opt, name, _marked(getattr(step.opt, name), f"opt.{name}"))
-    batches = bench_dp._batches(a, m, rank, 2)
+    batches = _dp_sides.make_batches(a, m, rank, 2)
     for i in range(2):
         step(batches[i]), step.finish()
     out = []
@@ -117,7 +117,7 @@ def timeline(rank, world, a):
 
 def contention(rank, world, a):
     torch.set_num_threads(1)
-    m = bench_dp.model_config(a)
+    m = _dp_sides.model_config(a)
     groups = build_groups(Topology(dp=world), torch.device("cpu"))
     layer = GPTChunk(m, LayerEnv(ops=TORCH_OPS, seed=1)).layers["0"]
     n = sum(p.numel() for p in layer.parameters()) // 2 * 2
