@@ -146,12 +146,6 @@ class Topology:
 
     # ---- the pipeline ---------------------------------------------------------------------------
 
-    def is_first_stage(self, rank: int) -> bool:
-        return self.coords(rank)["pp"] == 0
-
-    def is_last_stage(self, rank: int) -> bool:
-        return self.coords(rank)["pp"] == self.sizes["pp"] - 1
-
     def next_stage(self, rank: int) -> int:
         """The rank holding the next pipeline stage (wrapping round, as interleaving needs)."""
         g = self.group("pp", rank)

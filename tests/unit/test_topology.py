@@ -41,7 +41,6 @@ def test_default_order_and_neighbours():
     assert topo.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert topo.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "dpr": 0, "pp": 1}  # size 1, no place
     assert topo.next_stage(1) == 5 and topo.prev_stage(1) == 5
-    assert topo.is_first_stage(3) and topo.is_last_stage(7) and not topo.is_last_stage(3)
     assert topo.stage_groups([0, 1]) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # embedding + head
     four = Topology(tp=1, pp=4, dp=1)
     assert [four.next_stage(r) for r in range(4)] == [1, 2, 3, 0]
