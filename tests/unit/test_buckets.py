@@ -64,8 +64,8 @@ def test_param_range_overlap_and_shard():
     assert r.overlap(10, 12) == (10, 12, 4, 6)
     assert r.overlap(16, 20) is None and r.overlap(0, 6) is None
     assert r.shard_slice() == (0, 6, 4, 10)  # flat 10..16 is the shard's 0..6
-    b.shard_start, b.shard_end = 16, 20
-    assert r.shard_slice() is None
+    b = Bucket(0, 20, [p], shard_start=16, shard_end=20)
+    assert ParamRange("w", p, 6, b).shard_slice() is None
     assert b.numel == 20
 
 
