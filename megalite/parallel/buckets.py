@@ -91,7 +91,7 @@ class Bucket:
 
     start: int  # [start, end) in the flat buffers, end - start a multiple of dp
     end: int
-    params: tuple
+    params: list
     chunk: int = 0  # the model chunk its parameters belong to
     dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
     shard_start: int = 0  # the part of the bucket this rank updates (all of it at stage 0)

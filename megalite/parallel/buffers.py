@@ -5,6 +5,7 @@ data_parallel.py), `GradBuffers` (a dense and an expert GradBuffer seen as one) 
 same buckets from the same functions (buckets.bucket_layout, zero3.unit_layout) without
 building a buffer. The helpers below are the parts the classes share."""
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -58,7 +59,7 @@ class Buffers(Protocol):
 
 
 def place(start: int, end: int, params: list, chunk: int, shard: Group, shard_copies: Group,
-          sharded: bool, shard_grad) -> Bucket:  # fmt: skip
+          sharded: bool, shard_grad: Callable[[int, int], torch.Tensor]) -> Bucket:  # fmt: skip
     """Bucket [start, end) of `params` (model chunk `chunk`) and where this rank sits in it:
     `dp_start`, the start of its 1/shard.size of the bucket; its shard (that part where the
     state is `sharded`, else the whole bucket); and `counted`, what it counts in the gradient
@@ -71,7 +72,7 @@ def place(start: int, end: int, params: list, chunk: int, shard: Group, shard_co
     lo, hi = (dp_start, dp_start + n) if sharded else (start, end)
     r, k = shard_copies.rank, shard_copies.size
     counted = (dp_start + n * r // k, dp_start + n * (r + 1) // k)
-    return Bucket(start, end, tuple(params), chunk, dp_start, lo, hi, counted, shard_grad(lo, hi))
+    return Bucket(start, end, params, chunk, dp_start, lo, hi, counted, shard_grad(lo, hi))
 
 
 def solo(group: Group) -> Group:

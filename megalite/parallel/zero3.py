@@ -175,12 +175,10 @@ class Zero3Buffer:
         by_name = dict(params)
         chunk_of = {n: c for c, named_c in enumerate(named) for n, _ in named_c}
         grads = lambda lo, hi: torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)  # noqa: E731
-        self.buckets, self.ranges, self.units = [], [], []
-        # per bucket: the whole bucket the parameters are views of (its storage freed between
-        # uses), and this rank's shard of it
+        self.buckets, self.ranges, self.units, units = [], [], [], {}
+        # per bucket: the whole bucket the parameters are views of (storage freed between uses)
         self.full: dict[Bucket, torch.Tensor] = {}
-        self.shards: dict[Bucket, torch.Tensor] = {}
-        units = {}
+        self.shards: dict[Bucket, torch.Tensor] = {}  # and this rank's shard of it
         for start, end, ranges in layout:
             first = ranges[0][0]
             c = chunk_of[first]
