@@ -82,31 +82,26 @@ def bucket_layout(chunks: list[list[tuple]], bucket_numel: int, pad: int) -> lis
     return pack.out
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Bucket:
+    """One bucket of a rank's flat buffers, fixed once it is placed (buffers.place): where it
+    lies, the part of it this rank updates and counts, and the tensor its reduced gradient
+    lands in. What changes during a step is its reducer's (reducers.Reduction), ZeRO-3's
+    parameter storage is the Zero3Buffer's. Compared and hashed by identity."""
+
     start: int  # [start, end) in the flat buffers, end - start a multiple of dp
     end: int
     params: list
     chunk: int = 0  # the model chunk its parameters belong to
-    gather: tuple | None = None  # (work, source) of its parameter all-gather, until waited for
+    dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
     shard_start: int = 0  # the part of the bucket this rank updates (all of it at stage 0)
     shard_end: int = 0
-    dp_start: int = 0  # this rank's 1/dp of the bucket (= the shard at stage >= 1)
     # [start, end) of the bucket this rank counts in the gradient norm: its 1/dp, or with
     # copies of the shard group (--dp-replicate) its copy's piece of that (buffers.place)
     counted: tuple = (0, 0)
-    grad: torch.Tensor | None = None  # full-bucket gradient (a buffer view; staged at stage 2)
-    shard_grad: torch.Tensor | None = None  # the reduced gradient of this rank's shard
-    pending: int = 0  # params without a gradient in this pass yet
-    passes: int = 0  # micro-batches whose gradients have all arrived
-    launched: bool = False  # stage 0/1: reduction started (no more gradients may arrive)
-    reduced: bool = False  # a reduction of this step has been launched
-    # stage 2/3: the parameters whose gradient of this pass is in the staged `grad`
-    staged: set | None = None
-    # ZeRO-3 (zero3.py): this rank's parameter shard, and the whole bucket the parameters are
-    # views of (its storage freed between uses)
-    param_shard: torch.Tensor | None = None
-    full: torch.Tensor | None = None
+    # the reduced gradient of this rank's shard: its part of the gradient buffer (stages 0/1)
+    # or an accumulator of its own (stages 2/3); the reducer writes it, the optimizer reads it
+    shard_grad: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -118,7 +113,7 @@ class Bucket:
         return sum(p.numel() for p in self.params)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParamRange:
     """Where a parameter sits: its name, flat offset and bucket."""
 
@@ -126,7 +121,6 @@ class ParamRange:
     param: nn.Parameter
     offset: int
     bucket: Bucket
-    view: torch.Tensor | None = None  # its gradient's view of the bucket buffer (stages 0/1)
 
     def overlap(self, start: int, end: int) -> tuple[int, int, int, int] | None:
         """(lo, hi, plo, phi): the part of this parameter inside the flat range [start, end),

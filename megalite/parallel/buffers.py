@@ -5,6 +5,7 @@ data_parallel.py), `GradBuffers` (a dense and an expert GradBuffer seen as one) 
 same buckets from the same functions (buckets.bucket_layout, zero3.unit_layout) without
 building a buffer. The helpers below are the parts the classes share."""
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -57,17 +58,21 @@ class Buffers(Protocol):
         """Full-bucket tensors from this rank's per-bucket shards (collective)."""
 
 
-def place(b: Bucket, shard: Group, shard_copies: Group, sharded: bool):
-    """Where this rank sits in bucket `b`: `dp_start`, the start of its 1/shard.size of the
-    bucket; its shard (that part where the state is `sharded`, else the whole bucket); and
-    `counted`, what it counts in the gradient norm: of its 1/shard.size, the piece of its copy
-    (`shard_copies`: the copies of the shard group holding the same shards, --dp-replicate), so
-    every element is counted once over the world however many copies hold it."""
-    n = b.numel // shard.size
-    b.dp_start = b.start + shard.rank * n
-    b.shard_start, b.shard_end = (b.dp_start, b.dp_start + n) if sharded else (b.start, b.end)
+def place(start: int, end: int, params: list, chunk: int, shard: Group, shard_copies: Group,
+          sharded: bool, shard_grad: Callable[[int, int], torch.Tensor]) -> Bucket:  # fmt: skip
+    """Bucket [start, end) of `params` (model chunk `chunk`) and where this rank sits in it:
+    `dp_start`, the start of its 1/shard.size of the bucket; its shard (that part where the
+    state is `sharded`, else the whole bucket); and `counted`, what it counts in the gradient
+    norm: of its 1/shard.size, the piece of its copy (`shard_copies`: the copies of the shard
+    group holding the same shards, --dp-replicate), so every element is counted once over the
+    world however many copies hold it. `shard_grad(lo, hi)`: the tensor the reduced gradient
+    of the shard [lo, hi) lands in."""
+    n = (end - start) // shard.size
+    dp_start = start + shard.rank * n
+    lo, hi = (dp_start, dp_start + n) if sharded else (start, end)
     r, k = shard_copies.rank, shard_copies.size
-    b.counted = (b.dp_start + n * r // k, b.dp_start + n * (r + 1) // k)
+    counted = (dp_start + n * r // k, dp_start + n * (r + 1) // k)
+    return Bucket(start, end, params, chunk, dp_start, lo, hi, counted, shard_grad(lo, hi))
 
 
 def solo(group: Group) -> Group:

@@ -34,6 +34,7 @@ DP alone, and the gradients are divided by dp x shard_copies (the mean over ever
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,11 +61,18 @@ from megalite.parallel.buffers import (
 )
 from megalite.parallel.comm import Group
 from megalite.parallel.groups import ProcessGroups
-from megalite.parallel.param_gather import wait_before_use
-from megalite.parallel.reducers import grad_view
+from megalite.parallel.param_gather import wait_before_use, wait_gathers
 from megalite.parallel.specs import spec_of
 from megalite.parallel.zero import ZERO
 from megalite.parallel.zero3 import Zero3Buffer
+
+
+@dataclass(eq=False)
+class Gather:
+    """A bucket's parameter all-gather: `gather` is (work, source) from its launch
+    (GradBuffer.all_gather_params) until it is waited for (param_gather.wait_gathers)."""
+
+    gather: tuple | None = None
 
 
 class GradBuffer:
@@ -103,36 +111,31 @@ class GradBuffer:
             [[(n, p.numel(), own_bucket(n, p)) for n, p in c] for c in named],
             per_bucket, dp.size * ALIGN,
         )  # fmt: skip
+        self.numel = layout[-1][1] if layout else 0
+        device = params[0][1].device
+        self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        grads = self.grad_buffer = None
+        if self.zero.grad_buffer:
+            grads = self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
+
+        def shard_grad(lo: int, hi: int) -> torch.Tensor:  # a view of the buffer, else its own
+            if grads is not None:
+                return grads[lo:hi]
+            return torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)
+
         self.buckets: list[Bucket] = []
         self.ranges: list[ParamRange] = []
         for start, end, ranges in layout:
-            b = Bucket(start, end, [by_name[n] for n, _, _ in ranges], chunk_of[ranges[0][0]])
+            b = place(start, end, [by_name[n] for n, _, _ in ranges], chunk_of[ranges[0][0]],
+                      dp, self.shard_copies, self.zero.shard_state, shard_grad)  # fmt: skip
             self.buckets.append(b)
             self.ranges += [ParamRange(n, by_name[n], o, b) for n, o, _ in ranges]
-        self.numel = layout[-1][1] if layout else 0
-        device = params[0][1].device
-
-        self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         with torch.no_grad():
             for r in self.ranges:
                 view = self.param_buffer[r.offset : r.offset + r.param.numel()].view_as(r.param)
                 view.copy_(r.param)
                 r.param.data = view  # the model now reads the flat buffer
-        self.grad_buffer = None
-        if self.zero.grad_buffer:
-            self.grad_buffer = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
-        for b in self.buckets:
-            shard = b.numel // dp.size
-            place(b, dp, self.shard_copies, self.zero.shard_state)
-            if self.grad_buffer is not None:
-                b.grad = self.grad_buffer[b.start : b.end]
-                b.shard_grad = self.grad_buffer[b.shard_start : b.shard_end]
-            else:
-                b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
         grad_is_view = self.grad_buffer is not None and self.grad_dtype == self.param_dtype
-        for r in self.ranges:
-            # stages 0/1 keep the bucket buffer for good: each parameter's view of it, once
-            r.view = grad_view(r) if self.grad_buffer is not None else None
         self.reducer = self.zero.reducer(
             self.buckets, self.ranges, dp, self.scale, self.zero.in_flight, self.grad_buffer,
             grad_is_view, shard_copies=self.shard_copies,
@@ -142,14 +145,15 @@ class GradBuffer:
         if dp.size * self.shard_copies.size > 1 or not grad_is_view:
             for r in self.ranges:
                 r.param.register_post_accumulate_grad_hook(self.reducer.on_grad)
+        self.gathers = {b: Gather() for b in self.buckets}  # in flight after a step
         if self.zero.shard_state and dp.size > 1:
             self._wait_before_forward(chunks)
         self.zero_grad(1)
 
     def _wait_before_forward(self, chunks: list[nn.Module]):
         """Each parameter's gather is waited for right before it is read (param_gather.py)."""
-        order = {b: i for i, b in enumerate(self._forward_order())}
-        wait_before_use(chunks, {r.param: r.bucket for r in self.ranges}, order)
+        order = {self.gathers[b]: i for i, b in enumerate(self._forward_order())}
+        wait_before_use(chunks, {r.param: self.gathers[r.bucket] for r in self.ranges}, order)
 
     def _forward_order(self) -> list[Bucket]:
         """The buckets in the order the forward reads them: chunk by chunk, each chunk's
@@ -197,16 +201,13 @@ class GradBuffer:
             # backend handling overlapping input and output.
             src = self.param_shard(b).clone()
             out = self.param_buffer[b.start : b.end]
-            b.gather = (comm.all_gather(out, src, self.dp, async_op=True), src)
+            self.gathers[b].gather = (comm.all_gather(out, src, self.dp, async_op=True), src)
         if not overlap:
             self.wait_params()
 
     def wait_params(self):
         """Wait for every parameter gather still in flight."""
-        for b in self.buckets:
-            if b.gather is not None:
-                b.gather[0].wait()
-                b.gather = None
+        wait_gathers(self.gathers.values())
 
     # ---- what the optimizer and checkpoints ask every buffer ------------------------------
 

@@ -76,11 +76,13 @@ def weight_groups(chunks, check: bool = True) -> list[WeightGroup]:
 class Fp8Gather:
     """The FP8 side of one ZeRO-3 bucket that holds FP8 weights (`groups`): its FP8 copy
     `full8` (bytes; its storage freed and re-allocated like the bucket's full tensor) and the
-    cast and gather of this rank's shard into it. `offset_of`: parameter -> flat offset."""
+    cast and gather of this rank's `shard` of the parameters into it. `offset_of`: parameter
+    -> flat offset."""
 
-    def __init__(self, bucket: Bucket, groups: list[WeightGroup], offset_of: dict):
-        self.bucket, self.groups = bucket, groups
-        self.full8 = torch.zeros(bucket.numel, dtype=torch.uint8, device=bucket.full.device)
+    def __init__(self, bucket: Bucket, shard: torch.Tensor, groups: list[WeightGroup],
+                 offset_of: dict):  # fmt: skip
+        self.bucket, self.shard, self.groups = bucket, shard, groups
+        self.full8 = torch.zeros(bucket.numel, dtype=torch.uint8, device=shard.device)
         for g in groups:
             g.start = offset_of[g.params[0]] - bucket.start
             at = g.start
@@ -102,7 +104,7 @@ class Fp8Gather:
         (a training forward's gather, not backward's or an evaluation's)."""
         b = self.bucket
         lo, hi = b.dp_start - b.start, b.shard_end - b.start
-        shard = b.param_shard.detach()
+        shard = self.shard.detach()
         spans = [(max(g.start, lo) - lo, min(g.start + g.numel, hi) - lo) for g in self.groups]
         zero = torch.zeros((), dtype=torch.float32, device=shard.device)
         amax = torch.stack([shard[a:z].abs().amax().float() if a < z else zero for a, z in spans])
@@ -124,10 +126,11 @@ class Fp8Gather:
             g.linear.gathered = None
 
 
-def fp8_buckets(buckets: list[Bucket], groups: list[WeightGroup], offset_of: dict) -> dict:
-    """Bucket -> its Fp8Gather, for the buckets that hold the groups' weights."""
-    bucket_of = {p: b for b in buckets for p in b.params}
+def fp8_buckets(shards: dict, groups: list[WeightGroup], offset_of: dict) -> dict:
+    """Bucket -> its Fp8Gather, for the buckets that hold the groups' weights. `shards`:
+    bucket -> this rank's shard of its parameters."""
+    bucket_of = {p: b for b in shards for p in b.params}
     per = {}
     for g in groups:
         per.setdefault(bucket_of[g.params[0]], []).append(g)
-    return {b: Fp8Gather(b, gs, offset_of) for b, gs in per.items()}
+    return {b: Fp8Gather(b, shards[b], gs, offset_of) for b, gs in per.items()}

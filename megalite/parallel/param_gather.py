@@ -16,7 +16,7 @@ from torch import nn
 
 def wait_before_use(chunks: list[nn.Module], bucket_of: dict, order: dict):
     """Hook every chunk so a bucket's gather is waited for where its parameters are first read.
-    `bucket_of`: parameter -> its bucket (a bucket's `gather` is (work, ...) or None); `order`:
+    `bucket_of`: parameter -> its bucket's Gather (`gather`: (work, ...) or None); `order`:
     bucket -> its place in forward order."""
 
     def buckets(params):

@@ -7,8 +7,8 @@ a tied half, gets a bucket of its own in its unit), so the optimizer, the norm a
 see the same buckets and shards as at stages 1 and 2; the unit is only what is gathered and
 freed together.
 
-Each bucket has its persistent shard (`Bucket.param_shard`, what the optimizer updates) and a
-full flat tensor (`Bucket.full`) that the parameters are views of. Freeing resizes the full
+Each bucket has its persistent shard (`Zero3Buffer.shards`, what the optimizer updates) and a
+full flat tensor (`Zero3Buffer.full`) that the parameters are views of. Freeing resizes the full
 tensor's storage to zero: autograd keeps the parameters it saved for backward, so only freeing
 the storage itself releases the memory, and gathering back into that same storage before
 backward gives autograd its saved weights again (FSDP's flat parameter does the same; swapping
@@ -174,24 +174,25 @@ class Zero3Buffer:
         )
         by_name = dict(params)
         chunk_of = {n: c for c, named_c in enumerate(named) for n, _ in named_c}
-        self.buckets, self.ranges, self.units = [], [], []
-        units = {}
+        grads = lambda lo, hi: torch.zeros(hi - lo, dtype=self.grad_dtype, device=device)  # noqa: E731
+        self.buckets, self.ranges, self.units, units = [], [], [], {}
+        # per bucket: the whole bucket the parameters are views of (storage freed between uses)
+        self.full: dict[Bucket, torch.Tensor] = {}
+        self.shards: dict[Bucket, torch.Tensor] = {}  # and this rank's shard of it
         for start, end, ranges in layout:
             first = ranges[0][0]
             c = chunk_of[first]
-            b = Bucket(start, end, [by_name[n] for n, _, _ in ranges], c)
-            shard = b.numel // dp.size
-            place(b, dp, self.shard_copies, sharded=True)
-            b.shard_grad = torch.zeros(shard, dtype=self.grad_dtype, device=device)
-            b.full = torch.zeros(b.numel, dtype=self.param_dtype, device=device)
+            b = place(start, end, [by_name[n] for n, _, _ in ranges], c, dp, self.shard_copies,
+                      True, grads)  # fmt: skip
+            full = self.full[b] = torch.zeros(b.numel, dtype=self.param_dtype, device=device)
             with torch.no_grad():
                 for n, o, k in ranges:
                     p = by_name[n]
-                    view = b.full[o - start : o - start + k].view_as(p)
+                    view = full[o - start : o - start + k].view_as(p)
                     view.copy_(p)
                     p.data = view  # the model reads the unit's storage (freed between uses)
                     self.ranges.append(ParamRange(n, p, o, b))
-            b.param_shard = b.full[b.dp_start - start : b.shard_end - start].clone()
+            self.shards[b] = full[b.dp_start - start : b.shard_end - start].clone()
             self.buckets.append(b)
             key = (c, unit_of(first))
             if key not in units:
@@ -201,7 +202,7 @@ class Zero3Buffer:
             units[key].buckets.append(b)
         self.numel = layout[-1][1] if layout else 0
         offsets = {r.param: r.offset for r in self.ranges}
-        self._fp8 = fp8_buckets(self.buckets, groups, offsets) if fp8_gather else {}
+        self._fp8 = fp8_buckets(self.shards, groups, offsets) if fp8_gather else {}
         self._unit_of = {b: u for u in self.units for b in u.buckets}
         # gradients: stage 2's path, a unit freed once all its buckets are reduced
         self.reducer = self.zero.reducer(self.buckets, self.ranges, dp, self.scale,
@@ -221,7 +222,7 @@ class Zero3Buffer:
 
     def _held(self) -> int:
         """Parameter bytes gathered now (full tensors and FP8 copies)."""
-        full = sum(b.full.untyped_storage().nbytes() for b in self.buckets)
+        full = sum(f.untyped_storage().nbytes() for f in self.full.values())
         return full + sum(f.full8.untyped_storage().nbytes() for f in self._fp8.values())
 
     def _gather(self, u: Unit, wait: bool = True, whole: bool = False):
@@ -232,8 +233,9 @@ class Zero3Buffer:
             for b in u.buckets:
                 f8 = None if whole else self._fp8.get(b)
                 if f8 is None:
-                    b.full.untyped_storage().resize_(b.numel * b.full.element_size())
-                    u.works.append(comm.all_gather(b.full, b.param_shard, self.gather_group,
+                    full = self.full[b]
+                    full.untyped_storage().resize_(b.numel * full.element_size())
+                    u.works.append(comm.all_gather(full, self.shards[b], self.gather_group,
                                                    async_op=True))  # fmt: skip
                 else:
                     f8.full8.untyped_storage().resize_(b.numel)
@@ -252,7 +254,7 @@ class Zero3Buffer:
             return
         self._gather(u, wait=True)  # never release storage a collective still writes
         for b in u.buckets:
-            b.full.untyped_storage().resize_(0)
+            self.full[b].untyped_storage().resize_(0)
             if b in self._fp8:
                 self._fp8[b].full8.untyped_storage().resize_(0)
                 self._fp8[b].release()
@@ -314,14 +316,14 @@ class Zero3Buffer:
 
         return hook
 
-    def _launched(self, b: Bucket):
+    def _launched(self, b: Bucket, more: bool):
         """Bucket `b`'s reduce-scatter has started: once all the unit's have, its backward is
-        over for this micro-batch, and it is freed unless kept."""
+        over for this micro-batch, and it is freed unless kept (`more`: another micro-batch
+        follows, whose forward reads the carried units first)."""
         u = self._unit_of[b]
         u.reduced += 1
         if u.reduced == len(u.buckets):
             u.reduced = 0
-            more = b.passes < self.reducer.microbatches  # the next forward reads it first
             if self.reshard != "step" and not (more and u in self._carry):
                 self._free(u)
 
@@ -347,7 +349,7 @@ class Zero3Buffer:
         return self.dp
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
-        return b.param_shard
+        return self.shards[b]
 
     def saves(self, b: Bucket) -> bool:
         return saves(b, self.dp, self.shard_copies)
@@ -385,13 +387,14 @@ class Zero3Buffer:
             if write_back:
                 with torch.no_grad():
                     for b in self.buckets:
-                        b.param_shard.copy_(b.full[b.dp_start - b.start : b.shard_end - b.start])
+                        lo, hi = b.dp_start - b.start, b.shard_end - b.start
+                        self.shards[b].copy_(self.full[b][lo:hi])
         finally:
             self.free_all()
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds: its parameter shards, the most parameter bytes it held
         gathered at once in the step, and its gradient shards."""
-        return {"param_bytes": nbytes(b.param_shard for b in self.buckets),
+        return {"param_bytes": nbytes(self.shards.values()),
                 "param_gathered_peak_bytes": self.peak_gathered_bytes,
                 "grad_bytes": nbytes(b.shard_grad for b in self.buckets)}  # fmt: skip

@@ -54,7 +54,7 @@ def _reduce(rank, world, stage):
     launched = []
     for k in range(MICRO):
         _loss(model, rank, k).backward()
-        launched.append([b.launched for b in buf.buckets])
+        launched.append([buf.reducer.state[b].launched for b in buf.buckets])
     buf.finish()
     out["launched"] = launched
     # this rank's reduced shard of every parameter
@@ -174,8 +174,8 @@ def _overlapped_gather(rank, world):
             buf.param_shard(b).copy_(values[b.shard_start : b.shard_end])
     buf.all_gather_params(overlap=True)
     log = []
-    for b in buf.buckets:
-        b.gather = (_Noted(b.gather[0], names[b], log), b.gather[1])
+    for b, g in buf.gathers.items():
+        g.gather = (_Noted(g.gather[0], names[b], log), g.gather[1])
     for name, m in chunk.named_modules():  # after the buffer's hooks: they run first
         m.register_forward_pre_hook(lambda m, a, name=name: log.append(("run", name)))
     out = chunk(torch.arange(6).view(2, 3))

@@ -100,7 +100,8 @@ def _planned(rank, world):
         want = {k: n for k, n in traffic.comm_bytes(cfg, shape, 0, M).items() if k != "world"}
         buf = opt.buffer
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        params = buf.param_buffer if zero < 3 else torch.cat([b.param_shard for b in buf.buckets])
+        shards = [buf.param_shard(b) for b in buf.buckets]
+        params = buf.param_buffer if zero < 3 else torch.cat(shards)
         real = {"params": nbytes(params), "optimizer": opt.state_bytes()}
         mem = memory.state_memory(cfg, shape, 0)
         out[zero] = (got, want, real, {k: mem[k] for k in real})

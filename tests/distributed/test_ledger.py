@@ -185,7 +185,7 @@ def memory_case(cfg: Config):
     grads = nbytes(buf.grad_buffer) if buf.grad_buffer is not None else sum(
         nbytes(b.shard_grad) for b in buf.buckets
     )  # fmt: skip
-    params = (sum(nbytes(b.param_shard) for b in buf.buckets) if cfg.optimizer.zero_stage == 3
+    params = (sum(nbytes(buf.param_shard(b)) for b in buf.buckets) if cfg.optimizer.zero_stage == 3
               else nbytes(buf.param_buffer))  # fmt: skip
     real = {"params": params, "grads": grads, "optimizer": opt.state_bytes()}
     assert {k: mem[k] for k in real} == real, (lay, cfg.training.precision, mem, real)

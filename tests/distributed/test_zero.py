@@ -180,7 +180,7 @@ def train(chunks, opt, groups, batches, m, inject=None):
             total += loss.item() / m
         info = {
             "dp_calls_in_backward": groups.ledger.calls["dp"] - calls,
-            "launched_in_backward": all(b.launched for b in opt.buffer.buckets),
+            "launched_in_backward": all(s.launched for s in opt.buffer.reducer.state.values()),
         }
         t = torch.tensor([total], dtype=torch.float64)
         comm.all_reduce(t, dp)

@@ -235,7 +235,7 @@ def _fp8_run(groups, recipe, gather, dtype, steps):
         assert gathered[0] == traffic.comm_bytes(cfg, lay, 0, 1)["dp_gather"], gathered
         peak = opt.memory_bytes()["param_gathered_peak_bytes"]
         assert peak == memory.zero3_units(cfg, lay, 0)["forward"][0], peak
-    return losses, [b.param_shard.clone() for b in buf.buckets], moved, fp8_numel
+    return losses, [buf.param_shard(b).clone() for b in buf.buckets], moved, fp8_numel
 
 
 def _fp8_gather(rank, world):

@@ -1,5 +1,8 @@
 """The flat bucket layout every gradient buffer and the planner share (parallel/buckets.py)."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +15,7 @@ from megalite.parallel.buckets import (
     grad_dtype,
     trainable,
 )
+from megalite.parallel.buffers import place
 
 
 def test_packer_pads_each_bucket():
@@ -64,9 +68,27 @@ def test_param_range_overlap_and_shard():
     assert r.overlap(10, 12) == (10, 12, 4, 6)
     assert r.overlap(16, 20) is None and r.overlap(0, 6) is None
     assert r.shard_slice() == (0, 6, 4, 10)  # flat 10..16 is the shard's 0..6
-    b.shard_start, b.shard_end = 16, 20
-    assert r.shard_slice() is None
+    b = Bucket(0, 20, [p], shard_start=16, shard_end=20)
+    assert ParamRange("w", p, 6, b).shard_slice() is None
     assert b.numel == 20
+
+
+def test_place_fixes_this_ranks_shard_and_counted_piece_for_good():
+    """Rank 1 of a shard group of 2, copy 1 of 2: its half of [0, 16), the second quarter of
+    that counted; the reduced gradient lands in the tensor asked for its shard. Once placed a
+    bucket never changes: the step's state is the reducer's (reducers.Reduction)."""
+    p = nn.Parameter(torch.zeros(12))
+    shard, copies = SimpleNamespace(rank=1, size=2), SimpleNamespace(rank=1, size=2)
+    asked = []
+    grads = lambda lo, hi: asked.append((lo, hi)) or torch.zeros(hi - lo)  # noqa: E731
+    b = place(0, 16, [p], 1, shard, copies, True, grads)
+    assert (b.chunk, b.dp_start, b.shard_start, b.shard_end, b.counted) == (1, 8, 8, 16, (12, 16))
+    assert asked == [(8, 16)] and b.shard_grad.numel() == 8 and b.used == 12
+    whole = place(0, 16, [p], 0, shard, copies, False, grads)  # state not sharded
+    assert (whole.shard_start, whole.shard_end, whole.counted) == (0, 16, (12, 16))
+    for field in ("shard_start", "counted", "shard_grad"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(b, field, None)
 
 
 def test_gradients_accumulate_in_fp32_below_fp32():
