@@ -7,6 +7,8 @@ setup(
     python_requires=">=3.10",
     packages=[
         "megalite",
+        "megalite.config",
+        "megalite.shape",
         "megalite.parallel",
         "megalite.pipeline",
         "megalite.model",

@@ -56,3 +56,13 @@ def test_the_check_sees_a_missing_row(tmp_path):
     assert modules_with_logic(tmp_path) == {"megalite/pkg/a.py", "kernels/k.py"}
     text = "| `megalite/pkg/a.py` | `unit/test_a.py`, `e2e/test_b.py` (slow) |\n| x | y |\n"
     assert table(text) == {"megalite/pkg/a.py": ["unit/test_a.py", "e2e/test_b.py"]}
+
+
+def test_setup_py_ships_every_package():
+    """A package added under megalite/ (a split module becoming a folder) is listed in setup.py's
+    `packages`, or `pip install .` leaves it out (tests/e2e/test_install.py finds that slowly)."""
+    listed = set(re.findall(r'"(megalite(?:\.\w+)*)"', (ROOT / "setup.py").read_text()))
+    found = {"megalite.kernels"} | {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "megalite").rglob("__init__.py")
+    }
+    assert found - listed == set()
