@@ -5,7 +5,8 @@ follows from them (the topology, the partition, the layout a checkpoint records)
 import dataclasses
 from dataclasses import dataclass
 
-from megalite.config import ModelConfig
+from megalite import lr_schedule
+from megalite.config import ModelConfig, TrainingConfig
 from megalite.errors import MegaliteError
 from megalite.parallel.axes import AXES, ranks, split_batch
 from megalite.parallel.topology import Topology
@@ -126,3 +127,9 @@ class RunShape:
         `microbatches` at the shape's own, fewer during a batch ramp-up (--rampup-batch-size);
         the one derivation the trainer, the schedule and the optimizer are given."""
         return split_batch(global_batch_size, self.micro_batch_size, self.dp)
+
+    def microbatch_counts(self, t: TrainingConfig) -> list[int]:
+        """Every micro-batch count a run of `t` steps with, smallest first: the shape's own and
+        those of a batch-size ramp-up (lr_schedule.batch_sizes), each by `microbatches_at`."""
+        sizes = lr_schedule.batch_sizes(t, self.model.seq_length)
+        return sorted({self.microbatches, *map(self.microbatches_at, sizes)})

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite import lr_schedule
 from megalite.config import Config
 from megalite.errors import MegaliteError
 from megalite.kernels import fp8_linear
@@ -150,8 +149,7 @@ def build_rank(cfg: Config, shape: RunShape, groups: ProcessGroups, ops=None,
     chunks, buffers = parallelize(cfg, shape, groups, ops, loading=loading)
     opt = DistributedOptimizer(chunks, buffers, groups, cfg)  # steps the buffers it is given
     order = (shape.schedule, shape.pp, shape.vpp, shape.microbatches, groups.pp.rank)
-    seq = cfg.model.seq_length
-    ramp = tuple(shape.microbatches_at(g) for g in lr_schedule.batch_sizes(cfg.training, seq))
+    ramp = tuple(shape.microbatch_counts(cfg.training))
     return RankParts(chunks, opt, get_schedule(*order), shape.microbatches, shape.hidden_shape,
                      DTYPES[cfg.training.precision], groups, shape.placement,
                      get_schedule(*order, forward_only=True),

@@ -92,13 +92,9 @@ def print_schedule(cfg: Config, shape: RunShape):
     every send matched by its receive, each forward before its backward, no deadlock, each
     rank's live activations at the schedule's bound), at each micro-batch count the run steps
     with (a batch-size ramp-up has several); a ScheduleError names the rank and action."""
-    from megalite import lr_schedule
     from megalite.pipeline.verify import verify
 
-    seq = cfg.model.seq_length
-    counts = sorted({shape.microbatches_at(g) for g in lr_schedule.batch_sizes(cfg.training, seq)}
-                    | {shape.microbatches})  # fmt: skip
-    for m in counts:
+    for m in shape.microbatch_counts(cfg.training):
         r = verify(shape.schedule, shape.pp, shape.vpp, m)
         print(f"schedule {shape.schedule} pp={shape.pp} vpp={shape.vpp} m={m} verified: sends "
               f"matched, no deadlock; live activations at peak {max(r.peak_activations)}, "
