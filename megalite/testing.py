@@ -182,6 +182,16 @@ def tiny_config(hidden: int = 32, vocab: int = 100) -> Config:
     return cfg
 
 
+def random_batch(cfg: Config, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch of `cfg`'s shape as (tokens, labels) micro-batches of random ids drawn
+    from `seed`: labels are the tokens shifted by one."""
+    m, t = cfg.model, cfg.training
+    g = torch.Generator().manual_seed(seed)
+    micro = t.global_batch_size // t.micro_batch_size
+    ids = torch.randint(0, m.vocab_size, (micro, t.micro_batch_size, m.seq_length + 1), generator=g)
+    return [(x[:, :-1], x[:, 1:]) for x in ids]
+
+
 def resume_config(save=None, **parallel) -> Config:
     """`tiny_config` as the checkpoint-resume tests run it: MLP width 64, 2 samples per
     micro-batch, torch ops, 4 iterations at lr 3e-3, saved to `save`, `parallel`'s flags set."""

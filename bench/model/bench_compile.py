@@ -27,6 +27,7 @@ from bench._common import figure, machine, timed, write_summary  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.parallel.groups import single_process_groups  # noqa: E402
 from megalite.shape import validate  # noqa: E402
+from megalite.testing import random_batch  # noqa: E402
 from megalite.training.build import build_rank  # noqa: E402
 
 
@@ -40,14 +41,6 @@ def config(args, compiled: bool) -> Config:
     t.kernels, t.compile = "torch", compiled
     cfg.logging.wandb_mode = "disabled"
     return cfg
-
-
-def batch(cfg, seed):
-    m, t = cfg.model, cfg.training
-    g = torch.Generator().manual_seed(seed)
-    micro = t.global_batch_size // t.micro_batch_size
-    ids = torch.randint(0, m.vocab_size, (micro, t.micro_batch_size, m.seq_length + 1), generator=g)
-    return [(x[:, :-1], x[:, 1:]) for x in ids]
 
 
 def step(parts, b) -> tuple[float, float]:
@@ -81,7 +74,7 @@ def main(argv=None):
     for name, compiled in (("eager", False), ("compiled", True)):
         cfg = config(args, compiled)
         sides[name] = build_rank(cfg, validate(cfg, 1), groups)
-    b = batch(cfg, 0)
+    b = random_batch(cfg, 0)
     tokens = cfg.training.global_batch_size * cfg.model.seq_length
     (loss_e, t_e), (loss_c, t_c) = step(sides["eager"], b), step(sides["compiled"], b)
     assert abs(loss_e - loss_c) <= 1e-5, f"compiled loss {loss_c} != eager {loss_e}"
@@ -95,7 +88,7 @@ def main(argv=None):
     order = ("eager", "compiled")
     for r in range(args.warmup + args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            _, dt = step(sides[name], batch(cfg, r + 1))
+            _, dt = step(sides[name], random_batch(cfg, r + 1))
             if r >= args.warmup:
                 times[name].append(dt)
     ratios = [e / c for e, c in zip(times["eager"], times["compiled"])]

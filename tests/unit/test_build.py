@@ -16,17 +16,9 @@ from megalite.pipeline.executor import run_schedule
 from megalite.pipeline.partition import rank_chunks
 from megalite.pipeline.schedules import get_schedule
 from megalite.shape import validate
-from megalite.testing import tiny_config
+from megalite.testing import random_batch, tiny_config
 from megalite.training.build import build_rank
 from megalite.training.trainer import Trainer
-
-
-def _batch(cfg, seed=0):
-    m, t = cfg.model, cfg.training
-    g = torch.Generator().manual_seed(seed)
-    micro = t.global_batch_size // t.micro_batch_size
-    ids = torch.randint(0, m.vocab_size, (micro, t.micro_batch_size, m.seq_length + 1), generator=g)
-    return [(x[:, :-1], x[:, 1:]) for x in ids]
 
 
 def test_build_rank_is_the_hand_wiring():
@@ -40,7 +32,7 @@ def test_build_rank_is_the_hand_wiring():
     actions = get_schedule("1f1b", 1, 1, 4, 0)
     assert parts.actions == actions and parts.microbatches == 4
     for step in range(2):
-        batch = _batch(cfg, step)
+        batch = random_batch(cfg, step)
         parts.opt.zero_grad(len(batch))
         ours = parts.run(batch)
         parts.opt.step(1e-3)
@@ -103,7 +95,7 @@ def test_build_rank_takes_the_ops():
     ops = kernels.override(TORCH_OPS, linear=counting)
     parts = build_rank(cfg, validate(cfg, 1), single_process_groups(), ops=ops)
     parts.opt.zero_grad(4)
-    parts.run(_batch(cfg))
+    parts.run(random_batch(cfg))
     # attention (fused q/k/v, out), MLP (up, down) per layer and the head, per micro-batch
     assert len(calls) == 4 * (4 * cfg.model.num_layers + 1)
 
@@ -112,7 +104,7 @@ def test_run_refuses_a_batch_the_schedule_was_not_built_for():
     """The run shape fixes the micro-batch count; a batch of another count is one clear error."""
     cfg = tiny_config()
     parts = build_rank(cfg, validate(cfg, 1), single_process_groups())
-    batch = _batch(cfg)
+    batch = random_batch(cfg)
     parts.opt.zero_grad(len(batch) - 1)
     with pytest.raises(
         MegaliteError, match="given 3 micro-batches but its schedule was built for 4"

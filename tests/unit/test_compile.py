@@ -12,19 +12,11 @@ from megalite.model.gpt import GPTChunk
 from megalite.parallel.groups import single_process_groups
 from megalite.pipeline.split_backward import input_grad
 from megalite.shape import validate
-from megalite.testing import tiny_config
+from megalite.testing import random_batch, tiny_config
 from megalite.training.build import build_rank
 from megalite.training.compile import compile_chunks, is_compiled
 
 TOL = 1e-5  # per step, fp32
-
-
-def _batch(cfg, seed):
-    m, t = cfg.model, cfg.training
-    g = torch.Generator().manual_seed(seed)
-    micro = t.global_batch_size // t.micro_batch_size
-    ids = torch.randint(0, m.vocab_size, (micro, t.micro_batch_size, m.seq_length + 1), generator=g)
-    return [(x[:, :-1], x[:, 1:]) for x in ids]
 
 
 def _train(cfg, steps, after_first=None):
@@ -32,7 +24,7 @@ def _train(cfg, steps, after_first=None):
     parts = build_rank(cfg, validate(cfg, 1), single_process_groups())
     losses = []
     for step in range(steps):
-        batch = _batch(cfg, step)
+        batch = random_batch(cfg, step)
         parts.opt.zero_grad(len(batch))
         losses.append(parts.run(batch).loss)
         parts.opt.step(1e-3)

@@ -3,8 +3,7 @@ same steps (multiples of --manual-gc-interval) and after each evaluation."""
 
 import gc
 
-from megalite.testing import tiny_trainer
-from tests.unit.test_build import tiny_config
+from megalite.testing import tiny_config, tiny_trainer
 
 
 def _run(monkeypatch, manual: bool, interval: int = 0, eval_interval: int = 0):

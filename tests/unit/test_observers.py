@@ -5,9 +5,8 @@ import pytest
 
 from megalite.errors import MegaliteError
 from megalite.shape import validate
-from megalite.testing import tiny_trainer
+from megalite.testing import tiny_config, tiny_trainer
 from megalite.training.observers import LedgerWatch, Observer, Observers
-from tests.unit.test_build import tiny_config
 
 
 class Recorder(Observer):
